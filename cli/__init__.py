@@ -1,0 +1,1 @@
+"""The `cupyops` command line (click)."""

@@ -1,0 +1,106 @@
+"""`cupyops bench`: one op over a sweep of row lengths against its baselines.
+
+Bytes counted: each array the op must read or write, once
+(softmax forward: 2 * rows * cols * itemsize). Every figure is also given as
+a fraction of the device-to-device copy ceiling measured in the same run."""
+from __future__ import annotations
+
+import csv
+
+import click
+
+from cupyops import bench as timing
+
+BASELINES = ("cupyx", "torch", "oneflow")
+
+
+def run(op: str, entry, dtype, rows: int, cols_list: list, baselines: list) -> dict:
+    import cupy
+
+    from cupyops.device import live_facts
+
+    facts = live_facts(cupy.cuda.runtime.getDevice())
+    timer = timing.Timer()
+    copy_gbs = timing.copy_ceiling_gbs(timer)
+    notes, points = [], []
+    with click.progressbar(cols_list, label=f"{op} {dtype.name}", file=click.get_text_stream("stderr")) as bar:
+        for cols in bar:
+            providers = entry.providers(rows, cols, dtype)
+            for name in baselines:
+                if name not in providers and f"{name} missing" not in notes:
+                    notes.append(f"{name} missing")
+            num_bytes = entry.arrays_moved * rows * cols * dtype.itemsize
+            point = {"cols": cols, "bytes": num_bytes,
+                     "compile_s": timing.compile_seconds(providers["cupyops"])}
+            for name in ["cupyops", *baselines]:
+                if name in providers:
+                    t = timer.time(providers[name])
+                    point[name] = {"us": t.median_us, "reps": t.reps,
+                                   "gbs": timing.gbs(num_bytes, t)}
+            points.append(point)
+            del providers
+            cupy.get_default_memory_pool().free_all_blocks()
+    return {"op": op, "dtype": dtype.name, "rows": rows, "device": facts.name,
+            "copy_gbs": copy_gbs, "baselines": [b for b in baselines if f"{b} missing" not in notes],
+            "notes": notes, "points": points}
+
+
+def _rows(result: dict):
+    for point in result["points"]:
+        ours = point["cupyops"]
+        row = {"cols": point["cols"], "us": ours["us"], "gbs": ours["gbs"],
+               "of_copy": ours["gbs"] / result["copy_gbs"], "compile_s": point["compile_s"]}
+        for name in result["baselines"]:
+            if name in point:
+                row[f"{name}_us"] = point[name]["us"]
+                row[f"x_{name}"] = point[name]["us"] / ours["us"]
+        yield row
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{result['op']} {result['dtype']} rows={result['rows']} on {result['device']}; "
+             f"copy ceiling {result['copy_gbs']:.0f} GB/s (read + write)"]
+    header = f"{'cols':>7} {'us':>9} {'GB/s':>7} {'copy':>6}"
+    for name in result["baselines"]:
+        header += f" {'x' + name:>9}"
+    lines.append(header + f" {'compile s':>9}")
+    for row in _rows(result):
+        line = f"{row['cols']:>7} {row['us']:>9.1f} {row['gbs']:>7.0f} {row['of_copy']:>6.1%}"
+        for name in result["baselines"]:
+            line += f" {row.get('x_' + name, float('nan')):>9.2f}"
+        lines.append(line + f" {row['compile_s']:>9.2f}")
+    lines.extend(f"note: {note} (skipped)" for note in result["notes"])
+    return "\n".join(lines)
+
+
+def write_csv(result: dict, path: str) -> None:
+    rows = list(_rows(result))
+    fields = sorted({key for row in rows for key in row}, key=lambda k: (k != "cols", k))
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["op", "dtype", "rows", "device", *fields])
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({"op": result["op"], "dtype": result["dtype"], "rows": result["rows"],
+                             "device": result["device"], **row})
+
+
+def plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise click.ClickException("--plot needs matplotlib: pip install 'cupyops[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = [point["cols"] for point in result["points"]]
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for name in ["cupyops", *result["baselines"]]:
+        axes.plot(cols, [point[name]["gbs"] for point in result["points"]], marker="o", label=name)
+    axes.axhline(result["copy_gbs"], color="gray", linestyle="--", label="copy ceiling")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("cols")
+    axes.set_ylabel("GB/s")
+    axes.set_title(f"{result['op']} {result['dtype']}, rows={result['rows']}, {result['device']}")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)

@@ -1,0 +1,15 @@
+"""cupyops: fused GPU kernels for CuPy arrays, rendered from templates and compiled by NVRTC."""
+from pathlib import Path as _Path
+
+# In a source checkout, cli/, kernels/ and templates/ sit beside this package;
+# the wheel installs them inside it (cupyops.cli, cupyops/kernels, ...). Both
+# layouts resolve through __path__.
+_checkout = _Path(__file__).resolve().parent.parent
+if (_checkout / "cli" / "__init__.py").is_file() and (_checkout / "kernels").is_dir():
+    __path__.append(str(_checkout))
+
+__version__ = "0.1.0"
+
+from .ops.softmax import log_softmax, softmax  # noqa: E402
+
+__all__ = ["softmax", "log_softmax"]

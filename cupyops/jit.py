@@ -1,0 +1,167 @@
+"""Spec -> readable name -> Jinja2 source -> NVRTC (through CuPy and its disk cache).
+
+Each kernel family describes one instantiation with a frozen dataclass
+deriving from KernelSpec. Its `name` is the kernel symbol, the cache key and
+the label in logs and benchmarks. `kernel(spec)` returns a memoised
+cupy.RawKernel; `compile_cubin(spec, arch)` compiles without a GPU and
+reports registers, shared memory and spills from the ptxas log.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import re
+import threading
+from pathlib import Path
+from typing import ClassVar
+
+import jinja2
+
+import cupyops
+
+
+def resource_dir(name: str) -> Path:
+    """kernels/ or templates/: inside the installed package, or beside it in a checkout."""
+    for root in cupyops.__path__:
+        candidate = Path(root) / name
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"cupyops resource folder {name!r} not found")
+
+
+@functools.lru_cache(maxsize=None)
+def headers_fingerprint() -> str:
+    """Hash of every header in kernels/: part of each source, so CuPy's cache
+    (keyed on the source text) never reuses a binary built from older headers."""
+    digest = hashlib.sha256()
+    for path in sorted(resource_dir("kernels").glob("*.cuh")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(resource_dir("templates"))),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+class KernelSpec:
+    """Base of the frozen dataclasses that name one kernel instantiation."""
+
+    template: ClassVar[str]
+
+    @property
+    def name(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def threads_per_block(self) -> int:
+        raise NotImplementedError
+
+    def template_args(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def render(spec: KernelSpec) -> str:
+    """The complete CUDA translation unit for `spec`."""
+    template = _environment().get_template(spec.template)
+    return template.render(name=spec.name, fingerprint=headers_fingerprint(),
+                           threads_per_block=spec.threads_per_block, **spec.template_args())
+
+
+def compile_options() -> tuple:
+    return ("-std=c++17", f"-I{resource_dir('kernels')}")
+
+
+_kernels: dict = {}
+_kernels_lock = threading.Lock()
+
+
+def kernel(spec: KernelSpec, device_id: int):
+    """The cupy.RawKernel of `spec` for GPU `device_id` (compiled on first launch, then memoised)."""
+    key = (spec, device_id)
+    found = _kernels.get(key)
+    if found is None:
+        import cupy
+
+        with _kernels_lock:
+            found = _kernels.get(key)
+            if found is None:
+                found = cupy.RawKernel(render(spec), spec.name, options=compile_options(),
+                                       backend="nvrtc")
+                _kernels[key] = found
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    name: str
+    arch: str
+    registers: int
+    smem_bytes: int          # static shared memory
+    spill_bytes: int         # spill stores + spill loads
+    stack_bytes: int
+    cubin_bytes: int
+    seconds: float
+
+
+class CompileError(RuntimeError):
+    pass
+
+
+_PTXAS = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "smem_bytes": re.compile(r"(\d+) bytes smem"),
+    "stack_bytes": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+}
+
+
+def _ptxas_number(log: str, key: str) -> int:
+    match = _PTXAS[key].search(log)
+    return int(match.group(1)) if match else 0
+
+
+def _entry_log(log: str, name: str) -> str:
+    """The part of a ptxas log about the entry function `name` (not its callees)."""
+    start = log.find(f"Function properties for {name}\n")
+    return log if start < 0 else log[start:]
+
+
+@functools.lru_cache(maxsize=None)
+def compile_cubin(spec: KernelSpec, arch: str) -> CompileReport:
+    """Render and compile `spec` for `arch` (e.g. "sm_90") with NVRTC alone: no GPU needed."""
+    import time
+
+    from cupy_backends.cuda.libs import nvrtc
+
+    source = render(spec)
+    options = [f"--gpu-architecture={arch}", "--ptxas-options=-v", *compile_options()]
+    start = time.perf_counter()
+    program = nvrtc.createProgram(source, f"{spec.name}.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, options)
+        except nvrtc.NVRTCError as error:
+            raise CompileError(f"{spec.name} ({arch}): {error}\n{nvrtc.getProgramLog(program)}") from None
+        log = _entry_log(nvrtc.getProgramLog(program), spec.name)
+        cubin = nvrtc.getCUBIN(program)
+    finally:
+        nvrtc.destroyProgram(program)
+    return CompileReport(
+        name=spec.name, arch=arch,
+        registers=_ptxas_number(log, "registers"),
+        smem_bytes=_ptxas_number(log, "smem_bytes"),
+        spill_bytes=_ptxas_number(log, "spill_stores") + _ptxas_number(log, "spill_loads"),
+        stack_bytes=_ptxas_number(log, "stack_bytes"),
+        cubin_bytes=len(cubin),
+        seconds=time.perf_counter() - start,
+    )

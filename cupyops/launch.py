@@ -1,0 +1,95 @@
+"""Grid and block sizing the OneFlow way, for a live GPU or a device profile."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from . import device, jit
+
+BLOCK_SIZE_LADDER = (1024, 512, 256)   # tried after 128, largest first
+WAVES = 32
+
+
+def get_num_blocks(facts: device.DeviceFacts, block_size: int, max_blocks: int,
+                   waves: int = WAVES) -> int:
+    """OneFlow's GetNumBlocks: enough blocks for `waves` full waves, at most `max_blocks`."""
+    return max(1, min(max_blocks, facts.sm_count * facts.max_threads_per_sm // block_size * waves))
+
+
+@dataclass(frozen=True)
+class Target:
+    """What plans are made for: a live GPU (device_id set) or a device profile.
+
+    On a live GPU occupancy comes from the driver for the compiled kernel; for
+    a profile, from the Python calculator fed by an NVRTC compile for its arch.
+    """
+    facts: device.DeviceFacts
+    device_id: Optional[int] = None
+
+    @classmethod
+    def live(cls, device_id: int) -> "Target":
+        return _live_target(device_id)
+
+    @classmethod
+    def profile(cls, name: str) -> "Target":
+        return cls(device.profile(name))
+
+    def max_active_blocks(self, spec: jit.KernelSpec, block_size: int, dynamic_smem: int,
+                          opt_in: bool) -> int:
+        """Blocks of `spec` per SM with `dynamic_smem` bytes each; 0 if it cannot launch.
+
+        Without `opt_in` a block gets at most 48 KB of dynamic shared memory
+        (OneFlow never raises the limit)."""
+        if dynamic_smem > device.STATIC_SMEM_LIMIT and not opt_in:
+            return 0
+        if dynamic_smem > self.facts.smem_per_block_optin:
+            return 0
+        if self.device_id is None:
+            report = jit.compile_cubin(spec, self.facts.arch)
+            return device.max_active_blocks(self.facts, block_size, report.registers,
+                                            report.smem_bytes + dynamic_smem, spec.threads_per_block)
+        import cupy
+
+        raw = jit.kernel(spec, self.device_id)
+        with cupy.cuda.Device(self.device_id):
+            if dynamic_smem > device.STATIC_SMEM_LIMIT:
+                needed = dynamic_smem
+                if raw.max_dynamic_shared_size_bytes < needed:
+                    raw.max_dynamic_shared_size_bytes = needed
+            return cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                raw.kernel.ptr, block_size, dynamic_smem)
+
+    def resources(self, spec: jit.KernelSpec) -> dict:
+        """Registers, static shared memory and local (spill/stack) bytes of `spec`."""
+        if self.device_id is None:
+            report = jit.compile_cubin(spec, self.facts.arch)
+            return {"registers": report.registers, "static_smem": report.smem_bytes,
+                    "local_bytes": report.spill_bytes + report.stack_bytes}
+        import cupy
+
+        raw = jit.kernel(spec, self.device_id)
+        with cupy.cuda.Device(self.device_id):
+            return {"registers": raw.num_regs, "static_smem": raw.shared_size_bytes,
+                    "local_bytes": raw.local_size_bytes}
+
+
+@functools.lru_cache(maxsize=None)
+def _live_target(device_id: int) -> Target:
+    return Target(device.live_facts(device_id), device_id)
+
+
+def choose_block_size(target: Target, spec_of: Callable[[int], jit.KernelSpec],
+                      dynamic_smem: int, opt_in: bool) -> Optional[int]:
+    """OneFlow's block-size rule for one-block-per-row kernels.
+
+    Occupancy at 128 threads first: 0 means the path is impossible (None).
+    Otherwise the first of 1024, 512, 256 that keeps the same number of active
+    blocks per SM, else 128."""
+    at_128 = target.max_active_blocks(spec_of(128), 128, dynamic_smem, opt_in)
+    if at_128 <= 0:
+        return None
+    for block_size in BLOCK_SIZE_LADDER:
+        if target.max_active_blocks(spec_of(block_size), block_size, dynamic_smem, opt_in) == at_128:
+            return block_size
+    return 128

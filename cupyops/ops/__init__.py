@@ -1,0 +1,1 @@
+"""One module per op family: spec -> plan -> launch -> public functions."""

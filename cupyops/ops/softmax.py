@@ -1,0 +1,264 @@
+"""softmax and log_softmax along any axes: plan -> launch -> public functions.
+
+Paths (SPEC §5): "warp" (a row per group of lanes, registers), "block_regs"
+(a row per block, registers; auto only), "block_smem" (a row per block,
+shared memory) and "block_uncached" (a row per block, re-read from global
+memory). policy="oneflow" reproduces OneFlow's dispatch exactly; "auto" uses
+16-byte accesses, the register block path, shared memory beyond 48 KB and a
+two-pass online fallback.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy
+
+from .. import arrays, dtypes, jit, rowwise
+from ..launch import Target, choose_block_size, get_num_blocks
+
+OPS = ("softmax", "log_softmax")
+WARP_BLOCK_THREADS = 128
+UNCACHED_BLOCK_SIZE = 1024
+ONEFLOW_MAX_COLS_PER_THREAD = 32
+THREAD_GROUP_WIDTHS = (1, 2, 4, 8, 16, 32)
+
+# auto: the register block path, as (block_size, most bytes of compute-type
+# values a thread holds), tried in order: the first block size whose threads
+# hold at most that much of the row takes it.
+AUTO_BLOCK_REGS_LADDER = ((128, 64), (256, 64), (512, 64), (1024, 64), (1024, 128))
+# auto: the warp path while a lane holds at most this many bytes of the row.
+AUTO_WARP_MAX_BYTES_PER_LANE = 128
+
+
+@dataclass(frozen=True)
+class SoftmaxSpec(jit.KernelSpec):
+    template = "softmax.cu.j2"
+
+    op: str
+    impl: str
+    dtype: str                    # short name of the storage type
+    pack_size: int
+    cols_per_thread: int = 0      # warp
+    thread_group_width: int = 0   # warp
+    rows_per_access: int = 1      # warp
+    padding: bool = False         # warp
+    block_size: int = 0           # block paths
+    packs_per_thread: int = 0     # block_regs
+    packed_cache: bool = False    # block_smem
+    online: bool = False          # block_uncached
+
+    @property
+    def ftype(self) -> dtypes.FloatType:
+        return dtypes.BY_SHORT[self.dtype]
+
+    @property
+    def name(self) -> str:
+        head = f"{self.op}_{self.impl}_{self.dtype}_{self.ftype.compute}_p{self.pack_size}"
+        if self.impl == "warp":
+            pad = "pad" if self.padding else "nopad"
+            return (f"{head}_c{self.cols_per_thread}_g{self.thread_group_width}"
+                    f"_r{self.rows_per_access}_{pad}")
+        if self.impl == "block_regs":
+            return f"{head}_k{self.packs_per_thread}_b{self.block_size}"
+        if self.impl == "block_smem":
+            return f"{head}_b{self.block_size}_{'packed' if self.packed_cache else 'strided'}"
+        return f"{head}_b{self.block_size}_{'online' if self.online else '3pass'}"
+
+    @property
+    def threads_per_block(self) -> int:
+        return WARP_BLOCK_THREADS if self.impl == "warp" else self.block_size
+
+    def template_args(self) -> dict:
+        ftype = self.ftype
+        return {**super().template_args(), "storage_type": ftype.c_type,
+                "compute_type": ftype.compute_c_type,
+                "cache_type": ftype.c_type if self.packed_cache else ftype.compute_c_type}
+
+
+@dataclass(frozen=True)
+class SoftmaxPlan:
+    spec: SoftmaxSpec
+    block: tuple
+    grid: tuple
+    smem_bytes: int
+
+    def explain(self) -> dict:
+        spec = self.spec
+        return {"op": spec.op, "impl": spec.impl, "pack_size": spec.pack_size,
+                "cols_per_thread": spec.cols_per_thread,
+                "thread_group_width": spec.thread_group_width,
+                "rows_per_access": spec.rows_per_access, "padding": spec.padding,
+                "block": list(self.block), "grid": list(self.grid),
+                "smem_bytes": self.smem_bytes, "kernel": spec.name}
+
+
+def warp_ladder(cols: int, rows: int, pack_size: int, max_cols_per_thread: int):
+    """OneFlow's (cols_per_thread, thread_group_width, rows_per_access) for the warp path.
+
+    Narrow rows: a group of g lanes (g = 1 .. 32) with one pack each, two rows
+    per access when rows is even. Wider rows: a full warp with cols_per_thread
+    growing by pack_size up to max_cols_per_thread. None when cols is wider."""
+    for width in THREAD_GROUP_WIDTHS:
+        if cols <= width * pack_size:
+            return pack_size, width, 2 if rows % 2 == 0 else 1
+    for cols_per_thread in range(2 * pack_size, max_cols_per_thread + 1, pack_size):
+        if cols <= cols_per_thread * 32:
+            return cols_per_thread, 32, 1
+    return None
+
+
+def _warp_plan(op, dtype, rows, cols, pack_size, ladder, target) -> SoftmaxPlan:
+    cols_per_thread, width, rows_per_access = ladder
+    spec = SoftmaxSpec(op, "warp", dtype, pack_size, cols_per_thread=cols_per_thread,
+                       thread_group_width=width, rows_per_access=rows_per_access,
+                       padding=cols != cols_per_thread * width)
+    groups_per_block = WARP_BLOCK_THREADS // width
+    row_groups = -(-rows // rows_per_access)
+    grid = get_num_blocks(target.facts, WARP_BLOCK_THREADS, -(-row_groups // groups_per_block))
+    return SoftmaxPlan(spec, (width, groups_per_block, 1), (grid, 1, 1), 0)
+
+
+def _block_plan(spec: SoftmaxSpec, rows: int, smem: int, target) -> SoftmaxPlan:
+    grid = get_num_blocks(target.facts, spec.block_size, rows)
+    return SoftmaxPlan(spec, (spec.block_size, 1, 1), (grid, 1, 1), smem)
+
+
+def _smem_plan(op, dtype, rows, cols, pack_size, packed_cache, opt_in, target):
+    ftype = dtypes.BY_SHORT[dtype]
+    cache_itemsize = ftype.itemsize if packed_cache else dtypes.BY_SHORT[ftype.compute].itemsize
+    smem = cols * cache_itemsize
+
+    def spec_of(block_size):
+        return SoftmaxSpec(op, "block_smem", dtype, pack_size, block_size=block_size,
+                           packed_cache=packed_cache)
+
+    block_size = choose_block_size(target, spec_of, smem, opt_in)
+    return None if block_size is None else _block_plan(spec_of(block_size), rows, smem, target)
+
+
+def _uncached_plan(op, dtype, rows, pack_size, online, target):
+    spec = SoftmaxSpec(op, "block_uncached", dtype, pack_size, block_size=UNCACHED_BLOCK_SIZE,
+                       online=online)
+    return _block_plan(spec, rows, 0, target)
+
+
+def _oneflow_plan(op, dtype, rows, cols, align, target) -> SoftmaxPlan:
+    itemsize = dtypes.BY_SHORT[dtype].itemsize
+    pack_size = 2 if cols % 2 == 0 and align >= 2 * itemsize else 1
+    if dtype != "f64":
+        warp = cols < 1024 if op == "softmax" else cols <= 1024
+        if warp:
+            ladder = warp_ladder(cols, rows, pack_size, ONEFLOW_MAX_COLS_PER_THREAD)
+            return _warp_plan(op, dtype, rows, cols, pack_size, ladder, target)
+        plan = _smem_plan(op, dtype, rows, cols, pack_size, False, False, target)
+        if plan is not None:
+            return plan
+    return _uncached_plan(op, dtype, rows, pack_size, False, target)
+
+
+def vector_pack_size(cols: int, itemsize: int, align: int) -> int:
+    """Largest power of two with pack * itemsize <= 16 bytes that divides cols
+    and that every operand's address and row stride allow."""
+    pack = max(1, min(16, align) // itemsize)
+    while cols % pack:
+        pack //= 2
+    return pack
+
+
+def _auto_plan(op, dtype, rows, cols, align, target) -> SoftmaxPlan:
+    ftype = dtypes.BY_SHORT[dtype]
+    compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
+    pack_size = vector_pack_size(cols, ftype.itemsize, align)
+    max_cols_per_thread = max(AUTO_WARP_MAX_BYTES_PER_LANE // compute_itemsize, pack_size)
+    ladder = warp_ladder(cols, rows, pack_size, max_cols_per_thread)
+    if ladder is not None:
+        return _warp_plan(op, dtype, rows, cols, pack_size, ladder, target)
+    num_packs = cols // pack_size
+    for block_size, max_bytes in AUTO_BLOCK_REGS_LADDER:
+        packs_per_thread = -(-num_packs // block_size)
+        if packs_per_thread * pack_size * compute_itemsize <= max_bytes:
+            spec = SoftmaxSpec(op, "block_regs", dtype, pack_size, block_size=block_size,
+                               packs_per_thread=packs_per_thread)
+            return _block_plan(spec, rows, 0, target)
+    plan = _smem_plan(op, dtype, rows, cols, pack_size, True, True, target)
+    return plan or _uncached_plan(op, dtype, rows, pack_size, True, target)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target,
+         align: int = 16) -> SoftmaxPlan:
+    """The launch plan for `rows` x `cols` of dtype (short name) on `target`.
+
+    `align` is the largest power of two (<= 16) dividing every operand's
+    address and row stride in bytes."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
+    arrays.check_policy(policy)
+    if rows < 1 or cols < 1:
+        raise ValueError(f"rows and cols must be positive, got {rows} x {cols}")
+    make = _oneflow_plan if policy == "oneflow" else _auto_plan
+    return make(op, dtype, rows, cols, align, target)
+
+
+# -- launch ------------------------------------------------------------------
+
+_launches: dict = {}
+
+
+def _launch(op, policy, inputs, output, rows, cols):
+    (x,) = inputs
+    device_id = x.array.device.id
+    ftype = dtypes.BY_DTYPE[x.array.dtype]
+    align = arrays.alignment(x.byte_address, x.byte_row_stride, output.byte_address,
+                             output.byte_row_stride)
+    key = (op, policy, rows, cols, ftype.short, align, device_id)
+    found = _launches.get(key)
+    if found is None:
+        chosen = plan(op, rows, cols, ftype.short, policy, Target.live(device_id), align)
+        function = jit.kernel(chosen.spec, device_id).kernel
+        found = _launches[key] = (function, chosen.grid, chosen.block, chosen.smem_bytes)
+    function, grid, block, smem = found
+    function(grid, block, (x.array, output.array, numpy.int64(rows), numpy.int64(cols),
+                           numpy.int64(x.row_stride), numpy.int64(output.row_stride)),
+             shared_mem=smem)
+
+
+def _softmax(op, x, axis, out, policy, stream):
+    import cupy
+
+    x = arrays.as_cupy(x)
+    arrays.check_policy(policy)
+    result_dtype = dtypes.result_dtype(x.dtype)
+    if x.dtype != result_dtype:
+        x = x.astype(result_dtype)
+    shape = x.shape
+    if x.ndim == 0:   # SciPy treats a scalar as one row of one element
+        x = x.reshape(1)
+    axes = arrays.normalize_axes(axis, x.ndim)
+    out = arrays.check_out(out, shape, result_dtype, x.device.id)
+    if x.size == 0:
+        return out if out is not None else cupy.empty(shape, result_dtype)
+    target = out.reshape(x.shape) if out is not None else None
+    with arrays.on_device(x, stream):
+        result = rowwise.run([x], axes, target, result_dtype,
+                             lambda i, o, rows, cols: _launch(op, policy, i, o, rows, cols))
+    return out if out is not None else result.reshape(shape)
+
+
+def softmax(x, axis=None, *, out=None, policy: str = "auto", stream=None):
+    """Softmax of `x` along `axis` (None: all axes; an int; or a tuple).
+
+    Equivalent to ``scipy.special.softmax(x, axis)`` and, for one axis,
+    ``torch.softmax(x, dim=axis)``. Integer input is promoted to float64 as
+    SciPy does. `x` is any GPU array (CuPy, or DLPack / CUDA array interface,
+    e.g. a torch tensor, without a copy); the result is a CuPy array."""
+    return _softmax("softmax", x, axis, out, policy, stream)
+
+
+def log_softmax(x, axis=None, *, out=None, policy: str = "auto", stream=None):
+    """Logarithm of the softmax of `x` along `axis`, computed stably.
+
+    Equivalent to ``scipy.special.log_softmax(x, axis)`` and, for one axis,
+    ``torch.log_softmax(x, dim=axis)``; arguments as for :func:`softmax`."""
+    return _softmax("log_softmax", x, axis, out, policy, stream)

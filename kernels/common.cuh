@@ -1,0 +1,89 @@
+// cupyops device code shared by every kernel family: scalar types, packs,
+// Load/Store functors and the math used in compute type.
+#pragma once
+
+namespace cupyops {
+
+typedef long long int64;
+
+// 16-bit floating types as raw storage; arithmetic happens in float.
+struct __align__(2) half_t { unsigned short bits; };
+struct __align__(2) bfloat16_t { unsigned short bits; };
+
+template <typename Dst, typename Src>
+__device__ __forceinline__ Dst cast(Src v) { return static_cast<Dst>(v); }
+
+template <>
+__device__ __forceinline__ float cast<float, half_t>(half_t v) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+  return f;
+}
+template <>
+__device__ __forceinline__ float cast<float, bfloat16_t>(bfloat16_t v) {
+  return __uint_as_float(static_cast<unsigned>(v.bits) << 16);
+}
+template <>
+__device__ __forceinline__ half_t cast<half_t, float>(float f) {
+  half_t v;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(v.bits) : "f"(f));
+  return v;
+}
+template <>
+__device__ __forceinline__ bfloat16_t cast<bfloat16_t, float>(float f) {
+  bfloat16_t v;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(v.bits) : "f"(f));
+  return v;
+}
+template <>
+__device__ __forceinline__ half_t cast<half_t, half_t>(half_t v) { return v; }
+template <>
+__device__ __forceinline__ bfloat16_t cast<bfloat16_t, bfloat16_t>(bfloat16_t v) { return v; }
+
+// N consecutive elements moved as one access (N * sizeof(T) <= 16 bytes).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T elem[N];
+};
+
+// Reads row `row`, columns [col, col + N) of a row-major matrix whose rows are
+// `row_stride` elements apart, converting to the compute type.
+template <typename Src, typename Dst>
+struct DirectLoad {
+  const Src* src;
+  int64 row_stride;
+  template <int N>
+  __device__ __forceinline__ void load(Dst* dst, int64 row, int64 col) const {
+    const Pack<Src, N> pack = *reinterpret_cast<const Pack<Src, N>*>(src + row * row_stride + col);
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = cast<Dst>(pack.elem[i]);
+  }
+};
+
+template <typename Src, typename Dst>
+struct DirectStore {
+  Dst* dst;
+  int64 row_stride;
+  template <int N>
+  __device__ __forceinline__ void store(const Src* src, int64 row, int64 col) const {
+    Pack<Dst, N> pack;
+#pragma unroll
+    for (int i = 0; i < N; ++i) pack.elem[i] = cast<Dst>(src[i]);
+    *reinterpret_cast<Pack<Dst, N>*>(dst + row * row_stride + col) = pack;
+  }
+};
+
+template <typename T> __device__ __forceinline__ T infinity();
+template <> __device__ __forceinline__ float infinity<float>() { return __int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double infinity<double>() { return __longlong_as_double(0x7ff0000000000000LL); }
+
+template <typename T> __device__ __forceinline__ T quiet_nan();
+template <> __device__ __forceinline__ float quiet_nan<float>() { return __int_as_float(0x7fffffff); }
+template <> __device__ __forceinline__ double quiet_nan<double>() { return __longlong_as_double(0x7fffffffffffffffLL); }
+
+__device__ __forceinline__ float exp_(float x) { return __expf(x); }
+__device__ __forceinline__ double exp_(double x) { return exp(x); }
+__device__ __forceinline__ float log_(float x) { return __logf(x); }
+__device__ __forceinline__ double log_(double x) { return log(x); }
+
+}  // namespace cupyops

@@ -1,0 +1,47 @@
+// Warp and block all-reductions (every thread receives the result).
+#pragma once
+#include "common.cuh"
+
+namespace cupyops {
+
+template <typename T>
+struct SumOp {
+  __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+
+// NaN-propagating maximum: a NaN anywhere makes the reduction NaN (NumPy's max).
+template <typename T>
+struct MaxOp {
+  __device__ __forceinline__ T operator()(T a, T b) const { return (a != a || a > b) ? a : b; }
+};
+
+// Reduces over groups of `width` consecutive lanes (width a power of two <= 32).
+template <template <typename> class Op, typename T, int width = 32>
+__device__ __forceinline__ T warp_all_reduce(T value) {
+#pragma unroll
+  for (int mask = width / 2; mask > 0; mask /= 2) {
+    value = Op<T>()(value, __shfl_xor_sync(0xffffffffu, value, mask));
+  }
+  return value;
+}
+
+// Reduces over a one-dimensional block of `block_size` threads. The partial
+// results of the warps are combined in warp order, so the result is
+// deterministic. Safe to call repeatedly (the trailing barrier protects reuse).
+template <template <typename> class Op, typename T, int block_size>
+__device__ __forceinline__ T block_all_reduce(T value) {
+  static_assert(block_size % 32 == 0, "block_size must be a multiple of the warp size");
+  constexpr int num_warps = block_size / 32;
+  __shared__ T partials[num_warps];
+  value = warp_all_reduce<Op, T>(value);
+  if (num_warps == 1) return value;
+  if (threadIdx.x % 32 == 0) partials[threadIdx.x / 32] = value;
+  __syncthreads();
+  T result = partials[0];
+#pragma unroll
+  for (int w = 1; w < num_warps; ++w) result = Op<T>()(result, partials[w]);
+  __syncthreads();
+  return result;
+}
+
+}  // namespace cupyops

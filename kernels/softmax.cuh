@@ -1,0 +1,288 @@
+// Row-wise softmax and log-softmax: the warp path (a row per group of lanes,
+// cached in registers), the block paths (a row per block, cached in registers
+// or shared memory) and the uncached path (a row per block, re-read from
+// global memory).
+//
+// Every path reduces the row maximum with a NaN-propagating max and then
+// finishes through RowSoftmax, which reproduces scipy.special's results on
+// rows holding NaN or +-inf.
+#pragma once
+#include "common.cuh"
+#include "reduce.cuh"
+
+namespace cupyops {
+
+enum class Algorithm { kSoftmax, kLogSoftmax };
+
+// Finishes one row from its maximum m and s = sum(exp(x - m)).
+// softmax:     y = exp(x - m) / s   (NaN for the whole row when m is not finite)
+// log-softmax: y = x - lse, lse = m + log(s), or +inf when m is +inf (SciPy
+//              shifts by 0 there, so finite x give -inf and x = +inf gives NaN).
+template <Algorithm algorithm, typename T>
+struct RowSoftmax {
+  T max, scale;
+  __device__ __forceinline__ RowSoftmax(T row_max, T row_sum) : max(row_max) {
+    if (algorithm == Algorithm::kSoftmax) {
+      scale = T(1) / row_sum;
+    } else {
+      scale = row_max == infinity<T>() ? row_max : row_max + log_(row_sum);
+    }
+  }
+  // Term added to the row sum for an element x.
+  static __device__ __forceinline__ T exp_term(T x, T row_max) { return exp_(x - row_max); }
+  // Output for an element whose cached value is x (or, when the cache holds
+  // exp(x - m) for softmax, that value).
+  __device__ __forceinline__ T from_input(T x) const {
+    return algorithm == Algorithm::kSoftmax ? exp_(x - max) * scale : x - scale;
+  }
+  __device__ __forceinline__ T from_cached_exp(T e) const { return e * scale; }
+};
+
+// Combines (max, sum) pairs of the online softmax.
+template <typename T>
+struct OnlineSoftmaxState {
+  T max, sum;
+  __device__ __forceinline__ void add(T other_max, T other_sum) {
+    const T new_max = MaxOp<T>()(max, other_max);
+    if (new_max == -infinity<T>()) return;  // nothing but -inf so far: the sum stays 0
+    sum = sum * exp_(max - new_max) + other_sum * exp_(other_max - new_max);
+    max = new_max;
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Warp path: a group of `width` lanes owns `rows_per_access` rows at a time;
+// each lane holds cols_per_thread values of each row in registers.
+template <typename Load, typename Store, typename C, int pack_size, int cols_per_thread,
+          int width, int rows_per_access, bool padding, Algorithm algorithm>
+__device__ __forceinline__ void softmax_warp(const Load& load, const Store& store, int64 rows,
+                                             int64 cols) {
+  static_assert(cols_per_thread % pack_size == 0, "cols_per_thread must be a multiple of pack_size");
+  static_assert(width <= 32 && 32 % width == 0, "width must divide the warp size");
+  constexpr int num_packs = cols_per_thread / pack_size;
+  C buf[rows_per_access][cols_per_thread];
+  const int64 group = static_cast<int64>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const int64 num_groups = static_cast<int64>(gridDim.x) * blockDim.y;
+  const int lane = threadIdx.x;
+  for (int64 row = group * rows_per_access; row < rows; row += num_groups * rows_per_access) {
+    C row_max[rows_per_access];
+#pragma unroll
+    for (int r = 0; r < rows_per_access; ++r) {
+      row_max[r] = -infinity<C>();
+#pragma unroll
+      for (int p = 0; p < num_packs; ++p) {
+        const int64 col = (static_cast<int64>(p) * width + lane) * pack_size;
+        C* values = buf[r] + p * pack_size;
+        if (row + r < rows && (!padding || col < cols)) {
+          load.template load<pack_size>(values, row + r, col);
+#pragma unroll
+          for (int i = 0; i < pack_size; ++i) row_max[r] = MaxOp<C>()(row_max[r], values[i]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < pack_size; ++i) values[i] = -infinity<C>();
+        }
+      }
+    }
+    C row_sum[rows_per_access];
+#pragma unroll
+    for (int r = 0; r < rows_per_access; ++r) {
+      row_max[r] = warp_all_reduce<MaxOp, C, width>(row_max[r]);
+      row_sum[r] = 0;
+#pragma unroll
+      for (int i = 0; i < cols_per_thread; ++i) {
+        const C e = RowSoftmax<algorithm, C>::exp_term(buf[r][i], row_max[r]);
+        if (algorithm == Algorithm::kSoftmax) buf[r][i] = e;
+        row_sum[r] += e;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < rows_per_access; ++r) {
+      const RowSoftmax<algorithm, C> finish(row_max[r], warp_all_reduce<SumOp, C, width>(row_sum[r]));
+#pragma unroll
+      for (int i = 0; i < cols_per_thread; ++i) {
+        buf[r][i] = algorithm == Algorithm::kSoftmax ? finish.from_cached_exp(buf[r][i])
+                                                     : finish.from_input(buf[r][i]);
+      }
+#pragma unroll
+      for (int p = 0; p < num_packs; ++p) {
+        const int64 col = (static_cast<int64>(p) * width + lane) * pack_size;
+        if (row + r < rows && (!padding || col < cols)) {
+          store.template store<pack_size>(buf[r] + p * pack_size, row + r, col);
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Block-register path: a block owns a row; thread t holds packs t,
+// t + block_size, ... (packs_per_thread of them) in registers.
+template <typename Load, typename Store, typename C, int pack_size, int packs_per_thread,
+          int block_size, Algorithm algorithm>
+__device__ __forceinline__ void softmax_block_regs(const Load& load, const Store& store, int64 rows,
+                                                   int64 cols) {
+  C buf[packs_per_thread * pack_size];
+  const int64 num_packs = cols / pack_size;
+  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    C thread_max = -infinity<C>();
+#pragma unroll
+    for (int k = 0; k < packs_per_thread; ++k) {
+      const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
+      C* values = buf + k * pack_size;
+      if (pack_id < num_packs) {
+        load.template load<pack_size>(values, row, pack_id * pack_size);
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, values[i]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) values[i] = -infinity<C>();
+      }
+    }
+    const C row_max = block_all_reduce<MaxOp, C, block_size>(thread_max);
+    C thread_sum = 0;
+#pragma unroll
+    for (int i = 0; i < packs_per_thread * pack_size; ++i) {
+      const C e = RowSoftmax<algorithm, C>::exp_term(buf[i], row_max);
+      if (algorithm == Algorithm::kSoftmax) buf[i] = e;
+      thread_sum += e;
+    }
+    const RowSoftmax<algorithm, C> finish(row_max, block_all_reduce<SumOp, C, block_size>(thread_sum));
+#pragma unroll
+    for (int k = 0; k < packs_per_thread; ++k) {
+      const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
+      C* values = buf + k * pack_size;
+      if (pack_id < num_packs) {
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) {
+          values[i] = algorithm == Algorithm::kSoftmax ? finish.from_cached_exp(values[i])
+                                                       : finish.from_input(values[i]);
+        }
+        store.template store<pack_size>(values, row, pack_id * pack_size);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Block-shared-memory path: a block owns a row, cached in dynamic shared memory.
+// packed_cache = false: OneFlow's layout, compute type, element i of pack p at
+//   [i * num_packs + p], holding exp(x - max) for softmax after the second pass.
+// packed_cache = true: packs of type Cache (the input's storage type: half the
+//   shared memory for 16-bit inputs) stored whole at [p], output recomputed from x.
+template <typename Load, typename Store, typename C, typename Cache, bool packed_cache,
+          int pack_size, int block_size, Algorithm algorithm>
+__device__ __forceinline__ void softmax_block_smem(const Load& load, const Store& store, int64 rows,
+                                                   int64 cols) {
+  extern __shared__ __align__(16) unsigned char shared_buf[];
+  const int num_packs = static_cast<int>(cols / pack_size);
+  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    C thread_max = -infinity<C>();
+    for (int p = threadIdx.x; p < num_packs; p += block_size) {
+      C values[pack_size];
+      load.template load<pack_size>(values, row, static_cast<int64>(p) * pack_size);
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, values[i]);
+      if constexpr (!packed_cache) {
+        C* cache = reinterpret_cast<C*>(shared_buf);
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) cache[i * num_packs + p] = values[i];
+      } else {
+        Pack<Cache, pack_size> packed;
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) packed.elem[i] = cast<Cache>(values[i]);
+        reinterpret_cast<Pack<Cache, pack_size>*>(shared_buf)[p] = packed;
+      }
+    }
+    const C row_max = block_all_reduce<MaxOp, C, block_size>(thread_max);
+    C thread_sum = 0;
+    if constexpr (!packed_cache) {
+      C* cache = reinterpret_cast<C*>(shared_buf);
+      for (int i = threadIdx.x; i < cols; i += block_size) {
+        const C e = RowSoftmax<algorithm, C>::exp_term(cache[i], row_max);
+        if (algorithm == Algorithm::kSoftmax) cache[i] = e;
+        thread_sum += e;
+      }
+    } else {
+      const Cache* cache = reinterpret_cast<const Cache*>(shared_buf);
+      for (int i = threadIdx.x; i < cols; i += block_size) {
+        thread_sum += RowSoftmax<algorithm, C>::exp_term(cast<C>(cache[i]), row_max);
+      }
+    }
+    const RowSoftmax<algorithm, C> finish(row_max, block_all_reduce<SumOp, C, block_size>(thread_sum));
+    for (int p = threadIdx.x; p < num_packs; p += block_size) {
+      C values[pack_size];
+      if constexpr (!packed_cache) {
+        const C* cache = reinterpret_cast<const C*>(shared_buf);
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) {
+          const C v = cache[i * num_packs + p];
+          values[i] = algorithm == Algorithm::kSoftmax ? finish.from_cached_exp(v) : finish.from_input(v);
+        }
+      } else {
+        const Pack<Cache, pack_size> packed = reinterpret_cast<const Pack<Cache, pack_size>*>(shared_buf)[p];
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) values[i] = finish.from_input(cast<C>(packed.elem[i]));
+      }
+      store.template store<pack_size>(values, row, static_cast<int64>(p) * pack_size);
+    }
+    __syncthreads();  // the next row overwrites the cache
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Uncached path: a block owns a row and reads it from global memory again for
+// every pass. online = false: OneFlow's three passes (max, sum, output);
+// online = true: two passes, the first keeping a running (max, sum).
+template <typename Load, typename Store, typename C, int pack_size, int block_size, bool online,
+          Algorithm algorithm>
+__device__ __forceinline__ void softmax_block_uncached(const Load& load, const Store& store,
+                                                       int64 rows, int64 cols) {
+  const int64 num_packs = cols / pack_size;
+  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
+    for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
+      C values[pack_size];
+      load.template load<pack_size>(values, row, p * pack_size);
+      if (online) {
+        C pack_max = values[0];
+#pragma unroll
+        for (int i = 1; i < pack_size; ++i) pack_max = MaxOp<C>()(pack_max, values[i]);
+        C pack_sum = 0;
+        if (pack_max != -infinity<C>()) {
+#pragma unroll
+          for (int i = 0; i < pack_size; ++i) pack_sum += exp_(values[i] - pack_max);
+        }
+        state.add(pack_max, pack_sum);
+      } else {
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) state.max = MaxOp<C>()(state.max, values[i]);
+      }
+    }
+    C row_max, row_sum;
+    if (online) {
+      row_max = block_all_reduce<MaxOp, C, block_size>(state.max);
+      state.sum = state.max == -infinity<C>() ? C(0) : state.sum * exp_(state.max - row_max);
+      row_sum = block_all_reduce<SumOp, C, block_size>(state.sum);
+    } else {
+      row_max = block_all_reduce<MaxOp, C, block_size>(state.max);
+      C thread_sum = 0;
+      for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
+        C values[pack_size];
+        load.template load<pack_size>(values, row, p * pack_size);
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) thread_sum += RowSoftmax<algorithm, C>::exp_term(values[i], row_max);
+      }
+      row_sum = block_all_reduce<SumOp, C, block_size>(thread_sum);
+    }
+    const RowSoftmax<algorithm, C> finish(row_max, row_sum);
+    for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
+      C values[pack_size];
+      load.template load<pack_size>(values, row, p * pack_size);
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) values[i] = finish.from_input(values[i]);
+      store.template store<pack_size>(values, row, p * pack_size);
+    }
+  }
+}
+
+}  // namespace cupyops
