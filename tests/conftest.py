@@ -1,0 +1,58 @@
+"""Shared test fixtures: GPU detection, per-dtype tolerances, float64 references."""
+from __future__ import annotations
+
+import numpy
+import pytest
+
+from cupyops.dtypes import BFLOAT16
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+    except ImportError:
+        return False
+    try:
+        return cupy.is_available()
+    except Exception:
+        return False
+
+
+GPU = _gpu_available()
+GPU_SKIP_REASON = "needs a CUDA GPU; none is usable on this machine"
+
+# Relative and absolute tolerances against float64 references, per dtype.
+TOLERANCES = {
+    numpy.dtype(numpy.float16): dict(rtol=1e-3, atol=1e-5),
+    BFLOAT16: dict(rtol=1e-2, atol=1e-4),
+    numpy.dtype(numpy.float32): dict(rtol=1e-5, atol=1e-6),
+    numpy.dtype(numpy.float64): dict(rtol=1e-12, atol=1e-14),
+}
+DTYPES = list(TOLERANCES)
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU:
+        return
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng():
+    """Fresh random data on every run (the seed is printed on failure)."""
+    seed = numpy.random.SeedSequence().entropy % (2**32)
+    print(f"random seed {seed}")
+    return numpy.random.default_rng(seed)
+
+
+def assert_close(actual, expected, dtype, *, scale: float = 1.0):
+    """actual (any array) against a float64 reference with the dtype's tolerance.
+
+    NaN and +-inf must match exactly in position; `scale` loosens the tolerance."""
+    actual = numpy.asarray(actual, dtype=numpy.float64)
+    tol = TOLERANCES[numpy.dtype(dtype)]
+    numpy.testing.assert_allclose(actual, expected, rtol=tol["rtol"] * scale,
+                                  atol=tol["atol"] * scale, equal_nan=True)
