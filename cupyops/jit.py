@@ -66,7 +66,7 @@ class KernelSpec:
         raise NotImplementedError
 
     def template_args(self) -> dict:
-        return dataclasses.asdict(self)
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
 
 def render(spec: KernelSpec) -> str:

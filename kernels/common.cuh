@@ -73,6 +73,16 @@ struct DirectStore {
   }
 };
 
+// 16-byte asynchronous copy global -> shared (sm_80+), completed by cp_async_wait.
+__device__ __forceinline__ void cp_async_16(void* shared, const void* global) {
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+// Waits until at most `pending` committed groups of this thread are still in flight.
+template <int pending>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(pending)); }
+
 template <typename T> __device__ __forceinline__ T infinity();
 template <> __device__ __forceinline__ float infinity<float>() { return __int_as_float(0x7f800000); }
 template <> __device__ __forceinline__ double infinity<double>() { return __longlong_as_double(0x7ff0000000000000LL); }

@@ -1,7 +1,7 @@
 // Row-wise softmax and log-softmax: the warp path (a row per group of lanes,
-// cached in registers), the block paths (a row per block, cached in registers
-// or shared memory) and the uncached path (a row per block, re-read from
-// global memory).
+// cached in registers), the block paths (a row per block, cached in registers,
+// in shared memory filled by cp.async, or in shared memory filled through
+// registers) and the uncached path (a row per block, re-read from global memory).
 //
 // Every path reduces the row maximum with a NaN-propagating max and then
 // finishes through RowSoftmax, which reproduces scipy.special's results on
@@ -116,7 +116,8 @@ __device__ __forceinline__ void softmax_warp(const Load& load, const Store& stor
 
 // ---------------------------------------------------------------------------
 // Block-register path: a block owns a row; thread t holds packs t,
-// t + block_size, ... (packs_per_thread of them) in registers.
+// t + block_size, ... (packs_per_thread of them) in registers (for softmax,
+// exp(x - max) once the maximum is known).
 template <typename Load, typename Store, typename C, int pack_size, int packs_per_thread,
           int block_size, Algorithm algorithm>
 __device__ __forceinline__ void softmax_block_regs(const Load& load, const Store& store, int64 rows,
@@ -159,6 +160,69 @@ __device__ __forceinline__ void softmax_block_regs(const Load& load, const Store
         }
         store.template store<pack_size>(values, row, pack_id * pack_size);
       }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Asynchronous shared-memory path: a block owns a row; each thread copies its
+// 16-byte packs (t, t + block_size, ...) straight into shared memory with
+// cp.async, so the whole row is in flight without holding registers. With
+// stages = 2 the block's next row is fetched while this one is computed. A
+// thread only ever reads the packs it copied itself, so the data needs no
+// barrier between copy and use.
+template <typename Store, typename C, typename T, int pack_size, int block_size, int stages,
+          Algorithm algorithm>
+__device__ __forceinline__ void softmax_block_async(const T* x, int64 x_row_stride, const Store& store,
+                                                    int64 rows, int64 cols) {
+  static_assert(pack_size * sizeof(T) == 16, "cp.async moves 16-byte packs");
+  extern __shared__ __align__(16) unsigned char shared_buf[];
+  typedef Pack<T, pack_size> P;
+  const int num_packs = static_cast<int>(cols / pack_size);
+  P* const buffers = reinterpret_cast<P*>(shared_buf);
+  auto fetch = [&](int64 row, P* buffer) {
+    const P* source = reinterpret_cast<const P*>(x + row * x_row_stride);
+    for (int p = threadIdx.x; p < num_packs; p += block_size) cp_async_16(buffer + p, source + p);
+    cp_async_commit();
+  };
+  int stage = 0;
+  if (blockIdx.x < rows) fetch(blockIdx.x, buffers);
+  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    const P* buffer = buffers + stage * num_packs;
+    const int64 next = row + gridDim.x;
+    if (stages == 2 && next < rows) {
+      fetch(next, buffers + (stage ^ 1) * num_packs);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    C thread_max = -infinity<C>();
+    for (int p = threadIdx.x; p < num_packs; p += block_size) {
+      const P packed = buffer[p];
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, cast<C>(packed.elem[i]));
+    }
+    const C row_max = block_all_reduce<MaxOp, C, block_size>(thread_max);
+    C thread_sum = 0;
+    for (int p = threadIdx.x; p < num_packs; p += block_size) {
+      const P packed = buffer[p];
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) {
+        thread_sum += RowSoftmax<algorithm, C>::exp_term(cast<C>(packed.elem[i]), row_max);
+      }
+    }
+    const RowSoftmax<algorithm, C> finish(row_max, block_all_reduce<SumOp, C, block_size>(thread_sum));
+    for (int p = threadIdx.x; p < num_packs; p += block_size) {
+      const P packed = buffer[p];
+      C values[pack_size];
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) values[i] = finish.from_input(cast<C>(packed.elem[i]));
+      store.template store<pack_size>(values, row, static_cast<int64>(p) * pack_size);
+    }
+    if (stages == 2) {
+      stage ^= 1;
+    } else if (next < rows) {
+      fetch(next, buffers);
     }
   }
 }

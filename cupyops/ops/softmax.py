@@ -1,11 +1,13 @@
 """softmax and log_softmax along any axes: plan -> launch -> public functions.
 
 Paths (SPEC §5): "warp" (a row per group of lanes, registers), "block_regs"
-(a row per block, registers; auto only), "block_smem" (a row per block,
-shared memory) and "block_uncached" (a row per block, re-read from global
-memory). policy="oneflow" reproduces OneFlow's dispatch exactly; "auto" uses
-16-byte accesses, the register block path, shared memory beyond 48 KB and a
-two-pass online fallback.
+(a row per block, registers; auto only), "block_async" (a row per block in
+shared memory filled by cp.async; auto only), "block_smem" (a row per block,
+shared memory filled through registers) and "block_uncached" (a row per
+block, re-read from global memory). policy="oneflow" reproduces OneFlow's
+dispatch exactly; "auto" uses 16-byte accesses, the register and async block
+paths, shared memory beyond 48 KB and a two-pass online fallback; its
+thresholds are the measured winners of scripts/tune_softmax.py on an H200.
 """
 from __future__ import annotations
 
@@ -23,12 +25,20 @@ UNCACHED_BLOCK_SIZE = 1024
 ONEFLOW_MAX_COLS_PER_THREAD = 32
 THREAD_GROUP_WIDTHS = (1, 2, 4, 8, 16, 32)
 
-# auto: the register block path, as (block_size, most bytes of compute-type
-# values a thread holds), tried in order: the first block size whose threads
-# hold at most that much of the row takes it.
-AUTO_BLOCK_REGS_LADDER = ((128, 64), (256, 64), (512, 64), (1024, 64), (1024, 128))
-# auto: the warp path while a lane holds at most this many bytes of the row.
+# auto, measured on an H200 (rows 49152, f16 and f32, 2048 ... 65536 cols):
+# the warp path while a lane holds at most this many bytes of the row;
 AUTO_WARP_MAX_BYTES_PER_LANE = 128
+# then the register block path with the smallest of these block sizes giving a
+# thread at most 4 packs, while a block holds at most 64 KiB of compute values
+# (beyond, register pressure halves occupancy: f16 32768 cols fell to 60-70 %);
+AUTO_BLOCK_REGS_SIZES = (128, 256, 512, 1024)
+AUTO_BLOCK_REGS_MAX_PACKS = 4
+AUTO_BLOCK_REGS_MAX_BYTES = 64 * 1024
+# then cp.async into shared memory (16-byte packs), one row in flight per block;
+AUTO_ASYNC_BLOCK_SIZE = 512
+AUTO_ASYNC_STAGES = 1
+# rows that allow no 16-byte pack: shared memory filled through registers.
+AUTO_SMEM_BLOCK_SIZE = 256
 
 
 @dataclass(frozen=True)
@@ -45,7 +55,8 @@ class SoftmaxSpec(jit.KernelSpec):
     padding: bool = False         # warp
     block_size: int = 0           # block paths
     packs_per_thread: int = 0     # block_regs
-    packed_cache: bool = False    # block_smem
+    storage_cache: bool = False   # block_smem: cache packs of the input's type
+    stages: int = 0               # block_async: rows in flight per block
     online: bool = False          # block_uncached
 
     @property
@@ -62,7 +73,9 @@ class SoftmaxSpec(jit.KernelSpec):
         if self.impl == "block_regs":
             return f"{head}_k{self.packs_per_thread}_b{self.block_size}"
         if self.impl == "block_smem":
-            return f"{head}_b{self.block_size}_{'packed' if self.packed_cache else 'strided'}"
+            return f"{head}_b{self.block_size}_{'packed' if self.storage_cache else 'strided'}"
+        if self.impl == "block_async":
+            return f"{head}_b{self.block_size}_s{self.stages}"
         return f"{head}_b{self.block_size}_{'online' if self.online else '3pass'}"
 
     @property
@@ -73,7 +86,8 @@ class SoftmaxSpec(jit.KernelSpec):
         ftype = self.ftype
         return {**super().template_args(), "storage_type": ftype.c_type,
                 "compute_type": ftype.compute_c_type,
-                "cache_type": ftype.c_type if self.packed_cache else ftype.compute_c_type}
+                "cache_type": ftype.c_type if self.storage_cache else ftype.compute_c_type,
+                "packed_cache": self.storage_cache}
 
 
 @dataclass(frozen=True)
@@ -124,16 +138,13 @@ def _block_plan(spec: SoftmaxSpec, rows: int, smem: int, target) -> SoftmaxPlan:
     return SoftmaxPlan(spec, (spec.block_size, 1, 1), (grid, 1, 1), smem)
 
 
-def _smem_plan(op, dtype, rows, cols, pack_size, packed_cache, opt_in, target):
-    ftype = dtypes.BY_SHORT[dtype]
-    cache_itemsize = ftype.itemsize if packed_cache else dtypes.BY_SHORT[ftype.compute].itemsize
-    smem = cols * cache_itemsize
+def _oneflow_smem_plan(op, dtype, rows, cols, pack_size, target):
+    smem = cols * dtypes.BY_SHORT[dtypes.BY_SHORT[dtype].compute].itemsize
 
     def spec_of(block_size):
-        return SoftmaxSpec(op, "block_smem", dtype, pack_size, block_size=block_size,
-                           packed_cache=packed_cache)
+        return SoftmaxSpec(op, "block_smem", dtype, pack_size, block_size=block_size)
 
-    block_size = choose_block_size(target, spec_of, smem, opt_in)
+    block_size = choose_block_size(target, spec_of, smem, opt_in=False)
     return None if block_size is None else _block_plan(spec_of(block_size), rows, smem, target)
 
 
@@ -151,7 +162,7 @@ def _oneflow_plan(op, dtype, rows, cols, align, target) -> SoftmaxPlan:
         if warp:
             ladder = warp_ladder(cols, rows, pack_size, ONEFLOW_MAX_COLS_PER_THREAD)
             return _warp_plan(op, dtype, rows, cols, pack_size, ladder, target)
-        plan = _smem_plan(op, dtype, rows, cols, pack_size, False, False, target)
+        plan = _oneflow_smem_plan(op, dtype, rows, cols, pack_size, target)
         if plan is not None:
             return plan
     return _uncached_plan(op, dtype, rows, pack_size, False, target)
@@ -175,14 +186,27 @@ def _auto_plan(op, dtype, rows, cols, align, target) -> SoftmaxPlan:
     if ladder is not None:
         return _warp_plan(op, dtype, rows, cols, pack_size, ladder, target)
     num_packs = cols // pack_size
-    for block_size, max_bytes in AUTO_BLOCK_REGS_LADDER:
+    for block_size in AUTO_BLOCK_REGS_SIZES:
         packs_per_thread = -(-num_packs // block_size)
-        if packs_per_thread * pack_size * compute_itemsize <= max_bytes:
+        if (packs_per_thread <= AUTO_BLOCK_REGS_MAX_PACKS and
+                packs_per_thread * pack_size * compute_itemsize * block_size <= AUTO_BLOCK_REGS_MAX_BYTES):
             spec = SoftmaxSpec(op, "block_regs", dtype, pack_size, block_size=block_size,
                                packs_per_thread=packs_per_thread)
             return _block_plan(spec, rows, 0, target)
-    plan = _smem_plan(op, dtype, rows, cols, pack_size, True, True, target)
-    return plan or _uncached_plan(op, dtype, rows, pack_size, True, target)
+    row_bytes = cols * ftype.itemsize
+    if pack_size * ftype.itemsize == 16:
+        spec = SoftmaxSpec(op, "block_async", dtype, pack_size, block_size=AUTO_ASYNC_BLOCK_SIZE,
+                           stages=AUTO_ASYNC_STAGES)
+        smem = AUTO_ASYNC_STAGES * row_bytes
+        active = target.max_active_blocks(spec, spec.block_size, smem, True)
+        if active:   # a persistent grid: every block resident, each walking its rows
+            grid = min(rows, active * target.facts.sm_count)
+            return SoftmaxPlan(spec, (spec.block_size, 1, 1), (grid, 1, 1), smem)
+    spec = SoftmaxSpec(op, "block_smem", dtype, pack_size, block_size=AUTO_SMEM_BLOCK_SIZE,
+                       storage_cache=True)
+    if target.max_active_blocks(spec, spec.block_size, row_bytes, True):
+        return _block_plan(spec, rows, row_bytes, target)
+    return _uncached_plan(op, dtype, rows, pack_size, True, target)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,0 +1,603 @@
+// LayerNorm and RMSNorm, forward and backward, row by row.
+//
+// Forward paths (OneFlow's three, plus a register block path):
+//   norm_warp            a row per group of `width` lanes, in registers; two
+//                        rows per access for narrow rows (guarded: never reads
+//                        past the last row, unlike OneFlow's RMSNorm)
+//   norm_block_regs      a row per block, in registers
+//   norm_block_smem      a row per block, cached in dynamic shared memory
+//   norm_block_uncached  a row per block, read twice from global memory
+// `Stats` is WelfordState (LayerNorm) or SquareSumState (RMSNorm). Inputs come
+// through NormInput (optionally h = x + residual, stored), outputs leave
+// through NormOutput (weight and bias applied in the compute type).
+//
+// Backward: the same four shapes compute
+//   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * weight
+// (RMSNorm: without mean(g)); the warp and register paths can also fold
+// dy * xhat and dy into per-block float partial column sums (dweight, dbias),
+// written to a workspace row per block and summed by norm_param_grad_finish
+// in a fixed order: deterministic, no atomics.
+#pragma once
+#include "common.cuh"
+#include "welford.cuh"
+
+namespace cupyops {
+
+// x (+ residual) in compute type. With a residual, h = x + residual is rounded
+// to the storage type (as torch computes it), stored, and normalised.
+template <typename T, typename C, bool has_residual>
+struct NormInput {
+  const T* x;
+  const T* residual;
+  T* h;
+  int64 x_stride, residual_stride, h_stride;
+
+  template <int N>
+  __device__ __forceinline__ void load(C* dst, int64 row, int64 col) const {
+    const Pack<T, N> a = *reinterpret_cast<const Pack<T, N>*>(x + row * x_stride + col);
+    if constexpr (has_residual) {
+      const Pack<T, N> b = *reinterpret_cast<const Pack<T, N>*>(residual + row * residual_stride + col);
+      Pack<T, N> sum;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        sum.elem[i] = cast<T>(cast<C>(a.elem[i]) + cast<C>(b.elem[i]));
+        dst[i] = cast<C>(sum.elem[i]);
+      }
+      *reinterpret_cast<Pack<T, N>*>(h + row * h_stride + col) = sum;
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) dst[i] = cast<C>(a.elem[i]);
+    }
+  }
+
+  // A second read of a pack this thread loaded before (h when it was stored).
+  template <int N>
+  __device__ __forceinline__ void reload(C* dst, int64 row, int64 col) const {
+    const T* src = has_residual ? h + row * h_stride : x + row * x_stride;
+    const Pack<T, N> a = *reinterpret_cast<const Pack<T, N>*>(src + col);
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = cast<C>(a.elem[i]);
+  }
+};
+
+// Per-column weight / bias vectors, read in compute type (1 / 0 when absent).
+template <typename T, typename C, bool has_weight, bool has_bias>
+struct Affine {
+  const T* weight;
+  const T* bias;
+
+  template <int N>
+  __device__ __forceinline__ void load(C* w, C* b, int64 col) const {
+    if constexpr (has_weight) {
+      DirectLoad<T, C>{weight, 0}.template load<N>(w, 0, col);
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) w[i] = C(1);
+    }
+    if constexpr (has_bias) {
+      DirectLoad<T, C>{bias, 0}.template load<N>(b, 0, col);
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) b[i] = C(0);
+    }
+  }
+};
+
+// y = normalized * weight + bias, computed in C, stored as T.
+template <typename T, typename C, bool has_weight, bool has_bias>
+struct NormOutput {
+  T* y;
+  int64 y_stride;
+  Affine<T, C, has_weight, has_bias> affine;
+
+  template <int N>
+  __device__ __forceinline__ void store(const C* normalized, int64 row, int64 col) const {
+    C w[N], b[N], out[N];
+    affine.template load<N>(w, b, col);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = normalized[i] * w[i] + b[i];
+    DirectStore<C, T>{y, y_stride}.template store<N>(out, row, col);
+  }
+};
+
+// Optional per-row mean / rstd outputs (null pointers: not stored).
+template <typename C>
+struct MomentsOutput {
+  C* mean;
+  C* rstd;
+  __device__ __forceinline__ void store(int64 row, const RowMoments<C>& m) const {
+    if (mean != nullptr) mean[row] = m.mean;
+    if (rstd != nullptr) rstd[row] = m.rstd;
+  }
+};
+
+// Rows handled by the groups of one warp move together, so every lane of a
+// warp runs the same number of iterations (the shuffles use the full mask).
+struct WarpRows {
+  int64 first, step;
+  int group_lane;
+  template <int width, int rows_per_access>
+  static __device__ __forceinline__ WarpRows make() {
+    constexpr int groups_per_warp = 32 / width;
+    const int64 group = static_cast<int64>(blockIdx.x) * blockDim.y + threadIdx.y;
+    const int64 warp_first_group = group - threadIdx.y % groups_per_warp;
+    return {warp_first_group * rows_per_access, static_cast<int64>(gridDim.x) * blockDim.y * rows_per_access,
+            static_cast<int>(threadIdx.x)};
+  }
+  // Offset of this group's first row from the warp's first row.
+  template <int width, int rows_per_access>
+  static __device__ __forceinline__ int64 group_offset() {
+    return static_cast<int64>(threadIdx.y % (32 / width)) * rows_per_access;
+  }
+};
+
+// Whether pack p of a lane lies inside the row: packs below min_packs always do.
+template <bool padding, int min_packs>
+__device__ __forceinline__ bool pack_in_row(int p, int64 col, int64 cols) {
+  return !padding || p < min_packs || col < cols;
+}
+
+// ---------------------------------------------------------------------------
+// Forward, warp path.
+template <typename Stats, typename Input, typename Output, typename C, int pack_size,
+          int max_cols_per_thread, int min_cols_per_thread, int width, int rows_per_access, bool padding>
+__device__ __forceinline__ void norm_warp(const Input& in, const Output& out, const MomentsOutput<C>& moments_out,
+                                          int64 rows, int64 cols, C eps) {
+  static_assert(max_cols_per_thread % pack_size == 0 && min_cols_per_thread % pack_size == 0, "");
+  static_assert(width <= 32 && 32 % width == 0, "width must divide the warp size");
+  constexpr int max_packs = max_cols_per_thread / pack_size;
+  constexpr int min_packs = min_cols_per_thread / pack_size;
+  C buf[rows_per_access][max_cols_per_thread];
+  const WarpRows warp_rows = WarpRows::make<width, rows_per_access>();
+  const int lane = warp_rows.group_lane;
+  for (int64 base = warp_rows.first; base < rows; base += warp_rows.step) {
+    const int64 row = base + WarpRows::group_offset<width, rows_per_access>();
+    Stats stats[rows_per_access];
+#pragma unroll
+    for (int r = 0; r < rows_per_access; ++r) {
+      stats[r] = Stats::empty();
+#pragma unroll
+      for (int p = 0; p < max_packs; ++p) {
+        const int64 col = (static_cast<int64>(p) * width + lane) * pack_size;
+        C* values = buf[r] + p * pack_size;
+        if (row + r < rows && pack_in_row<padding, min_packs>(p, col, cols)) {
+          in.template load<pack_size>(values, row + r, col);
+#pragma unroll
+          for (int i = 0; i < pack_size; ++i) stats[r].add(values[i]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < pack_size; ++i) values[i] = C(0);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < rows_per_access; ++r) {
+      const RowMoments<C> m = warp_all_reduce_state<width>(stats[r]).moments(cols, eps);
+      if (row + r >= rows) continue;
+      if (lane == 0) moments_out.store(row + r, m);
+#pragma unroll
+      for (int i = 0; i < max_cols_per_thread; ++i) buf[r][i] = (buf[r][i] - m.mean) * m.rstd;
+#pragma unroll
+      for (int p = 0; p < max_packs; ++p) {
+        const int64 col = (static_cast<int64>(p) * width + lane) * pack_size;
+        if (pack_in_row<padding, min_packs>(p, col, cols)) {
+          out.template store<pack_size>(buf[r] + p * pack_size, row + r, col);
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Forward, block-register path: thread t holds packs t, t + block_size, ...
+template <typename Stats, typename Input, typename Output, typename C, int pack_size, int packs_per_thread,
+          int block_size>
+__device__ __forceinline__ void norm_block_regs(const Input& in, const Output& out,
+                                                const MomentsOutput<C>& moments_out, int64 rows, int64 cols,
+                                                C eps) {
+  C buf[packs_per_thread][pack_size];
+  const int64 num_packs = cols / pack_size;
+  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    Stats stats = Stats::empty();
+#pragma unroll
+    for (int k = 0; k < packs_per_thread; ++k) {
+      const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
+      if (pack_id < num_packs) {
+        in.template load<pack_size>(buf[k], row, pack_id * pack_size);
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) stats.add(buf[k][i]);
+      }
+    }
+    const RowMoments<C> m = block_all_reduce_state<block_size>(stats).moments(cols, eps);
+    if (threadIdx.x == 0) moments_out.store(row, m);
+#pragma unroll
+    for (int k = 0; k < packs_per_thread; ++k) {
+      const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
+      if (pack_id < num_packs) {
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) buf[k][i] = (buf[k][i] - m.mean) * m.rstd;
+        out.template store<pack_size>(buf[k], row, pack_id * pack_size);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Forward, block-shared-memory path: pack p of the row cached at [p] as Cache
+// (the compute type as OneFlow, or the storage type: lossless and half the
+// bytes for 16-bit inputs). A thread reads back only the packs it wrote, so
+// rows need no barrier between them.
+template <typename Stats, typename Input, typename Output, typename C, typename Cache, int pack_size,
+          int block_size>
+__device__ __forceinline__ void norm_block_smem(const Input& in, const Output& out,
+                                                const MomentsOutput<C>& moments_out, int64 rows, int64 cols,
+                                                C eps) {
+  extern __shared__ __align__(16) unsigned char shared_buf[];
+  Pack<Cache, pack_size>* cache = reinterpret_cast<Pack<Cache, pack_size>*>(shared_buf);
+  const int num_packs = static_cast<int>(cols / pack_size);
+  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    Stats stats = Stats::empty();
+    for (int p = threadIdx.x; p < num_packs; p += block_size) {
+      C values[pack_size];
+      in.template load<pack_size>(values, row, static_cast<int64>(p) * pack_size);
+      Pack<Cache, pack_size> packed;
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) {
+        stats.add(values[i]);
+        packed.elem[i] = cast<Cache>(values[i]);
+      }
+      cache[p] = packed;
+    }
+    const RowMoments<C> m = block_all_reduce_state<block_size>(stats).moments(cols, eps);
+    if (threadIdx.x == 0) moments_out.store(row, m);
+    for (int p = threadIdx.x; p < num_packs; p += block_size) {
+      const Pack<Cache, pack_size> packed = cache[p];
+      C values[pack_size];
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) values[i] = (cast<C>(packed.elem[i]) - m.mean) * m.rstd;
+      out.template store<pack_size>(values, row, static_cast<int64>(p) * pack_size);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Forward, uncached path: statistics in one pass, output in a second pass
+// that re-reads the row (h instead of x + residual when h was stored).
+template <typename Stats, typename Input, typename Output, typename C, int pack_size, int block_size>
+__device__ __forceinline__ void norm_block_uncached(const Input& in, const Output& out,
+                                                    const MomentsOutput<C>& moments_out, int64 rows,
+                                                    int64 cols, C eps) {
+  const int64 num_packs = cols / pack_size;
+  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    Stats stats = Stats::empty();
+    for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
+      C values[pack_size];
+      in.template load<pack_size>(values, row, p * pack_size);
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) stats.add(values[i]);
+    }
+    const RowMoments<C> m = block_all_reduce_state<block_size>(stats).moments(cols, eps);
+    if (threadIdx.x == 0) moments_out.store(row, m);
+    for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
+      C values[pack_size];
+      in.template reload<pack_size>(values, row, p * pack_size);
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) values[i] = (values[i] - m.mean) * m.rstd;
+      out.template store<pack_size>(values, row, p * pack_size);
+    }
+  }
+}
+
+// ===========================================================================
+// Backward.
+
+// What the backward kernels read and write. mean is null for RMSNorm; the
+// partial pointers are null unless dweight / dbias partials are fused.
+template <typename T, typename C, bool centered, bool has_weight>
+struct NormGradIO {
+  const T* dy;
+  const T* x;
+  const T* weight;
+  const C* mean;
+  const C* rstd;
+  T* dx;
+  C* weight_partials;   // [gridDim.x, cols]
+  C* bias_partials;     // [gridDim.x, cols]
+  int64 dy_stride, x_stride, dx_stride;
+
+  __device__ __forceinline__ RowMoments<C> moments(int64 row) const {
+    return {centered ? mean[row] : C(0), rstd[row]};
+  }
+  // dy and xhat of a pack; g = dy * weight is added to sums.first (centered)
+  // and g * xhat to sums.second.
+  template <int N>
+  __device__ __forceinline__ void load(C* dy_out, C* xhat_out, SumPairState<C>& sums, const RowMoments<C>& m,
+                                       int64 row, int64 col) const {
+    DirectLoad<T, C>{dy, dy_stride}.template load<N>(dy_out, row, col);
+    DirectLoad<T, C>{x, x_stride}.template load<N>(xhat_out, row, col);
+    C w[N], unused[N];
+    Affine<T, C, has_weight, false>{weight, nullptr}.template load<N>(w, unused, col);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      xhat_out[i] = (xhat_out[i] - m.mean) * m.rstd;
+      const C g = dy_out[i] * w[i];
+      if (centered) sums.first += g;
+      sums.second += g * xhat_out[i];
+    }
+  }
+  // dx of a pack from dy and xhat and the row sums (already divided by cols).
+  template <int N>
+  __device__ __forceinline__ void store(const C* dy_in, const C* xhat, C mean_g, C mean_gx, C rstd, int64 row,
+                                        int64 col) const {
+    C w[N], unused[N], out[N];
+    Affine<T, C, has_weight, false>{weight, nullptr}.template load<N>(w, unused, col);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = rstd * (dy_in[i] * w[i] - mean_g - xhat[i] * mean_gx);
+    DirectStore<C, T>{dx, dx_stride}.template store<N>(out, row, col);
+  }
+};
+
+template <typename C>
+struct RowGradSums {
+  C mean_g, mean_gx;
+  __device__ __forceinline__ RowGradSums(const SumPairState<C>& s, int64 cols)
+      : mean_g(s.first / static_cast<C>(cols)), mean_gx(s.second / static_cast<C>(cols)) {}
+};
+
+// Backward, warp path: dy and xhat of the row in registers; with
+// fuse_param_grad each lane also sums dy * xhat and dy for its columns over
+// all its rows, then the groups of the block add theirs in group order through
+// shared memory (2 * blockDim.y * cols compute values) into the block's
+// workspace row.
+template <typename IO, typename C, int pack_size, int max_cols_per_thread, int min_cols_per_thread, int width,
+          int rows_per_access, bool padding, bool fuse_param_grad>
+__device__ __forceinline__ void norm_grad_warp(const IO& io, int64 rows, int64 cols) {
+  constexpr int max_packs = max_cols_per_thread / pack_size;
+  constexpr int min_packs = min_cols_per_thread / pack_size;
+  C dy_buf[rows_per_access][max_cols_per_thread];
+  C xhat_buf[rows_per_access][max_cols_per_thread];
+  C weight_part[fuse_param_grad ? max_cols_per_thread : 1];
+  C bias_part[fuse_param_grad ? max_cols_per_thread : 1];
+  if constexpr (fuse_param_grad) {
+#pragma unroll
+    for (int i = 0; i < max_cols_per_thread; ++i) weight_part[i] = bias_part[i] = C(0);
+  }
+  const WarpRows warp_rows = WarpRows::make<width, rows_per_access>();
+  const int lane = warp_rows.group_lane;
+  for (int64 base = warp_rows.first; base < rows; base += warp_rows.step) {
+    const int64 row = base + WarpRows::group_offset<width, rows_per_access>();
+    SumPairState<C> sums[rows_per_access];
+    RowMoments<C> moments[rows_per_access];
+#pragma unroll
+    for (int r = 0; r < rows_per_access; ++r) {
+      sums[r] = SumPairState<C>::empty();
+      moments[r] = row + r < rows ? io.moments(row + r) : RowMoments<C>{C(0), C(0)};
+#pragma unroll
+      for (int p = 0; p < max_packs; ++p) {
+        const int64 col = (static_cast<int64>(p) * width + lane) * pack_size;
+        const int offset = p * pack_size;
+        if (row + r < rows && pack_in_row<padding, min_packs>(p, col, cols)) {
+          io.template load<pack_size>(dy_buf[r] + offset, xhat_buf[r] + offset, sums[r], moments[r], row + r, col);
+        } else {
+#pragma unroll
+          for (int i = 0; i < pack_size; ++i) dy_buf[r][offset + i] = xhat_buf[r][offset + i] = C(0);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < rows_per_access; ++r) {
+      const RowGradSums<C> row_sums(warp_all_reduce_state<width>(sums[r]), cols);
+      if (row + r >= rows) continue;
+#pragma unroll
+      for (int p = 0; p < max_packs; ++p) {
+        const int64 col = (static_cast<int64>(p) * width + lane) * pack_size;
+        const int offset = p * pack_size;
+        if (pack_in_row<padding, min_packs>(p, col, cols)) {
+          io.template store<pack_size>(dy_buf[r] + offset, xhat_buf[r] + offset, row_sums.mean_g,
+                                       row_sums.mean_gx, moments[r].rstd, row + r, col);
+        }
+      }
+      if constexpr (fuse_param_grad) {
+#pragma unroll
+        for (int i = 0; i < max_cols_per_thread; ++i) {
+          weight_part[i] += dy_buf[r][i] * xhat_buf[r][i];
+          bias_part[i] += dy_buf[r][i];
+        }
+      }
+    }
+  }
+  if constexpr (fuse_param_grad) {
+    extern __shared__ __align__(16) unsigned char shared_buf[];
+    C* weight_smem = reinterpret_cast<C*>(shared_buf);
+    C* bias_smem = weight_smem + blockDim.y * cols;
+#pragma unroll
+    for (int p = 0; p < max_packs; ++p) {
+      const int64 col = (static_cast<int64>(p) * width + lane) * pack_size;
+      if (pack_in_row<padding, min_packs>(p, col, cols)) {
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) {
+          weight_smem[threadIdx.y * cols + col + i] = weight_part[p * pack_size + i];
+          bias_smem[threadIdx.y * cols + col + i] = bias_part[p * pack_size + i];
+        }
+      }
+    }
+    __syncthreads();
+    const int tid = threadIdx.y * width + threadIdx.x;
+    for (int64 col = tid; col < cols; col += width * blockDim.y) {
+      C weight_sum = C(0), bias_sum = C(0);
+      for (int y = 0; y < blockDim.y; ++y) {
+        weight_sum += weight_smem[y * cols + col];
+        bias_sum += bias_smem[y * cols + col];
+      }
+      io.weight_partials[blockIdx.x * cols + col] = weight_sum;
+      if (io.bias_partials != nullptr) io.bias_partials[blockIdx.x * cols + col] = bias_sum;
+    }
+  }
+}
+
+// Backward, block-register path: thread t owns packs t, t + block_size, ...
+// cached = true keeps dy and xhat in registers between the two passes;
+// cached = false re-reads them (from L1 / L2) for the second pass. With
+// fuse_param_grad the owned columns' partial sums stay in registers and are
+// written to the block's workspace row at the end.
+template <typename IO, typename C, int pack_size, int packs_per_thread, int block_size, bool cached,
+          bool fuse_param_grad>
+__device__ __forceinline__ void norm_grad_block_regs(const IO& io, int64 rows, int64 cols) {
+  constexpr int cache_packs = cached ? packs_per_thread : 1;
+  constexpr int part_packs = fuse_param_grad ? packs_per_thread : 1;
+  C dy_buf[cache_packs][pack_size], xhat_buf[cache_packs][pack_size];
+  C weight_part[part_packs][pack_size], bias_part[part_packs][pack_size];
+  if constexpr (fuse_param_grad) {
+#pragma unroll
+    for (int k = 0; k < part_packs; ++k) {
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) weight_part[k][i] = bias_part[k][i] = C(0);
+    }
+  }
+  const int64 num_packs = cols / pack_size;
+  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    const RowMoments<C> m = io.moments(row);
+    SumPairState<C> sums = SumPairState<C>::empty();
+#pragma unroll
+    for (int k = 0; k < packs_per_thread; ++k) {
+      const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
+      const int c = cached ? k : 0;
+      if (pack_id < num_packs) io.template load<pack_size>(dy_buf[c], xhat_buf[c], sums, m, row, pack_id * pack_size);
+    }
+    const RowGradSums<C> row_sums(block_all_reduce_state<block_size>(sums), cols);
+#pragma unroll
+    for (int k = 0; k < packs_per_thread; ++k) {
+      const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
+      if (pack_id >= num_packs) continue;
+      const int c = cached ? k : 0;
+      if (!cached) {
+        SumPairState<C> unused = SumPairState<C>::empty();
+        io.template load<pack_size>(dy_buf[c], xhat_buf[c], unused, m, row, pack_id * pack_size);
+      }
+      io.template store<pack_size>(dy_buf[c], xhat_buf[c], row_sums.mean_g, row_sums.mean_gx, m.rstd, row,
+                                   pack_id * pack_size);
+      if constexpr (fuse_param_grad) {
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) {
+          weight_part[k][i] += dy_buf[c][i] * xhat_buf[c][i];
+          bias_part[k][i] += dy_buf[c][i];
+        }
+      }
+    }
+  }
+  if constexpr (fuse_param_grad) {
+#pragma unroll
+    for (int k = 0; k < packs_per_thread; ++k) {
+      const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
+      if (pack_id < num_packs) {
+        const int64 offset = blockIdx.x * cols + pack_id * pack_size;
+        DirectStore<C, C>{io.weight_partials, 0}.template store<pack_size>(weight_part[k], 0, offset);
+        if (io.bias_partials != nullptr) {
+          DirectStore<C, C>{io.bias_partials, 0}.template store<pack_size>(bias_part[k], 0, offset);
+        }
+      }
+    }
+  }
+}
+
+// Backward, block-shared-memory path (dx only): dy and xhat of the row cached
+// in dynamic shared memory as compute-type packs, 2 * cols values.
+template <typename IO, typename C, int pack_size, int block_size>
+__device__ __forceinline__ void norm_grad_block_smem(const IO& io, int64 rows, int64 cols) {
+  extern __shared__ __align__(16) unsigned char shared_buf[];
+  const int num_packs = static_cast<int>(cols / pack_size);
+  Pack<C, pack_size>* dy_cache = reinterpret_cast<Pack<C, pack_size>*>(shared_buf);
+  Pack<C, pack_size>* xhat_cache = dy_cache + num_packs;
+  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    const RowMoments<C> m = io.moments(row);
+    SumPairState<C> sums = SumPairState<C>::empty();
+    for (int p = threadIdx.x; p < num_packs; p += block_size) {
+      io.template load<pack_size>(dy_cache[p].elem, xhat_cache[p].elem, sums, m, row,
+                                  static_cast<int64>(p) * pack_size);
+    }
+    const RowGradSums<C> row_sums(block_all_reduce_state<block_size>(sums), cols);
+    for (int p = threadIdx.x; p < num_packs; p += block_size) {
+      io.template store<pack_size>(dy_cache[p].elem, xhat_cache[p].elem, row_sums.mean_g, row_sums.mean_gx,
+                                   m.rstd, row, static_cast<int64>(p) * pack_size);
+    }
+  }
+}
+
+// Backward, uncached path (dx only): the row is read twice.
+template <typename IO, typename C, int pack_size, int block_size>
+__device__ __forceinline__ void norm_grad_block_uncached(const IO& io, int64 rows, int64 cols) {
+  const int64 num_packs = cols / pack_size;
+  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    const RowMoments<C> m = io.moments(row);
+    SumPairState<C> sums = SumPairState<C>::empty();
+    for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
+      C dy_pack[pack_size], xhat[pack_size];
+      io.template load<pack_size>(dy_pack, xhat, sums, m, row, p * pack_size);
+    }
+    const RowGradSums<C> row_sums(block_all_reduce_state<block_size>(sums), cols);
+    for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
+      C dy_pack[pack_size], xhat[pack_size];
+      SumPairState<C> unused = SumPairState<C>::empty();
+      io.template load<pack_size>(dy_pack, xhat, unused, m, row, p * pack_size);
+      io.template store<pack_size>(dy_pack, xhat, row_sums.mean_g, row_sums.mean_gx, m.rstd, row, p * pack_size);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// dweight / dbias without a fused dx kernel: block (32, kParamGradRows)
+// sums dy * xhat and dy over one chunk of rows for 32 columns, combines the
+// row lanes in order through shared memory and writes workspace row
+// blockIdx.y. The chunks are [blockIdx.y * rows_per_chunk, ...).
+constexpr int kParamGradRows = 32;
+
+template <typename IO, typename C>
+__device__ __forceinline__ void norm_param_grad_partials(const IO& io, int64 rows, int64 cols,
+                                                         int64 rows_per_chunk) {
+  __shared__ C weight_smem[kParamGradRows][33];
+  __shared__ C bias_smem[kParamGradRows][33];
+  const int64 col = static_cast<int64>(blockIdx.x) * 32 + threadIdx.x;
+  const int64 first = static_cast<int64>(blockIdx.y) * rows_per_chunk;
+  const int64 last = min(rows, first + rows_per_chunk);
+  C weight_sum = C(0), bias_sum = C(0);
+  if (col < cols) {
+    for (int64 row = first + threadIdx.y; row < last; row += kParamGradRows) {
+      C dy_value, xhat;
+      SumPairState<C> unused = SumPairState<C>::empty();
+      io.template load<1>(&dy_value, &xhat, unused, io.moments(row), row, col);
+      weight_sum += dy_value * xhat;
+      bias_sum += dy_value;
+    }
+  }
+  weight_smem[threadIdx.y][threadIdx.x] = weight_sum;
+  bias_smem[threadIdx.y][threadIdx.x] = bias_sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    for (int y = 1; y < kParamGradRows; ++y) {
+      weight_sum += weight_smem[y][threadIdx.x];
+      bias_sum += bias_smem[y][threadIdx.x];
+    }
+    io.weight_partials[blockIdx.y * cols + col] = weight_sum;
+    if (io.bias_partials != nullptr) io.bias_partials[blockIdx.y * cols + col] = bias_sum;
+  }
+}
+
+// Sums the [num_parts, cols] partials column by column in a fixed order:
+// row lane y adds parts y, y + 32, ..., then the lanes are added in order.
+template <typename T, typename C>
+__device__ __forceinline__ void norm_param_grad_finish(const C* partials, int64 num_parts, int64 cols, T* grad) {
+  __shared__ C smem[kParamGradRows][33];
+  const int64 col = static_cast<int64>(blockIdx.x) * 32 + threadIdx.x;
+  C sum = C(0);
+  if (col < cols) {
+    for (int64 part = threadIdx.y; part < num_parts; part += kParamGradRows) sum += partials[part * cols + col];
+  }
+  smem[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    for (int y = 1; y < kParamGradRows; ++y) sum += smem[y][threadIdx.x];
+    grad[col] = cast<T>(sum);
+  }
+}
+
+}  // namespace cupyops

@@ -1,0 +1,112 @@
+"""Times hand-built softmax plans against each other to choose the auto planner's tables.
+
+Bytes counted: 2 * rows * cols * itemsize (x read once, y written once).
+Each candidate is also checked against a float64 CuPy reference on its first
+rows, so a fast wrong kernel cannot win. Usage: python scripts/tune_softmax.py
+[--rows 49152] [--dtypes float16,float32] > table.
+"""
+from __future__ import annotations
+
+import argparse
+
+import cupy
+import numpy
+
+from cupyops import bench, dtypes, jit
+from cupyops.device import live_facts
+from cupyops.launch import Target, get_num_blocks
+from cupyops.ops.softmax import SoftmaxSpec, plan, vector_pack_size
+
+
+def candidates(op, dtype, rows, cols, target):
+    """(label, spec, grid, block, smem) for each variant worth timing at this shape."""
+    ftype = dtypes.BY_SHORT[dtype]
+    pack = vector_pack_size(cols, ftype.itemsize, 16)
+    found = []
+    for policy in ("auto", "oneflow"):
+        chosen = plan(op, rows, cols, dtype, policy, target)
+        found.append((policy, chosen.spec, chosen.grid, chosen.block, chosen.smem_bytes))
+    num_packs = cols // pack
+    for block in (128, 256, 512, 1024):
+        per_thread = -(-num_packs // block)
+        if per_thread * pack * 4 <= 256 and num_packs >= block // 2:
+            spec = SoftmaxSpec(op, "block_regs", dtype, pack, block_size=block, packs_per_thread=per_thread)
+            grid = (get_num_blocks(target.facts, block, rows), 1, 1)
+            found.append((f"regs b{block} k{per_thread}", spec, grid, (block, 1, 1), 0))
+    if pack * ftype.itemsize == 16 and cols >= 2048:
+        for stages in (1, 2):
+            smem = stages * cols * ftype.itemsize
+            for block in (128, 256, 512, 1024):
+                if num_packs < block or smem > target.facts.smem_per_block_optin:
+                    continue
+                spec = SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=stages)
+                active = target.max_active_blocks(spec, block, smem, True)
+                if active:
+                    grid = (min(rows, active * target.facts.sm_count), 1, 1)
+                    found.append((f"async b{block} s{stages}", spec, grid, (block, 1, 1), smem))
+    smem = cols * ftype.itemsize
+    if cols >= 8192 and smem <= target.facts.smem_per_block_optin:
+        for block in (256, 512, 1024):
+            spec = SoftmaxSpec(op, "block_smem", dtype, pack, block_size=block, storage_cache=True)
+            if target.max_active_blocks(spec, block, smem, True) > 0:
+                grid = (get_num_blocks(target.facts, block, rows), 1, 1)
+                found.append((f"smem b{block}", spec, grid, (block, 1, 1), smem))
+    if cols >= 32768:
+        for online in (True, False):
+            spec = SoftmaxSpec(op, "block_uncached", dtype, pack, block_size=1024, online=online)
+            grid = (get_num_blocks(target.facts, 1024, rows), 1, 1)
+            found.append((f"uncached {'online' if online else '3pass'}", spec, grid, (1024, 1, 1), 0))
+    return found
+
+
+def reference(op, x):
+    x64 = x.astype(cupy.float64)
+    shifted = x64 - x64.max(axis=-1, keepdims=True)
+    if op == "softmax":
+        e = cupy.exp(shifted)
+        return e / e.sum(axis=-1, keepdims=True)
+    return shifted - cupy.log(cupy.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=49152)
+    parser.add_argument("--dtypes", default="float16,float32")
+    parser.add_argument("--ops", default="softmax")
+    parser.add_argument("--cols", default="256,512,1024,2048,4096,8192,16384,32768,65536")
+    args = parser.parse_args()
+    device_id = cupy.cuda.runtime.getDevice()
+    target = Target.live(device_id)
+    timer = bench.Timer(budget_s=0.15)
+    copy = bench.copy_ceiling_gbs(timer)
+    print(f"# {live_facts(device_id).name}; copy ceiling {copy:.0f} GB/s")
+    for op in args.ops.split(","):
+        for dtype_name in args.dtypes.split(","):
+            dtype = dtypes.parse_dtype(dtype_name)
+            short = dtypes.float_type(dtype).short
+            for cols in map(int, args.cols.split(",")):
+                rows = min(args.rows, (4 << 30) // (cols * dtype.itemsize))
+                x = (cupy.random.default_rng(0).standard_normal((rows, cols), dtype=cupy.float32) * 3).astype(dtype)
+                y = cupy.empty_like(x)
+                expect = reference(op, x[:64])
+                num_bytes = 2 * rows * cols * dtype.itemsize
+                for label, spec, grid, block, smem in candidates(op, short, rows, cols, target):
+                    raw = jit.kernel(spec, device_id)
+                    if smem > 48 * 1024:
+                        raw.max_dynamic_shared_size_bytes = smem
+                    args_ = (x, y, numpy.int64(rows), numpy.int64(cols), numpy.int64(cols), numpy.int64(cols))
+                    run = lambda: raw(grid, block, args_, shared_mem=smem)  # noqa: E731
+                    y.fill(float("nan"))
+                    run()
+                    error = float(cupy.abs(y[:64].astype(cupy.float64) - expect).max())
+                    t = timer.time(run)
+                    gbs = bench.gbs(num_bytes, t)
+                    print(f"{op:<11} {short:<4} rows={rows:<6} cols={cols:<7} {label:<18} "
+                          f"{t.median_us:>9.1f} us {gbs:>6.0f} GB/s {gbs / copy:>6.1%}  "
+                          f"err={error:.1e} regs={raw.num_regs} {spec.name}", flush=True)
+                del x, y
+                cupy.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()
