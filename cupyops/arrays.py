@@ -96,6 +96,14 @@ def alignment(*pointers_and_strides: int) -> int:
     return align
 
 
+def same_phase(*operands) -> bool:
+    """Whether every row of every operand (rowwise.Operand) starts at the same
+    offset from a 16-byte boundary."""
+    first = operands[0]
+    return all(op.byte_address % 16 == first.byte_address % 16 and
+               op.byte_row_stride % 16 == first.byte_row_stride % 16 for op in operands)
+
+
 def check_out(out, shape: tuple, dtype, device_id: int, name: str = "out"):
     """Validates a user-supplied output array; returns it (or None)."""
     if out is None:

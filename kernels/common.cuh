@@ -83,6 +83,17 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int pending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(pending)); }
 
+// Elements from the start of each row to its first 16-byte boundary.
+template <typename T>
+struct RowHead {
+  const T* base;
+  int64 row_stride;
+  __device__ __forceinline__ int operator()(int64 row) const {
+    const unsigned misalignment = reinterpret_cast<unsigned long long>(base + row * row_stride) & 15u;
+    return static_cast<int>(((16u - misalignment) & 15u) / sizeof(T));
+  }
+};
+
 template <typename T> __device__ __forceinline__ T infinity();
 template <> __device__ __forceinline__ float infinity<float>() { return __int_as_float(0x7f800000); }
 template <> __device__ __forceinline__ double infinity<double>() { return __longlong_as_double(0x7ff0000000000000LL); }

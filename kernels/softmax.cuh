@@ -118,20 +118,31 @@ __device__ __forceinline__ void softmax_warp(const Load& load, const Store& stor
 // Block-register path: a block owns a row; thread t holds packs t,
 // t + block_size, ... (packs_per_thread of them) in registers (for softmax,
 // exp(x - max) once the maximum is known).
+// peel: rows need not start on a pack boundary (odd cols, offset views). Each
+// row's first `head` elements (up to its first 16-byte boundary, the same for
+// input and output) and its last partial pack are single elements held by
+// threads 0, 1, ...; the packs in between are aligned.
 template <typename Load, typename Store, typename C, int pack_size, int packs_per_thread,
-          int block_size, Algorithm algorithm>
+          int block_size, bool peel, Algorithm algorithm, typename RowHead>
 __device__ __forceinline__ void softmax_block_regs(const Load& load, const Store& store, int64 rows,
-                                                   int64 cols) {
+                                                   int64 cols, const RowHead& row_head) {
   C buf[packs_per_thread * pack_size];
-  const int64 num_packs = cols / pack_size;
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    C thread_max = -infinity<C>();
+    const int head = peel ? row_head(row) : 0;
+    const int64 num_packs = (cols - head) / pack_size;
+    const int64 tail = head + num_packs * pack_size;
+    const int num_edges = peel ? head + static_cast<int>(cols - tail) : 0;
+    const int64 edge_col = threadIdx.x < head ? threadIdx.x : tail + threadIdx.x - head;
+    const bool has_edge = peel && threadIdx.x < num_edges;
+    C edge = -infinity<C>();
+    if (has_edge) load.template load<1>(&edge, row, edge_col);
+    C thread_max = edge;
 #pragma unroll
     for (int k = 0; k < packs_per_thread; ++k) {
       const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
       C* values = buf + k * pack_size;
       if (pack_id < num_packs) {
-        load.template load<pack_size>(values, row, pack_id * pack_size);
+        load.template load<pack_size>(values, row, head + pack_id * pack_size);
 #pragma unroll
         for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, values[i]);
       } else {
@@ -141,6 +152,11 @@ __device__ __forceinline__ void softmax_block_regs(const Load& load, const Store
     }
     const C row_max = block_all_reduce<MaxOp, C, block_size>(thread_max);
     C thread_sum = 0;
+    if (has_edge) {
+      const C e = RowSoftmax<algorithm, C>::exp_term(edge, row_max);
+      if (algorithm == Algorithm::kSoftmax) edge = e;
+      thread_sum = e;
+    }
 #pragma unroll
     for (int i = 0; i < packs_per_thread * pack_size; ++i) {
       const C e = RowSoftmax<algorithm, C>::exp_term(buf[i], row_max);
@@ -148,6 +164,10 @@ __device__ __forceinline__ void softmax_block_regs(const Load& load, const Store
       thread_sum += e;
     }
     const RowSoftmax<algorithm, C> finish(row_max, block_all_reduce<SumOp, C, block_size>(thread_sum));
+    if (has_edge) {
+      edge = algorithm == Algorithm::kSoftmax ? finish.from_cached_exp(edge) : finish.from_input(edge);
+      store.template store<1>(&edge, row, edge_col);
+    }
 #pragma unroll
     for (int k = 0; k < packs_per_thread; ++k) {
       const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
@@ -158,7 +178,7 @@ __device__ __forceinline__ void softmax_block_regs(const Load& load, const Store
           values[i] = algorithm == Algorithm::kSoftmax ? finish.from_cached_exp(values[i])
                                                        : finish.from_input(values[i]);
         }
-        store.template store<pack_size>(values, row, pack_id * pack_size);
+        store.template store<pack_size>(values, row, head + pack_id * pack_size);
       }
     }
   }

@@ -55,6 +55,7 @@ class SoftmaxSpec(jit.KernelSpec):
     padding: bool = False         # warp
     block_size: int = 0           # block paths
     packs_per_thread: int = 0     # block_regs
+    peel: bool = False            # block_regs: rows start off the 16-byte grid
     storage_cache: bool = False   # block_smem: cache packs of the input's type
     stages: int = 0               # block_async: rows in flight per block
     online: bool = False          # block_uncached
@@ -71,7 +72,8 @@ class SoftmaxSpec(jit.KernelSpec):
             return (f"{head}_c{self.cols_per_thread}_g{self.thread_group_width}"
                     f"_r{self.rows_per_access}_{pad}")
         if self.impl == "block_regs":
-            return f"{head}_k{self.packs_per_thread}_b{self.block_size}"
+            peel = "_peel" if self.peel else ""
+            return f"{head}_k{self.packs_per_thread}_b{self.block_size}{peel}"
         if self.impl == "block_smem":
             return f"{head}_b{self.block_size}_{'packed' if self.storage_cache else 'strided'}"
         if self.impl == "block_async":
@@ -177,7 +179,7 @@ def vector_pack_size(cols: int, itemsize: int, align: int) -> int:
     return pack
 
 
-def _auto_plan(op, dtype, rows, cols, align, target) -> SoftmaxPlan:
+def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
     ftype = dtypes.BY_SHORT[dtype]
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     pack_size = vector_pack_size(cols, ftype.itemsize, align)
@@ -185,13 +187,17 @@ def _auto_plan(op, dtype, rows, cols, align, target) -> SoftmaxPlan:
     ladder = warp_ladder(cols, rows, pack_size, max_cols_per_thread)
     if ladder is not None:
         return _warp_plan(op, dtype, rows, cols, pack_size, ladder, target)
-    num_packs = cols // pack_size
+    # Rows off the 16-byte grid still take 16-byte packs when input and output
+    # are off by the same amount: the register path peels each row's edges.
+    peel = pack_size * ftype.itemsize < 16 and same_phase
+    regs_pack = 16 // ftype.itemsize if peel else pack_size
+    num_packs = cols // regs_pack
     for block_size in AUTO_BLOCK_REGS_SIZES:
         packs_per_thread = -(-num_packs // block_size)
         if (packs_per_thread <= AUTO_BLOCK_REGS_MAX_PACKS and
-                packs_per_thread * pack_size * compute_itemsize * block_size <= AUTO_BLOCK_REGS_MAX_BYTES):
-            spec = SoftmaxSpec(op, "block_regs", dtype, pack_size, block_size=block_size,
-                               packs_per_thread=packs_per_thread)
+                packs_per_thread * regs_pack * compute_itemsize * block_size <= AUTO_BLOCK_REGS_MAX_BYTES):
+            spec = SoftmaxSpec(op, "block_regs", dtype, regs_pack, block_size=block_size,
+                               packs_per_thread=packs_per_thread, peel=peel)
             return _block_plan(spec, rows, 0, target)
     row_bytes = cols * ftype.itemsize
     if pack_size * ftype.itemsize == 16:
@@ -211,18 +217,20 @@ def _auto_plan(op, dtype, rows, cols, align, target) -> SoftmaxPlan:
 
 @functools.lru_cache(maxsize=4096)
 def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target,
-         align: int = 16) -> SoftmaxPlan:
+         align: int = 16, same_phase: bool = True) -> SoftmaxPlan:
     """The launch plan for `rows` x `cols` of dtype (short name) on `target`.
 
     `align` is the largest power of two (<= 16) dividing every operand's
-    address and row stride in bytes."""
+    address and row stride in bytes; `same_phase` says every row of every
+    operand starts at the same offset from a 16-byte boundary."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
     arrays.check_policy(policy)
     if rows < 1 or cols < 1:
         raise ValueError(f"rows and cols must be positive, got {rows} x {cols}")
-    make = _oneflow_plan if policy == "oneflow" else _auto_plan
-    return make(op, dtype, rows, cols, align, target)
+    if policy == "oneflow":
+        return _oneflow_plan(op, dtype, rows, cols, align, target)
+    return _auto_plan(op, dtype, rows, cols, align, same_phase, target)
 
 
 # -- launch ------------------------------------------------------------------
@@ -236,10 +244,11 @@ def _launch(op, policy, inputs, output, rows, cols):
     ftype = dtypes.BY_DTYPE[x.array.dtype]
     align = arrays.alignment(x.byte_address, x.byte_row_stride, output.byte_address,
                              output.byte_row_stride)
-    key = (op, policy, rows, cols, ftype.short, align, device_id)
+    same_phase = arrays.same_phase(x, output)
+    key = (op, policy, rows, cols, ftype.short, align, same_phase, device_id)
     found = _launches.get(key)
     if found is None:
-        chosen = plan(op, rows, cols, ftype.short, policy, Target.live(device_id), align)
+        chosen = plan(op, rows, cols, ftype.short, policy, Target.live(device_id), align, same_phase)
         function = jit.kernel(chosen.spec, device_id).kernel
         found = _launches[key] = (function, chosen.grid, chosen.block, chosen.smem_bytes)
     function, grid, block, smem = found
