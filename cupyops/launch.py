@@ -80,16 +80,18 @@ def _live_target(device_id: int) -> Target:
 
 
 def choose_block_size(target: Target, spec_of: Callable[[int], jit.KernelSpec],
-                      dynamic_smem: int, opt_in: bool) -> Optional[int]:
+                      dynamic_smem: int, opt_in: bool, accept_any: bool = False) -> Optional[int]:
     """OneFlow's block-size rule for one-block-per-row kernels.
 
     Occupancy at 128 threads first: 0 means the path is impossible (None).
     Otherwise the first of 1024, 512, 256 that keeps the same number of active
-    blocks per SM, else 128."""
+    blocks per SM, else 128. With `accept_any` (OneFlow's LayerNorm when rows
+    <= SM count) the first of them that can launch at all is taken."""
     at_128 = target.max_active_blocks(spec_of(128), 128, dynamic_smem, opt_in)
     if at_128 <= 0:
         return None
     for block_size in BLOCK_SIZE_LADDER:
-        if target.max_active_blocks(spec_of(block_size), block_size, dynamic_smem, opt_in) == at_128:
+        active = target.max_active_blocks(spec_of(block_size), block_size, dynamic_smem, opt_in)
+        if active == at_128 or (accept_any and active > 0):
             return block_size
     return 128

@@ -1,0 +1,739 @@
+"""layer_norm and rms_norm, forward and backward: plan -> launch -> public functions.
+
+Forward paths (SPEC §5): "warp" (a row per group of lanes, registers),
+"block_regs" (a row per block, registers; auto only), "block_smem" (a row per
+block, shared memory) and "block_uncached" (a row per block, read twice).
+Statistics: Welford per thread, Chan's combine across lanes and warps
+(kernels/welford.cuh); RMSNorm sums squares.
+
+policy="oneflow" reproduces OneFlow's layer_norm.cuh / rms_norm.cuh dispatch:
+- float64: uncached, always.
+- cols <= 1024: warp path. pack 2 if cols is even (and the pointers allow
+  it), else 1. Ladder: cols <= g * pack for g in 4, 8, 16, 32 ->
+  cols_per_thread = pack, width g, two rows per access when rows is even;
+  then cols <= max * 32 for (max, min) in (2, 1) [pack 1 only], (4, 2),
+  (8, 4), (12, 8), ..., (32, 28) -> width 32, max_cols_per_thread = max;
+  the first min / pack packs of a lane are read without a bounds check
+  (min_cols_per_thread = max when cols == max * 32, i.e. no padding).
+  Grid: GetNumBlocks with OneFlow's occupancy form, sm_count * active * 32.
+- otherwise block_smem with cols * sizeof(compute) bytes when it can launch;
+  pack 4, 2 or 1 (largest dividing cols). LayerNorm opts in beyond 48 KB and
+  takes the first of 1024, 512, 256 with the occupancy of 128 (or any
+  occupancy when rows <= SM count), else 128; RMSNorm does not opt in and
+  takes the block size of highest occupancy (larger on ties).
+- else block_uncached with 1024 threads.
+- backward: dx the same way (smem caches dy and xhat: 2 * cols * sizeof(compute));
+  dweight / dbias by a separate column-reduction kernel, as OneFlow does.
+
+policy="auto" (default): 16-byte packs; warp groups of 1 .. 32 lanes with two
+rows per access (odd row counts included, the last row guarded) and lanes
+holding up to 128 bytes (backward: 64); then the register block path; then
+shared memory beyond 48 KB caching the storage type; then uncached. The
+backward pass folds dweight / dbias partial sums into the dx kernel while
+they fit in registers.
+
+dweight / dbias are always reduced in the compute type to a workspace of
+[parts, cols] partial sums, then summed by a second kernel in a fixed order:
+the same inputs give bit-identical gradients on every run.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy
+
+from .. import arrays, dtypes, jit, rowwise
+from ..device import STATIC_SMEM_LIMIT
+from ..launch import BLOCK_SIZE_LADDER, Target, choose_block_size, get_num_blocks
+from .softmax import vector_pack_size
+
+FORWARD_OPS = ("layer_norm", "rms_norm")
+BACKWARD_OPS = ("layer_norm_backward", "rms_norm_backward")
+OPS = FORWARD_OPS + BACKWARD_OPS
+
+WARP_BLOCK_THREADS = 128
+UNCACHED_BLOCK_SIZE = 1024
+PARAM_GRAD_BLOCK = (32, 32)          # kParamGradRows in kernels/norm.cuh
+# Threads per SM each kernel is compiled to leave room for (the second
+# argument of __launch_bounds__): 64 registers a thread forward, 128 backward
+# (dy, xhat and partial sums live in registers).
+MIN_RESIDENT_THREADS = {"forward": 1024, "backward": 512}
+ONEFLOW_WARP_MAX_COLS = 1024
+
+# OneFlow's warp ladder: group widths of the narrow stage, then the
+# (max_cols_per_thread, min_cols_per_thread) rungs at width 32.
+ONEFLOW_GROUP_WIDTHS = (4, 8, 16, 32)
+ONEFLOW_COLS_PER_THREAD = ((2, 1), (4, 2), (8, 4), (12, 8), (16, 12), (20, 16), (24, 20),
+                           (28, 24), (32, 28))
+# OneFlow's smem path per op: (opt in beyond 48 KB, block-size rule).
+ONEFLOW_SMEM_RULE = {"layer_norm": (True, "same_occupancy"), "rms_norm": (False, "max_occupancy")}
+
+AUTO_GROUP_WIDTHS = (1, 2, 4, 8, 16, 32)
+# auto: the warp path while a lane holds at most this many bytes of compute
+# values per row (the backward pass holds dy and xhat and partial sums).
+AUTO_WARP_MAX_BYTES_PER_LANE = {"forward": 128, "backward": 64}
+# auto, forward: (block_size, most bytes of compute values a thread holds).
+AUTO_BLOCK_REGS_LADDER = ((128, 64), (256, 64), (512, 64), (1024, 64), (1024, 128))
+# auto, backward: (block_size, most bytes per thread and array, dy / xhat kept
+# in registers between the passes); dweight / dbias partials stay in registers.
+AUTO_GRAD_BLOCK_LADDER = ((128, 32, True), (256, 32, True), (512, 32, True), (1024, 32, True),
+                          (512, 128, False))
+# auto, backward: blocks per SM for the fused kernels (one wave: each block
+# owns one workspace row of partial sums, so fewer blocks mean less workspace).
+AUTO_PARAM_GRAD_WAVES = 1
+# unfused column reduction: aim for this many 1024-thread blocks per SM.
+PARAM_GRAD_BLOCKS_PER_SM = 8
+
+
+def _affine_suffix(weight: bool, bias: bool) -> str:
+    return {(True, True): "_affine", (True, False): "_weight", (False, True): "_bias"}.get((weight, bias), "")
+
+
+@dataclass(frozen=True)
+class NormSpec(jit.KernelSpec):
+    """One norm kernel. op: layer_norm / rms_norm (forward), layer_norm_grad /
+    rms_norm_grad (dx), layer_norm_param_grad / rms_norm_param_grad (column
+    partial sums) or norm_param_grad_finish."""
+
+    op: str
+    impl: str
+    dtype: str                       # short name of the storage type
+    pack_size: int = 1
+    cols_per_thread: int = 0         # warp: max_cols_per_thread
+    min_cols_per_thread: int = 0     # warp: packs below it need no bounds check
+    thread_group_width: int = 0      # warp
+    rows_per_access: int = 1         # warp
+    padding: bool = False            # warp
+    block_size: int = 0              # block paths
+    packs_per_thread: int = 0        # block_regs
+    packed_cache: bool = False       # forward block_smem: cache the storage type
+    cached: bool = True              # backward block_regs: dy / xhat kept in registers
+    weight: bool = False
+    bias: bool = False
+    residual: bool = False
+    fuse_param_grad: bool = False    # backward: dweight / dbias partials in the dx kernel
+
+    @property
+    def ftype(self) -> dtypes.FloatType:
+        return dtypes.BY_SHORT[self.dtype]
+
+    @property
+    def centered(self) -> bool:
+        return self.op.startswith("layer_norm")
+
+    @property
+    def template(self) -> str:
+        return "norm.cu.j2" if self.op in FORWARD_OPS else "norm_grad.cu.j2"
+
+    @property
+    def name(self) -> str:
+        types = f"{self.dtype}_{self.ftype.compute}"
+        if self.impl in ("param_grad", "param_grad_finish"):
+            return f"{self.op}_{types}"
+        head = f"{self.op}_{self.impl}_{types}_p{self.pack_size}"
+        if self.impl == "warp":
+            cols = f"c{self.cols_per_thread}"
+            if self.min_cols_per_thread != self.cols_per_thread:
+                cols += f"m{self.min_cols_per_thread}"
+            pad = "pad" if self.padding else "nopad"
+            path = f"_{cols}_g{self.thread_group_width}_r{self.rows_per_access}_{pad}"
+        elif self.impl == "block_regs":
+            path = f"_k{self.packs_per_thread}_b{self.block_size}"
+            if self.op not in FORWARD_OPS:
+                path += "_cached" if self.cached else "_reread"
+        elif self.impl == "block_smem" and self.op in FORWARD_OPS:
+            path = f"_b{self.block_size}_cache{self.cache_ftype.short}"
+        else:
+            path = f"_b{self.block_size}"
+        flags = _affine_suffix(self.weight, self.bias)
+        flags += "_residual" if self.residual else ""
+        flags += "_pgrad" if self.fuse_param_grad else ""
+        return head + path + flags
+
+    @property
+    def cache_ftype(self) -> dtypes.FloatType:
+        return self.ftype if self.packed_cache else dtypes.BY_SHORT[self.ftype.compute]
+
+    @property
+    def threads_per_block(self) -> int:
+        if self.impl == "warp":
+            return WARP_BLOCK_THREADS
+        if self.impl in ("param_grad", "param_grad_finish"):
+            return PARAM_GRAD_BLOCK[0] * PARAM_GRAD_BLOCK[1]
+        return self.block_size
+
+    @property
+    def min_blocks_per_sm(self) -> int:
+        """__launch_bounds__' second argument (MIN_RESIDENT_THREADS per SM), so
+        ptxas neither spills to reach full occupancy nor spends registers past it."""
+        direction = "forward" if self.op in FORWARD_OPS else "backward"
+        return max(1, MIN_RESIDENT_THREADS[direction] // self.threads_per_block)
+
+    def template_args(self) -> dict:
+        return {**super().template_args(), "storage_type": self.ftype.c_type,
+                "compute_type": self.ftype.compute_c_type, "cache_type": self.cache_ftype.c_type,
+                "centered": self.centered, "min_blocks_per_sm": self.min_blocks_per_sm}
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    spec: NormSpec
+    block: tuple
+    grid: tuple
+    smem_bytes: int
+
+    def explain(self) -> dict:
+        spec = self.spec
+        return {"op": spec.op, "impl": spec.impl, "pack_size": spec.pack_size,
+                "cols_per_thread": spec.cols_per_thread,
+                "min_cols_per_thread": spec.min_cols_per_thread,
+                "thread_group_width": spec.thread_group_width,
+                "rows_per_access": spec.rows_per_access, "padding": spec.padding,
+                "block": list(self.block), "grid": list(self.grid),
+                "smem_bytes": self.smem_bytes, "kernel": spec.name}
+
+
+@dataclass(frozen=True)
+class NormPlan:
+    """Forward: one kernel."""
+    main: KernelLaunch
+
+    @property
+    def spec(self) -> NormSpec:
+        return self.main.spec
+
+    @property
+    def launches(self) -> tuple:
+        return (self.main,)
+
+    def explain(self) -> dict:
+        return self.main.explain()
+
+
+@dataclass(frozen=True)
+class NormGradPlan:
+    """Backward: the dx kernel (partials fused or not), the column reduction
+    when not fused, and the kernel that sums the [parts, cols] partials."""
+    main: KernelLaunch
+    param_grad: Optional[KernelLaunch]
+    finish: Optional[KernelLaunch]
+    num_parts: int                 # workspace rows of partial sums
+    rows_per_chunk: int            # rows per workspace row of the column reduction
+
+    @property
+    def spec(self) -> NormSpec:
+        return self.main.spec
+
+    @property
+    def launches(self) -> tuple:
+        return tuple(k for k in (self.main, self.param_grad, self.finish) if k is not None)
+
+    def explain(self) -> dict:
+        info = self.main.explain()
+        if self.finish is not None:
+            info["param_grad"] = "fused" if self.param_grad is None else self.param_grad.spec.name
+            info["workspace_rows"] = self.num_parts
+            info["finish_kernel"] = self.finish.spec.name
+        return info
+
+
+# -- planning ----------------------------------------------------------------
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def oneflow_warp_ladder(cols: int, rows: int, pack_size: int):
+    """OneFlow's (max_cols_per_thread, min_cols_per_thread, width, rows_per_access)."""
+    for width in ONEFLOW_GROUP_WIDTHS:
+        if cols <= width * pack_size:
+            return pack_size, 0, width, 2 if rows % 2 == 0 else 1
+    for max_cols, min_cols in ONEFLOW_COLS_PER_THREAD:
+        if max_cols % pack_size == 0 and min_cols % pack_size == 0 and cols <= max_cols * 32:
+            return max_cols, min_cols, 32, 1
+    return None
+
+
+def auto_warp_ladder(cols: int, pack_size: int, max_cols_per_thread: int):
+    """auto's (max_cols_per_thread, min_cols_per_thread, width, rows_per_access):
+    groups of 1 .. 32 lanes reading two rows at a time, then cols_per_thread
+    growing by pack_size; min is the exact number of columns every lane has."""
+    for width in AUTO_GROUP_WIDTHS:
+        if cols <= width * pack_size:
+            return pack_size, (cols // (width * pack_size)) * pack_size, width, 2
+    for cols_per_thread in range(2 * pack_size, max_cols_per_thread + 1, pack_size):
+        if cols <= cols_per_thread * 32:
+            return cols_per_thread, (cols // (32 * pack_size)) * pack_size, 32, 1
+    return None
+
+
+def _oneflow_grid(target: Target, spec: NormSpec, block_threads: int, smem: int, opt_in: bool,
+                  max_blocks: int) -> int:
+    """OneFlow's layer_norm GetNumBlocks: sm_count * active blocks per SM * 32 waves."""
+    active = target.max_active_blocks(spec, block_threads, smem, opt_in)
+    return max(1, min(max_blocks, target.facts.sm_count * active * 32))
+
+
+def _warp_launch(spec_fields: dict, rows: int, cols: int, pack_size: int, ladder, target: Target,
+                 policy: str, smem_per_group_col: int = 0, waves: int = 32) -> KernelLaunch:
+    max_cols, min_cols, width, rows_per_access = ladder
+    padding = cols != max_cols * width
+    spec = NormSpec(impl="warp", pack_size=pack_size, cols_per_thread=max_cols,
+                    min_cols_per_thread=min_cols if padding else max_cols, thread_group_width=width,
+                    rows_per_access=rows_per_access, padding=padding, **spec_fields)
+    groups_per_block = WARP_BLOCK_THREADS // width
+    smem = smem_per_group_col * groups_per_block * cols
+    if policy == "oneflow":
+        needed = _ceil_div(rows // rows_per_access, groups_per_block)
+        grid = _oneflow_grid(target, spec, WARP_BLOCK_THREADS, smem, False, needed)
+    else:
+        needed = _ceil_div(_ceil_div(rows, rows_per_access), groups_per_block)
+        grid = get_num_blocks(target.facts, WARP_BLOCK_THREADS, needed, waves)
+    return KernelLaunch(spec, (width, groups_per_block, 1), (grid, 1, 1), smem)
+
+
+def _block_launch(spec: NormSpec, rows: int, smem: int, target: Target, policy: str, opt_in: bool,
+                  waves: int = 32) -> KernelLaunch:
+    if policy == "oneflow":
+        grid = _oneflow_grid(target, spec, spec.block_size, smem, opt_in, rows)
+    else:
+        grid = get_num_blocks(target.facts, spec.block_size, rows, waves)
+    return KernelLaunch(spec, (spec.block_size, 1, 1), (grid, 1, 1), smem)
+
+
+def _max_occupancy_block_size(target, spec_of, smem: int, opt_in: bool) -> Optional[int]:
+    """OneFlow's RMSNorm rule: the block size with the most active blocks per
+    SM, trying 1024, 512, 256, 128 and keeping the first maximum."""
+    best, best_active = None, 0
+    for block_size in (*BLOCK_SIZE_LADDER, 128):
+        active = target.max_active_blocks(spec_of(block_size), block_size, smem, opt_in)
+        if active > best_active:
+            best, best_active = block_size, active
+    return best
+
+
+def _smem_launch(spec_fields, rows, cols, pack_size, smem, target, policy, opt_in, rule,
+                 packed_cache=False) -> Optional[KernelLaunch]:
+    def spec_of(block_size):
+        return NormSpec(impl="block_smem", pack_size=pack_size, block_size=block_size,
+                        packed_cache=packed_cache, **spec_fields)
+
+    if rule == "max_occupancy":
+        block_size = _max_occupancy_block_size(target, spec_of, smem, opt_in)
+    else:
+        few_rows = policy == "oneflow" and rows <= target.facts.sm_count
+        block_size = choose_block_size(target, spec_of, smem, opt_in, accept_any=few_rows)
+    if block_size is None:
+        return None
+    return _block_launch(spec_of(block_size), rows, smem, target, policy, opt_in)
+
+
+def _uncached_launch(spec_fields, rows, pack_size, target, policy) -> KernelLaunch:
+    spec = NormSpec(impl="block_uncached", pack_size=pack_size, block_size=UNCACHED_BLOCK_SIZE,
+                    **spec_fields)
+    return _block_launch(spec, rows, 0, target, policy, False)
+
+
+def _oneflow_block_pack(cols: int, itemsize: int, align: int) -> int:
+    """OneFlow's block paths: pack 4, 2 or 1, the largest dividing cols (and the alignment)."""
+    for pack in (4, 2):
+        if cols % pack == 0 and pack * itemsize <= align:
+            return pack
+    return 1
+
+
+def _oneflow_main(family, spec_fields, rows, cols, align, target, smem_arrays) -> KernelLaunch:
+    ftype = dtypes.BY_SHORT[spec_fields["dtype"]]
+    compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
+    block_pack = _oneflow_block_pack(cols, ftype.itemsize, align)
+    if ftype.short != "f64":
+        if cols <= ONEFLOW_WARP_MAX_COLS:
+            pack = 2 if cols % 2 == 0 and align >= 2 * ftype.itemsize else 1
+            ladder = oneflow_warp_ladder(cols, rows, pack)
+            return _warp_launch(spec_fields, rows, cols, pack, ladder, target, "oneflow")
+        opt_in, rule = ONEFLOW_SMEM_RULE[family]
+        launch = _smem_launch(spec_fields, rows, cols, block_pack, smem_arrays * cols * compute_itemsize,
+                              target, "oneflow", opt_in, rule)
+        if launch is not None:
+            return launch
+    return _uncached_launch(spec_fields, rows, block_pack, target, "oneflow")
+
+
+def _auto_forward(spec_fields, rows, cols, align, target) -> KernelLaunch:
+    ftype = dtypes.BY_SHORT[spec_fields["dtype"]]
+    compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
+    pack = vector_pack_size(cols, ftype.itemsize, align)
+    max_cols_per_thread = max(AUTO_WARP_MAX_BYTES_PER_LANE["forward"] // compute_itemsize, pack)
+    ladder = auto_warp_ladder(cols, pack, max_cols_per_thread)
+    if ladder is not None:
+        return _warp_launch(spec_fields, rows, cols, pack, ladder, target, "auto")
+    num_packs = cols // pack
+    for block_size, max_bytes in AUTO_BLOCK_REGS_LADDER:
+        packs_per_thread = -(-num_packs // block_size)
+        if packs_per_thread * pack * compute_itemsize <= max_bytes:
+            spec = NormSpec(impl="block_regs", pack_size=pack, block_size=block_size,
+                            packs_per_thread=packs_per_thread, **spec_fields)
+            return _block_launch(spec, rows, 0, target, "auto", False)
+    launch = _smem_launch(spec_fields, rows, cols, pack, cols * ftype.itemsize, target, "auto", True,
+                          "same_occupancy", packed_cache=True)
+    return launch or _uncached_launch(spec_fields, rows, pack, target, "auto")
+
+
+def _auto_backward_fused(spec_fields, rows, cols, align, target) -> Optional[KernelLaunch]:
+    """The dx kernel with dweight / dbias partials in registers, if they fit."""
+    ftype = dtypes.BY_SHORT[spec_fields["dtype"]]
+    compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
+    pack = vector_pack_size(cols, ftype.itemsize, align)
+    max_cols_per_thread = max(AUTO_WARP_MAX_BYTES_PER_LANE["backward"] // compute_itemsize, pack)
+    ladder = auto_warp_ladder(cols, pack, max_cols_per_thread)
+    if ladder is not None:
+        # partials of the groups meet in shared memory: 2 values per group and column
+        return _warp_launch(spec_fields, rows, cols, pack, ladder, target, "auto",
+                            smem_per_group_col=2 * compute_itemsize, waves=AUTO_PARAM_GRAD_WAVES)
+    num_packs = cols // pack
+    for block_size, max_bytes, cached in AUTO_GRAD_BLOCK_LADDER:
+        packs_per_thread = -(-num_packs // block_size)
+        if packs_per_thread * pack * compute_itemsize <= max_bytes:
+            spec = NormSpec(impl="block_regs", pack_size=pack, block_size=block_size,
+                            packs_per_thread=packs_per_thread, cached=cached, **spec_fields)
+            return _block_launch(spec, rows, 0, target, "auto", False, waves=AUTO_PARAM_GRAD_WAVES)
+    return None
+
+
+def _param_grad_launches(family, dtype, rows, cols, target):
+    """The column reduction (dy * xhat and dy over chunks of rows) and its grid."""
+    col_tiles = _ceil_div(cols, PARAM_GRAD_BLOCK[0])
+    row_tiles = _ceil_div(rows, PARAM_GRAD_BLOCK[1])
+    wanted = _ceil_div(target.facts.sm_count * PARAM_GRAD_BLOCKS_PER_SM, col_tiles)
+    rows_per_chunk = _ceil_div(rows, min(row_tiles, wanted))
+    chunks = _ceil_div(rows, rows_per_chunk)
+    spec = NormSpec(f"{family}_param_grad", "param_grad", dtype)
+    return KernelLaunch(spec, PARAM_GRAD_BLOCK + (1,), (col_tiles, chunks, 1), 0), chunks, rows_per_chunk
+
+
+def _finish_launch(dtype, cols) -> KernelLaunch:
+    spec = NormSpec("norm_param_grad_finish", "param_grad_finish", dtype)
+    return KernelLaunch(spec, PARAM_GRAD_BLOCK + (1,), (_ceil_div(cols, PARAM_GRAD_BLOCK[0]), 1, 1), 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target, align: int = 16,
+         weight: bool = True, bias: bool = True, residual: bool = False,
+         param_grad: bool = True):
+    """The launch plan of `op` for `rows` x `cols` of dtype (short name) on `target`.
+
+    Forward ops take weight / bias / residual flags; backward ops take weight
+    (dy is multiplied by it) and param_grad (dweight / dbias wanted). `align`
+    is the largest power of two (<= 16) dividing every operand's address and
+    row stride in bytes."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
+    arrays.check_policy(policy)
+    if rows < 1 or cols < 1:
+        raise ValueError(f"rows and cols must be positive, got {rows} x {cols}")
+    family = op.replace("_backward", "")
+    centered = family == "layer_norm"
+    if op in FORWARD_OPS:
+        fields = dict(op=op, dtype=dtype, weight=weight, bias=bias and centered, residual=residual)
+        if policy == "oneflow":
+            return NormPlan(_oneflow_main(family, fields, rows, cols, align, target, 1))
+        return NormPlan(_auto_forward(fields, rows, cols, align, target))
+
+    fields = dict(op=f"{family}_grad", dtype=dtype, weight=weight)
+    main = None
+    if policy == "auto" and param_grad:
+        main = _auto_backward_fused({**fields, "fuse_param_grad": True}, rows, cols, align, target)
+    if main is not None:
+        return NormGradPlan(main, None, _finish_launch(dtype, cols), main.grid[0], 0)
+    if policy == "oneflow":
+        main = _oneflow_main(family, fields, rows, cols, align, target, 2)
+    else:
+        main = _auto_backward_dx(fields, rows, cols, align, target)
+    if not param_grad:
+        return NormGradPlan(main, None, None, 0, 0)
+    column_reduction, chunks, rows_per_chunk = _param_grad_launches(family, dtype, rows, cols, target)
+    return NormGradPlan(main, column_reduction, _finish_launch(dtype, cols), chunks, rows_per_chunk)
+
+
+def _auto_backward_dx(fields, rows, cols, align, target) -> KernelLaunch:
+    """auto's dx kernel without fused partials (rows too long for register
+    partials, or no dweight / dbias wanted)."""
+    ftype = dtypes.BY_SHORT[fields["dtype"]]
+    compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
+    pack = vector_pack_size(cols, ftype.itemsize, align)
+    max_cols_per_thread = max(AUTO_WARP_MAX_BYTES_PER_LANE["backward"] // compute_itemsize, pack)
+    ladder = auto_warp_ladder(cols, pack, max_cols_per_thread)
+    if ladder is not None:
+        return _warp_launch(fields, rows, cols, pack, ladder, target, "auto")
+    num_packs = cols // pack
+    for block_size, max_bytes, cached in AUTO_GRAD_BLOCK_LADDER:
+        packs_per_thread = -(-num_packs // block_size)
+        if packs_per_thread * pack * compute_itemsize <= max_bytes:
+            spec = NormSpec(impl="block_regs", pack_size=pack, block_size=block_size,
+                            packs_per_thread=packs_per_thread, cached=cached, **fields)
+            return _block_launch(spec, rows, 0, target, "auto", False)
+    launch = _smem_launch(fields, rows, cols, pack, 2 * cols * compute_itemsize, target, "auto", True,
+                          "same_occupancy")
+    return launch or _uncached_launch(fields, rows, pack, target, "auto")
+
+
+# -- launch ------------------------------------------------------------------
+
+_NULL = numpy.uint64(0)
+_functions: dict = {}
+
+
+def _function(launch: KernelLaunch, device_id: int):
+    key = (launch.spec, device_id)
+    found = _functions.get(key)
+    if found is None:
+        raw = jit.kernel(launch.spec, device_id)
+        if launch.smem_bytes > STATIC_SMEM_LIMIT and raw.max_dynamic_shared_size_bytes < launch.smem_bytes:
+            raw.max_dynamic_shared_size_bytes = launch.smem_bytes
+        found = _functions[key] = raw.kernel
+    return found
+
+
+def _run(launch: KernelLaunch, device_id: int, args: tuple) -> None:
+    _function(launch, device_id)(launch.grid, launch.block, args, shared_mem=launch.smem_bytes)
+
+
+def _pointer(array):
+    return _NULL if array is None else array
+
+
+def _scalar(ftype: dtypes.FloatType, value: float):
+    return numpy.float64(value) if ftype.compute == "f64" else numpy.float32(value)
+
+
+# -- argument checks -----------------------------------------------------------
+
+def _normalized_axes(x, axis) -> int:
+    """Number of trailing axes `axis` names (ValueError if they are not trailing)."""
+    axes = arrays.normalize_axes(axis, x.ndim)
+    if axes != tuple(range(x.ndim - len(axes), x.ndim)):
+        raise ValueError(f"axis {axis!r} must name trailing axes of the {x.ndim}-d input "
+                         "(as torch's normalized_shape); move the axes last first")
+    if not axes:
+        raise ValueError("axis names no axis")
+    return len(axes)
+
+
+def _check_like(value, name: str, shape: tuple, dtype, device_id: int):
+    """A GPU array of exactly `shape`, `dtype` and device, else a named error."""
+    if value is None:
+        return None
+    value = arrays.as_cupy(value, name)
+    if value.dtype != dtype:
+        raise TypeError(f"{name} has dtype {value.dtype}, expected {numpy.dtype(dtype)} (the input's)")
+    if value.shape != tuple(shape):
+        raise ValueError(f"{name} has shape {value.shape}, expected {tuple(shape)}")
+    if value.device.id != device_id:
+        raise ValueError(f"{name} is on GPU {value.device.id}, the input on GPU {device_id}")
+    return value
+
+
+def _check_eps(eps) -> float:
+    eps = float(eps)
+    if not eps > 0 or math.isinf(eps):
+        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
+    return eps
+
+
+def _float_input(x, name: str = "x"):
+    x = arrays.as_cupy(x, name)
+    dtypes.float_type(x.dtype)   # TypeError for anything but float16/bfloat16/float32/float64
+    return x
+
+
+def _stats_dtype(dtype) -> numpy.dtype:
+    return dtypes.DTYPE_OF_SHORT[dtypes.float_type(dtype).compute]
+
+
+# -- forward -------------------------------------------------------------------
+
+def _forward(op, x, weight, bias, axis, eps, residual, return_stats, out, policy, stream):
+    import cupy
+
+    x = _float_input(x)
+    arrays.check_policy(policy)
+    eps = _check_eps(eps)
+    ftype = dtypes.float_type(x.dtype)
+    num_axes = _normalized_axes(x, axis)
+    normalized_shape = x.shape[x.ndim - num_axes:]
+    device_id = x.device.id
+    weight = _check_like(weight, "weight", normalized_shape, x.dtype, device_id)
+    bias = _check_like(bias, "bias", normalized_shape, x.dtype, device_id)
+    residual = _check_like(residual, "residual", x.shape, x.dtype, device_id)
+    out = arrays.check_out(out, x.shape, x.dtype, device_id)
+    stats_dtype = _stats_dtype(x.dtype)
+    lead_shape = x.shape[:x.ndim - num_axes]
+    centered = op == "layer_norm"
+
+    with arrays.on_device(x, stream):
+        weight = None if weight is None else cupy.ascontiguousarray(weight)
+        bias = None if bias is None else cupy.ascontiguousarray(bias)
+        h = cupy.empty(x.shape, x.dtype) if residual is not None else None
+        mean = cupy.empty(lead_shape, stats_dtype) if return_stats and centered else None
+        rstd = cupy.empty(lead_shape, stats_dtype) if return_stats else None
+
+        def launch(operands, output, rows, cols):
+            x_op = operands[0]
+            res_op = operands[1] if residual is not None else None
+            pointers = [x_op.byte_address, x_op.byte_row_stride, output.byte_address, output.byte_row_stride]
+            if res_op is not None:
+                pointers += [res_op.byte_address, res_op.byte_row_stride, h.data.ptr, cols * x.itemsize]
+            pointers += [vector.data.ptr for vector in (weight, bias) if vector is not None]
+            align = arrays.alignment(*pointers)
+            chosen = plan(op, rows, cols, ftype.short, policy, Target.live(device_id), align,
+                          weight is not None, bias is not None, residual is not None)
+            _run(chosen.main, device_id, (
+                x_op.array, _pointer(None if res_op is None else res_op.array), _pointer(weight),
+                _pointer(bias), output.array, _pointer(h), _pointer(mean), _pointer(rstd),
+                numpy.int64(rows), numpy.int64(cols), numpy.int64(x_op.row_stride),
+                numpy.int64(0 if res_op is None else res_op.row_stride), numpy.int64(output.row_stride),
+                numpy.int64(cols), _scalar(ftype, eps)))
+
+        if x.size == 0:
+            y = out if out is not None else cupy.empty(x.shape, x.dtype)
+            for stat in (mean, rstd):
+                if stat is not None:
+                    stat.fill(numpy.nan)
+        else:
+            inputs = [x] if residual is None else [x, residual]
+            y = rowwise.run(inputs, tuple(range(x.ndim - num_axes, x.ndim)), out, x.dtype, launch)
+    result = [y]
+    if residual is not None:
+        result.append(h)
+    if return_stats:
+        result += [mean, rstd] if centered else [rstd]
+    return result[0] if len(result) == 1 else tuple(result)
+
+
+def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=1e-5, residual=None, return_stats=False,
+               out=None, policy: str = "auto", stream=None):
+    """Layer normalisation of `x` over the trailing `axis` (an int or a tuple).
+
+    Equivalent to ``torch.nn.functional.layer_norm(x, x.shape[axes], weight,
+    bias, eps)``: ``(x - mean) / sqrt(var + eps) * weight + bias`` with the
+    biased variance, statistics and affine in float32 for 16-bit inputs.
+    weight / bias are shaped like the normalised axes. With `residual`,
+    ``h = x + residual`` is normalised in the same kernel and returned as
+    ``(y, h)``; with `return_stats` the per-row ``mean`` and ``rstd`` (compute
+    type: float32, or float64 for float64 input) are appended."""
+    return _forward("layer_norm", x, weight, bias, axis, eps, residual, return_stats, out, policy, stream)
+
+
+def rms_norm(x, weight=None, *, axis=-1, eps=1e-5, residual=None, return_stats=False, out=None,
+             policy: str = "auto", stream=None):
+    """RMS normalisation of `x` over the trailing `axis`: ``x * rsqrt(mean(x**2) + eps) * weight``.
+
+    Equivalent to ``torch.nn.functional.rms_norm(x, x.shape[axes], weight, eps)``.
+    `residual` and `return_stats` as for :func:`layer_norm` (the statistic
+    appended is ``rstd`` alone)."""
+    return _forward("rms_norm", x, weight, None, axis, eps, residual, return_stats, out, policy, stream)
+
+
+# -- backward ------------------------------------------------------------------
+
+def _check_stat(value, name: str, rows: int, dtype, device_id: int):
+    import cupy
+
+    value = arrays.as_cupy(value, name)
+    if value.dtype.kind != "f":
+        raise TypeError(f"{name} has dtype {value.dtype}, expected floating point")
+    if value.size != rows:
+        raise ValueError(f"{name} has {value.size} elements, expected one per row ({rows})")
+    if value.device.id != device_id:
+        raise ValueError(f"{name} is on GPU {value.device.id}, the input on GPU {device_id}")
+    return cupy.ascontiguousarray(value.reshape(rows), dtype=dtype)
+
+
+def _backward(op, dy, x, mean, rstd, weight, axis, need_weight_grad, need_bias_grad, policy, stream):
+    import cupy
+
+    x = _float_input(x)
+    arrays.check_policy(policy)
+    device_id = x.device.id
+    dy = _check_like(dy, "dy", x.shape, x.dtype, device_id)
+    if dy is None:
+        raise TypeError("dy must be a GPU array")
+    ftype = dtypes.float_type(x.dtype)
+    num_axes = _normalized_axes(x, axis)
+    normalized_shape = x.shape[x.ndim - num_axes:]
+    weight = _check_like(weight, "weight", normalized_shape, x.dtype, device_id)
+    stats_dtype = _stats_dtype(x.dtype)
+    cols = math.prod(normalized_shape)
+    rows = x.size // cols if cols else 0
+    centered = op == "layer_norm_backward"
+    param_grad = need_weight_grad or need_bias_grad
+
+    with arrays.on_device(x, stream):
+        mean = _check_stat(mean, "mean", rows, stats_dtype, device_id) if centered else None
+        rstd = _check_stat(rstd, "rstd", rows, stats_dtype, device_id)
+        weight = None if weight is None else cupy.ascontiguousarray(weight)
+        grad_dtype = x.dtype
+        dweight = cupy.zeros(normalized_shape, grad_dtype) if need_weight_grad else None
+        dbias = cupy.zeros(normalized_shape, grad_dtype) if need_bias_grad and centered else None
+
+        def launch(operands, output, rows, cols):
+            dy_op, x_op = operands
+            pointers = [op_.byte_address for op_ in (dy_op, x_op, output)]
+            pointers += [op_.byte_row_stride for op_ in (dy_op, x_op, output)]
+            if weight is not None:
+                pointers.append(weight.data.ptr)
+            chosen = plan(op, rows, cols, ftype.short, policy, Target.live(device_id),
+                          arrays.alignment(*pointers), weight is not None, param_grad)
+            weight_parts = bias_parts = None
+            if param_grad:
+                weight_parts = cupy.empty((chosen.num_parts, cols), stats_dtype)
+                if dbias is not None:
+                    bias_parts = cupy.empty((chosen.num_parts, cols), stats_dtype)
+            for step in (chosen.main, chosen.param_grad):
+                if step is None:
+                    continue
+                writes_dx = step is chosen.main
+                _run(step, device_id, (
+                    dy_op.array, x_op.array, _pointer(weight), _pointer(mean), rstd,
+                    output.array if writes_dx else _NULL,
+                    _pointer(weight_parts if step.spec.fuse_param_grad or not writes_dx else None),
+                    _pointer(bias_parts if step.spec.fuse_param_grad or not writes_dx else None),
+                    numpy.int64(rows), numpy.int64(cols), numpy.int64(dy_op.row_stride),
+                    numpy.int64(x_op.row_stride), numpy.int64(output.row_stride),
+                    numpy.int64(chosen.rows_per_chunk)))
+            for parts, grad in ((weight_parts, dweight), (bias_parts, dbias)):
+                if parts is not None and grad is not None:
+                    _run(chosen.finish, device_id, (parts, numpy.int64(chosen.num_parts),
+                                                    numpy.int64(cols), grad))
+
+        if x.size == 0:
+            dx = cupy.empty(x.shape, x.dtype)
+        else:
+            dx = rowwise.run([dy, x], tuple(range(x.ndim - num_axes, x.ndim)), None, x.dtype, launch)
+    return (dx, dweight, dbias) if centered else (dx, dweight)
+
+
+def layer_norm_backward(dy, x, mean, rstd, weight=None, *, axis=-1, need_weight_grad=True,
+                        need_bias_grad=True, policy: str = "auto", stream=None):
+    """Gradients of :func:`layer_norm`: ``(dx, dweight, dbias)``.
+
+    `mean` and `rstd` are the statistics of the forward pass (return_stats=True;
+    with a residual, `x` is h). Equivalent to torch autograd through
+    ``torch.nn.functional.layer_norm``. dweight / dbias (None unless wanted)
+    are reduced in float32 (float64 for float64) in a fixed order:
+    bit-identical on every run."""
+    return _backward("layer_norm_backward", dy, x, mean, rstd, weight, axis, need_weight_grad,
+                     need_bias_grad, policy, stream)
+
+
+def rms_norm_backward(dy, x, rstd, weight=None, *, axis=-1, need_weight_grad=True, policy: str = "auto",
+                      stream=None):
+    """Gradients of :func:`rms_norm`: ``(dx, dweight)``.
+
+    Equivalent to torch autograd through ``torch.nn.functional.rms_norm``;
+    dweight as for :func:`layer_norm_backward`."""
+    return _backward("rms_norm_backward", dy, x, None, rstd, weight, axis, need_weight_grad, False,
+                     policy, stream)

@@ -1,0 +1,284 @@
+"""GPU tests of layer_norm / rms_norm and their backward passes against float64 NumPy references."""
+from __future__ import annotations
+
+import numpy
+import pytest
+
+from conftest import DTYPES, assert_close
+from cupyops.dtypes import BFLOAT16
+
+import cupyops
+
+pytestmark = pytest.mark.gpu
+
+POLICIES = ("auto", "oneflow")
+# every path boundary of both policies (warp widths, (max, min) rungs, warp /
+# block at 1024, register / shared-memory / uncached sizes), odd sizes, cols = 1
+BOUNDARY_COLS = (1, 2, 3, 5, 8, 17, 32, 33, 64, 65, 129, 257, 511, 512, 1000, 1023, 1024, 1025, 1536,
+                 3000, 4096, 8193, 12345, 16384, 32768)
+EPS = 1e-5
+
+
+def _cupy():
+    import cupy
+    return cupy
+
+
+def _data(rng, shape, dtype, loc=0.0, scale=1.0):
+    """Random data as `dtype` on the GPU and the same values in float64 on the host."""
+    host = (loc + scale * rng.standard_normal(shape)).astype(dtype)
+    return _cupy().asarray(host), host.astype(numpy.float64)
+
+
+def _reference(x, weight, bias, num_axes, centered, eps=EPS):
+    axes = tuple(range(x.ndim - num_axes, x.ndim))
+    lead = x.shape[:x.ndim - num_axes]
+    mean = x.mean(axis=axes, keepdims=True) if centered else numpy.zeros(lead + (1,) * num_axes)
+    var = ((x - mean) ** 2).mean(axis=axes, keepdims=True)
+    rstd = 1 / numpy.sqrt(var + eps)
+    y = (x - mean) * rstd
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y, mean.reshape(lead), rstd.reshape(lead)
+
+
+def _reference_backward(dy, x, weight, num_axes, centered, eps=EPS):
+    axes = tuple(range(x.ndim - num_axes, x.ndim))
+    lead = tuple(range(x.ndim - num_axes))
+    _, mean, rstd = _reference(x, None, None, num_axes, centered, eps)
+    mean = mean.reshape(mean.shape + (1,) * num_axes)
+    rstd = rstd.reshape(rstd.shape + (1,) * num_axes)
+    xhat = (x - mean) * rstd
+    g = dy * (weight if weight is not None else 1)
+    mean_g = g.mean(axis=axes, keepdims=True) if centered else 0
+    dx = rstd * (g - mean_g - xhat * (g * xhat).mean(axis=axes, keepdims=True))
+    return dx, (dy * xhat).sum(axis=lead), dy.sum(axis=lead)
+
+
+def _poisoned(shape, dtype):
+    out = _cupy().empty(shape, dtype)
+    out.fill(numpy.nan)
+    return out
+
+
+def _stats_tolerance_dtype(dtype):
+    return numpy.float64 if numpy.dtype(dtype) == numpy.float64 else numpy.float32
+
+
+# -- forward --------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cols", BOUNDARY_COLS)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_forward_matches_reference(rng, op, cols, dtype, policy):
+    centered = op == "layer_norm"
+    rows = 7 if cols % 2 else 8     # rows_per_access 2 with odd and even row counts
+    x, x64 = _data(rng, (rows, cols), dtype)
+    w, w64 = _data(rng, (cols,), dtype, 1.0, 0.2)
+    b, b64 = _data(rng, (cols,), dtype, 0.0, 0.2)
+    y_ref, mean_ref, rstd_ref = _reference(x64, w64, b64 if centered else None, 1, centered)
+    out = _poisoned((rows, cols), dtype)
+    if centered:
+        y, mean, rstd = cupyops.layer_norm(x, w, b, eps=EPS, return_stats=True, out=out, policy=policy)
+        assert mean.dtype == _stats_tolerance_dtype(dtype)
+        assert_close(mean.get(), mean_ref, _stats_tolerance_dtype(dtype), scale=10)
+    else:
+        y, rstd = cupyops.rms_norm(x, w, eps=EPS, return_stats=True, out=out, policy=policy)
+    assert y is out
+    assert_close(rstd.get(), rstd_ref, _stats_tolerance_dtype(dtype), scale=10)
+    assert_close(y.get(), y_ref, dtype, scale=4)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 131, 132, 133, 4097])
+def test_row_counts_and_no_write_past_the_end(rng, rows, policy):
+    """rows_per_access 2 on odd rows: the row after the last stays untouched."""
+    cupy = _cupy()
+    for cols in (4, 16, 48, 1024, 3000):
+        x, x64 = _data(rng, (rows, cols), numpy.float16)
+        big = _poisoned((rows + 1, cols), numpy.float16)
+        cupyops.rms_norm(x, eps=EPS, out=big[:rows], policy=policy)
+        assert bool(cupy.isnan(big[rows]).all())
+        assert_close(big[:rows].get(), _reference(x64, None, None, 1, False)[0], numpy.float16, scale=4)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_residual_is_added_stored_and_normalised(rng, dtype, policy):
+    for cols in (7, 256, 1000, 4096):
+        x, x64 = _data(rng, (9, cols), dtype)
+        r, r64 = _data(rng, (9, cols), dtype)
+        w, w64 = _data(rng, (cols,), dtype, 1.0, 0.2)
+        b, b64 = _data(rng, (cols,), dtype, 0.0, 0.2)
+        compute = numpy.float64 if numpy.dtype(dtype) == numpy.float64 else numpy.float32
+        h_expected = (x64.astype(compute) + r64.astype(compute)).astype(dtype)   # rounded as torch
+        y, h = cupyops.layer_norm(x, w, b, residual=r, eps=EPS, policy=policy)
+        numpy.testing.assert_array_equal(h.get().astype(numpy.float64), h_expected.astype(numpy.float64))
+        y_ref = _reference(h.get().astype(numpy.float64), w64, b64, 1, True)[0]
+        assert_close(y.get(), y_ref, dtype, scale=4)
+        y, h = cupyops.rms_norm(x, w, residual=r, eps=EPS, policy=policy)
+        assert_close(y.get(), _reference(h.get().astype(numpy.float64), w64, None, 1, False)[0], dtype,
+                     scale=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cols_one_and_constant_rows(rng, dtype):
+    cupy = _cupy()
+    for cols in (1, 100, 5000):
+        x = cupy.asarray(numpy.full((6, cols), 3.25, dtype))
+        b, b64 = _data(rng, (cols,), dtype)
+        y, mean, rstd = cupyops.layer_norm(x, None, b, eps=EPS, return_stats=True)
+        assert_close(y.get(), numpy.broadcast_to(b64, (6, cols)), dtype)
+        assert_close(mean.get(), numpy.full(6, 3.25), numpy.float32)
+        assert_close(rstd.get(), numpy.full(6, 1 / numpy.sqrt(EPS)), numpy.float32)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("cols", [256, 1024, 4096, 20000])
+def test_large_offset_needs_welford(rng, cols, policy):
+    """mean 1e4, std 1e-2: sum(x^2) / n - mean^2 loses every digit in float32."""
+    x, x64 = _data(rng, (16, cols), numpy.float32, loc=1e4, scale=1e-2)
+    y_ref, mean_ref, rstd_ref = _reference(x64, None, None, 1, True)
+    y, mean, rstd = cupyops.layer_norm(x, eps=EPS, return_stats=True, policy=policy)
+    numpy.testing.assert_allclose(rstd.get(), rstd_ref, rtol=1e-2)
+    # the float32 mean itself is only known to half an ulp of 1e4 (5e-4 = 0.05 std)
+    numpy.testing.assert_allclose(y.get(), y_ref, atol=0.1)
+    x, x64 = _data(rng, (16, cols), numpy.float64, loc=1e4, scale=1e-2)
+    y = cupyops.layer_norm(x, eps=EPS, policy=policy)
+    assert_close(y.get(), _reference(x64, None, None, 1, True)[0], numpy.float64, scale=1e4)
+
+
+def test_trailing_axes_views_and_offsets(rng):
+    cupy = _cupy()
+    x, x64 = _data(rng, (3, 5, 6, 8), numpy.float32)
+    w, w64 = _data(rng, (6, 8), numpy.float32)
+    y = cupyops.layer_norm(x, w, axis=(-2, -1), eps=EPS)
+    assert_close(y.get(), _reference(x64, w64, None, 2, True)[0], numpy.float32, scale=4)
+    base, base64 = _data(rng, (9, 1001), numpy.float16)
+    view, view64 = base[1:, 1:], base64[1:, 1:]          # misaligned: falls back to pack 1
+    assert_close(cupyops.rms_norm(view, eps=EPS).get(), _reference(view64, None, None, 1, False)[0],
+                 numpy.float16, scale=4)
+    strided, strided64 = base[::2, :512], base64[::2, :512]
+    assert_close(cupyops.layer_norm(strided, eps=EPS).get(),
+                 _reference(strided64, None, None, 1, True)[0], numpy.float16, scale=4)
+    transposed = cupy.asfortranarray(x.reshape(15, 48))
+    assert_close(cupyops.layer_norm(transposed, eps=EPS).get(),
+                 _reference(x64.reshape(15, 48), None, None, 1, True)[0], numpy.float32, scale=4)
+
+
+# -- backward -------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cols", (1, 3, 32, 33, 512, 1000, 1024, 1025, 4096, 12345, 16384, 40000))
+@pytest.mark.parametrize("centered", [True, False], ids=["layer_norm", "rms_norm"])
+def test_backward_matches_reference(rng, centered, cols, dtype, policy):
+    rows = 37 if cols % 2 else 64
+    x, x64 = _data(rng, (rows, cols), dtype)
+    dy, dy64 = _data(rng, (rows, cols), dtype)
+    w, w64 = _data(rng, (cols,), dtype, 1.0, 0.2)
+    dx_ref, dw_ref, db_ref = _reference_backward(dy64, x64, w64, 1, centered)
+    if centered:
+        _, mean, rstd = cupyops.layer_norm(x, w, eps=EPS, return_stats=True)
+        dx, dw, db = cupyops.layer_norm_backward(dy, x, mean, rstd, w, policy=policy)
+        assert_close(db.get(), db_ref, dtype, scale=10)
+    else:
+        _, rstd = cupyops.rms_norm(x, w, eps=EPS, return_stats=True)
+        dx, dw = cupyops.rms_norm_backward(dy, x, rstd, w, policy=policy)
+    scale = 10 if numpy.dtype(dtype) != numpy.float64 else 1e3
+    assert_close(dx.get(), dx_ref, dtype, scale=scale)
+    assert_close(dw.get(), dw_ref, dtype, scale=scale * 10)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("cols", [64, 1024, 4096, 16384, 40000])
+def test_backward_is_deterministic(rng, cols, policy):
+    cupy = _cupy()
+    x, _ = _data(rng, (3001, cols), BFLOAT16)
+    dy, _ = _data(rng, (3001, cols), BFLOAT16)
+    w, _ = _data(rng, (cols,), BFLOAT16, 1.0, 0.2)
+    _, mean, rstd = cupyops.layer_norm(x, w, eps=EPS, return_stats=True)
+    first = cupyops.layer_norm_backward(dy, x, mean, rstd, w, policy=policy)
+    second = cupyops.layer_norm_backward(dy, x, mean, rstd, w, policy=policy)
+    for a, b in zip(first, second):
+        assert bool(cupy.array_equal(a.view(cupy.uint16), b.view(cupy.uint16)))
+
+
+def test_backward_without_param_grads(rng):
+    x, x64 = _data(rng, (10, 300), numpy.float32)
+    dy, dy64 = _data(rng, (10, 300), numpy.float32)
+    _, mean, rstd = cupyops.layer_norm(x, eps=EPS, return_stats=True)
+    dx, dw, db = cupyops.layer_norm_backward(dy, x, mean, rstd, need_weight_grad=False,
+                                             need_bias_grad=False)
+    assert dw is None and db is None
+    assert_close(dx.get(), _reference_backward(dy64, x64, None, 1, True)[0], numpy.float32, scale=10)
+
+
+# -- torch parity ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("cols", [96, 1024, 3000, 16384])
+def test_torch_parity(rng, dtype, cols):
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    cupy = _cupy()
+    tdtype = getattr(torch, dtype)
+    tx = torch.randn(64, cols, device="cuda", dtype=tdtype, requires_grad=True)
+    tw = (1 + 0.2 * torch.randn(cols, device="cuda", dtype=tdtype)).requires_grad_()
+    tb = (0.2 * torch.randn(cols, device="cuda", dtype=tdtype)).requires_grad_()
+    tdy = torch.randn(64, cols, device="cuda", dtype=tdtype)
+    x, w, b, dy = (cupy.from_dlpack(t.detach()) for t in (tx, tw, tb, tdy))
+    np_dtype = BFLOAT16 if dtype == "bfloat16" else numpy.dtype(dtype)
+
+    def close(ours, theirs):
+        assert_close(ours.get(), theirs.detach().float().cpu().numpy().astype(numpy.float64), np_dtype,
+                     scale=10)
+
+    ty = F.layer_norm(tx, (cols,), tw, tb, EPS)
+    y, mean, rstd = cupyops.layer_norm(x, w, b, eps=EPS, return_stats=True)
+    close(y, ty)
+    for ours, theirs in zip(cupyops.layer_norm_backward(dy, x, mean, rstd, w),
+                            torch.autograd.grad(ty, (tx, tw, tb), tdy)):
+        close(ours, theirs)
+    if hasattr(F, "rms_norm"):
+        ty = F.rms_norm(tx, (cols,), tw, EPS)
+        y, rstd = cupyops.rms_norm(x, w, eps=EPS, return_stats=True)
+        close(y, ty)
+        for ours, theirs in zip(cupyops.rms_norm_backward(dy, x, rstd, w),
+                                torch.autograd.grad(ty, (tx, tw), tdy)):
+            close(ours, theirs)
+
+
+# -- bad input ------------------------------------------------------------------
+
+def test_bad_input_names_the_argument():
+    cupy = _cupy()
+    x = cupy.ones((4, 8), cupy.float16)
+    good = cupy.ones(8, cupy.float16)
+    cases = [
+        (dict(weight=cupy.ones(7, cupy.float16)), ValueError, "weight"),
+        (dict(weight=cupy.ones(8, cupy.float32)), TypeError, "weight"),
+        (dict(weight=numpy.ones(8, numpy.float16)), TypeError, "weight"),
+        (dict(bias=cupy.ones((1, 8), cupy.float16)), ValueError, "bias"),
+        (dict(bias=cupy.ones(8, cupy.float64)), TypeError, "bias"),
+        (dict(residual=cupy.ones((4, 7), cupy.float16)), ValueError, "residual"),
+        (dict(residual=cupy.ones((4, 8), cupy.float32)), TypeError, "residual"),
+        (dict(eps=0.0), ValueError, "eps"),
+        (dict(eps=-1e-5), ValueError, "eps"),
+        (dict(axis=0), ValueError, "axis"),
+        (dict(weight=good, policy="fast"), ValueError, "policy"),
+    ]
+    for kwargs, error, word in cases:
+        with pytest.raises(error, match=word):
+            cupyops.layer_norm(x, **kwargs)
+    with pytest.raises(TypeError, match="x"):
+        cupyops.layer_norm(numpy.ones((4, 8)))
+    with pytest.raises(TypeError):
+        cupyops.rms_norm(cupy.ones((4, 8), cupy.int32))
+    with pytest.raises(ValueError, match="rstd"):
+        cupyops.rms_norm_backward(x, x, cupy.ones(3, cupy.float32))
+    with pytest.raises(ValueError, match="dy"):
+        cupyops.layer_norm_backward(x[:2], x, cupy.ones(4, cupy.float32), cupy.ones(4, cupy.float32))

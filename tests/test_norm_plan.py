@@ -1,0 +1,185 @@
+"""CPU tests of the LayerNorm / RMSNorm planner, names, rendering and NVRTC compiles."""
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from cupyops import jit
+from cupyops.device import ARCH_PROFILES
+from cupyops.launch import Target
+from cupyops.ops import norm
+
+H100 = Target.profile("h100")
+ROWS = 49152
+SWEEP_COLS = (32, 64, 128, 256, 512, 1000, 1024, 1536, 2048, 3000, 4096, 8192, 12345, 16384, 32768)
+SWEEP_DTYPES = ("f16", "bf16", "f32")
+
+
+# -- OneFlow's warp ladder -------------------------------------------------------
+
+@pytest.mark.parametrize("cols, pack, expected", [
+    # pack 1: groups of 4 .. 32 lanes, then (max, min) rungs at width 32
+    (1, 1, (1, 0, 4, 2)), (4, 1, (1, 0, 4, 2)), (5, 1, (1, 0, 8, 2)), (17, 1, (1, 0, 32, 2)),
+    (32, 1, (1, 0, 32, 2)), (33, 1, (2, 1, 32, 1)), (64, 1, (2, 1, 32, 1)), (65, 1, (4, 2, 32, 1)),
+    (129, 1, (8, 4, 32, 1)), (257, 1, (12, 8, 32, 1)), (385, 1, (16, 12, 32, 1)),
+    (1023, 1, (32, 28, 32, 1)),
+    # pack 2: no (2, 1) rung
+    (2, 2, (2, 0, 4, 2)), (8, 2, (2, 0, 4, 2)), (10, 2, (2, 0, 8, 2)), (64, 2, (2, 0, 32, 2)),
+    (66, 2, (4, 2, 32, 1)), (128, 2, (4, 2, 32, 1)), (1000, 2, (32, 28, 32, 1)), (1024, 2, (32, 28, 32, 1)),
+])
+def test_oneflow_warp_ladder(cols, pack, expected):
+    assert norm.oneflow_warp_ladder(cols, 4, pack) == expected
+
+
+def test_oneflow_ladder_two_rows_only_for_even_rows():
+    assert norm.oneflow_warp_ladder(16, 7, 1)[3] == 1
+    assert norm.oneflow_warp_ladder(16, 8, 1)[3] == 2
+    assert norm.oneflow_warp_ladder(1025, 8, 1) is None
+
+
+@pytest.mark.parametrize("op", norm.FORWARD_OPS)
+def test_oneflow_paths(op):
+    warp = norm.plan(op, ROWS, 1024, "f16", "oneflow", H100).spec
+    assert (warp.impl, warp.pack_size, warp.cols_per_thread, warp.padding) == ("warp", 2, 32, False)
+    assert warp.min_cols_per_thread == 32          # no padding: min = max
+    padded = norm.plan(op, ROWS, 1000, "f16", "oneflow", H100).spec
+    assert (padded.cols_per_thread, padded.min_cols_per_thread, padded.padding) == (32, 28, True)
+    odd = norm.plan(op, ROWS, 999, "f16", "oneflow", H100).spec
+    assert odd.pack_size == 1
+    smem = norm.plan(op, ROWS, 1025, "f16", "oneflow", H100)
+    assert smem.spec.impl == "block_smem" and smem.spec.pack_size == 1
+    assert smem.main.smem_bytes == 1025 * 4         # cached in float, OneFlow's layout size
+    assert norm.plan(op, ROWS, 4096, "f32", "oneflow", H100).spec.pack_size == 4
+    assert norm.plan(op, ROWS, 4098, "f32", "oneflow", H100).spec.pack_size == 2
+    assert norm.plan(op, ROWS, 64, "f64", "oneflow", H100).spec.impl == "block_uncached"
+    huge = norm.plan(op, 64, 300_000, "f32", "oneflow", H100).spec
+    assert (huge.impl, huge.block_size) == ("block_uncached", 1024)
+
+
+def test_oneflow_layer_norm_opts_in_and_rms_norm_does_not():
+    # 16384 float columns: 64 KB of shared memory, above the 48 KB default
+    assert norm.plan("layer_norm", ROWS, 16384, "f16", "oneflow", H100).spec.impl == "block_smem"
+    assert norm.plan("rms_norm", ROWS, 16384, "f16", "oneflow", H100).spec.impl == "block_uncached"
+
+
+def test_oneflow_layer_norm_block_size_with_few_rows():
+    many = norm.plan("layer_norm", ROWS, 3000, "f16", "oneflow", H100).spec.block_size
+    few = norm.plan("layer_norm", 8, 3000, "f16", "oneflow", H100).spec.block_size
+    assert many == 128 and few == 1024
+
+
+def test_oneflow_warp_grid_uses_occupancy():
+    chosen = norm.plan("layer_norm", ROWS, 1024, "f16", "oneflow", H100)
+    assert chosen.main.block == (32, 4, 1)
+    assert chosen.main.grid == (ROWS // 4, 1, 1)
+    small = norm.plan("layer_norm", 10, 16, "f16", "oneflow", H100)
+    assert small.main.block == (8, 16, 1) and small.main.grid == (1, 1, 1)
+
+
+def test_oneflow_backward_reduces_params_apart():
+    chosen = norm.plan("layer_norm_backward", ROWS, 1024, "f16", "oneflow", H100)
+    assert chosen.main.spec.impl == "warp" and not chosen.main.spec.fuse_param_grad
+    assert chosen.param_grad.spec.name == "layer_norm_param_grad_f16_f32"
+    assert chosen.num_parts == chosen.param_grad.grid[1]
+    smem = norm.plan("layer_norm_backward", ROWS, 2048, "f16", "oneflow", H100)
+    assert smem.main.spec.impl == "block_smem" and smem.main.smem_bytes == 2 * 2048 * 4
+
+
+# -- auto -----------------------------------------------------------------------
+
+def test_auto_uses_16_byte_packs_and_falls_back_on_alignment():
+    assert norm.plan("layer_norm", ROWS, 1024, "f16", "auto", H100).spec.pack_size == 8
+    assert norm.plan("layer_norm", ROWS, 1024, "f32", "auto", H100).spec.pack_size == 4
+    assert norm.plan("layer_norm", ROWS, 1024, "f16", "auto", H100, align=4).spec.pack_size == 2
+    assert norm.plan("layer_norm", ROWS, 1001, "f16", "auto", H100).spec.pack_size == 1
+
+
+@pytest.mark.parametrize("rows", [7, 8])
+def test_auto_two_rows_per_access_for_any_row_count(rows):
+    spec = norm.plan("rms_norm", rows, 16, "f16", "auto", H100).spec
+    assert (spec.impl, spec.rows_per_access, spec.thread_group_width) == ("warp", 2, 2)
+
+
+def test_auto_paths():
+    assert norm.plan("layer_norm", ROWS, 1024, "f16", "auto", H100).spec.impl == "warp"
+    assert norm.plan("layer_norm", ROWS, 2048, "f16", "auto", H100).spec.impl == "block_regs"
+    assert norm.plan("layer_norm", ROWS, 32768, "f16", "auto", H100).spec.impl == "block_regs"
+    big = norm.plan("layer_norm", 64, 65536, "f16", "auto", H100)
+    assert big.spec.impl == "block_smem" and big.spec.packed_cache and big.main.smem_bytes == 65536 * 2
+    assert norm.plan("layer_norm", 64, 300_000, "f32", "auto", H100).spec.impl == "block_uncached"
+
+
+def test_auto_backward_fuses_param_grads_in_registers():
+    chosen = norm.plan("layer_norm_backward", ROWS, 512, "f16", "auto", H100)
+    assert chosen.main.spec.impl == "warp" and chosen.main.spec.fuse_param_grad
+    assert chosen.param_grad is None and chosen.num_parts == chosen.main.grid[0]
+    assert chosen.main.smem_bytes == 2 * 4 * 4 * 512        # 2 sums x float x 4 groups x cols
+    regs = norm.plan("layer_norm_backward", ROWS, 4096, "f16", "auto", H100)
+    assert regs.main.spec.impl == "block_regs" and regs.main.spec.fuse_param_grad
+    assert regs.num_parts <= H100.facts.sm_count * 16
+    unfused = norm.plan("layer_norm_backward", ROWS, 65536, "f16", "auto", H100)
+    assert not unfused.main.spec.fuse_param_grad and unfused.param_grad is not None
+    dx_only = norm.plan("rms_norm_backward", ROWS, 512, "f16", "auto", H100, param_grad=False)
+    assert dx_only.finish is None and not dx_only.main.spec.fuse_param_grad
+
+
+# -- names and rendering ----------------------------------------------------------
+
+def test_golden_names():
+    spec = norm.NormSpec("layer_norm", "warp", "f16", pack_size=8, cols_per_thread=32,
+                         min_cols_per_thread=32, thread_group_width=32, weight=True, bias=True,
+                         residual=True)
+    assert spec.name == "layer_norm_warp_f16_f32_p8_c32_g32_r1_nopad_affine_residual"
+    assert (norm.plan("layer_norm", ROWS, 1000, "f16", "oneflow", H100).spec.name
+            == "layer_norm_warp_f16_f32_p2_c32m28_g32_r1_pad_affine")
+    assert (norm.plan("rms_norm", ROWS, 2048, "bf16", "auto", H100).spec.name
+            == "rms_norm_block_regs_bf16_f32_p8_k2_b128_weight")
+    assert (norm.plan("layer_norm_backward", ROWS, 4096, "f32", "auto", H100).spec.name
+            == "layer_norm_grad_block_regs_f32_f32_p4_k2_b512_cached_weight_pgrad")
+    assert (norm.plan("layer_norm", ROWS, 1024, "f32", "auto", H100, weight=False, bias=False).spec.name
+            == "layer_norm_warp_f32_f32_p4_c32_g32_r1_nopad")
+
+
+def test_rendering_is_strict_and_names_the_kernel():
+    spec = norm.plan("layer_norm", ROWS, 3000, "f16", "auto", H100, residual=True).spec
+    source = jit.render(spec)
+    assert f"{spec.name}(" in source and "NormInput<T, C, true>" in source
+    assert "SquareSumState" in jit.render(norm.plan("rms_norm", ROWS, 3000, "f16", "auto", H100).spec)
+
+
+def test_bad_plan_arguments():
+    with pytest.raises(ValueError):
+        norm.plan("group_norm", 1, 1, "f16", "auto", H100)
+    with pytest.raises(ValueError):
+        norm.plan("layer_norm", 0, 1, "f16", "auto", H100)
+    with pytest.raises(ValueError):
+        norm.plan("layer_norm", 1, 1, "f16", "fast", H100)
+
+
+# -- every kernel of the default sweep compiles; register paths do not spill -------
+
+def _compile_sweep(job) -> list:
+    """Plans (compiling for occupancy where OneFlow's rules need it) and
+    compiles every kernel one op and policy needs across the sweep."""
+    arch, op, policy = job
+    target = Target.profile(ARCH_PROFILES[arch])
+    variants = [{"residual": False}, {"residual": True}] if op in norm.FORWARD_OPS else [{}]
+    specs = set()
+    for dtype in SWEEP_DTYPES:
+        for cols in SWEEP_COLS:
+            for extra in variants:
+                chosen = norm.plan(op, ROWS, cols, dtype, policy, target, **extra)
+                specs.update(launch.spec for launch in chosen.launches)
+    return [(spec.name, spec.impl, jit.compile_cubin(spec, arch).spill_bytes) for spec in specs]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_sweep_compiles_without_spills(arch):
+    jobs = [(arch, op, policy) for op in norm.OPS for policy in ("auto", "oneflow")]
+    with concurrent.futures.ProcessPoolExecutor(max_workers=2) as pool:
+        compiled = {name: (impl, spill) for results in pool.map(_compile_sweep, jobs)
+                    for name, impl, spill in results}
+    spilled = [name for name, (impl, spill) in compiled.items()
+               if impl in ("warp", "block_regs") and spill]
+    assert not spilled, f"register paths spill on {arch}: {spilled}"
