@@ -10,6 +10,8 @@ if (_checkout / "cli" / "__init__.py").is_file() and (_checkout / "kernels").is_
 
 __version__ = "0.1.0"
 
-from .ops.softmax import log_softmax, softmax  # noqa: E402
+from .ops.norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward  # noqa: E402
+from .ops.softmax import log_softmax, log_softmax_backward, softmax, softmax_backward  # noqa: E402
 
-__all__ = ["softmax", "log_softmax"]
+__all__ = ["softmax", "log_softmax", "softmax_backward", "log_softmax_backward", "layer_norm", "layer_norm_backward", "rms_norm",
+           "rms_norm_backward"]

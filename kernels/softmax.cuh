@@ -1,9 +1,11 @@
-// Row-wise softmax and log-softmax: the warp path (a row per group of lanes,
-// cached in registers), the block paths (a row per block, cached in registers,
-// in shared memory filled by cp.async, or in shared memory filled through
-// registers) and the uncached path (a row per block, re-read from global memory).
+// Row-wise softmax and log-softmax, forward and backward: the warp path (a row
+// per group of lanes, cached in registers), the block paths (a row per block,
+// cached in registers, in shared memory filled by cp.async, or in shared memory
+// filled through registers) and the uncached path (a row per block, re-read
+// from global memory). Each path is written once for a row operation (Op):
+// SoftmaxForward or SoftmaxBackward.
 //
-// Every path reduces the row maximum with a NaN-propagating max and then
+// The forward pass reduces the row maximum with a NaN-propagating max and
 // finishes through RowSoftmax, which reproduces scipy.special's results on
 // rows holding NaN or +-inf.
 #pragma once
@@ -21,6 +23,7 @@ enum class Algorithm { kSoftmax, kLogSoftmax };
 template <Algorithm algorithm, typename T>
 struct RowSoftmax {
   T max, scale;
+  RowSoftmax() = default;
   __device__ __forceinline__ RowSoftmax(T row_max, T row_sum) : max(row_max) {
     if (algorithm == Algorithm::kSoftmax) {
       scale = T(1) / row_sum;
@@ -51,16 +54,67 @@ struct OnlineSoftmaxState {
 };
 
 // ---------------------------------------------------------------------------
+// Row operations. Each reads num_inputs arrays of one layout and writes one:
+//   needs_max    a max over input 0 comes before the sum (set_max)
+//   pad()        the value of an element outside the row (adds nothing)
+//   term<cache>  an element's term of the row sum (set_sum); with cache = true
+//                it may replace the element's cached inputs by what out reuses
+//   out<cache>   an element's output from its (possibly replaced) inputs
+
+// y = softmax(x) or log_softmax(x); inputs: x.
+template <Algorithm algorithm, typename C>
+struct SoftmaxForward {
+  static constexpr int num_inputs = 1;
+  static constexpr bool needs_max = true;
+  static __device__ __forceinline__ C pad() { return -infinity<C>(); }
+  RowSoftmax<algorithm, C> finish;
+  __device__ __forceinline__ void set_max(C row_max) { finish.max = row_max; }
+  template <bool cache>
+  __device__ __forceinline__ C term(C (&v)[1]) const {
+    const C e = RowSoftmax<algorithm, C>::exp_term(v[0], finish.max);
+    if (cache && algorithm == Algorithm::kSoftmax) v[0] = e;
+    return e;
+  }
+  __device__ __forceinline__ void set_sum(C row_sum) { finish = RowSoftmax<algorithm, C>(finish.max, row_sum); }
+  template <bool cache>
+  __device__ __forceinline__ C out(const C (&v)[1]) const {
+    return cache && algorithm == Algorithm::kSoftmax ? finish.from_cached_exp(v[0]) : finish.from_input(v[0]);
+  }
+};
+
+// dx from dy and the forward output y; inputs: dy, y.
+//   softmax:     dx = (dy - sum(dy * y)) * y
+//   log-softmax: dx = dy - exp(y) * sum(dy)
+template <Algorithm algorithm, typename C>
+struct SoftmaxBackward {
+  static constexpr int num_inputs = 2;
+  static constexpr bool needs_max = false;
+  static __device__ __forceinline__ C pad() { return C(0); }
+  C sum;
+  __device__ __forceinline__ void set_max(C) {}
+  template <bool cache>
+  __device__ __forceinline__ C term(C (&v)[2]) const {
+    return algorithm == Algorithm::kSoftmax ? v[0] * v[1] : v[0];
+  }
+  __device__ __forceinline__ void set_sum(C row_sum) { sum = row_sum; }
+  template <bool cache>
+  __device__ __forceinline__ C out(const C (&v)[2]) const {
+    return algorithm == Algorithm::kSoftmax ? (v[0] - sum) * v[1] : v[0] - exp_(v[1]) * sum;
+  }
+};
+
+// ---------------------------------------------------------------------------
 // Warp path: a group of `width` lanes owns `rows_per_access` rows at a time;
-// each lane holds cols_per_thread values of each row in registers.
-template <typename Load, typename Store, typename C, int pack_size, int cols_per_thread,
-          int width, int rows_per_access, bool padding, Algorithm algorithm>
-__device__ __forceinline__ void softmax_warp(const Load& load, const Store& store, int64 rows,
-                                             int64 cols) {
+// each lane holds cols_per_thread values of each input row in registers.
+template <typename Op, typename Load, typename Store, typename C, int pack_size, int cols_per_thread,
+          int width, int rows_per_access, bool padding>
+__device__ __forceinline__ void softmax_warp(const Load (&loads)[Op::num_inputs], const Store& store,
+                                             int64 rows, int64 cols) {
   static_assert(cols_per_thread % pack_size == 0, "cols_per_thread must be a multiple of pack_size");
   static_assert(width <= 32 && 32 % width == 0, "width must divide the warp size");
+  constexpr int N = Op::num_inputs;
   constexpr int num_packs = cols_per_thread / pack_size;
-  C buf[rows_per_access][cols_per_thread];
+  C buf[rows_per_access][N][cols_per_thread];
   const int64 group = static_cast<int64>(blockIdx.x) * blockDim.y + threadIdx.y;
   const int64 num_groups = static_cast<int64>(gridDim.x) * blockDim.y;
   const int lane = threadIdx.x;
@@ -72,42 +126,54 @@ __device__ __forceinline__ void softmax_warp(const Load& load, const Store& stor
 #pragma unroll
       for (int p = 0; p < num_packs; ++p) {
         const int64 col = (static_cast<int64>(p) * width + lane) * pack_size;
-        C* values = buf[r] + p * pack_size;
-        if (row + r < rows && (!padding || col < cols)) {
-          load.template load<pack_size>(values, row + r, col);
+        const bool inside = row + r < rows && (!padding || col < cols);
 #pragma unroll
-          for (int i = 0; i < pack_size; ++i) row_max[r] = MaxOp<C>()(row_max[r], values[i]);
-        } else {
+        for (int j = 0; j < N; ++j) {
+          C* values = buf[r][j] + p * pack_size;
+          if (inside) {
+            loads[j].template load<pack_size>(values, row + r, col);
+          } else {
 #pragma unroll
-          for (int i = 0; i < pack_size; ++i) values[i] = -infinity<C>();
+            for (int i = 0; i < pack_size; ++i) values[i] = Op::pad();
+          }
+        }
+        if (Op::needs_max) {
+#pragma unroll
+          for (int i = 0; i < pack_size; ++i) row_max[r] = MaxOp<C>()(row_max[r], buf[r][0][p * pack_size + i]);
         }
       }
     }
+    Op ops[rows_per_access];
     C row_sum[rows_per_access];
 #pragma unroll
     for (int r = 0; r < rows_per_access; ++r) {
-      row_max[r] = warp_all_reduce<MaxOp, C, width>(row_max[r]);
+      if (Op::needs_max) ops[r].set_max(warp_all_reduce<MaxOp, C, width>(row_max[r]));
       row_sum[r] = 0;
 #pragma unroll
       for (int i = 0; i < cols_per_thread; ++i) {
-        const C e = RowSoftmax<algorithm, C>::exp_term(buf[r][i], row_max[r]);
-        if (algorithm == Algorithm::kSoftmax) buf[r][i] = e;
-        row_sum[r] += e;
+        C v[N];
+#pragma unroll
+        for (int j = 0; j < N; ++j) v[j] = buf[r][j][i];
+        row_sum[r] += ops[r].template term<true>(v);
+#pragma unroll
+        for (int j = 0; j < N; ++j) buf[r][j][i] = v[j];
       }
     }
 #pragma unroll
     for (int r = 0; r < rows_per_access; ++r) {
-      const RowSoftmax<algorithm, C> finish(row_max[r], warp_all_reduce<SumOp, C, width>(row_sum[r]));
+      ops[r].set_sum(warp_all_reduce<SumOp, C, width>(row_sum[r]));
 #pragma unroll
       for (int i = 0; i < cols_per_thread; ++i) {
-        buf[r][i] = algorithm == Algorithm::kSoftmax ? finish.from_cached_exp(buf[r][i])
-                                                     : finish.from_input(buf[r][i]);
+        C v[N];
+#pragma unroll
+        for (int j = 0; j < N; ++j) v[j] = buf[r][j][i];
+        buf[r][0][i] = ops[r].template out<true>(v);
       }
 #pragma unroll
       for (int p = 0; p < num_packs; ++p) {
         const int64 col = (static_cast<int64>(p) * width + lane) * pack_size;
         if (row + r < rows && (!padding || col < cols)) {
-          store.template store<pack_size>(buf[r] + p * pack_size, row + r, col);
+          store.template store<pack_size>(buf[r][0] + p * pack_size, row + r, col);
         }
       }
     }
@@ -116,17 +182,18 @@ __device__ __forceinline__ void softmax_warp(const Load& load, const Store& stor
 
 // ---------------------------------------------------------------------------
 // Block-register path: a block owns a row; thread t holds packs t,
-// t + block_size, ... (packs_per_thread of them) in registers (for softmax,
-// exp(x - max) once the maximum is known).
+// t + block_size, ... (packs_per_thread of them) of each input in registers.
 // peel: rows need not start on a pack boundary (odd cols, offset views). Each
 // row's first `head` elements (up to its first 16-byte boundary, the same for
-// input and output) and its last partial pack are single elements held by
+// every operand) and its last partial pack are single elements held by
 // threads 0, 1, ...; the packs in between are aligned.
-template <typename Load, typename Store, typename C, int pack_size, int packs_per_thread,
-          int block_size, bool peel, Algorithm algorithm, typename RowHead>
-__device__ __forceinline__ void softmax_block_regs(const Load& load, const Store& store, int64 rows,
-                                                   int64 cols, const RowHead& row_head) {
-  C buf[packs_per_thread * pack_size];
+template <typename Op, typename Load, typename Store, typename C, int pack_size, int packs_per_thread,
+          int block_size, bool peel, typename RowHead>
+__device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_inputs], const Store& store,
+                                                   int64 rows, int64 cols, const RowHead& row_head) {
+  constexpr int N = Op::num_inputs;
+  constexpr int kCached = packs_per_thread * pack_size;
+  C buf[N][kCached];
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
     const int head = peel ? row_head(row) : 0;
     const int64 num_packs = (cols - head) / pack_size;
@@ -134,49 +201,59 @@ __device__ __forceinline__ void softmax_block_regs(const Load& load, const Store
     const int num_edges = peel ? head + static_cast<int>(cols - tail) : 0;
     const int64 edge_col = threadIdx.x < head ? threadIdx.x : tail + threadIdx.x - head;
     const bool has_edge = peel && threadIdx.x < num_edges;
-    C edge = -infinity<C>();
-    if (has_edge) load.template load<1>(&edge, row, edge_col);
-    C thread_max = edge;
+    C edge[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      edge[j] = Op::pad();
+      if (has_edge) loads[j].template load<1>(&edge[j], row, edge_col);
+    }
+    C thread_max = Op::needs_max ? edge[0] : C(0);
 #pragma unroll
     for (int k = 0; k < packs_per_thread; ++k) {
       const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
-      C* values = buf + k * pack_size;
-      if (pack_id < num_packs) {
-        load.template load<pack_size>(values, row, head + pack_id * pack_size);
 #pragma unroll
-        for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, values[i]);
-      } else {
+      for (int j = 0; j < N; ++j) {
+        C* values = buf[j] + k * pack_size;
+        if (pack_id < num_packs) {
+          loads[j].template load<pack_size>(values, row, head + pack_id * pack_size);
+        } else {
 #pragma unroll
-        for (int i = 0; i < pack_size; ++i) values[i] = -infinity<C>();
+          for (int i = 0; i < pack_size; ++i) values[i] = Op::pad();
+        }
+      }
+      if (Op::needs_max) {
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, buf[0][k * pack_size + i]);
       }
     }
-    const C row_max = block_all_reduce<MaxOp, C, block_size>(thread_max);
-    C thread_sum = 0;
-    if (has_edge) {
-      const C e = RowSoftmax<algorithm, C>::exp_term(edge, row_max);
-      if (algorithm == Algorithm::kSoftmax) edge = e;
-      thread_sum = e;
-    }
+    Op op;
+    if (Op::needs_max) op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
+    C thread_sum = has_edge ? op.template term<true>(edge) : C(0);
 #pragma unroll
-    for (int i = 0; i < packs_per_thread * pack_size; ++i) {
-      const C e = RowSoftmax<algorithm, C>::exp_term(buf[i], row_max);
-      if (algorithm == Algorithm::kSoftmax) buf[i] = e;
-      thread_sum += e;
+    for (int i = 0; i < kCached; ++i) {
+      C v[N];
+#pragma unroll
+      for (int j = 0; j < N; ++j) v[j] = buf[j][i];
+      thread_sum += op.template term<true>(v);
+#pragma unroll
+      for (int j = 0; j < N; ++j) buf[j][i] = v[j];
     }
-    const RowSoftmax<algorithm, C> finish(row_max, block_all_reduce<SumOp, C, block_size>(thread_sum));
+    op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
     if (has_edge) {
-      edge = algorithm == Algorithm::kSoftmax ? finish.from_cached_exp(edge) : finish.from_input(edge);
-      store.template store<1>(&edge, row, edge_col);
+      const C value = op.template out<true>(edge);
+      store.template store<1>(&value, row, edge_col);
     }
 #pragma unroll
     for (int k = 0; k < packs_per_thread; ++k) {
       const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
-      C* values = buf + k * pack_size;
       if (pack_id < num_packs) {
+        C values[pack_size];
 #pragma unroll
         for (int i = 0; i < pack_size; ++i) {
-          values[i] = algorithm == Algorithm::kSoftmax ? finish.from_cached_exp(values[i])
-                                                       : finish.from_input(values[i]);
+          C v[N];
+#pragma unroll
+          for (int j = 0; j < N; ++j) v[j] = buf[j][k * pack_size + i];
+          values[i] = op.template out<true>(v);
         }
         store.template store<pack_size>(values, row, head + pack_id * pack_size);
       }
@@ -186,185 +263,228 @@ __device__ __forceinline__ void softmax_block_regs(const Load& load, const Store
 
 // ---------------------------------------------------------------------------
 // Asynchronous shared-memory path: a block owns a row; each thread copies its
-// 16-byte packs (t, t + block_size, ...) straight into shared memory with
-// cp.async, so the whole row is in flight without holding registers. With
-// stages = 2 the block's next row is fetched while this one is computed. A
-// thread only ever reads the packs it copied itself, so the data needs no
-// barrier between copy and use.
-template <typename Store, typename C, typename T, int pack_size, int block_size, int stages,
-          Algorithm algorithm>
-__device__ __forceinline__ void softmax_block_async(const T* x, int64 x_row_stride, const Store& store,
+// 16-byte packs (t, t + block_size, ...) of every input straight into shared
+// memory with cp.async, so the whole row is in flight without holding
+// registers. With stages = 2 the block's next row is fetched while this one is
+// computed. A thread only ever reads the packs it copied itself, so the data
+// needs no barrier between copy and use. Loads are DirectLoads (raw pointers).
+template <typename Op, typename T, typename Load, typename Store, typename C, int pack_size,
+          int block_size, int stages>
+__device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_inputs], const Store& store,
                                                     int64 rows, int64 cols) {
   static_assert(pack_size * sizeof(T) == 16, "cp.async moves 16-byte packs");
+  constexpr int N = Op::num_inputs;
   extern __shared__ __align__(16) unsigned char shared_buf[];
   typedef Pack<T, pack_size> P;
   const int num_packs = static_cast<int>(cols / pack_size);
-  P* const buffers = reinterpret_cast<P*>(shared_buf);
-  auto fetch = [&](int64 row, P* buffer) {
-    const P* source = reinterpret_cast<const P*>(x + row * x_row_stride);
-    for (int p = threadIdx.x; p < num_packs; p += block_size) cp_async_16(buffer + p, source + p);
+  P* const buffers = reinterpret_cast<P*>(shared_buf);   // [stage][input][pack]
+  auto fetch = [&](int64 row, int stage) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const P* source = reinterpret_cast<const P*>(loads[j].src + row * loads[j].row_stride);
+      P* buffer = buffers + (stage * N + j) * num_packs;
+      for (int p = threadIdx.x; p < num_packs; p += block_size) cp_async_16(buffer + p, source + p);
+    }
     cp_async_commit();
   };
+  auto element = [&](int stage, int p, int i, C (&v)[N]) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[j] = cast<C>(buffers[(stage * N + j) * num_packs + p].elem[i]);
+  };
   int stage = 0;
-  if (blockIdx.x < rows) fetch(blockIdx.x, buffers);
+  if (blockIdx.x < rows) fetch(blockIdx.x, 0);
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    const P* buffer = buffers + stage * num_packs;
     const int64 next = row + gridDim.x;
     if (stages == 2 && next < rows) {
-      fetch(next, buffers + (stage ^ 1) * num_packs);
+      fetch(next, stage ^ 1);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
-    C thread_max = -infinity<C>();
-    for (int p = threadIdx.x; p < num_packs; p += block_size) {
-      const P packed = buffer[p];
+    Op op;
+    C v[N];
+    if (Op::needs_max) {
+      C thread_max = -infinity<C>();
+      for (int p = threadIdx.x; p < num_packs; p += block_size) {
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, cast<C>(packed.elem[i]));
+        for (int i = 0; i < pack_size; ++i) {
+          element(stage, p, i, v);
+          thread_max = MaxOp<C>()(thread_max, v[0]);
+        }
+      }
+      op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
     }
-    const C row_max = block_all_reduce<MaxOp, C, block_size>(thread_max);
     C thread_sum = 0;
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
-      const P packed = buffer[p];
 #pragma unroll
       for (int i = 0; i < pack_size; ++i) {
-        thread_sum += RowSoftmax<algorithm, C>::exp_term(cast<C>(packed.elem[i]), row_max);
+        element(stage, p, i, v);
+        thread_sum += op.template term<false>(v);
       }
     }
-    const RowSoftmax<algorithm, C> finish(row_max, block_all_reduce<SumOp, C, block_size>(thread_sum));
+    op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
-      const P packed = buffer[p];
       C values[pack_size];
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) values[i] = finish.from_input(cast<C>(packed.elem[i]));
+      for (int i = 0; i < pack_size; ++i) {
+        element(stage, p, i, v);
+        values[i] = op.template out<false>(v);
+      }
       store.template store<pack_size>(values, row, static_cast<int64>(p) * pack_size);
     }
     if (stages == 2) {
       stage ^= 1;
     } else if (next < rows) {
-      fetch(next, buffers);
+      fetch(next, 0);
     }
   }
 }
 
 // ---------------------------------------------------------------------------
-// Block-shared-memory path: a block owns a row, cached in dynamic shared memory.
+// Block-shared-memory path: a block owns a row, every input cached in dynamic
+// shared memory (input j at [j * cols ...]). Thread t fills and reads only the
+// packs t, t + block_size, ..., so the cache needs no barriers of its own.
 // packed_cache = false: OneFlow's layout, compute type, element i of pack p at
-//   [i * num_packs + p], holding exp(x - max) for softmax after the second pass.
+//   [i * num_packs + p]; softmax keeps exp(x - max) there after the sum pass.
 // packed_cache = true: packs of type Cache (the input's storage type: half the
-//   shared memory for 16-bit inputs) stored whole at [p], output recomputed from x.
-template <typename Load, typename Store, typename C, typename Cache, bool packed_cache,
-          int pack_size, int block_size, Algorithm algorithm>
-__device__ __forceinline__ void softmax_block_smem(const Load& load, const Store& store, int64 rows,
-                                                   int64 cols) {
+//   shared memory for 16-bit inputs) stored whole at [p]; outputs recomputed.
+template <typename Op, typename Load, typename Store, typename C, typename Cache, bool packed_cache,
+          int pack_size, int block_size>
+__device__ __forceinline__ void softmax_block_smem(const Load (&loads)[Op::num_inputs], const Store& store,
+                                                   int64 rows, int64 cols) {
+  constexpr int N = Op::num_inputs;
   extern __shared__ __align__(16) unsigned char shared_buf[];
+  typedef Pack<Cache, pack_size> P;
   const int num_packs = static_cast<int>(cols / pack_size);
+  Cache* const cache = reinterpret_cast<Cache*>(shared_buf);
+  // Where element i of pack p of input j lives.
+  auto slot = [&](int j, int p, int i) -> Cache& {
+    return packed_cache ? cache[j * cols + p * pack_size + i] : cache[j * cols + i * num_packs + p];
+  };
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
     C thread_max = -infinity<C>();
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
-      C values[pack_size];
-      load.template load<pack_size>(values, row, static_cast<int64>(p) * pack_size);
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, values[i]);
-      if constexpr (!packed_cache) {
-        C* cache = reinterpret_cast<C*>(shared_buf);
+      for (int j = 0; j < N; ++j) {
+        C values[pack_size];
+        loads[j].template load<pack_size>(values, row, static_cast<int64>(p) * pack_size);
+        if (Op::needs_max && j == 0) {
 #pragma unroll
-        for (int i = 0; i < pack_size; ++i) cache[i * num_packs + p] = values[i];
-      } else {
-        Pack<Cache, pack_size> packed;
+          for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, values[i]);
+        }
+        if constexpr (packed_cache) {
+          P packed;
 #pragma unroll
-        for (int i = 0; i < pack_size; ++i) packed.elem[i] = cast<Cache>(values[i]);
-        reinterpret_cast<Pack<Cache, pack_size>*>(shared_buf)[p] = packed;
+          for (int i = 0; i < pack_size; ++i) packed.elem[i] = cast<Cache>(values[i]);
+          reinterpret_cast<P*>(cache + j * cols)[p] = packed;
+        } else {
+#pragma unroll
+          for (int i = 0; i < pack_size; ++i) slot(j, p, i) = values[i];
+        }
       }
     }
-    const C row_max = block_all_reduce<MaxOp, C, block_size>(thread_max);
+    Op op;
+    if (Op::needs_max) op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
     C thread_sum = 0;
-    if constexpr (!packed_cache) {
-      C* cache = reinterpret_cast<C*>(shared_buf);
-      for (int i = threadIdx.x; i < cols; i += block_size) {
-        const C e = RowSoftmax<algorithm, C>::exp_term(cache[i], row_max);
-        if (algorithm == Algorithm::kSoftmax) cache[i] = e;
-        thread_sum += e;
-      }
-    } else {
-      const Cache* cache = reinterpret_cast<const Cache*>(shared_buf);
-      for (int i = threadIdx.x; i < cols; i += block_size) {
-        thread_sum += RowSoftmax<algorithm, C>::exp_term(cast<C>(cache[i]), row_max);
+    C v[N];
+    for (int p = threadIdx.x; p < num_packs; p += block_size) {
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) v[j] = cast<C>(slot(j, p, i));
+        thread_sum += op.template term<!packed_cache>(v);
+        if constexpr (!packed_cache) {
+#pragma unroll
+          for (int j = 0; j < N; ++j) slot(j, p, i) = v[j];
+        }
       }
     }
-    const RowSoftmax<algorithm, C> finish(row_max, block_all_reduce<SumOp, C, block_size>(thread_sum));
+    op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
       C values[pack_size];
-      if constexpr (!packed_cache) {
-        const C* cache = reinterpret_cast<const C*>(shared_buf);
 #pragma unroll
-        for (int i = 0; i < pack_size; ++i) {
-          const C v = cache[i * num_packs + p];
-          values[i] = algorithm == Algorithm::kSoftmax ? finish.from_cached_exp(v) : finish.from_input(v);
-        }
-      } else {
-        const Pack<Cache, pack_size> packed = reinterpret_cast<const Pack<Cache, pack_size>*>(shared_buf)[p];
+      for (int i = 0; i < pack_size; ++i) {
 #pragma unroll
-        for (int i = 0; i < pack_size; ++i) values[i] = finish.from_input(cast<C>(packed.elem[i]));
+        for (int j = 0; j < N; ++j) v[j] = cast<C>(slot(j, p, i));
+        values[i] = op.template out<!packed_cache>(v);
       }
       store.template store<pack_size>(values, row, static_cast<int64>(p) * pack_size);
     }
-    __syncthreads();  // the next row overwrites the cache
   }
 }
 
 // ---------------------------------------------------------------------------
 // Uncached path: a block owns a row and reads it from global memory again for
-// every pass. online = false: OneFlow's three passes (max, sum, output);
-// online = true: two passes, the first keeping a running (max, sum).
-template <typename Load, typename Store, typename C, int pack_size, int block_size, bool online,
-          Algorithm algorithm>
-__device__ __forceinline__ void softmax_block_uncached(const Load& load, const Store& store,
-                                                       int64 rows, int64 cols) {
+// every pass. Forward: online = false is OneFlow's three passes (max, sum,
+// output); online = true two, the first keeping a running (max, sum).
+// Backward: two passes (sum, output).
+template <typename Op, typename Load, typename Store, typename C, int pack_size, int block_size,
+          bool online>
+__device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::num_inputs],
+                                                       const Store& store, int64 rows, int64 cols) {
+  constexpr int N = Op::num_inputs;
   const int64 num_packs = cols / pack_size;
-  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
-    for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
-      C values[pack_size];
-      load.template load<pack_size>(values, row, p * pack_size);
-      if (online) {
-        C pack_max = values[0];
+  // Loads pack p of every input; element i of input j lands in values[j][i].
+  auto load_pack = [&](int64 row, int64 p, C (&values)[N][pack_size]) {
 #pragma unroll
-        for (int i = 1; i < pack_size; ++i) pack_max = MaxOp<C>()(pack_max, values[i]);
+    for (int j = 0; j < N; ++j) loads[j].template load<pack_size>(values[j], row, p * pack_size);
+  };
+  auto element = [&](const C (&values)[N][pack_size], int i, C (&v)[N]) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[j] = values[j][i];
+  };
+  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    Op op;
+    C values[N][pack_size];
+    C v[N];
+    if (Op::needs_max && online) {
+      OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
+      for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
+        load_pack(row, p, values);
+        C pack_max = values[0][0];
+#pragma unroll
+        for (int i = 1; i < pack_size; ++i) pack_max = MaxOp<C>()(pack_max, values[0][i]);
         C pack_sum = 0;
         if (pack_max != -infinity<C>()) {
 #pragma unroll
-          for (int i = 0; i < pack_size; ++i) pack_sum += exp_(values[i] - pack_max);
+          for (int i = 0; i < pack_size; ++i) pack_sum += exp_(values[0][i] - pack_max);
         }
         state.add(pack_max, pack_sum);
-      } else {
-#pragma unroll
-        for (int i = 0; i < pack_size; ++i) state.max = MaxOp<C>()(state.max, values[i]);
       }
-    }
-    C row_max, row_sum;
-    if (online) {
-      row_max = block_all_reduce<MaxOp, C, block_size>(state.max);
+      const C row_max = block_all_reduce<MaxOp, C, block_size>(state.max);
+      op.set_max(row_max);
       state.sum = state.max == -infinity<C>() ? C(0) : state.sum * exp_(state.max - row_max);
-      row_sum = block_all_reduce<SumOp, C, block_size>(state.sum);
+      op.set_sum(block_all_reduce<SumOp, C, block_size>(state.sum));
     } else {
-      row_max = block_all_reduce<MaxOp, C, block_size>(state.max);
+      if (Op::needs_max) {
+        C thread_max = -infinity<C>();
+        for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
+          loads[0].template load<pack_size>(values[0], row, p * pack_size);
+#pragma unroll
+          for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, values[0][i]);
+        }
+        op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
+      }
       C thread_sum = 0;
       for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
-        C values[pack_size];
-        load.template load<pack_size>(values, row, p * pack_size);
+        load_pack(row, p, values);
 #pragma unroll
-        for (int i = 0; i < pack_size; ++i) thread_sum += RowSoftmax<algorithm, C>::exp_term(values[i], row_max);
+        for (int i = 0; i < pack_size; ++i) {
+          element(values, i, v);
+          thread_sum += op.template term<false>(v);
+        }
       }
-      row_sum = block_all_reduce<SumOp, C, block_size>(thread_sum);
+      op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
     }
-    const RowSoftmax<algorithm, C> finish(row_max, row_sum);
     for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
-      C values[pack_size];
-      load.template load<pack_size>(values, row, p * pack_size);
+      load_pack(row, p, values);
+      C result[pack_size];
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) values[i] = finish.from_input(values[i]);
-      store.template store<pack_size>(values, row, p * pack_size);
+      for (int i = 0; i < pack_size; ++i) {
+        element(values, i, v);
+        result[i] = op.template out<false>(v);
+      }
+      store.template store<pack_size>(result, row, p * pack_size);
     }
   }
 }

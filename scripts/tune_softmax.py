@@ -1,6 +1,7 @@
 """Times hand-built softmax plans against each other to choose the auto planner's tables.
 
-Bytes counted: 2 * rows * cols * itemsize (x read once, y written once).
+Bytes counted: (inputs + 1) * rows * cols * itemsize (forward: x read, y
+written; backward: dy and y read, dx written).
 Each candidate is also checked against a float64 CuPy reference on its first
 rows, so a fast wrong kernel cannot win. Usage: python scripts/tune_softmax.py
 [--rows 49152] [--dtypes float16,float32] > table.
@@ -15,27 +16,33 @@ import numpy
 from cupyops import bench, dtypes, jit
 from cupyops.device import live_facts
 from cupyops.launch import Target, get_num_blocks
-from cupyops.ops.softmax import SoftmaxSpec, plan, vector_pack_size
+from cupyops.ops.softmax import INPUTS, SoftmaxSpec, _warp_plan, plan, vector_pack_size, warp_ladder
 
 
 def candidates(op, dtype, rows, cols, target):
     """(label, spec, grid, block, smem) for each variant worth timing at this shape."""
     ftype = dtypes.BY_SHORT[dtype]
     pack = vector_pack_size(cols, ftype.itemsize, 16)
+    num_inputs = len(INPUTS[op])
     found = []
     for policy in ("auto", "oneflow"):
         chosen = plan(op, rows, cols, dtype, policy, target)
         found.append((policy, chosen.spec, chosen.grid, chosen.block, chosen.smem_bytes))
+    for max_cols_per_thread in (16, 32, 64):
+        ladder = warp_ladder(cols, rows, pack, max_cols_per_thread)
+        if ladder is not None and ladder[0] * num_inputs * 4 <= 256:
+            warp = _warp_plan(op, dtype, rows, cols, pack, ladder, target)
+            found.append((f"warp c{ladder[0]}", warp.spec, warp.grid, warp.block, 0))
     num_packs = cols // pack
     for block in (128, 256, 512, 1024):
         per_thread = -(-num_packs // block)
-        if per_thread * pack * 4 <= 256 and num_packs >= block // 2:
+        if per_thread * pack * 4 * num_inputs <= 256 and num_packs >= block // 2:
             spec = SoftmaxSpec(op, "block_regs", dtype, pack, block_size=block, packs_per_thread=per_thread)
             grid = (get_num_blocks(target.facts, block, rows), 1, 1)
             found.append((f"regs b{block} k{per_thread}", spec, grid, (block, 1, 1), 0))
     if pack * ftype.itemsize == 16 and cols >= 2048:
         for stages in (1, 2):
-            smem = stages * cols * ftype.itemsize
+            smem = stages * num_inputs * cols * ftype.itemsize
             for block in (128, 256, 512, 1024):
                 if num_packs < block or smem > target.facts.smem_per_block_optin:
                     continue
@@ -44,7 +51,7 @@ def candidates(op, dtype, rows, cols, target):
                 if active:
                     grid = (min(rows, active * target.facts.sm_count), 1, 1)
                     found.append((f"async b{block} s{stages}", spec, grid, (block, 1, 1), smem))
-    smem = cols * ftype.itemsize
+    smem = num_inputs * cols * ftype.itemsize
     if cols >= 8192 and smem <= target.facts.smem_per_block_optin:
         for block in (256, 512, 1024):
             spec = SoftmaxSpec(op, "block_smem", dtype, pack, block_size=block, storage_cache=True)
@@ -52,16 +59,25 @@ def candidates(op, dtype, rows, cols, target):
                 grid = (get_num_blocks(target.facts, block, rows), 1, 1)
                 found.append((f"smem b{block}", spec, grid, (block, 1, 1), smem))
     if cols >= 32768:
-        for online in (True, False):
+        for online in ((True, False) if num_inputs == 1 else (False,)):
             spec = SoftmaxSpec(op, "block_uncached", dtype, pack, block_size=1024, online=online)
             grid = (get_num_blocks(target.facts, 1024, rows), 1, 1)
-            found.append((f"uncached {'online' if online else '3pass'}", spec, grid, (1024, 1, 1), 0))
-    return found
+            found.append((f"uncached {'online' if online else 'passes'}", spec, grid, (1024, 1, 1), 0))
+    unique = {}
+    for candidate in found:    # the first label of each kernel (the policies come first)
+        unique.setdefault(candidate[1].name, candidate)
+    return list(unique.values())
 
 
-def reference(op, x):
-    x64 = x.astype(cupy.float64)
-    shifted = x64 - x64.max(axis=-1, keepdims=True)
+def reference(op, inputs):
+    values = [a.astype(cupy.float64) for a in inputs]
+    if op == "softmax_backward":
+        dy, y = values
+        return (dy - (dy * y).sum(axis=-1, keepdims=True)) * y
+    if op == "log_softmax_backward":
+        dy, y = values
+        return dy - cupy.exp(y) * dy.sum(axis=-1, keepdims=True)
+    shifted = values[0] - values[0].max(axis=-1, keepdims=True)
     if op == "softmax":
         e = cupy.exp(shifted)
         return e / e.sum(axis=-1, keepdims=True)
@@ -86,15 +102,18 @@ def main():
             short = dtypes.float_type(dtype).short
             for cols in map(int, args.cols.split(",")):
                 rows = min(args.rows, (4 << 30) // (cols * dtype.itemsize))
-                x = (cupy.random.default_rng(0).standard_normal((rows, cols), dtype=cupy.float32) * 3).astype(dtype)
-                y = cupy.empty_like(x)
-                expect = reference(op, x[:64])
-                num_bytes = 2 * rows * cols * dtype.itemsize
+                generator = cupy.random.default_rng(0)
+                inputs = [(generator.standard_normal((rows, cols), dtype=cupy.float32) * 3).astype(dtype)
+                          for _ in INPUTS[op]]
+                y = cupy.empty_like(inputs[0])
+                expect = reference(op, [a[:64] for a in inputs])
+                num_bytes = (len(inputs) + 1) * rows * cols * dtype.itemsize
                 for label, spec, grid, block, smem in candidates(op, short, rows, cols, target):
                     raw = jit.kernel(spec, device_id)
                     if smem > 48 * 1024:
                         raw.max_dynamic_shared_size_bytes = smem
-                    args_ = (x, y, numpy.int64(rows), numpy.int64(cols), numpy.int64(cols), numpy.int64(cols))
+                    args_ = (*inputs, y, numpy.int64(rows), numpy.int64(cols),
+                             *[numpy.int64(cols)] * (len(inputs) + 1))
                     run = lambda: raw(grid, block, args_, shared_mem=smem)  # noqa: E731
                     y.fill(float("nan"))
                     run()
@@ -104,7 +123,7 @@ def main():
                     print(f"{op:<11} {short:<4} rows={rows:<6} cols={cols:<7} {label:<18} "
                           f"{t.median_us:>9.1f} us {gbs:>6.0f} GB/s {gbs / copy:>6.1%}  "
                           f"err={error:.1e} regs={raw.num_regs} {spec.name}", flush=True)
-                del x, y
+                del inputs, y
                 cupy.get_default_memory_pool().free_all_blocks()
 
 

@@ -1,4 +1,5 @@
-"""softmax and log_softmax along any axes: plan -> launch -> public functions.
+"""softmax and log_softmax, forward and backward, along any axes:
+plan -> launch -> public functions.
 
 Paths (SPEC §5): "warp" (a row per group of lanes, registers), "block_regs"
 (a row per block, registers; auto only), "block_async" (a row per block in
@@ -19,7 +20,10 @@ import numpy
 from .. import arrays, dtypes, jit, rowwise
 from ..launch import Target, choose_block_size, get_num_blocks
 
-OPS = ("softmax", "log_softmax")
+OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
+# Arrays each op reads (the kernel's parameters, in order).
+INPUTS = {"softmax": ("x",), "log_softmax": ("x",),
+          "softmax_backward": ("dy", "y"), "log_softmax_backward": ("dy", "y")}
 WARP_BLOCK_THREADS = 128
 UNCACHED_BLOCK_SIZE = 1024
 ONEFLOW_MAX_COLS_PER_THREAD = 32
@@ -65,6 +69,10 @@ class SoftmaxSpec(jit.KernelSpec):
         return dtypes.BY_SHORT[self.dtype]
 
     @property
+    def inputs(self) -> tuple:
+        return INPUTS[self.op]
+
+    @property
     def name(self) -> str:
         head = f"{self.op}_{self.impl}_{self.dtype}_{self.ftype.compute}_p{self.pack_size}"
         if self.impl == "warp":
@@ -78,7 +86,8 @@ class SoftmaxSpec(jit.KernelSpec):
             return f"{head}_b{self.block_size}_{'packed' if self.storage_cache else 'strided'}"
         if self.impl == "block_async":
             return f"{head}_b{self.block_size}_s{self.stages}"
-        return f"{head}_b{self.block_size}_{'online' if self.online else '3pass'}"
+        passes = "online" if self.online else ("2pass" if self.op.endswith("_backward") else "3pass")
+        return f"{head}_b{self.block_size}_{passes}"
 
     @property
     def threads_per_block(self) -> int:
@@ -86,7 +95,10 @@ class SoftmaxSpec(jit.KernelSpec):
 
     def template_args(self) -> dict:
         ftype = self.ftype
-        return {**super().template_args(), "storage_type": ftype.c_type,
+        return {**super().template_args(), "inputs": self.inputs,
+                "backward": self.op.endswith("_backward"),
+                "algorithm": "kLogSoftmax" if self.op.startswith("log_") else "kSoftmax",
+                "storage_type": ftype.c_type,
                 "compute_type": ftype.compute_c_type,
                 "cache_type": ftype.c_type if self.storage_cache else ftype.compute_c_type,
                 "packed_cache": self.storage_cache}
@@ -141,7 +153,7 @@ def _block_plan(spec: SoftmaxSpec, rows: int, smem: int, target) -> SoftmaxPlan:
 
 
 def _oneflow_smem_plan(op, dtype, rows, cols, pack_size, target):
-    smem = cols * dtypes.BY_SHORT[dtypes.BY_SHORT[dtype].compute].itemsize
+    smem = len(INPUTS[op]) * cols * dtypes.BY_SHORT[dtypes.BY_SHORT[dtype].compute].itemsize
 
     def spec_of(block_size):
         return SoftmaxSpec(op, "block_smem", dtype, pack_size, block_size=block_size)
@@ -151,8 +163,9 @@ def _oneflow_smem_plan(op, dtype, rows, cols, pack_size, target):
 
 
 def _uncached_plan(op, dtype, rows, pack_size, online, target):
+    """online: a running (max, sum) pass instead of separate max and sum passes (forward only)."""
     spec = SoftmaxSpec(op, "block_uncached", dtype, pack_size, block_size=UNCACHED_BLOCK_SIZE,
-                       online=online)
+                       online=online and len(INPUTS[op]) == 1)
     return _block_plan(spec, rows, 0, target)
 
 
@@ -160,7 +173,7 @@ def _oneflow_plan(op, dtype, rows, cols, align, target) -> SoftmaxPlan:
     itemsize = dtypes.BY_SHORT[dtype].itemsize
     pack_size = 2 if cols % 2 == 0 and align >= 2 * itemsize else 1
     if dtype != "f64":
-        warp = cols < 1024 if op == "softmax" else cols <= 1024
+        warp = cols < 1024 if op == "softmax" else cols <= 1024   # OneFlow's forward uses <
         if warp:
             ladder = warp_ladder(cols, rows, pack_size, ONEFLOW_MAX_COLS_PER_THREAD)
             return _warp_plan(op, dtype, rows, cols, pack_size, ladder, target)
@@ -181,9 +194,11 @@ def vector_pack_size(cols: int, itemsize: int, align: int) -> int:
 
 def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
     ftype = dtypes.BY_SHORT[dtype]
+    num_inputs = len(INPUTS[op])
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
+    cached_itemsize = num_inputs * compute_itemsize    # register bytes per column
     pack_size = vector_pack_size(cols, ftype.itemsize, align)
-    max_cols_per_thread = max(AUTO_WARP_MAX_BYTES_PER_LANE // compute_itemsize, pack_size)
+    max_cols_per_thread = max(AUTO_WARP_MAX_BYTES_PER_LANE // cached_itemsize, pack_size)
     ladder = warp_ladder(cols, rows, pack_size, max_cols_per_thread)
     if ladder is not None:
         return _warp_plan(op, dtype, rows, cols, pack_size, ladder, target)
@@ -195,11 +210,11 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
     for block_size in AUTO_BLOCK_REGS_SIZES:
         packs_per_thread = -(-num_packs // block_size)
         if (packs_per_thread <= AUTO_BLOCK_REGS_MAX_PACKS and
-                packs_per_thread * regs_pack * compute_itemsize * block_size <= AUTO_BLOCK_REGS_MAX_BYTES):
+                packs_per_thread * regs_pack * cached_itemsize * block_size <= AUTO_BLOCK_REGS_MAX_BYTES):
             spec = SoftmaxSpec(op, "block_regs", dtype, regs_pack, block_size=block_size,
                                packs_per_thread=packs_per_thread, peel=peel)
             return _block_plan(spec, rows, 0, target)
-    row_bytes = cols * ftype.itemsize
+    row_bytes = num_inputs * cols * ftype.itemsize
     if pack_size * ftype.itemsize == 16:
         spec = SoftmaxSpec(op, "block_async", dtype, pack_size, block_size=AUTO_ASYNC_BLOCK_SIZE,
                            stages=AUTO_ASYNC_STAGES)
@@ -239,12 +254,12 @@ _launches: dict = {}
 
 
 def _launch(op, policy, inputs, output, rows, cols):
-    (x,) = inputs
-    device_id = x.array.device.id
-    ftype = dtypes.BY_DTYPE[x.array.dtype]
-    align = arrays.alignment(x.byte_address, x.byte_row_stride, output.byte_address,
-                             output.byte_row_stride)
-    same_phase = arrays.same_phase(x, output)
+    first = inputs[0].array
+    device_id = first.device.id
+    ftype = dtypes.BY_DTYPE[first.dtype]
+    operands = (*inputs, output)
+    align = arrays.alignment(*(value for o in operands for value in (o.byte_address, o.byte_row_stride)))
+    same_phase = arrays.same_phase(*operands)
     key = (op, policy, rows, cols, ftype.short, align, same_phase, device_id)
     found = _launches.get(key)
     if found is None:
@@ -252,12 +267,12 @@ def _launch(op, policy, inputs, output, rows, cols):
         function = jit.kernel(chosen.spec, device_id).kernel
         found = _launches[key] = (function, chosen.grid, chosen.block, chosen.smem_bytes)
     function, grid, block, smem = found
-    function(grid, block, (x.array, output.array, numpy.int64(rows), numpy.int64(cols),
-                           numpy.int64(x.row_stride), numpy.int64(output.row_stride)),
+    function(grid, block, (*(o.array for o in operands), numpy.int64(rows), numpy.int64(cols),
+                           *(numpy.int64(o.row_stride) for o in operands)),
              shared_mem=smem)
 
 
-def _softmax(op, x, axis, out, policy, stream):
+def _forward(op, x, axis, out, policy, stream):
     import cupy
 
     x = arrays.as_cupy(x)
@@ -279,6 +294,28 @@ def _softmax(op, x, axis, out, policy, stream):
     return out if out is not None else result.reshape(shape)
 
 
+def _backward(op, dy, y, axis, out, policy, stream):
+    import cupy
+
+    dy, y = arrays.as_cupy(dy, "dy"), arrays.as_cupy(y, "y")
+    arrays.check_policy(policy)
+    dtypes.float_type(dy.dtype)
+    if (dy.shape, dy.dtype) != (y.shape, y.dtype):
+        raise ValueError(f"dy ({dy.shape}, {dy.dtype}) and y ({y.shape}, {y.dtype}) must have "
+                         "the same shape and dtype")
+    if dy.device.id != y.device.id:
+        raise ValueError(f"dy is on GPU {dy.device.id}, y on GPU {y.device.id}")
+    if dy.ndim == 0:
+        raise ValueError("softmax gradients need at least one dimension")
+    axes = arrays.normalize_axes(axis, dy.ndim)
+    out = arrays.check_out(out, dy.shape, dy.dtype, dy.device.id)
+    if dy.size == 0:
+        return out if out is not None else cupy.empty(dy.shape, dy.dtype)
+    with arrays.on_device(dy, stream):
+        return rowwise.run([dy, y], axes, out, dy.dtype,
+                           lambda i, o, rows, cols: _launch(op, policy, i, o, rows, cols))
+
+
 def softmax(x, axis=None, *, out=None, policy: str = "auto", stream=None):
     """Softmax of `x` along `axis` (None: all axes; an int; or a tuple).
 
@@ -286,7 +323,7 @@ def softmax(x, axis=None, *, out=None, policy: str = "auto", stream=None):
     ``torch.softmax(x, dim=axis)``. Integer input is promoted to float64 as
     SciPy does. `x` is any GPU array (CuPy, or DLPack / CUDA array interface,
     e.g. a torch tensor, without a copy); the result is a CuPy array."""
-    return _softmax("softmax", x, axis, out, policy, stream)
+    return _forward("softmax", x, axis, out, policy, stream)
 
 
 def log_softmax(x, axis=None, *, out=None, policy: str = "auto", stream=None):
@@ -294,4 +331,22 @@ def log_softmax(x, axis=None, *, out=None, policy: str = "auto", stream=None):
 
     Equivalent to ``scipy.special.log_softmax(x, axis)`` and, for one axis,
     ``torch.log_softmax(x, dim=axis)``; arguments as for :func:`softmax`."""
-    return _softmax("log_softmax", x, axis, out, policy, stream)
+    return _forward("log_softmax", x, axis, out, policy, stream)
+
+
+def softmax_backward(dy, y, axis=-1, *, out=None, policy: str = "auto", stream=None):
+    """Gradient of softmax: ``dx = (dy - sum(dy * y, axis, keepdims=True)) * y``.
+
+    `y` is the forward result ``softmax(x, axis)`` and `dy` the gradient of the
+    loss with respect to it; the same as torch's
+    ``torch._softmax_backward_data(dy, y, axis, dy.dtype)``. Float dtypes only;
+    `axis` as for :func:`softmax`."""
+    return _backward("softmax_backward", dy, y, axis, out, policy, stream)
+
+
+def log_softmax_backward(dy, y, axis=-1, *, out=None, policy: str = "auto", stream=None):
+    """Gradient of log_softmax: ``dx = dy - exp(y) * sum(dy, axis, keepdims=True)``.
+
+    `y` is the forward result ``log_softmax(x, axis)``; the same as torch's
+    ``torch._log_softmax_backward_data(dy, y, axis, dy.dtype)``."""
+    return _backward("log_softmax_backward", dy, y, axis, out, policy, stream)
