@@ -39,24 +39,24 @@ class Target:
                           opt_in: bool) -> int:
         """Blocks of `spec` per SM with `dynamic_smem` bytes each; 0 if it cannot launch.
 
-        Without `opt_in` a block gets at most 48 KB of dynamic shared memory
-        (OneFlow never raises the limit)."""
-        if dynamic_smem > device.STATIC_SMEM_LIMIT and not opt_in:
-            return 0
-        if dynamic_smem > self.facts.smem_per_block_optin:
+        Without `opt_in` a block's static and dynamic shared memory together
+        stay within 48 KB (OneFlow never raises the limit); with it, within
+        the device's opt-in limit."""
+        static_smem = self.resources(spec)["static_smem"]
+        limit = self.facts.smem_per_block_optin if opt_in else device.STATIC_SMEM_LIMIT
+        if static_smem + dynamic_smem > limit:
             return 0
         if self.device_id is None:
             report = jit.compile_cubin(spec, self.facts.arch)
             return device.max_active_blocks(self.facts, block_size, report.registers,
-                                            report.smem_bytes + dynamic_smem, spec.threads_per_block)
+                                            static_smem + dynamic_smem, spec.threads_per_block)
         import cupy
 
         raw = jit.kernel(spec, self.device_id)
         with cupy.cuda.Device(self.device_id):
-            if dynamic_smem > device.STATIC_SMEM_LIMIT:
-                needed = dynamic_smem
-                if raw.max_dynamic_shared_size_bytes < needed:
-                    raw.max_dynamic_shared_size_bytes = needed
+            if static_smem + dynamic_smem > device.STATIC_SMEM_LIMIT and \
+                    raw.max_dynamic_shared_size_bytes < dynamic_smem:
+                raw.max_dynamic_shared_size_bytes = dynamic_smem
             return cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
                 raw.kernel.ptr, block_size, dynamic_smem)
 

@@ -73,15 +73,28 @@ struct DirectStore {
   }
 };
 
-// 16-byte asynchronous copy global -> shared (sm_80+), completed by cp_async_wait.
-__device__ __forceinline__ void cp_async_16(void* shared, const void* global) {
+// Asynchronous copy of one 4-, 8- or 16-byte pack, global -> shared (sm_80+);
+// 16-byte copies bypass L1. The "memory" clobbers keep the compiler from
+// moving this thread's shared-memory accesses across the copy or the wait.
+template <int bytes>
+__device__ __forceinline__ void cp_async_pack(void* shared, const void* global) {
+  static_assert(bytes == 4 || bytes == 8 || bytes == 16, "cp.async moves 4, 8 or 16 bytes");
   const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global));
+  if constexpr (bytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(address), "l"(global), "n"(bytes)
+                 : "memory");
+  }
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Waits until at most `pending` committed groups of this thread are still in flight.
 template <int pending>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(pending)); }
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
+}
+// Waits for every cp.async this thread has issued.
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // Elements from the start of each row to its first 16-byte boundary.
 template <typename T>
@@ -104,7 +117,5 @@ template <> __device__ __forceinline__ double quiet_nan<double>() { return __lon
 
 __device__ __forceinline__ float exp_(float x) { return __expf(x); }
 __device__ __forceinline__ double exp_(double x) { return exp(x); }
-__device__ __forceinline__ float log_(float x) { return __logf(x); }
-__device__ __forceinline__ double log_(double x) { return log(x); }
 
 }  // namespace cupyops

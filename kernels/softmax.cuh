@@ -18,17 +18,18 @@ enum class Algorithm { kSoftmax, kLogSoftmax };
 
 // Finishes one row from its maximum m and s = sum(exp(x - m)).
 // softmax:     y = exp(x - m) / s   (NaN for the whole row when m is not finite)
-// log-softmax: y = x - lse, lse = m + log(s), or +inf when m is +inf (SciPy
-//              shifts by 0 there, so finite x give -inf and x = +inf gives NaN).
+// log-softmax: y = (x - m) - log(s), as SciPy computes it (x - m is exact where
+//              m + log(s) would round away a small log(s)); when m is +inf SciPy
+//              shifts by 0, so finite x give -inf and x = +inf gives NaN.
 template <Algorithm algorithm, typename T>
 struct RowSoftmax {
-  T max, scale;
+  T max, scale;   // softmax: 1 / s; log-softmax: log(s)
   RowSoftmax() = default;
   __device__ __forceinline__ RowSoftmax(T row_max, T row_sum) : max(row_max) {
     if (algorithm == Algorithm::kSoftmax) {
       scale = T(1) / row_sum;
     } else {
-      scale = row_max == infinity<T>() ? row_max : row_max + log_(row_sum);
+      scale = row_max == infinity<T>() ? T(0) : log(row_sum);
     }
   }
   // Term added to the row sum for an element x.
@@ -36,7 +37,7 @@ struct RowSoftmax {
   // Output for an element whose cached value is x (or, when the cache holds
   // exp(x - m) for softmax, that value).
   __device__ __forceinline__ T from_input(T x) const {
-    return algorithm == Algorithm::kSoftmax ? exp_(x - max) * scale : x - scale;
+    return algorithm == Algorithm::kSoftmax ? exp_(x - max) * scale : (x - max) - scale;
   }
   __device__ __forceinline__ T from_cached_exp(T e) const { return e * scale; }
 };
@@ -186,7 +187,8 @@ __device__ __forceinline__ void softmax_warp(const Load (&loads)[Op::num_inputs]
 // peel: rows need not start on a pack boundary (odd cols, offset views). Each
 // row's first `head` elements (up to its first 16-byte boundary, the same for
 // every operand) and its last partial pack are single elements held by
-// threads 0, 1, ...; the packs in between are aligned.
+// threads 0, 1, ...; the packs in between are aligned. They are loaded after
+// the packs, so the packs' loads are all in flight first.
 template <typename Op, typename Load, typename Store, typename C, int pack_size, int packs_per_thread,
           int block_size, bool peel, typename RowHead>
 __device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_inputs], const Store& store,
@@ -197,17 +199,6 @@ __device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_i
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
     const int head = peel ? row_head(row) : 0;
     const int64 num_packs = (cols - head) / pack_size;
-    const int64 tail = head + num_packs * pack_size;
-    const int num_edges = peel ? head + static_cast<int>(cols - tail) : 0;
-    const int64 edge_col = threadIdx.x < head ? threadIdx.x : tail + threadIdx.x - head;
-    const bool has_edge = peel && threadIdx.x < num_edges;
-    C edge[N];
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      edge[j] = Op::pad();
-      if (has_edge) loads[j].template load<1>(&edge[j], row, edge_col);
-    }
-    C thread_max = Op::needs_max ? edge[0] : C(0);
 #pragma unroll
     for (int k = 0; k < packs_per_thread; ++k) {
       const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
@@ -221,13 +212,24 @@ __device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_i
           for (int i = 0; i < pack_size; ++i) values[i] = Op::pad();
         }
       }
-      if (Op::needs_max) {
+    }
+    const int64 tail = head + num_packs * pack_size;
+    const int num_edges = peel ? head + static_cast<int>(cols - tail) : 0;
+    const int64 edge_col = threadIdx.x < head ? threadIdx.x : tail + threadIdx.x - head;
+    const bool has_edge = peel && threadIdx.x < num_edges;
+    C edge[N];
 #pragma unroll
-        for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, buf[0][k * pack_size + i]);
-      }
+    for (int j = 0; j < N; ++j) {
+      edge[j] = Op::pad();
+      if (has_edge) loads[j].template load<1>(&edge[j], row, edge_col);
     }
     Op op;
-    if (Op::needs_max) op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
+    if (Op::needs_max) {
+      C thread_max = edge[0];
+#pragma unroll
+      for (int i = 0; i < kCached; ++i) thread_max = MaxOp<C>()(thread_max, buf[0][i]);
+      op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
+    }
     C thread_sum = has_edge ? op.template term<true>(edge) : C(0);
 #pragma unroll
     for (int i = 0; i < kCached; ++i) {
@@ -283,7 +285,7 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
     for (int j = 0; j < N; ++j) {
       const P* source = reinterpret_cast<const P*>(loads[j].src + row * loads[j].row_stride);
       P* buffer = buffers + (stage * N + j) * num_packs;
-      for (int p = threadIdx.x; p < num_packs; p += block_size) cp_async_16(buffer + p, source + p);
+      for (int p = threadIdx.x; p < num_packs; p += block_size) cp_async_pack<16>(buffer + p, source + p);
     }
     cp_async_commit();
   };

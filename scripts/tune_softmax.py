@@ -33,13 +33,17 @@ def candidates(op, dtype, rows, cols, target):
         if ladder is not None and ladder[0] * num_inputs * 4 <= 256:
             warp = _warp_plan(op, dtype, rows, cols, pack, ladder, target)
             found.append((f"warp c{ladder[0]}", warp.spec, warp.grid, warp.block, 0))
-    num_packs = cols // pack
+    peel = pack * ftype.itemsize < 16       # rows off the 16-byte grid: peel their edges
+    regs_pack = 16 // ftype.itemsize if peel else pack
+    num_packs = cols // regs_pack
     for block in (128, 256, 512, 1024):
         per_thread = -(-num_packs // block)
-        if per_thread * pack * 4 * num_inputs <= 256 and num_packs >= block // 2:
-            spec = SoftmaxSpec(op, "block_regs", dtype, pack, block_size=block, packs_per_thread=per_thread)
+        if per_thread * regs_pack * 4 * num_inputs <= 256 and num_packs >= block // 2:
+            spec = SoftmaxSpec(op, "block_regs", dtype, regs_pack, block_size=block,
+                               packs_per_thread=per_thread, peel=peel)
             grid = (get_num_blocks(target.facts, block, rows), 1, 1)
             found.append((f"regs b{block} k{per_thread}", spec, grid, (block, 1, 1), 0))
+    num_packs = cols // pack
     if pack * ftype.itemsize == 16 and cols >= 2048:
         for stages in (1, 2):
             smem = stages * num_inputs * cols * ftype.itemsize

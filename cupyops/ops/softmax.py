@@ -29,7 +29,8 @@ UNCACHED_BLOCK_SIZE = 1024
 ONEFLOW_MAX_COLS_PER_THREAD = 32
 THREAD_GROUP_WIDTHS = (1, 2, 4, 8, 16, 32)
 
-# auto, measured on an H200 (rows 49152, f16 and f32, 2048 ... 65536 cols):
+# auto, measured on an H200 (rows 49152, f16 and f32, 512 ... 65536 cols,
+# forward and backward; the budgets are per input array):
 # the warp path while a lane holds at most this many bytes of the row;
 AUTO_WARP_MAX_BYTES_PER_LANE = 128
 # then the register block path with the smallest of these block sizes giving a
@@ -196,9 +197,8 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
     ftype = dtypes.BY_SHORT[dtype]
     num_inputs = len(INPUTS[op])
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
-    cached_itemsize = num_inputs * compute_itemsize    # register bytes per column
     pack_size = vector_pack_size(cols, ftype.itemsize, align)
-    max_cols_per_thread = max(AUTO_WARP_MAX_BYTES_PER_LANE // cached_itemsize, pack_size)
+    max_cols_per_thread = max(AUTO_WARP_MAX_BYTES_PER_LANE // compute_itemsize, pack_size)
     ladder = warp_ladder(cols, rows, pack_size, max_cols_per_thread)
     if ladder is not None:
         return _warp_plan(op, dtype, rows, cols, pack_size, ladder, target)
@@ -210,7 +210,7 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
     for block_size in AUTO_BLOCK_REGS_SIZES:
         packs_per_thread = -(-num_packs // block_size)
         if (packs_per_thread <= AUTO_BLOCK_REGS_MAX_PACKS and
-                packs_per_thread * regs_pack * cached_itemsize * block_size <= AUTO_BLOCK_REGS_MAX_BYTES):
+                packs_per_thread * regs_pack * compute_itemsize * block_size <= AUTO_BLOCK_REGS_MAX_BYTES):
             spec = SoftmaxSpec(op, "block_regs", dtype, regs_pack, block_size=block_size,
                                packs_per_thread=packs_per_thread, peel=peel)
             return _block_plan(spec, rows, 0, target)
@@ -289,8 +289,13 @@ def _forward(op, x, axis, out, policy, stream):
         return out if out is not None else cupy.empty(shape, result_dtype)
     target = out.reshape(x.shape) if out is not None else None
     with arrays.on_device(x, stream):
-        result = rowwise.run([x], axes, target, result_dtype,
-                             lambda i, o, rows, cols: _launch(op, policy, i, o, rows, cols))
+        result = None
+        if policy == "auto" and len(axes) == 1 and axes[0] != x.ndim - 1:
+            from . import softmax_axis   # imports this module: bound late
+            result = softmax_axis.run(op, x, axes[0], target)
+        if result is None:
+            result = rowwise.run([x], axes, target, result_dtype,
+                                 lambda i, o, rows, cols: _launch(op, policy, i, o, rows, cols))
     return out if out is not None else result.reshape(shape)
 
 

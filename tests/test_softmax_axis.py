@@ -1,0 +1,383 @@
+"""softmax / log_softmax over a non-last axis without a transpose copy
+(cupyops/ops/softmax_axis.py, kernels/softmax_axis.cuh).
+
+CPU: kernel names, rendering, the planner's rule (golden plans for the H100
+profile worked from the rule in the module docstring, and invariants over many
+shapes), and NVRTC compiles of the instantiations for sm_80 and sm_90.
+GPU (marked gpu): every non-last axis of 3-D and 4-D arrays, both the cached
+and the online kernel, against float64 references of SciPy's formulas, with
+NaN / +-inf slices, poisoned outputs, in-place output and odd shapes.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy
+import pytest
+from conftest import assert_close
+
+from cupyops import jit
+from cupyops.dtypes import BFLOAT16
+from cupyops.launch import Target
+from cupyops.ops import softmax_axis as sa
+from cupyops.ops.softmax_axis import SoftmaxAxisSpec, plan
+
+H100 = Target.profile("h100")
+TARGETS = {"sm_80": Target.profile("a100"), "sm_90": H100}
+OPS = ("softmax", "log_softmax")
+DTYPES = ("f16", "bf16", "f32", "f64")
+ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
+
+
+@pytest.fixture
+def axis_everywhere(monkeypatch):
+    """The axis kernel for every shape: no rows-path thresholds (small inner,
+    few uncached tiles), fresh plan and launch caches."""
+    monkeypatch.setattr(sa, "AXIS_MIN_INNER", 1)
+    monkeypatch.setattr(sa, "AXIS_MIN_TILES_PER_SM", 0)
+    monkeypatch.setattr(sa, "_launches", {})
+    sa.plan.cache_clear()
+    yield
+    sa.plan.cache_clear()
+
+
+@pytest.fixture
+def online_only(monkeypatch, axis_everywhere):
+    """Every tile read twice (no shared-memory cache)."""
+    monkeypatch.setattr(sa, "AXIS_CACHE_MAX_BYTES", 0)
+
+
+# -- names and rendering --------------------------------------------------------------
+
+@pytest.mark.parametrize("spec, name", [
+    (SoftmaxAxisSpec("softmax", "f16", 8, 2, 512, 0, True), "softmax_axis_f16_f32_p8_b2x512_async_cached"),
+    (SoftmaxAxisSpec("log_softmax", "bf16", 1, 16, 64, 8, True),
+     "log_softmax_axis_bf16_f32_p1_b16x64_l8_cached"),
+    (SoftmaxAxisSpec("softmax", "f64", 2, 2, 256, 4, False), "softmax_axis_f64_f64_p2_b2x256_l4_online"),
+])
+def test_golden_names(spec, name):
+    assert spec.name == name
+    assert spec.threads_per_block == spec.block_x * spec.block_y
+
+
+def test_render_names_the_kernel_and_fingerprint():
+    spec = SoftmaxAxisSpec("log_softmax", "f16", 8, 2, 512, 0, True)
+    source = jit.render(spec)
+    assert f'extern "C" __global__ void __launch_bounds__(1024)\n{spec.name}(' in source
+    assert jit.headers_fingerprint() in source
+    assert "cupyops::half_t" in source and "Algorithm::kLogSoftmax" in source
+    assert "{{" not in source and "}}" not in source
+
+
+# -- the planner ----------------------------------------------------------------------
+
+# Worked from the rule for the H100 profile (132 SMs x 2048 threads, 228 KB of
+# shared memory per SM): (op, outer, cols, inner, dtype, align) ->
+# (kernel, block, grid, dynamic shared memory).
+PLAN_GOLDEN = [
+    # the target: 16-byte packs, 2 threads x 32 bytes along inner, a 128 KB tile
+    # cached (one block per SM, so 1024 threads); 64 x 16 tiles
+    (("softmax", 64, 4096, 256, "f16", 16),
+     ("softmax_axis_f16_f32_p8_b2x512_async_cached", (2, 512, 1), 1024, 131072)),
+    (("log_softmax", 64, 4096, 256, "bf16", 16),
+     ("log_softmax_axis_bf16_f32_p8_b2x512_async_cached", (2, 512, 1), 1024, 131072)),
+    (("softmax", 64, 4096, 256, "f32", 16),
+     ("softmax_axis_f32_f32_p4_b2x512_async_cached", (2, 512, 1), 2048, 131072)),
+    (("softmax", 64, 4096, 256, "f64", 16),
+     ("softmax_axis_f64_f64_p2_b2x512_async_cached", (2, 512, 1), 4096, 131072)),
+    # an input 2 bytes off the 16-byte grid: 2-byte packs, 16 threads per 32 bytes,
+    # the tile cached through registers (cp.async needs 4 bytes at least)
+    (("softmax", 64, 4096, 256, "f16", 2),
+     ("softmax_axis_f16_f32_p1_b16x64_l8_cached", (16, 64, 1), 1024, 131072)),
+    # 1.6 MB tiles, 128 of them: read twice; 1024 threads get 32 bytes in flight
+    (("softmax", 4, 100000, 512, "f16", 16),
+     ("softmax_axis_f16_f32_p8_b2x512_l2_online", (2, 512, 1), 128, 0)),
+    # enough tiles to fill the GPU with 256 threads: 64 bytes in flight
+    (("softmax", 4096, 8192, 64, "f16", 16),
+     ("softmax_axis_f16_f32_p8_b2x128_l4_online", (2, 128, 1), 16384, 0)),
+    # odd inner: 1-element packs; 17 rows take 16 threads, the rest widen the tile
+    (("softmax", 2, 17, 1025, "f32", 16),
+     ("softmax_axis_f32_f32_p1_b32x16_async_cached", (32, 16, 1), 66, 17 * 32 * 4)),
+    # cols = 1: a warp along inner
+    (("softmax", 64, 1, 256, "f16", 16),
+     ("softmax_axis_f16_f32_p8_b32x1_async_cached", (32, 1, 1), 64, 32 * 16)),
+    (("log_softmax", 7, 333, 97, "f64", 8),
+     ("log_softmax_axis_f64_f64_p1_b4x256_async_cached", (4, 256, 1), 175, 333 * 4 * 8)),
+]
+
+
+@pytest.mark.parametrize("args, expected", PLAN_GOLDEN, ids=[str(g[0]) for g in PLAN_GOLDEN])
+def test_plan_golden(args, expected):
+    op, outer, cols, inner, dtype, align = args
+    p = plan(op, outer, cols, inner, dtype, H100, align)
+    assert (p.spec.name, p.block, p.grid[0], p.smem_bytes) == expected
+
+
+@pytest.mark.parametrize("shape", [(8, 1000, 3), (4096, 64, 31), (1, 50000, 64), (2, 1000000, 32)])
+def test_rows_path_chosen(shape):
+    """inner < 32, or too few tiles too large to cache: the rows path (None)."""
+    for op in OPS:
+        for dtype in DTYPES:
+            assert plan(op, *shape, dtype, H100) is None
+
+
+def test_explain():
+    info = plan("softmax", 64, 4096, 256, "f16", H100).explain()
+    assert info == {"op": "softmax", "impl": "axis", "outer": 64, "cols": 4096, "inner": 256,
+                    "pack_size": 8, "cached": True, "block": [2, 512, 1], "grid": [1024, 1, 1],
+                    "smem_bytes": 131072, "kernel": "softmax_axis_f16_f32_p8_b2x512_async_cached"}
+
+
+def test_plan_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="unknown op"):
+        plan("softmax_backward", 2, 3, 64, "f32", H100)
+    with pytest.raises(ValueError, match="positive"):
+        plan("softmax", 2, 0, 64, "f32", H100)
+
+
+SHAPE_SWEEP = [(outer, cols, inner) for outer in (1, 3, 64, 4096) for cols in (1, 2, 17, 1000, 4096, 50000)
+               for inner in (32, 33, 64, 100, 256, 1025, 4096)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("align", (16, 8, 4, 2))
+def test_plan_invariants(dtype, align):
+    itemsize = ITEMSIZE[dtype]
+    if align < itemsize:
+        pytest.skip("an array is always aligned to its itemsize")
+    facts = H100.facts
+    for outer, cols, inner in SHAPE_SWEEP:
+        p = plan("softmax", outer, cols, inner, dtype, H100, align)
+        if p is None:
+            continue
+        spec = p.spec
+        pack_bytes = spec.pack_size * itemsize
+        threads = spec.block_x * spec.block_y
+        assert inner % spec.pack_size == 0 and pack_bytes <= min(16, align)
+        for size in (spec.pack_size, spec.block_x, spec.block_y):
+            assert size & (size - 1) == 0
+        assert threads % 32 == 0 and threads <= sa.AXIS_MAX_BLOCK_THREADS
+        assert spec.block_x <= sa.AXIS_MAX_BLOCK_X
+        # block_y never exceeds cols, except to keep whole warps
+        assert spec.block_y <= cols or spec.block_x * spec.block_y == 32
+        tiles = outer * math.ceil(inner // spec.pack_size / spec.block_x)
+        assert 1 <= p.grid[0] <= tiles and p.block == (spec.block_x, spec.block_y, 1)
+        tile_bytes = cols * spec.block_x * pack_bytes
+        if spec.cached:
+            assert p.smem_bytes == tile_bytes <= sa.AXIS_CACHE_MAX_BYTES
+            assert (spec.loads_in_flight == 0) == (pack_bytes >= sa.AXIS_ASYNC_MIN_PACK_BYTES)
+        else:
+            assert p.smem_bytes == 0 and spec.loads_in_flight >= 1
+            assert tiles >= sa.AXIS_MIN_TILES_PER_SM * facts.sm_count
+        # few tiles: the cols axis is split among more threads (up to 1024)
+        if tiles * threads < facts.sm_count * facts.max_threads_per_sm and threads < 1024:
+            assert spec.block_y == 1 << (cols.bit_length() - 1) or spec.block_x * spec.block_y == 32
+
+
+def test_lifted_thresholds_give_axis_plans(axis_everywhere):
+    """The fixture the GPU tests use: every shape gets an axis plan."""
+    for shape in [(8, 1000, 3), (1, 50000, 64), (5, 7, 1), (1, 1, 1)]:
+        assert plan("softmax", *shape, "f32", H100) is not None
+
+
+# -- NVRTC compiles -------------------------------------------------------------------
+
+# The brief's shapes and one of each planner branch: the online kernel with
+# 256 threads, cols = 1, short cols widening the tile, odd inner.
+COMPILE_SHAPES = [(64, 4096, 256), (8, 1000, 3), (2, 17, 1025), (1, 50000, 64),
+                  (4096, 8192, 64), (64, 1, 256), (16, 3, 4096), (7, 333, 97)]
+MISALIGNED_SHAPE = (64, 4096, 256)     # also planned with the pointers only itemsize-aligned
+
+
+def _instantiations(arch: str, dtype: str, monkeypatch) -> set:
+    """Every kernel the shapes plan to, cached where possible and online."""
+    target = TARGETS[arch]
+    specs = set()
+    for cache_max in (sa.AXIS_CACHE_MAX_BYTES, 0):
+        monkeypatch.setattr(sa, "AXIS_CACHE_MAX_BYTES", cache_max)
+        sa.plan.cache_clear()
+        for op in OPS:
+            for shape in COMPILE_SHAPES:
+                specs.add(plan(op, *shape, dtype, target).spec)
+            specs.add(plan(op, *MISALIGNED_SHAPE, dtype, target, ITEMSIZE[dtype]).spec)
+    return specs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", sorted(TARGETS))
+def test_instantiations_compile(arch, dtype, axis_everywhere, monkeypatch):
+    specs = _instantiations(arch, dtype, monkeypatch)
+    assert {spec.cached for spec in specs} == {True, False}
+    problems = []
+    for spec in sorted(specs, key=lambda s: s.name):
+        report = jit.compile_cubin(spec, arch)       # raises jit.CompileError on failure
+        assert report.cubin_bytes > 0
+        # f64 is exempt from the spill check: libdevice's double exp / log are
+        # calls that spill around the call (as in test_compile.py)
+        spills = report.spill_bytes if dtype != "f64" else 0
+        if spills or report.registers * spec.threads_per_block > 65536:
+            problems.append(f"{spec.name}: {report.registers} registers, "
+                            f"{report.spill_bytes} spill bytes")
+        if spec.block_y > 1:
+            assert report.smem_bytes > 0             # the column reductions' partials
+    assert not problems, "\n".join(problems)
+
+
+# -- GPU ------------------------------------------------------------------------------
+
+NUMPY_DTYPES = {"f16": numpy.dtype(numpy.float16), "bf16": BFLOAT16,
+                "f32": numpy.dtype(numpy.float32), "f64": numpy.dtype(numpy.float64)}
+
+
+def reference(op, x, axis):
+    """scipy.special.softmax / log_softmax in float64, step for step."""
+    x = numpy.asarray(x, dtype=numpy.float64)
+    x_max = numpy.amax(x, axis=axis, keepdims=True)
+    with numpy.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        if op == "softmax":
+            shifted = numpy.exp(x - x_max)
+            return shifted / numpy.sum(shifted, axis=axis, keepdims=True)
+        tmp = x - numpy.where(numpy.isfinite(x_max), x_max, 0.0)
+        return tmp - numpy.log(numpy.sum(numpy.exp(tmp), axis=axis, keepdims=True))
+
+
+def random_input(rng, shape, dtype):
+    """(device array, float64 values of the rounded input)."""
+    import cupy
+
+    host = (rng.standard_normal(shape) * 4.0).astype(dtype)
+    return cupy.asarray(host), host.astype(numpy.float64)
+
+
+def poisoned(shape, dtype):
+    import cupy
+
+    return cupy.asarray(numpy.full(shape, numpy.nan, dtype=dtype))
+
+
+def run_checked(op, x, axis, out=None):
+    result = sa.run(op, x, axis, out)
+    assert result is not None, "the axis kernel did not apply"
+    return result
+
+
+GPU_SHAPES = [(3, 17, 64), (2, 5, 33), (4, 1, 40), (1, 300, 1), (6, 7, 1025), (2, 3, 4, 5),
+              (3, 64, 2, 48), (2, 2000, 96), (5, 4, 3, 2, 32)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["cached", "online"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_every_axis(op, dtype, cache, rng, axis_everywhere, request):
+    if cache == "online":
+        request.getfixturevalue("online_only")
+    for shape in GPU_SHAPES:
+        x, exact = random_input(rng, shape, NUMPY_DTYPES[dtype])
+        for axis in range(len(shape) - 1):
+            y = run_checked(op, x, axis)
+            assert y.shape == shape and y.dtype == x.dtype and y.flags.c_contiguous
+            assert_close(y.get(), reference(op, exact, axis), NUMPY_DTYPES[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_public_functions_every_axis(op, dtype, rng):
+    """Through cupyops.softmax / log_softmax (the axis kernel once wired in)."""
+    import cupyops
+
+    function = getattr(cupyops, op)
+    for shape in [(4, 33, 64), (3, 5, 7, 40), (64, 300, 256)]:
+        x, exact = random_input(rng, shape, NUMPY_DTYPES[dtype])
+        for axis in range(-len(shape), len(shape)):
+            assert_close(function(x, axis=axis).get(), reference(op, exact, axis), NUMPY_DTYPES[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["cached", "online"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_nan_and_inf_slices(op, dtype, cache, rng, axis_everywhere, request):
+    import cupy
+
+    if cache == "online":
+        request.getfixturevalue("online_only")
+    outer, cols, inner = 3, 37, 48
+    host = (rng.standard_normal((outer, cols, inner)) * 4.0).astype(NUMPY_DTYPES[dtype])
+    special = [
+        lambda s: s.__setitem__(slice(None), -numpy.inf),              # all -inf
+        lambda s: s.__setitem__(slice(None), numpy.inf),               # all +inf
+        lambda s: s.__setitem__(5, numpy.inf),                         # one +inf
+        lambda s: s.__setitem__(slice(3, 5), numpy.inf),               # two +inf
+        lambda s: s.__setitem__(30, numpy.nan),                        # one NaN
+        lambda s: s.__setitem__(0, -numpy.inf),                        # one -inf
+        lambda s: s.__setitem__(slice(0, 36), -numpy.inf),             # one finite left
+        lambda s: (s.__setitem__(1, numpy.inf), s.__setitem__(2, -numpy.inf)),
+        lambda s: (s.__setitem__(1, numpy.nan), s.__setitem__(2, numpy.inf)),
+    ]
+    for k, make in enumerate(special):
+        make(host[k % outer, :, 4 * k + 1])   # slices of several threads and tiles
+    exact = host.astype(numpy.float64)
+    y = run_checked(op, cupy.asarray(host), 1)
+    assert_close(y.get(), reference(op, exact, 1), NUMPY_DTYPES[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_out_poisoned_and_in_place(op, dtype, rng, axis_everywhere):
+    shape = (5, 123, 72)
+    numpy_dtype = NUMPY_DTYPES[dtype]
+    for axis in (0, 1):
+        x, exact = random_input(rng, shape, numpy_dtype)
+        expected = reference(op, exact, axis)
+        out = poisoned(shape, numpy_dtype)
+        assert run_checked(op, x, axis, out) is out
+        assert_close(out.get(), expected, numpy_dtype)
+        assert run_checked(op, x, axis, x) is x
+        assert_close(x.get(), expected, numpy_dtype)
+
+
+@pytest.mark.gpu
+def test_target_shape(rng):
+    """(64, 4096, 256) float16 over axis 1 with the default planner: cached tile."""
+    x, exact = random_input(rng, (64, 4096, 256), numpy.float16)
+    p = plan("softmax", 64, 4096, 256, "f16", Target.live(x.device.id))
+    assert p is not None and p.spec.cached
+    for op in OPS:
+        assert_close(run_checked(op, x, 1).get(), reference(op, exact, 1), numpy.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["f16", "f32"])
+def test_misaligned_input(dtype, rng, axis_everywhere):
+    """A C-contiguous view one element off the 16-byte grid: narrower packs."""
+    import cupy
+
+    numpy_dtype = NUMPY_DTYPES[dtype]
+    shape = (4, 300, 64)
+    host = (rng.standard_normal(math.prod(shape) + 1) * 4.0).astype(numpy_dtype)
+    x = cupy.asarray(host)[1:].reshape(shape)
+    assert x.flags.c_contiguous and x.data.ptr % 16
+    for op in OPS:
+        y = run_checked(op, x, 1)
+        assert_close(y.get(), reference(op, host[1:].reshape(shape).astype(numpy.float64), 1),
+                     numpy_dtype)
+
+
+@pytest.mark.gpu
+def test_not_applicable_returns_none(rng, axis_everywhere):
+    import cupy
+
+    x, _ = random_input(rng, (4, 6, 64), numpy.float32)
+    assert sa.run("softmax", x, 2, None) is None                       # last axis
+    assert sa.run("softmax", x.transpose(1, 0, 2), 1, None) is None    # not C-contiguous
+    out = cupy.empty((4, 6, 64), numpy.float32)
+    assert sa.run("softmax", x, 1, out.transpose(1, 0, 2).copy().transpose(1, 0, 2)) is None
+    big = cupy.zeros(4 * 6 * 64 + 64, numpy.float32)
+    overlapping_in = big[:4 * 6 * 64].reshape(4, 6, 64)
+    overlapping_out = big[64:].reshape(4, 6, 64)
+    poison = overlapping_out.copy()
+    assert sa.run("softmax", overlapping_in, 1, overlapping_out) is None
+    assert bool((overlapping_out == poison).all())                     # nothing written
