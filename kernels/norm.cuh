@@ -7,7 +7,10 @@
 //   norm_block_regs      a row per block, in registers
 //   norm_block_smem      a row per block, cached in dynamic shared memory
 //   norm_block_uncached  a row per block, read twice from global memory
-// `Stats` is WelfordState (LayerNorm) or SquareSumState (RMSNorm). Inputs come
+// `Stats` is WelfordState (LayerNorm) or SquareSumState (RMSNorm). LayerNorm's
+// statistics are taken of x - K, K the row's first value (row_shift): every
+// thread of the row loads the same K, so Welford's float32 mean never has to
+// resolve a small variance under a large mean. Inputs come
 // through NormInput (optionally h = x + residual, stored), outputs leave
 // through NormOutput (weight and bias applied in the compute type).
 //
@@ -47,6 +50,17 @@ struct NormInput {
     } else {
 #pragma unroll
       for (int i = 0; i < N; ++i) dst[i] = cast<C>(a.elem[i]);
+    }
+  }
+
+  // The row's first value exactly as load() computes it (h rounded to T).
+  // Reads x / residual, never h, so no thread races the one that stores h.
+  __device__ __forceinline__ C first(int64 row) const {
+    const C a = cast<C>(x[row * x_stride]);
+    if constexpr (has_residual) {
+      return cast<C>(cast<T>(a + cast<C>(residual[row * residual_stride])));
+    } else {
+      return a;
     }
   }
 
@@ -100,16 +114,29 @@ struct NormOutput {
   }
 };
 
-// Optional per-row mean / rstd outputs (null pointers: not stored).
+// Optional per-row mean / rstd outputs (null pointers: not stored). m.mean is
+// the mean of the shifted values; the row's mean is shift + m.mean.
 template <typename C>
 struct MomentsOutput {
   C* mean;
   C* rstd;
-  __device__ __forceinline__ void store(int64 row, const RowMoments<C>& m) const {
-    if (mean != nullptr) mean[row] = m.mean;
+  __device__ __forceinline__ void store(int64 row, const RowMoments<C>& m, C shift) const {
+    if (mean != nullptr) mean[row] = shift + m.mean;
     if (rstd != nullptr) rstd[row] = m.rstd;
   }
 };
+
+// The shift K of a row's statistics (see WelfordState): the row's first value
+// for LayerNorm, loaded by every thread of the row (one cached load); 0 for
+// RMSNorm, whose statistic is about 0 by definition (x - 0 folds away).
+template <typename Stats, typename Input, typename C>
+__device__ __forceinline__ C row_shift(const Input& in, int64 row) {
+  if constexpr (Stats::centered) {
+    return in.first(row);
+  } else {
+    return C(0);
+  }
+}
 
 // Rows handled by the groups of one warp move together, so every lane of a
 // warp runs the same number of iterations (the shuffles use the full mask).
@@ -153,9 +180,11 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
   for (int64 base = warp_rows.first; base < rows; base += warp_rows.step) {
     const int64 row = base + WarpRows::group_offset<width, rows_per_access>();
     Stats stats[rows_per_access];
+    C shift[rows_per_access];
 #pragma unroll
     for (int r = 0; r < rows_per_access; ++r) {
       stats[r] = Stats::empty();
+      shift[r] = row + r < rows ? row_shift<Stats, Input, C>(in, row + r) : C(0);
 #pragma unroll
       for (int p = 0; p < max_packs; ++p) {
         const int64 col = (static_cast<int64>(p) * width + lane) * pack_size;
@@ -163,7 +192,10 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
         if (row + r < rows && pack_in_row<padding, min_packs>(p, col, cols)) {
           in.template load<pack_size>(values, row + r, col);
 #pragma unroll
-          for (int i = 0; i < pack_size; ++i) stats[r].add(values[i]);
+          for (int i = 0; i < pack_size; ++i) {
+            values[i] -= shift[r];           // buf holds x - K from here on
+            stats[r].add(values[i]);
+          }
         } else {
 #pragma unroll
           for (int i = 0; i < pack_size; ++i) values[i] = C(0);
@@ -174,7 +206,7 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
     for (int r = 0; r < rows_per_access; ++r) {
       const RowMoments<C> m = warp_all_reduce_state<width>(stats[r]).moments(cols, eps);
       if (row + r >= rows) continue;
-      if (lane == 0) moments_out.store(row + r, m);
+      if (lane == 0) moments_out.store(row + r, m, shift[r]);
 #pragma unroll
       for (int i = 0; i < max_cols_per_thread; ++i) buf[r][i] = (buf[r][i] - m.mean) * m.rstd;
 #pragma unroll
@@ -199,17 +231,21 @@ __device__ __forceinline__ void norm_block_regs(const Input& in, const Output& o
   const int64 num_packs = cols / pack_size;
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
     Stats stats = Stats::empty();
+    const C shift = row_shift<Stats, Input, C>(in, row);
 #pragma unroll
     for (int k = 0; k < packs_per_thread; ++k) {
       const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
       if (pack_id < num_packs) {
         in.template load<pack_size>(buf[k], row, pack_id * pack_size);
 #pragma unroll
-        for (int i = 0; i < pack_size; ++i) stats.add(buf[k][i]);
+        for (int i = 0; i < pack_size; ++i) {
+          buf[k][i] -= shift;                // buf holds x - K from here on
+          stats.add(buf[k][i]);
+        }
       }
     }
     const RowMoments<C> m = block_all_reduce_state<block_size>(stats).moments(cols, eps);
-    if (threadIdx.x == 0) moments_out.store(row, m);
+    if (threadIdx.x == 0) moments_out.store(row, m, shift);
 #pragma unroll
     for (int k = 0; k < packs_per_thread; ++k) {
       const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
@@ -237,24 +273,25 @@ __device__ __forceinline__ void norm_block_smem(const Input& in, const Output& o
   const int num_packs = static_cast<int>(cols / pack_size);
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
     Stats stats = Stats::empty();
+    const C shift = row_shift<Stats, Input, C>(in, row);
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
       C values[pack_size];
       in.template load<pack_size>(values, row, static_cast<int64>(p) * pack_size);
       Pack<Cache, pack_size> packed;
 #pragma unroll
       for (int i = 0; i < pack_size; ++i) {
-        stats.add(values[i]);
-        packed.elem[i] = cast<Cache>(values[i]);
+        stats.add(values[i] - shift);
+        packed.elem[i] = cast<Cache>(values[i]);   // x itself: x - K may not fit a 16-bit cache
       }
       cache[p] = packed;
     }
     const RowMoments<C> m = block_all_reduce_state<block_size>(stats).moments(cols, eps);
-    if (threadIdx.x == 0) moments_out.store(row, m);
+    if (threadIdx.x == 0) moments_out.store(row, m, shift);
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
       const Pack<Cache, pack_size> packed = cache[p];
       C values[pack_size];
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) values[i] = (cast<C>(packed.elem[i]) - m.mean) * m.rstd;
+      for (int i = 0; i < pack_size; ++i) values[i] = (cast<C>(packed.elem[i]) - shift - m.mean) * m.rstd;
       out.template store<pack_size>(values, row, static_cast<int64>(p) * pack_size);
     }
   }
@@ -270,19 +307,20 @@ __device__ __forceinline__ void norm_block_uncached(const Input& in, const Outpu
   const int64 num_packs = cols / pack_size;
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
     Stats stats = Stats::empty();
+    const C shift = row_shift<Stats, Input, C>(in, row);
     for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
       C values[pack_size];
       in.template load<pack_size>(values, row, p * pack_size);
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) stats.add(values[i]);
+      for (int i = 0; i < pack_size; ++i) stats.add(values[i] - shift);
     }
     const RowMoments<C> m = block_all_reduce_state<block_size>(stats).moments(cols, eps);
-    if (threadIdx.x == 0) moments_out.store(row, m);
+    if (threadIdx.x == 0) moments_out.store(row, m, shift);
     for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
       C values[pack_size];
       in.template reload<pack_size>(values, row, p * pack_size);
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) values[i] = (values[i] - m.mean) * m.rstd;
+      for (int i = 0; i < pack_size; ++i) values[i] = (values[i] - shift - m.mean) * m.rstd;
       out.template store<pack_size>(values, row, p * pack_size);
     }
   }
@@ -291,8 +329,9 @@ __device__ __forceinline__ void norm_block_uncached(const Input& in, const Outpu
 // ===========================================================================
 // Backward.
 
-// What the backward kernels read and write. mean is null for RMSNorm; the
-// partial pointers are null unless dweight / dbias partials are fused.
+// What the backward kernels read and write. mean is null for RMSNorm; each
+// partial pointer is null unless its gradient is wanted (and, for the dx
+// kernels, the partials are fused): every write through one is guarded.
 template <typename T, typename C, bool centered, bool has_weight>
 struct NormGradIO {
   const T* dy;
@@ -429,8 +468,9 @@ __device__ __forceinline__ void norm_grad_warp(const IO& io, int64 rows, int64 c
         weight_sum += weight_smem[y * cols + col];
         bias_sum += bias_smem[y * cols + col];
       }
-      io.weight_partials[blockIdx.x * cols + col] = weight_sum;
-      if (io.bias_partials != nullptr) io.bias_partials[blockIdx.x * cols + col] = bias_sum;
+      const int64 offset = static_cast<int64>(blockIdx.x) * cols + col;
+      if (io.weight_partials != nullptr) io.weight_partials[offset] = weight_sum;
+      if (io.bias_partials != nullptr) io.bias_partials[offset] = bias_sum;
     }
   }
 }
@@ -490,8 +530,10 @@ __device__ __forceinline__ void norm_grad_block_regs(const IO& io, int64 rows, i
     for (int k = 0; k < packs_per_thread; ++k) {
       const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
       if (pack_id < num_packs) {
-        const int64 offset = blockIdx.x * cols + pack_id * pack_size;
-        DirectStore<C, C>{io.weight_partials, 0}.template store<pack_size>(weight_part[k], 0, offset);
+        const int64 offset = static_cast<int64>(blockIdx.x) * cols + pack_id * pack_size;
+        if (io.weight_partials != nullptr) {
+          DirectStore<C, C>{io.weight_partials, 0}.template store<pack_size>(weight_part[k], 0, offset);
+        }
         if (io.bias_partials != nullptr) {
           DirectStore<C, C>{io.bias_partials, 0}.template store<pack_size>(bias_part[k], 0, offset);
         }
@@ -577,8 +619,9 @@ __device__ __forceinline__ void norm_param_grad_partials(const IO& io, int64 row
       weight_sum += weight_smem[y][threadIdx.x];
       bias_sum += bias_smem[y][threadIdx.x];
     }
-    io.weight_partials[blockIdx.y * cols + col] = weight_sum;
-    if (io.bias_partials != nullptr) io.bias_partials[blockIdx.y * cols + col] = bias_sum;
+    const int64 offset = static_cast<int64>(blockIdx.y) * cols + col;
+    if (io.weight_partials != nullptr) io.weight_partials[offset] = weight_sum;
+    if (io.bias_partials != nullptr) io.bias_partials[offset] = bias_sum;
   }
 }
 

@@ -29,8 +29,16 @@ struct RowMoments {
 };
 
 // Welford's running mean and m2 (sum of squared deviations from the mean).
+//
+// The norm kernels feed it shifted values x - K, K the same value for every
+// thread of a row (its first element), and add K back to the mean: in float32
+// a mean of 1e4 is only resolved to ~1e-3, so `mean += delta / count` on the
+// raw values loses a variance of 1e-4 entirely. x - K is exact for values near
+// K (Sterbenz) and, K being one of the row's values, the shifted problem's
+// condition number is at most sqrt(1 + cols) (Chan, Golub and LeVeque 1983).
 template <typename T>
 struct WelfordState {
+  static constexpr bool centered = true;   // statistics of x - K: mean = K + mean, m2 unchanged
   T mean, m2, count;
 
   static __device__ __forceinline__ WelfordState empty() { return {T(0), T(0), T(0)}; }
@@ -62,7 +70,8 @@ struct WelfordState {
     return {shfl_<width>(mean, src_lane), shfl_<width>(m2, src_lane), shfl_<width>(count, src_lane)};
   }
 
-  // Biased variance over the `cols` values of the row (m2 / cols, never negative).
+  // Biased variance over the `cols` values of the row (m2 / cols, never negative);
+  // the mean is that of the values added (the shifted mean when they were shifted).
   __device__ __forceinline__ RowMoments<T> moments(long long cols, T eps) const {
     const T variance = max(m2 / static_cast<T>(cols), T(0));
     return {mean, rsqrt_(variance + eps)};
@@ -72,6 +81,7 @@ struct WelfordState {
 // Sum of squares: RMSNorm's statistic (mean 0, rstd = rsqrt(mean(x^2) + eps)).
 template <typename T>
 struct SquareSumState {
+  static constexpr bool centered = false;  // raw values, no shift
   T sum;
 
   static __device__ __forceinline__ SquareSumState empty() { return {T(0)}; }

@@ -136,19 +136,57 @@ def test_cols_one_and_constant_rows(rng, dtype):
         assert_close(rstd.get(), numpy.full(6, 1 / numpy.sqrt(EPS)), numpy.float32)
 
 
+# 256, 300: warp (padded); 1024: warp; 4096: register block (auto) / shared memory
+# (oneflow); 20000: register block / shared memory; 40000: shared memory;
+# 100000: uncached (both policies)
+LARGE_OFFSET_COLS = (256, 300, 1024, 4096, 20000, 40000, 100000)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["x", "residual"])
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("cols", [256, 1024, 4096, 20000])
-def test_large_offset_needs_welford(rng, cols, policy):
-    """mean 1e4, std 1e-2: sum(x^2) / n - mean^2 loses every digit in float32."""
-    x, x64 = _data(rng, (16, cols), numpy.float32, loc=1e4, scale=1e-2)
+@pytest.mark.parametrize("cols", LARGE_OFFSET_COLS)
+def test_large_offset_needs_welford(rng, cols, policy, residual):
+    """mean 1e4, std 1e-2: sum(x^2) / n - mean^2 loses every digit in float32, and
+    so does Welford on the raw values (the float32 mean resolves 1e4 to ~1e-3, a
+    tenth of the std). The kernels take the statistics of x - x[row, 0]: exact
+    here (Sterbenz), so rstd is good to ~1e-5 relative and y to ~1e-4."""
+    rows = 15      # odd: the warp paths' second row per access is guarded
+    x, x64 = _data(rng, (rows, cols), numpy.float32, loc=1e4, scale=1e-2)
+    # rows whose first element is the row's extreme: the shift is not the mean
+    x[3, 0] = numpy.float32(1e4 + 0.1)
+    x[4, 0] = numpy.float32(1e4 - 0.1)
+    if residual:
+        r, _ = _data(rng, (rows, cols), numpy.float32, scale=1e-2)
+        y, h, mean, rstd = cupyops.layer_norm(x, residual=r, eps=EPS, return_stats=True, policy=policy)
+        x64 = h.get().astype(numpy.float64)          # the float32 h the kernel normalised
+    else:
+        y, mean, rstd = cupyops.layer_norm(x, eps=EPS, return_stats=True, policy=policy)
+        x64 = x.get().astype(numpy.float64)          # the rounded float32 input
     y_ref, mean_ref, rstd_ref = _reference(x64, None, None, 1, True)
-    y, mean, rstd = cupyops.layer_norm(x, eps=EPS, return_stats=True, policy=policy)
-    numpy.testing.assert_allclose(rstd.get(), rstd_ref, rtol=1e-2)
-    # the float32 mean itself is only known to half an ulp of 1e4 (5e-4 = 0.05 std)
-    numpy.testing.assert_allclose(y.get(), y_ref, atol=0.1)
-    x, x64 = _data(rng, (16, cols), numpy.float64, loc=1e4, scale=1e-2)
-    y = cupyops.layer_norm(x, eps=EPS, policy=policy)
+    # float32 Welford on x - K: ~1e-7 relative in a NumPy emulation (raw values: 2e-2)
+    numpy.testing.assert_allclose(rstd.get(), rstd_ref, rtol=1e-4)
+    # the float32 mean itself is only known to half an ulp of 1e4 (4.9e-4)
+    numpy.testing.assert_allclose(mean.get(), mean_ref, rtol=0, atol=float(numpy.spacing(numpy.float32(1e4))))
+    # y is computed from (x - K) - shifted mean: no ulp of 1e4 in it
+    numpy.testing.assert_allclose(y.get(), y_ref, rtol=0, atol=1e-3)
+    x, x64 = _data(rng, (rows, cols), numpy.float64, loc=1e4, scale=1e-2)
+    y, rstd = cupyops.layer_norm(x, eps=EPS, policy=policy, return_stats=True)[::2]
     assert_close(y.get(), _reference(x64, None, None, 1, True)[0], numpy.float64, scale=1e4)
+    numpy.testing.assert_allclose(rstd.get(), _reference(x64, None, None, 1, True)[2], rtol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("cols", [64, 1024, 4096, 40000])
+def test_large_offset_16_bit(rng, cols, policy, dtype):
+    """16-bit input far from 0 (the storage-type shared-memory cache holds x, not x - K)."""
+    np_dtype = BFLOAT16 if dtype == "bfloat16" else numpy.dtype(dtype)
+    x, x64 = _data(rng, (9, cols), np_dtype, loc=300.0, scale=4.0)
+    y, mean, rstd = cupyops.layer_norm(x, eps=EPS, return_stats=True, policy=policy)
+    y_ref, mean_ref, rstd_ref = _reference(x64, None, None, 1, True)
+    numpy.testing.assert_allclose(rstd.get(), rstd_ref, rtol=1e-4)
+    numpy.testing.assert_allclose(mean.get(), mean_ref, rtol=1e-6)
+    assert_close(y.get(), y_ref, np_dtype, scale=4)
 
 
 def test_trailing_axes_views_and_offsets(rng):
@@ -207,14 +245,82 @@ def test_backward_is_deterministic(rng, cols, policy):
         assert bool(cupy.array_equal(a.view(cupy.uint16), b.view(cupy.uint16)))
 
 
-def test_backward_without_param_grads(rng):
-    x, x64 = _data(rng, (10, 300), numpy.float32)
-    dy, dy64 = _data(rng, (10, 300), numpy.float32)
-    _, mean, rstd = cupyops.layer_norm(x, eps=EPS, return_stats=True)
-    dx, dw, db = cupyops.layer_norm_backward(dy, x, mean, rstd, need_weight_grad=False,
-                                             need_bias_grad=False)
-    assert dw is None and db is None
-    assert_close(dx.get(), _reference_backward(dy64, x64, None, 1, True)[0], numpy.float32, scale=10)
+# 300: warp (padded); 1024: warp / register block; 4096: register block / shared
+# memory; 20000: shared memory / uncached; 40000: uncached
+GRAD_PATH_COLS = (300, 1024, 4096, 20000, 40000)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("cols", GRAD_PATH_COLS)
+@pytest.mark.parametrize("with_weight", [False, True], ids=["no_weight", "weight"])
+@pytest.mark.parametrize("wanted", [(False, False), (True, False), (False, True)],
+                         ids=["dx_only", "dweight_only", "dbias_only"])
+def test_backward_without_param_grads(rng, wanted, with_weight, cols, policy):
+    """Gradients not wanted are None and their workspace is never allocated:
+    no kernel may write partial sums through a null pointer (this once ran the
+    fused kernel with a null workspace: cudaErrorIllegalAddress)."""
+    need_weight_grad, need_bias_grad = wanted
+    rows = 11
+    x, x64 = _data(rng, (rows, cols), numpy.float32)
+    dy, dy64 = _data(rng, (rows, cols), numpy.float32)
+    w, w64 = _data(rng, (cols,), numpy.float32, 1.0, 0.2) if with_weight else (None, None)
+    dx_ref, dw_ref, db_ref = _reference_backward(dy64, x64, w64, 1, True)
+    _, mean, rstd = cupyops.layer_norm(x, w, eps=EPS, return_stats=True)
+    dx, dw, db = cupyops.layer_norm_backward(dy, x, mean, rstd, w, need_weight_grad=need_weight_grad,
+                                             need_bias_grad=need_bias_grad, policy=policy)
+    _cupy().cuda.get_current_stream().synchronize()      # a fault surfaces here, named
+    assert (dw is None) == (not need_weight_grad) and (db is None) == (not need_bias_grad)
+    assert_close(dx.get(), dx_ref, numpy.float32, scale=10)
+    if dw is not None:
+        assert_close(dw.get(), dw_ref, numpy.float32, scale=100)
+    if db is not None:
+        assert_close(db.get(), db_ref, numpy.float32, scale=100)
+    dx_ref, dw_ref, _ = _reference_backward(dy64, x64, w64, 1, False)
+    _, rstd = cupyops.rms_norm(x, w, eps=EPS, return_stats=True)
+    dx, dw = cupyops.rms_norm_backward(dy, x, rstd, w, need_weight_grad=need_weight_grad, policy=policy)
+    _cupy().cuda.get_current_stream().synchronize()
+    assert (dw is None) == (not need_weight_grad)
+    assert_close(dx.get(), dx_ref, numpy.float32, scale=10)
+    if dw is not None:
+        assert_close(dw.get(), dw_ref, numpy.float32, scale=100)
+
+
+# -- more than 2^31 elements ------------------------------------------------------
+
+def _require_free_bytes(needed):
+    cupy = _cupy()
+    free, _ = cupy.cuda.runtime.memGetInfo()
+    if free < needed:
+        pytest.skip(f"needs {needed / 2**30:.0f} GiB of free GPU memory, {free / 2**30:.0f} GiB free")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("cols", [1000, 4096])
+def test_more_than_2_31_elements(rng, cols, policy):
+    """rows * cols > 2^31: row offsets are 64-bit in every path (the last rows
+    are checked; a 32-bit row * stride would wrap to the start)."""
+    cupy = _cupy()
+    rows = (2**31) // cols + 3
+    _require_free_bytes(rows * cols * 2 * 5 + 2**30)          # x, y, dy, dx (float16) and slack
+    x = cupy.empty((rows, cols), numpy.float16)
+    x[:] = 1.0
+    tail = slice(rows - 3, rows)
+    x_tail = rng.standard_normal((3, cols)).astype(numpy.float16)
+    x[tail] = cupy.asarray(x_tail)
+    dy = cupy.full((rows, cols), 0.5, numpy.float16)
+    dy_tail = rng.standard_normal((3, cols)).astype(numpy.float16)
+    dy[tail] = cupy.asarray(dy_tail)
+    x64, dy64 = x_tail.astype(numpy.float64), dy_tail.astype(numpy.float64)
+    y, mean, rstd = cupyops.layer_norm(x, eps=EPS, return_stats=True, policy=policy)
+    assert_close(y[tail].get(), _reference(x64, None, None, 1, True)[0], numpy.float16, scale=4)
+    assert_close(y[:2].get(), numpy.zeros((2, cols)), numpy.float16)
+    del y
+    dx, dw, db = cupyops.layer_norm_backward(dy, x, mean, rstd, need_bias_grad=False, policy=policy)
+    dx_ref, dw_ref, _ = _reference_backward(dy64, x64, None, 1, True)
+    assert_close(dx[tail].get(), dx_ref, numpy.float16, scale=10)
+    # constant rows have xhat = 0 exactly: dweight is the tail rows' alone
+    assert db is None
+    assert_close(dw.get(), dw_ref, numpy.float16, scale=10)
 
 
 # -- torch parity ---------------------------------------------------------------

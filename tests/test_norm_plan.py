@@ -124,6 +124,37 @@ def test_auto_backward_fuses_param_grads_in_registers():
     assert dx_only.finish is None and not dx_only.main.spec.fuse_param_grad
 
 
+@pytest.mark.parametrize("policy", ["auto", "oneflow"])
+@pytest.mark.parametrize("op", norm.BACKWARD_OPS)
+def test_backward_writes_partials_only_when_wanted(op, policy):
+    """Without dweight / dbias no workspace is allocated: the plan must then
+    launch neither a fused kernel nor the column reduction (they would write
+    through a null pointer), and _check_grad_plan says so before any launch."""
+    for rows in (1, 7, ROWS):
+        for cols in (1, 3, 300, 512, 1024, 4096, 20000, 65536):
+            for dtype in ("f16", "f32", "f64"):
+                for weight in (False, True):
+                    dx_only = norm.plan(op, rows, cols, dtype, policy, H100, weight=weight, param_grad=False)
+                    assert not dx_only.main.spec.fuse_param_grad
+                    assert dx_only.param_grad is None and dx_only.finish is None
+                    assert dx_only.launches == (dx_only.main,)
+                    norm._check_grad_plan(dx_only, False)
+                    full = norm.plan(op, rows, cols, dtype, policy, H100, weight=weight, param_grad=True)
+                    assert full.main.spec.fuse_param_grad or full.param_grad is not None
+                    assert full.finish is not None and full.num_parts >= 1
+                    norm._check_grad_plan(full, True)
+                    with pytest.raises(AssertionError):
+                        norm._check_grad_plan(full, False)
+                    with pytest.raises(AssertionError):
+                        norm._check_grad_plan(dx_only, True)
+
+
+def test_plan_flags_are_keyword_only():
+    """plan(..., align, weight, param_grad) by position once put param_grad in `bias`."""
+    with pytest.raises(TypeError):
+        norm.plan("layer_norm_backward", ROWS, 300, "f32", "auto", H100, 16, False, False)
+
+
 # -- names and rendering ----------------------------------------------------------
 
 def test_golden_names():

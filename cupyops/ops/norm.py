@@ -4,7 +4,10 @@ Forward paths (SPEC §5): "warp" (a row per group of lanes, registers),
 "block_regs" (a row per block, registers; auto only), "block_smem" (a row per
 block, shared memory) and "block_uncached" (a row per block, read twice).
 Statistics: Welford per thread, Chan's combine across lanes and warps
-(kernels/welford.cuh); RMSNorm sums squares.
+(kernels/welford.cuh), on x - K with K the row's first value (every thread of
+the row loads it; mean = K + shifted mean, y = ((x - K) - shifted mean) * rstd),
+in every path and both policies: float32 Welford on raw values loses a std of
+1e-2 under a mean of 1e4. RMSNorm sums squares.
 
 policy="oneflow" reproduces OneFlow's layer_norm.cuh / rms_norm.cuh dispatch:
 - float64: uncached, always.
@@ -420,7 +423,7 @@ def _finish_launch(dtype, cols) -> KernelLaunch:
 
 
 @functools.lru_cache(maxsize=4096)
-def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target, align: int = 16,
+def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target, align: int = 16, *,
          weight: bool = True, bias: bool = True, residual: bool = False,
          param_grad: bool = True):
     """The launch plan of `op` for `rows` x `cols` of dtype (short name) on `target`.
@@ -428,7 +431,9 @@ def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target,
     Forward ops take weight / bias / residual flags; backward ops take weight
     (dy is multiplied by it) and param_grad (dweight / dbias wanted). `align`
     is the largest power of two (<= 16) dividing every operand's address and
-    row stride in bytes."""
+    row stride in bytes. The flags are keyword-only: passed by position,
+    param_grad once landed in `bias` and the backward planned fused partials
+    that were never allocated."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
     arrays.check_policy(policy)
@@ -589,7 +594,8 @@ def _forward(op, x, weight, bias, axis, eps, residual, return_stats, out, policy
             pointers += [vector.data.ptr for vector in (weight, bias) if vector is not None]
             align = arrays.alignment(*pointers)
             chosen = plan(op, rows, cols, ftype.short, policy, Target.live(device_id), align,
-                          weight is not None, bias is not None, residual is not None)
+                          weight=weight is not None, bias=bias is not None,
+                          residual=residual is not None)
             _run(chosen.main, device_id, (
                 x_op.array, _pointer(None if res_op is None else res_op.array), _pointer(weight),
                 _pointer(bias), output.array, _pointer(h), _pointer(mean), _pointer(rstd),
@@ -669,7 +675,8 @@ def _backward(op, dy, x, mean, rstd, weight, axis, need_weight_grad, need_bias_g
     cols = math.prod(normalized_shape)
     rows = x.size // cols if cols else 0
     centered = op == "layer_norm_backward"
-    param_grad = need_weight_grad or need_bias_grad
+    need_bias_grad = bool(need_bias_grad) and centered
+    param_grad = bool(need_weight_grad) or need_bias_grad
 
     with arrays.on_device(x, stream):
         mean = _check_stat(mean, "mean", rows, stats_dtype, device_id) if centered else None
@@ -677,7 +684,7 @@ def _backward(op, dy, x, mean, rstd, weight, axis, need_weight_grad, need_bias_g
         weight = None if weight is None else cupy.ascontiguousarray(weight)
         grad_dtype = x.dtype
         dweight = cupy.zeros(normalized_shape, grad_dtype) if need_weight_grad else None
-        dbias = cupy.zeros(normalized_shape, grad_dtype) if need_bias_grad and centered else None
+        dbias = cupy.zeros(normalized_shape, grad_dtype) if need_bias_grad else None
 
         def launch(operands, output, rows, cols):
             dy_op, x_op = operands
@@ -686,21 +693,24 @@ def _backward(op, dy, x, mean, rstd, weight, axis, need_weight_grad, need_bias_g
             if weight is not None:
                 pointers.append(weight.data.ptr)
             chosen = plan(op, rows, cols, ftype.short, policy, Target.live(device_id),
-                          arrays.alignment(*pointers), weight is not None, param_grad)
+                          arrays.alignment(*pointers), weight=weight is not None, param_grad=param_grad)
+            # partials only for the gradients wanted; the kernels skip a null one
             weight_parts = bias_parts = None
-            if param_grad:
+            if dweight is not None:
                 weight_parts = cupy.empty((chosen.num_parts, cols), stats_dtype)
-                if dbias is not None:
-                    bias_parts = cupy.empty((chosen.num_parts, cols), stats_dtype)
+            if dbias is not None:
+                bias_parts = cupy.empty((chosen.num_parts, cols), stats_dtype)
+            _check_grad_plan(chosen, param_grad)
             for step in (chosen.main, chosen.param_grad):
                 if step is None:
                     continue
                 writes_dx = step is chosen.main
+                writes_parts = step.spec.fuse_param_grad or not writes_dx
                 _run(step, device_id, (
                     dy_op.array, x_op.array, _pointer(weight), _pointer(mean), rstd,
                     output.array if writes_dx else _NULL,
-                    _pointer(weight_parts if step.spec.fuse_param_grad or not writes_dx else None),
-                    _pointer(bias_parts if step.spec.fuse_param_grad or not writes_dx else None),
+                    _pointer(weight_parts if writes_parts else None),
+                    _pointer(bias_parts if writes_parts else None),
                     numpy.int64(rows), numpy.int64(cols), numpy.int64(dy_op.row_stride),
                     numpy.int64(x_op.row_stride), numpy.int64(output.row_stride),
                     numpy.int64(chosen.rows_per_chunk)))
@@ -714,6 +724,16 @@ def _backward(op, dy, x, mean, rstd, weight, axis, need_weight_grad, need_bias_g
         else:
             dx = rowwise.run([dy, x], tuple(range(x.ndim - num_axes, x.ndim)), None, x.dtype, launch)
     return (dx, dweight, dbias) if centered else (dx, dweight)
+
+
+def _check_grad_plan(chosen: NormGradPlan, param_grad: bool) -> None:
+    """A backward plan writes partial sums exactly when they were asked for
+    (and so allocated): no kernel may be handed a null workspace to fill."""
+    writes_parts = chosen.main.spec.fuse_param_grad or chosen.param_grad is not None
+    if writes_parts != param_grad or (chosen.finish is not None) != param_grad:
+        raise AssertionError(f"backward plan {chosen.explain()} does not match param_grad={param_grad}")
+    if param_grad and chosen.num_parts < 1:
+        raise AssertionError(f"backward plan {chosen.explain()} has no workspace rows")
 
 
 def layer_norm_backward(dy, x, mean, rstd, weight=None, *, axis=-1, need_weight_grad=True,
