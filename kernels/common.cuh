@@ -46,6 +46,40 @@ struct alignas(sizeof(T) * N) Pack {
   T elem[N];
 };
 
+// The native type of `bytes` bytes that one load or store instruction moves.
+template <int bytes> struct Vector;
+template <> struct Vector<1> { typedef unsigned char type; };
+template <> struct Vector<2> { typedef unsigned short type; };
+template <> struct Vector<4> { typedef unsigned type; };
+template <> struct Vector<8> { typedef uint2 type; };
+template <> struct Vector<16> { typedef uint4 type; };
+
+// One access per pack, through its native vector type. 16- and 8-byte stores
+// are written in PTX: given a column known only at run time (peeled rows),
+// the compiler otherwise split a pack's store into element stores.
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> load_pack(const T* address) {
+  typedef typename Vector<sizeof(T) * N>::type V;
+  union { V vector; Pack<T, N> pack; } bits;
+  bits.vector = *reinterpret_cast<const V*>(address);
+  return bits.pack;
+}
+template <typename T, int N>
+__device__ __forceinline__ void store_pack(T* address, const Pack<T, N>& pack) {
+  typedef typename Vector<sizeof(T) * N>::type V;
+  union { Pack<T, N> pack; V vector; } bits;
+  bits.pack = pack;
+  if constexpr (sizeof(V) == 16) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(address), "r"(bits.vector.x),
+                 "r"(bits.vector.y), "r"(bits.vector.z), "r"(bits.vector.w) : "memory");
+  } else if constexpr (sizeof(V) == 8) {
+    asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(address), "r"(bits.vector.x),
+                 "r"(bits.vector.y) : "memory");
+  } else {
+    *reinterpret_cast<V*>(address) = bits.vector;
+  }
+}
+
 // Reads row `row`, columns [col, col + N) of a row-major matrix whose rows are
 // `row_stride` elements apart, converting to the compute type.
 template <typename Src, typename Dst>
@@ -54,7 +88,7 @@ struct DirectLoad {
   int64 row_stride;
   template <int N>
   __device__ __forceinline__ void load(Dst* dst, int64 row, int64 col) const {
-    const Pack<Src, N> pack = *reinterpret_cast<const Pack<Src, N>*>(src + row * row_stride + col);
+    const Pack<Src, N> pack = load_pack<Src, N>(src + row * row_stride + col);
 #pragma unroll
     for (int i = 0; i < N; ++i) dst[i] = cast<Dst>(pack.elem[i]);
   }
@@ -69,7 +103,7 @@ struct DirectStore {
     Pack<Dst, N> pack;
 #pragma unroll
     for (int i = 0; i < N; ++i) pack.elem[i] = cast<Dst>(src[i]);
-    *reinterpret_cast<Pack<Dst, N>*>(dst + row * row_stride + col) = pack;
+    store_pack(dst + row * row_stride + col, pack);
   }
 };
 

@@ -427,7 +427,7 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
   constexpr int N = Op::num_inputs;
   const int64 num_packs = cols / pack_size;
   // Loads pack p of every input; element i of input j lands in values[j][i].
-  auto load_pack = [&](int64 row, int64 p, C (&values)[N][pack_size]) {
+  auto load_packs = [&](int64 row, int64 p, C (&values)[N][pack_size]) {
 #pragma unroll
     for (int j = 0; j < N; ++j) loads[j].template load<pack_size>(values[j], row, p * pack_size);
   };
@@ -442,7 +442,7 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
     if (Op::needs_max && online) {
       OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
       for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
-        load_pack(row, p, values);
+        load_packs(row, p, values);
         C pack_max = values[0][0];
 #pragma unroll
         for (int i = 1; i < pack_size; ++i) pack_max = MaxOp<C>()(pack_max, values[0][i]);
@@ -469,7 +469,7 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
       }
       C thread_sum = 0;
       for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
-        load_pack(row, p, values);
+        load_packs(row, p, values);
 #pragma unroll
         for (int i = 0; i < pack_size; ++i) {
           element(values, i, v);
@@ -479,7 +479,7 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
       op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
     }
     for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
-      load_pack(row, p, values);
+      load_packs(row, p, values);
       C result[pack_size];
 #pragma unroll
       for (int i = 0; i < pack_size; ++i) {

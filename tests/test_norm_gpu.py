@@ -171,7 +171,8 @@ def test_large_offset_needs_welford(rng, cols, policy, residual):
     numpy.testing.assert_allclose(y.get(), y_ref, rtol=0, atol=1e-3)
     x, x64 = _data(rng, (rows, cols), numpy.float64, loc=1e4, scale=1e-2)
     y, rstd = cupyops.layer_norm(x, eps=EPS, policy=policy, return_stats=True)[::2]
-    assert_close(y.get(), _reference(x64, None, None, 1, True)[0], numpy.float64, scale=1e4)
+    # x at 1e4 has a float64 spacing of 1.8e-12, 1.8e-10 of the std: y can be no closer.
+    assert_close(y.get(), _reference(x64, None, None, 1, True)[0], numpy.float64, scale=1e5)
     numpy.testing.assert_allclose(rstd.get(), _reference(x64, None, None, 1, True)[2], rtol=1e-9)
 
 
