@@ -8,7 +8,20 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import numpy
+
 COPY_BYTES = 1 << 30
+# Before each timed call the GPU spins this long, so the host has queued the
+# call (Python argument checks, planning lookups) before the start event
+# fires: the events then time the GPU work, not the host's launch latency.
+SPIN_SECONDS = 100e-6
+_SPIN_SOURCE = r"""
+extern "C" __global__ void cupyops_bench_spin(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+"""
 
 
 @dataclass
@@ -25,8 +38,12 @@ class Timer:
 
         from .device import live_facts
 
-        l2_bytes = live_facts(cupy.cuda.runtime.getDevice()).l2_bytes
+        device_id = cupy.cuda.runtime.getDevice()
+        l2_bytes = live_facts(device_id).l2_bytes
         self._flush = cupy.empty(2 * l2_bytes, dtype=cupy.uint8)
+        self._spin = cupy.RawKernel(_SPIN_SOURCE, "cupyops_bench_spin")
+        clock_khz = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, device_id)
+        self._spin_cycles = numpy.int64(clock_khz * 1e3 * SPIN_SECONDS)
         self.min_reps, self.max_reps, self.budget_s = min_reps, max_reps, budget_s
 
     def time(self, fn: Callable[[], object]) -> Timing:
@@ -40,6 +57,7 @@ class Timer:
         while len(samples) < self.max_reps and (
                 len(samples) < self.min_reps or time.perf_counter() - began < self.budget_s):
             self._flush.fill(0)
+            self._spin((1,), (1,), (self._spin_cycles,))
             start.record()
             fn()
             stop.record()

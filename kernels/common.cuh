@@ -54,29 +54,37 @@ template <> struct Vector<4> { typedef unsigned type; };
 template <> struct Vector<8> { typedef uint2 type; };
 template <> struct Vector<16> { typedef uint4 type; };
 
-// One access per pack, through its native vector type. 16- and 8-byte stores
-// are written in PTX: given a column known only at run time (peeled rows),
-// the compiler otherwise split a pack's store into element stores.
+// One access per pack of up to 16 bytes (larger packs: one per 16 bytes),
+// through its native vector type. 16- and 8-byte stores are written in PTX:
+// given a column known only at run time (peeled rows), the compiler
+// otherwise split a pack's store into element stores.
 template <typename T, int N>
 __device__ __forceinline__ Pack<T, N> load_pack(const T* address) {
-  typedef typename Vector<sizeof(T) * N>::type V;
-  union { V vector; Pack<T, N> pack; } bits;
-  bits.vector = *reinterpret_cast<const V*>(address);
+  constexpr int bytes = sizeof(T) * N;
+  typedef typename Vector<(bytes < 16 ? bytes : 16)>::type V;
+  union { V vectors[(bytes + 15) / 16]; Pack<T, N> pack; } bits;
+#pragma unroll
+  for (int i = 0; i < (bytes + 15) / 16; ++i) bits.vectors[i] = reinterpret_cast<const V*>(address)[i];
   return bits.pack;
 }
 template <typename T, int N>
 __device__ __forceinline__ void store_pack(T* address, const Pack<T, N>& pack) {
-  typedef typename Vector<sizeof(T) * N>::type V;
-  union { Pack<T, N> pack; V vector; } bits;
+  constexpr int bytes = sizeof(T) * N;
+  typedef typename Vector<(bytes < 16 ? bytes : 16)>::type V;
+  union { Pack<T, N> pack; V vectors[(bytes + 15) / 16]; } bits;
   bits.pack = pack;
-  if constexpr (sizeof(V) == 16) {
-    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(address), "r"(bits.vector.x),
-                 "r"(bits.vector.y), "r"(bits.vector.z), "r"(bits.vector.w) : "memory");
-  } else if constexpr (sizeof(V) == 8) {
-    asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(address), "r"(bits.vector.x),
-                 "r"(bits.vector.y) : "memory");
-  } else {
-    *reinterpret_cast<V*>(address) = bits.vector;
+#pragma unroll
+  for (int i = 0; i < (bytes + 15) / 16; ++i) {
+    V* const target = reinterpret_cast<V*>(address) + i;
+    if constexpr (sizeof(V) == 16) {
+      asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(target), "r"(bits.vectors[i].x),
+                   "r"(bits.vectors[i].y), "r"(bits.vectors[i].z), "r"(bits.vectors[i].w) : "memory");
+    } else if constexpr (sizeof(V) == 8) {
+      asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(target), "r"(bits.vectors[i].x),
+                   "r"(bits.vectors[i].y) : "memory");
+    } else {
+      *target = bits.vectors[i];
+    }
   }
 }
 

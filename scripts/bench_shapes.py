@@ -23,6 +23,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtypes", default="float16,bfloat16,float32")
     parser.add_argument("--ops", default="softmax,log_softmax,softmax_backward")
+    parser.add_argument("--policies", default="auto,oneflow")
     args = parser.parse_args()
     timer = bench.Timer()
     copy = bench.copy_ceiling_gbs(timer)
@@ -33,19 +34,15 @@ def main():
             generator = cupy.random.default_rng()
             x = generator.standard_normal(shape, dtype=cupy.float32).astype(dtype)
             y = cupy.empty_like(x)
+            dy = generator.standard_normal(shape, dtype=cupy.float32).astype(dtype)
             for op in args.ops.split(","):
-                if op.endswith("_backward"):
-                    dy = generator.standard_normal(shape, dtype=cupy.float32).astype(dtype)
-                    run = lambda: getattr(cupyops, op)(dy, x, axis=axis, out=y)  # noqa: E731
-                    arrays = 3
-                else:
-                    run = lambda: getattr(cupyops, op)(x, axis=axis, out=y)  # noqa: E731
-                    arrays = 2
-                t = timer.time(run)
-                gbs = bench.gbs(arrays * x.size * dtype.itemsize, t)
-                print(f"{op:<17} {dtype_name:<9} {str(shape):<18} axis={axis:<3} {t.median_us:>9.1f} us "
-                      f"{gbs:>6.0f} GB/s {gbs / copy:>6.1%}", flush=True)
-            del x, y
+                inputs = (dy, x) if op.endswith("_backward") else (x,)
+                for policy in args.policies.split(","):
+                    t = timer.time(lambda: getattr(cupyops, op)(*inputs, axis=axis, out=y, policy=policy))
+                    gbs = bench.gbs((len(inputs) + 1) * x.size * dtype.itemsize, t)
+                    print(f"{op:<17} {policy:<8} {dtype_name:<9} {str(shape):<18} axis={axis:<3} "
+                          f"{t.median_us:>9.1f} us {gbs:>6.0f} GB/s {gbs / copy:>6.1%}", flush=True)
+            del x, y, dy
             cupy.get_default_memory_pool().free_all_blocks()
 
 
