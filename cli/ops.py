@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from cupyops.ops import softmax as softmax_ops
+from cupyops.ops import softmax_split
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,16 @@ def _softmax_backward_providers(op: str):
     return providers
 
 
+def _softmax_plan(op, rows, cols, dtype, policy, target):
+    """auto splits rows too long and too few to fill the GPU; otherwise the row paths."""
+    split = softmax_split.plan(op, rows, cols, dtype, target) if policy == "auto" else None
+    return split or softmax_ops.plan(op, rows, cols, dtype, policy, target)
+
+
 def _softmax_entry(op: str) -> OpEntry:
     backward = op.endswith("_backward")
     return OpEntry(
-        plan=lambda rows, cols, dtype, policy, target: softmax_ops.plan(op, rows, cols, dtype, policy, target),
+        plan=lambda rows, cols, dtype, policy, target: _softmax_plan(op, rows, cols, dtype, policy, target),
         arrays_moved=3 if backward else 2,
         providers=_softmax_backward_providers(op) if backward else _softmax_providers(op),
     )

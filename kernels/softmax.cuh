@@ -42,15 +42,36 @@ struct RowSoftmax {
   __device__ __forceinline__ T from_cached_exp(T e) const { return e * scale; }
 };
 
-// Combines (max, sum) pairs of the online softmax.
+// Running (max, sum of exp(x - max)) of the online softmax.
 template <typename T>
 struct OnlineSoftmaxState {
   T max, sum;
+  // Combines another (max, sum) pair into this one.
   __device__ __forceinline__ void add(T other_max, T other_sum) {
     const T new_max = MaxOp<T>()(max, other_max);
     if (new_max == -infinity<T>()) return;  // nothing but -inf so far: the sum stays 0
     sum = sum * exp_(max - new_max) + other_sum * exp_(other_max - new_max);
     max = new_max;
+  }
+  // Adds a pack of values: its max, then its terms relative to that max.
+  template <int pack_size>
+  __device__ __forceinline__ void add_pack(const T (&values)[pack_size]) {
+    T pack_max = values[0];
+#pragma unroll
+    for (int i = 1; i < pack_size; ++i) pack_max = MaxOp<T>()(pack_max, values[i]);
+    T pack_sum = 0;
+    if (pack_max != -infinity<T>()) {
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) pack_sum += exp_(values[i] - pack_max);
+    }
+    add(pack_max, pack_sum);
+  }
+  // The state of the whole block (deterministic: the block reductions' order).
+  template <int block_size>
+  __device__ __forceinline__ OnlineSoftmaxState block_all_reduce() const {
+    const T block_max = cupyops::block_all_reduce<MaxOp, T, block_size>(max);
+    const T rescaled = max == -infinity<T>() ? T(0) : sum * exp_(max - block_max);
+    return {block_max, cupyops::block_all_reduce<SumOp, T, block_size>(rescaled)};
   }
 };
 
@@ -443,20 +464,11 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
       OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
       for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
         load_packs(row, p, values);
-        C pack_max = values[0][0];
-#pragma unroll
-        for (int i = 1; i < pack_size; ++i) pack_max = MaxOp<C>()(pack_max, values[0][i]);
-        C pack_sum = 0;
-        if (pack_max != -infinity<C>()) {
-#pragma unroll
-          for (int i = 0; i < pack_size; ++i) pack_sum += exp_(values[0][i] - pack_max);
-        }
-        state.add(pack_max, pack_sum);
+        state.add_pack(values[0]);
       }
-      const C row_max = block_all_reduce<MaxOp, C, block_size>(state.max);
-      op.set_max(row_max);
-      state.sum = state.max == -infinity<C>() ? C(0) : state.sum * exp_(state.max - row_max);
-      op.set_sum(block_all_reduce<SumOp, C, block_size>(state.sum));
+      const OnlineSoftmaxState<C> row_state = state.template block_all_reduce<block_size>();
+      op.set_max(row_state.max);
+      op.set_sum(row_state.sum);
     } else {
       if (Op::needs_max) {
         C thread_max = -infinity<C>();

@@ -1,0 +1,420 @@
+"""Row-wise softmax / log_softmax, forward and backward, with rows split across
+blocks (cupyops/ops/softmax_split.py, kernels/softmax_split.cuh).
+
+CPU: kernel names, rendering, the planner's rule (golden plans for the H100
+profile worked from the rule in the module docstring, the cases it leaves to
+the ordinary paths, invariants over many shapes) and NVRTC compiles of both
+kernels of every op and dtype for sm_80 and sm_90.
+GPU (marked gpu): softmax_split.run on rowwise.Operand objects against
+float64 NumPy references for long rows (odd, misaligned, row-strided), NaN /
++-inf rows, poisoned outputs, in-place outputs and repeatability.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy
+import pytest
+from conftest import TOLERANCES, assert_close
+
+from cupyops import jit
+from cupyops.dtypes import BFLOAT16
+from cupyops.launch import Target
+from cupyops.ops import softmax_split as ss
+from cupyops.ops.softmax_split import SoftmaxSplitSpec, plan
+
+H100 = Target.profile("h100")
+TARGETS = {"sm_80": Target.profile("a100"), "sm_90": H100}
+OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
+DTYPES = ("f16", "bf16", "f32", "f64")
+ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
+
+
+@pytest.fixture
+def split_everywhere(monkeypatch):
+    """Splits short rows too (small minimum row and chunk), so small shapes
+    reach every edge of the kernels; fresh plan and launch caches."""
+    monkeypatch.setattr(ss, "SPLIT_MIN_ROW_BYTES", 0)
+    monkeypatch.setattr(ss, "SPLIT_MIN_CHUNK_BYTES", 256)
+    monkeypatch.setattr(ss, "_launches", {})
+    ss.plan.cache_clear()
+    yield
+    ss.plan.cache_clear()
+
+
+# -- names and rendering --------------------------------------------------------------
+
+@pytest.mark.parametrize("spec, name", [
+    (SoftmaxSplitSpec("softmax", "partials", "f16", 8, 512, 4), "softmax_split_partials_f16_f32_p8_b512_l4"),
+    (SoftmaxSplitSpec("log_softmax", "finish", "bf16", 1, 512, 8),
+     "log_softmax_split_finish_bf16_f32_p1_b512_l8"),
+    (SoftmaxSplitSpec("softmax_backward", "finish", "f64", 2, 256, 4),
+     "softmax_backward_split_finish_f64_f64_p2_b256_l4"),
+])
+def test_golden_names(spec, name):
+    assert spec.name == name
+    assert spec.threads_per_block == spec.block_size
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_render_names_the_kernel_and_fingerprint(op):
+    inputs = ("dy", "y") if op.endswith("_backward") else ("x",)
+    for stage in ss.STAGES:
+        spec = SoftmaxSplitSpec(op, stage, "f16", 8, 512, 4)
+        source = jit.render(spec)
+        assert f'extern "C" __global__ void __launch_bounds__(512)\n{spec.name}(' in source
+        assert jit.headers_fingerprint() in source
+        assert f"softmax_split_{stage}<" in source
+        assert all(f"long long {name}_row_stride" in source for name in inputs)
+        # the finish kernel writes the output and reads the partials; the partials kernel writes them
+        assert ("cupyops::half_t* out, const float* partials" in source) == (stage == "finish")
+        assert ("const cupyops::half_t* x, float* partials" in source) == (
+            stage == "partials" and inputs == ("x",))
+        assert "{%" not in source and "{{ " not in source
+
+
+# -- the planner ----------------------------------------------------------------------
+
+# Worked from the rule for the H100 profile (132 SMs x 2048 threads):
+# (op, rows, cols, dtype, align) -> (pack_size, loads_in_flight, splits, chunk_cols).
+# Blocks of 512 threads of the partials kernel per SM, by its registers
+# (NVRTC for sm_90): 3 for f16 forward with 16-byte packs (39 registers), 2
+# for f32 softmax_backward (52), 4 for the others here (32 or fewer).
+PLAN_GOLDEN = [
+    # the brief's shape: 2 waves x 396 / 8 rows = 99 chunks of 131072 / 99 =
+    # 1324 packs, rounded up to 1328 (128 bytes): 10624 columns, 792 blocks
+    (("softmax", 8, 2**20, "f16", 16), (8, 4, 99, 10624)),
+    # one row of 600 KB, scalar loads: at most 600002 // 16384 = 36 chunks;
+    # 300001 / 36 = 8334 -> 8384 columns (64-element granules)
+    (("softmax", 1, 300001, "f16", 16), (1, 8, 36, 8384)),
+    # 2 x 264 / 3 = 176 chunks (under 4 MB // 16 KB = 256): 262144 / 176 =
+    # 1490 packs -> 1496 (8-pack granules) = 5984 columns
+    (("softmax_backward", 3, 2**20, "f32", 16), (4, 4, 176, 5984)),
+    # odd columns: scalar loads; 2 x 528 / 8 = 132 chunks of 7944 columns -> 7968
+    (("log_softmax", 8, 2**20 + 7, "f32", 16), (1, 8, 132, 7968)),
+    # 131 rows (one fewer than the SMs) of 128 KB: 2 x 396 / 131 -> 7 chunks of
+    # 1171 packs -> 1176 = 9408 columns
+    (("softmax", 131, 65536, "f16", 16), (8, 4, 7, 9408)),
+    # pointers only 4-byte aligned: 2-element packs of f16; 2 x 528 / 8 = 132
+    # chunks, capped at 2 MB // 16 KB = 128 of 8192 columns
+    (("log_softmax_backward", 8, 2**20, "f16", 4), (2, 8, 128, 8192)),
+]
+
+
+@pytest.mark.parametrize("args, expected", PLAN_GOLDEN, ids=[str(g[0]) for g in PLAN_GOLDEN])
+def test_plan_golden(args, expected):
+    op, rows, cols, dtype, align = args
+    p = plan(op, rows, cols, dtype, H100, align)
+    assert p is not None
+    assert (p.finish.pack_size, p.finish.loads_in_flight, p.splits, p.chunk_cols) == expected
+    assert p.grid == (rows * p.splits, 1, 1) and p.block == (ss.SPLIT_BLOCK_SIZE, 1, 1)
+    assert p.partials == SoftmaxSplitSpec(op, "partials", dtype, *expected[:1], ss.SPLIT_BLOCK_SIZE,
+                                          expected[1])
+    assert p.finish == SoftmaxSplitSpec(op, "finish", dtype, *expected[:1], ss.SPLIT_BLOCK_SIZE,
+                                        expected[1])
+
+
+@pytest.mark.parametrize("shape", [
+    (49152, 4096),       # the seeds' shape: rows fill the GPU
+    (4096, 262144),      # long rows, but enough of them for a block per row
+    (132, 2**20),        # rows = SMs
+    (8, 32768),          # 64 KB rows: cached on chip by the ordinary paths
+    (1, 65535),          # just under 128 KB of f16
+])
+def test_ordinary_path_chosen(shape):
+    for op in OPS:
+        assert plan(op, *shape, "f16", H100) is None
+
+
+def test_rows_need_two_chunks(split_everywhere, monkeypatch):
+    """A row of less than two minimum chunks is not split."""
+    monkeypatch.setattr(ss, "SPLIT_MIN_CHUNK_BYTES", 16 * 1024)
+    assert plan("softmax", 8, 16383, "f16", H100) is None
+    assert plan("softmax", 8, 16384, "f16", H100).splits == 2
+
+
+def test_explain():
+    info = plan("softmax", 8, 2**20, "f16", H100).explain()
+    assert info == {"op": "softmax", "impl": "split", "pack_size": 8, "splits": 99,
+                    "chunk_cols": 10624, "block": [512, 1, 1], "grid": [792, 1, 1],
+                    "smem_bytes": 0, "kernel": "softmax_split_finish_f16_f32_p8_b512_l4",
+                    "partials_kernel": "softmax_split_partials_f16_f32_p8_b512_l4"}
+
+
+def test_plan_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="unknown op"):
+        plan("layer_norm", 2, 2**20, "f32", H100)
+    with pytest.raises(ValueError, match="positive"):
+        plan("softmax", 0, 2**20, "f32", H100)
+
+
+SHAPE_SWEEP = [(rows, cols) for rows in (1, 2, 3, 8, 31, 100, 131)
+               for cols in (65536, 65537, 100000, 300001, 2**20, 2**20 + 7, 3 * 2**20 + 1, 2**24)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("align", (16, 8, 4, 2))
+def test_plan_invariants(dtype, align):
+    itemsize = ITEMSIZE[dtype]
+    if align < itemsize:
+        pytest.skip("an array is always aligned to its itemsize")
+    for rows, cols in SHAPE_SWEEP:
+        for op in ("softmax", "softmax_backward"):
+            p = plan(op, rows, cols, dtype, H100, align)
+            if cols * itemsize < ss.SPLIT_MIN_ROW_BYTES:
+                assert p is None
+                continue
+            assert p is not None, (op, rows, cols)
+            pack = p.finish.pack_size
+            pack_bytes = pack * itemsize
+            assert cols % pack == 0 and pack_bytes <= min(16, align)
+            assert p.partials.pack_size == pack and p.partials.stage == "partials"
+            assert p.finish.loads_in_flight * pack_bytes <= max(ss.SPLIT_BYTES_IN_FLIGHT, pack_bytes)
+            # whole granules, every chunk non-empty, at least the minimum chunk
+            assert (p.chunk_cols * itemsize) % min(ss.SPLIT_CHUNK_GRANULE_BYTES, pack_bytes) == 0
+            assert p.chunk_cols % pack == 0
+            assert (p.splits - 1) * p.chunk_cols < cols <= p.splits * p.chunk_cols
+            assert 2 <= p.splits and p.chunk_cols * itemsize >= ss.SPLIT_MIN_CHUNK_BYTES
+            # as many chunks as SPLIT_WAVES waves need, fewer where the minimum
+            # chunk limits them, less at most what rounding to granules takes
+            resident = H100.facts.sm_count * H100.max_active_blocks(p.partials, ss.SPLIT_BLOCK_SIZE, 0,
+                                                                    False)
+            wanted = math.ceil(ss.SPLIT_WAVES * resident / rows)
+            even = min(wanted, cols * itemsize // ss.SPLIT_MIN_CHUNK_BYTES)
+            granule_cols = max(pack, ss.SPLIT_CHUNK_GRANULE_BYTES // itemsize)
+            assert p.chunk_cols < cols / even + pack + granule_cols
+            assert p.splits <= even
+            assert p.grid == (rows * p.splits, 1, 1)
+
+
+# Short rows for the GPU tests under split_everywhere: chunks ending inside a
+# block's sweep, last chunks shorter, a few chunks a row (2 for 16-bit (1, 300)),
+# odd cols, packs of every size.
+SMALL_SHAPES = [(2, 1000), (5, 4097), (1, 300), (3, 333), (7, 2048), (2, 8192 + 8)]
+
+
+def test_lifted_thresholds_split_small_rows(split_everywhere):
+    """The fixture the small GPU shapes use: short rows split too."""
+    p = plan("softmax", 2, 1000, "f16", H100)
+    assert (p.finish.pack_size, p.splits, p.chunk_cols) == (8, 6, 192)
+    assert plan("softmax", 1, 64, "f32", H100) is None        # 256 bytes: one chunk
+    for dtype in DTYPES:
+        plans = [plan(op, *shape, dtype, H100) for op in OPS for shape in SMALL_SHAPES]
+        assert all(p is not None for p in plans)
+        assert min(p.splits for p in plans) <= 7
+
+
+# -- NVRTC compiles -------------------------------------------------------------------
+
+# Aligned rows (16-byte packs) and odd ones (scalar loads).
+COMPILE_SHAPES = [(8, 2**20), (8, 2**20 + 7)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", sorted(TARGETS))
+def test_instantiations_compile(arch, dtype):
+    target = TARGETS[arch]
+    specs = set()
+    for op in OPS:
+        for rows, cols in COMPILE_SHAPES:
+            p = plan(op, rows, cols, dtype, target)
+            specs.update((p.partials, p.finish))
+    assert len(specs) == len(OPS) * len(COMPILE_SHAPES) * len(ss.STAGES)
+    assert {spec.pack_size for spec in specs} == {1, 16 // ITEMSIZE[dtype]}
+    problems = []
+    for spec in sorted(specs, key=lambda s: s.name):
+        report = jit.compile_cubin(spec, arch)       # raises jit.CompileError on failure
+        assert report.cubin_bytes > 0 and report.smem_bytes > 0   # the block reductions' partials
+        # f64 is exempt from the spill check: libdevice's double exp / log are
+        # calls that spill around the call (as in test_compile.py)
+        spills = report.spill_bytes if dtype != "f64" else 0
+        if spills or report.registers * spec.threads_per_block > 65536:
+            problems.append(f"{spec.name}: {report.registers} registers, "
+                            f"{report.spill_bytes} spill bytes")
+    assert not problems, "\n".join(problems)
+
+
+# -- GPU ------------------------------------------------------------------------------
+
+NUMPY_DTYPES = {"f16": numpy.dtype(numpy.float16), "bf16": BFLOAT16,
+                "f32": numpy.dtype(numpy.float32), "f64": numpy.dtype(numpy.float64)}
+FORWARD = {"softmax_backward": "softmax", "log_softmax_backward": "log_softmax"}
+
+
+def forward_reference(op, x):
+    """scipy.special.softmax / log_softmax over the last axis in float64, step for step."""
+    x = numpy.asarray(x, dtype=numpy.float64)
+    x_max = numpy.amax(x, axis=-1, keepdims=True)
+    with numpy.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        if op == "softmax":
+            shifted = numpy.exp(x - x_max)
+            return shifted / numpy.sum(shifted, axis=-1, keepdims=True)
+        tmp = x - numpy.where(numpy.isfinite(x_max), x_max, 0.0)
+        return tmp - numpy.log(numpy.sum(numpy.exp(tmp), axis=-1, keepdims=True))
+
+
+def backward_reference(op, dy, y):
+    dy, y = numpy.asarray(dy, dtype=numpy.float64), numpy.asarray(y, dtype=numpy.float64)
+    if op == "softmax_backward":
+        return (dy - numpy.sum(dy * y, axis=-1, keepdims=True)) * y
+    return dy - numpy.exp(y) * numpy.sum(dy, axis=-1, keepdims=True)
+
+
+def host_inputs(rng, op, shape, dtype):
+    """The op's inputs as host arrays of `dtype`: x, or dy and a genuine forward output y."""
+    x = rng.standard_normal(shape) * 4.0
+    if op in FORWARD:
+        y = forward_reference(FORWARD[op], x).astype(dtype)
+        return [rng.standard_normal(shape).astype(dtype), y]
+    return [x.astype(dtype)]
+
+
+def reference(op, host):
+    return forward_reference(op, host[0]) if op not in FORWARD else backward_reference(op, *host)
+
+
+def check(op, actual, expected, dtype):
+    """Forward against the dtype's tolerance (and softmax rows summing to 1);
+    backward with the absolute tolerance scaled by the largest gradient (dx
+    cancels: dy - sum(dy * y) can be near 0)."""
+    actual = numpy.asarray(actual, dtype=numpy.float64)
+    if op.endswith("_backward"):
+        rtol = TOLERANCES[numpy.dtype(dtype)]["rtol"]
+        scale = float(numpy.max(numpy.abs(expected)))
+        numpy.testing.assert_allclose(actual, expected, rtol=rtol, atol=4 * rtol * scale)
+        return
+    assert_close(actual, expected, dtype)
+    if op == "softmax" and numpy.isfinite(expected).all():
+        numpy.testing.assert_allclose(actual.sum(axis=-1), 1.0, rtol=10 * TOLERANCES[numpy.dtype(dtype)]["rtol"])
+
+
+def operand(array):
+    from cupyops.rowwise import Operand
+
+    return Operand(array, array.strides[0] // array.itemsize)
+
+
+def poisoned(shape, dtype):
+    import cupy
+
+    return cupy.asarray(numpy.full(shape, numpy.nan, dtype=dtype))
+
+
+def poisoned_like(array):
+    return poisoned(array.shape, array.dtype)
+
+
+def run_split(op, inputs, out):
+    rows, cols = inputs[0].shape
+    assert ss.run(op, [operand(a) for a in inputs], operand(out), rows, cols), "no split plan"
+    return out
+
+
+GPU_SHAPES = [(1, 300001), (3, 2**20), (8, 2**20 + 7)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_long_rows(op, dtype, rng):
+    import cupy
+
+    for shape in GPU_SHAPES:
+        host = host_inputs(rng, op, shape, NUMPY_DTYPES[dtype])
+        inputs = [cupy.asarray(a) for a in host]
+        out = run_split(op, inputs, poisoned_like(inputs[0]))
+        check(op, out.get(), reference(op, host), NUMPY_DTYPES[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_small_shapes_every_edge(op, dtype, rng, split_everywhere):
+    """Short rows split into chunks shorter than a block's sweep (SMALL_SHAPES)."""
+    import cupy
+
+    for shape in SMALL_SHAPES:
+        host = host_inputs(rng, op, shape, NUMPY_DTYPES[dtype])
+        inputs = [cupy.asarray(a) for a in host]
+        out = run_split(op, inputs, poisoned_like(inputs[0]))
+        check(op, out.get(), reference(op, host), NUMPY_DTYPES[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_strided_and_misaligned_rows(op, dtype, rng):
+    """Rows of every operand spaced apart by their own strides; inputs one
+    element off the 16-byte grid (scalar loads), the output aligned."""
+    import cupy
+
+    rows, cols = 4, 2**18 + 64
+    host = host_inputs(rng, op, (rows, cols), NUMPY_DTYPES[dtype])
+    inputs = []
+    for a in host:
+        base = numpy.zeros((rows, cols + 9), a.dtype)
+        base[:, 1:cols + 1] = a
+        inputs.append(cupy.asarray(base)[:, 1:cols + 1])
+    out_base = poisoned((rows, cols + 32), host[0].dtype)
+    out = out_base[:, :cols]
+    p = plan(op, rows, cols, dtype, Target.live(inputs[0].device.id), ITEMSIZE[dtype])
+    assert p is not None and p.finish.pack_size == 1
+    run_split(op, inputs, out)
+    check(op, out.get(), reference(op, host), NUMPY_DTYPES[dtype])
+    assert numpy.isnan(out_base[:, cols:].get().astype(numpy.float64)).all()   # nothing past the rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ("softmax", "log_softmax"))
+def test_nan_and_inf_rows(op, dtype, rng):
+    """NaN / +-inf rows end as in scipy.special, wherever in the row (which chunk) they sit."""
+    import cupy
+
+    cols = 2**19 + 1
+    host = (rng.standard_normal((10, cols)) * 4.0)
+    host[0, 12345] = numpy.nan              # NaN: the whole row NaN
+    host[1, cols - 1] = numpy.inf           # +inf in the last chunk
+    host[2, 0] = numpy.inf                  # +inf in the first chunk ...
+    host[2, 300000] = -numpy.inf            # ... and -inf elsewhere
+    host[3] = -numpy.inf                    # every element -inf
+    host[4, : cols // 2] = -numpy.inf       # the first chunks all -inf
+    host[5, ::7] = -numpy.inf               # -inf scattered
+    host[6, 100] = numpy.inf                # +inf and NaN
+    host[6, 200000] = numpy.nan
+    host[7, 5] = numpy.inf                  # +inf twice
+    host[7, cols - 5] = numpy.inf
+    host[8, cols // 2:] = -numpy.inf        # the last chunks all -inf
+    host = host.astype(NUMPY_DTYPES[dtype])
+    x = cupy.asarray(host)
+    out = run_split(op, [x], poisoned_like(x))
+    assert_close(out.get(), forward_reference(op, host), NUMPY_DTYPES[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_in_place(op, dtype, rng):
+    """out = x forward; out = dy and out = y backward."""
+    import cupy
+
+    shape = (8, 2**20 + 7)
+    host = host_inputs(rng, op, shape, NUMPY_DTYPES[dtype])
+    expected = reference(op, host)
+    for position in range(len(host)):
+        inputs = [cupy.asarray(a) for a in host]
+        run_split(op, inputs, inputs[position])
+        check(op, inputs[position].get(), expected, NUMPY_DTYPES[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS)
+def test_repeatable(op, rng):
+    """The partials are combined in a fixed order: the same result bit for bit."""
+    import cupy
+
+    host = host_inputs(rng, op, (3, 2**20), numpy.float32)
+    inputs = [cupy.asarray(a) for a in host]
+    first = run_split(op, inputs, poisoned_like(inputs[0]))
+    second = run_split(op, inputs, poisoned_like(inputs[0]))
+    assert cupy.array_equal(first, second)
