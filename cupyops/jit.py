@@ -76,6 +76,11 @@ def render(spec: KernelSpec) -> str:
                            threads_per_block=spec.threads_per_block, **spec.template_args())
 
 
+# Options CuPy adds to every RawKernel compile: the CPU path adds them too, so
+# its register counts describe the binaries that run.
+CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
+
+
 def compile_options() -> tuple:
     return ("-std=c++17", f"-I{resource_dir('kernels')}")
 
@@ -144,7 +149,8 @@ def compile_cubin(spec: KernelSpec, arch: str) -> CompileReport:
     from cupy_backends.cuda.libs import nvrtc
 
     source = render(spec)
-    options = [f"--gpu-architecture={arch}", "--ptxas-options=-v", *compile_options()]
+    options = [f"--gpu-architecture={arch}", "--ptxas-options=-v", *compile_options(),
+               *CUPY_ADDED_OPTIONS]
     start = time.perf_counter()
     program = nvrtc.createProgram(source, f"{spec.name}.cu", [], [])
     try:

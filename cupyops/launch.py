@@ -52,13 +52,10 @@ class Target:
                                             static_smem + dynamic_smem, spec.threads_per_block)
         import cupy
 
-        raw = jit.kernel(spec, self.device_id)
+        function = live_function(spec, self.device_id, dynamic_smem)
         with cupy.cuda.Device(self.device_id):
-            if static_smem + dynamic_smem > device.STATIC_SMEM_LIMIT and \
-                    raw.max_dynamic_shared_size_bytes < dynamic_smem:
-                raw.max_dynamic_shared_size_bytes = dynamic_smem
             return cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                raw.kernel.ptr, block_size, dynamic_smem)
+                function.ptr, block_size, dynamic_smem)
 
     def resources(self, spec: jit.KernelSpec) -> dict:
         """Registers, static shared memory and local (spill/stack) bytes of `spec`."""
@@ -72,6 +69,38 @@ class Target:
         with cupy.cuda.Device(self.device_id):
             return {"registers": raw.num_regs, "static_smem": raw.shared_size_bytes,
                     "local_bytes": raw.local_size_bytes}
+
+
+def live_function(spec: jit.KernelSpec, device_id: int, dynamic_smem: int = 0):
+    """The compiled function of `spec` on GPU `device_id`, opted in to
+    `dynamic_smem` bytes of dynamic shared memory where that exceeds 48 KB."""
+    import cupy
+
+    raw = jit.kernel(spec, device_id)
+    with cupy.cuda.Device(device_id):
+        if dynamic_smem > device.STATIC_SMEM_LIMIT - raw.shared_size_bytes and \
+                raw.max_dynamic_shared_size_bytes < dynamic_smem:
+            raw.max_dynamic_shared_size_bytes = dynamic_smem
+        return raw.kernel
+
+
+class LaunchCache:
+    """Launch configurations memoised per key (op, shape, dtype, alignment,
+    device), so a repeated call costs a dict lookup. Bounded: a process that
+    meets many shapes starts over rather than growing without end."""
+
+    def __init__(self, max_entries: int = 4096):
+        self._entries: dict = {}
+        self._max_entries = max_entries
+
+    def get(self, key, make: Callable[[], object]):
+        try:
+            return self._entries[key]
+        except KeyError:
+            if len(self._entries) >= self._max_entries:
+                self._entries.clear()
+            found = self._entries[key] = make()
+            return found
 
 
 @functools.lru_cache(maxsize=None)

@@ -42,7 +42,7 @@ def main():
                     gbs = bench.gbs((len(inputs) + 1) * x.size * dtype.itemsize, t)
                     print(f"{op:<17} {policy:<8} {dtype_name:<9} {str(shape):<18} axis={axis:<3} "
                           f"{t.median_us:>9.1f} us {gbs:>6.0f} GB/s {gbs / copy:>6.1%}", flush=True)
-            del x, y, dy
+            x = y = dy = None   # free before the next shape
             cupy.get_default_memory_pool().free_all_blocks()
 
 

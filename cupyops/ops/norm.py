@@ -49,8 +49,7 @@ from typing import Optional
 import numpy
 
 from .. import arrays, dtypes, jit, rowwise
-from ..device import STATIC_SMEM_LIMIT
-from ..launch import BLOCK_SIZE_LADDER, Target, choose_block_size, get_num_blocks
+from ..launch import BLOCK_SIZE_LADDER, Target, choose_block_size, get_num_blocks, live_function
 from .softmax import vector_pack_size
 
 FORWARD_OPS = ("layer_norm", "rms_norm")
@@ -495,10 +494,7 @@ def _function(launch: KernelLaunch, device_id: int):
     key = (launch.spec, device_id)
     found = _functions.get(key)
     if found is None:
-        raw = jit.kernel(launch.spec, device_id)
-        if launch.smem_bytes > STATIC_SMEM_LIMIT and raw.max_dynamic_shared_size_bytes < launch.smem_bytes:
-            raw.max_dynamic_shared_size_bytes = launch.smem_bytes
-        found = _functions[key] = raw.kernel
+        found = _functions[key] = live_function(launch.spec, device_id, launch.smem_bytes)
     return found
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy
 
 from .. import arrays, dtypes, jit, rowwise
-from ..launch import Target, choose_block_size, get_num_blocks
+from ..launch import LaunchCache, Target, choose_block_size, get_num_blocks, live_function
 
 OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
 # Arrays each op reads (the kernel's parameters, in order).
@@ -255,7 +255,7 @@ def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target,
 
 # -- launch ------------------------------------------------------------------
 
-_launches: dict = {}
+_launches = LaunchCache()
 
 
 def _launch(op, policy, inputs, output, rows, cols):
@@ -270,12 +270,13 @@ def _launch(op, policy, inputs, output, rows, cols):
     align = arrays.alignment(*(value for o in operands for value in (o.byte_address, o.byte_row_stride)))
     same_phase = arrays.same_phase(*operands)
     key = (op, policy, rows, cols, ftype.short, align, same_phase, device_id)
-    found = _launches.get(key)
-    if found is None:
+
+    def make():
         chosen = plan(op, rows, cols, ftype.short, policy, Target.live(device_id), align, same_phase)
-        function = jit.kernel(chosen.spec, device_id).kernel
-        found = _launches[key] = (function, chosen.grid, chosen.block, chosen.smem_bytes)
-    function, grid, block, smem = found
+        return (live_function(chosen.spec, device_id, chosen.smem_bytes), chosen.grid, chosen.block,
+                chosen.smem_bytes)
+
+    function, grid, block, smem = _launches.get(key, make)
     function(grid, block, (*(o.array for o in operands), numpy.int64(rows), numpy.int64(cols),
                            *(numpy.int64(o.row_stride) for o in operands)),
              shared_mem=smem)

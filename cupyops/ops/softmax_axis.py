@@ -37,8 +37,8 @@ from typing import Optional
 import numpy
 
 from .. import arrays, dtypes, jit
-from ..device import STATIC_SMEM_LIMIT, WARP_SIZE
-from ..launch import Target, get_num_blocks
+from ..device import WARP_SIZE
+from ..launch import LaunchCache, Target, get_num_blocks, live_function
 from .softmax import vector_pack_size
 
 OPS = ("softmax", "log_softmax")
@@ -180,27 +180,19 @@ def plan(op: str, outer: int, cols: int, inner: int, dtype: str, target: Target,
 
 # -- launch ------------------------------------------------------------------
 
-_launches: dict = {}
+_launches = LaunchCache()
 
 
 def _launch_config(op, dtype, outer, cols, inner, align, device_id):
     """(function, grid, block, smem) for a live GPU, or None for the rows path; memoised."""
-    key = (op, dtype, outer, cols, inner, align, device_id)
-    if key in _launches:
-        return _launches[key]
-    chosen = plan(op, outer, cols, inner, dtype, Target.live(device_id), align)
-    found = None
-    if chosen is not None:
-        raw = jit.kernel(chosen.spec, device_id)
-        if chosen.smem_bytes > STATIC_SMEM_LIMIT:
-            import cupy
+    def make():
+        chosen = plan(op, outer, cols, inner, dtype, Target.live(device_id), align)
+        if chosen is None:
+            return None
+        return (live_function(chosen.spec, device_id, chosen.smem_bytes), chosen.grid, chosen.block,
+                chosen.smem_bytes)
 
-            with cupy.cuda.Device(device_id):
-                if raw.max_dynamic_shared_size_bytes < chosen.smem_bytes:
-                    raw.max_dynamic_shared_size_bytes = chosen.smem_bytes
-        found = (raw.kernel, chosen.grid, chosen.block, chosen.smem_bytes)
-    _launches[key] = found
-    return found
+    return _launches.get((op, dtype, outer, cols, inner, align, device_id), make)
 
 
 def run(op: str, x, axis: int, out):

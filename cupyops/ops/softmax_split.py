@@ -39,7 +39,7 @@ from typing import Optional
 import numpy
 
 from .. import arrays, dtypes, jit
-from ..launch import Target
+from ..launch import LaunchCache, Target, live_function
 from .softmax import INPUTS, OPS, vector_pack_size
 
 STAGES = ("partials", "finish")
@@ -159,18 +159,17 @@ def plan(op: str, rows: int, cols: int, dtype: str, target: Target,
 
 # -- launch ------------------------------------------------------------------
 
-_launches: dict = {}
+_launches = LaunchCache()
 
 
 def _launch_config(op, rows, cols, dtype, align, device_id):
     """(partials function, finish function, plan) for a live GPU, or None; memoised."""
-    key = (op, rows, cols, dtype, align, device_id)
-    if key not in _launches:
+    def make():
         chosen = plan(op, rows, cols, dtype, Target.live(device_id), align)
-        _launches[key] = None if chosen is None else (
-            jit.kernel(chosen.partials, device_id).kernel,
-            jit.kernel(chosen.finish, device_id).kernel, chosen)
-    return _launches[key]
+        return None if chosen is None else (
+            live_function(chosen.partials, device_id), live_function(chosen.finish, device_id), chosen)
+
+    return _launches.get((op, rows, cols, dtype, align, device_id), make)
 
 
 def run(op: str, inputs, output, rows: int, cols: int) -> bool:

@@ -1,0 +1,171 @@
+"""CPU tests of the `cupyops` command line (click): explain, compile, info, bench."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+from conftest import GPU
+
+from cupyops.cli.main import main
+from cupyops.launch import Target
+from cupyops.ops.softmax import plan
+
+EXPLAIN_KEYS = {"op", "impl", "pack_size", "cols_per_thread", "thread_group_width",
+                "rows_per_access", "padding", "block", "grid", "smem_bytes", "kernel"}
+
+
+def run(*args, **kwargs):
+    return CliRunner().invoke(main, list(args), **kwargs)
+
+
+def explain_json(*args) -> dict:
+    result = run("explain", *args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)        # exactly one JSON object, nothing else
+
+
+@pytest.mark.parametrize("policy", ["auto", "oneflow"])
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_explain_json_is_the_plan(op, policy):
+    info = explain_json(op, "--shape", "49152,1024", "--device", "h100", "--policy", policy)
+    assert set(info) == EXPLAIN_KEYS
+    expected = plan(op, 49152, 1024, "f16", policy, Target.profile("h100")).explain()
+    assert info == expected
+    assert info["op"] == op and info["kernel"].startswith(f"{op}_{info['impl']}_f16_f32_")
+
+
+def test_explain_default_is_auto_float16():
+    info = explain_json("softmax", "--shape", "49152,1024", "--device", "h100")
+    assert info["kernel"] == "softmax_warp_f16_f32_p8_c32_g32_r1_nopad"
+    assert (info["block"], info["grid"], info["smem_bytes"]) == ([32, 4, 1], [12288, 1, 1], 0)
+
+
+def test_explain_rows_are_the_other_axes():
+    # shape 8 x 1000 x 6, reduced over axis 1: 48 rows of 1000 columns
+    info = explain_json("softmax", "--shape", "8,1000,6", "--axis", "1", "--device", "a100",
+                        "--dtype", "float32")
+    assert info == plan("softmax", 48, 1000, "f32", "auto", Target.profile("a100")).explain()
+
+
+def test_explain_oneflow_warp_limit():
+    def impl(op, cols):
+        return explain_json(op, "--shape", f"49152,{cols}", "--device", "h100",
+                            "--policy", "oneflow")["impl"]
+
+    assert (impl("softmax", 1023), impl("softmax", 1024)) == ("warp", "block_smem")
+    assert (impl("log_softmax", 1023), impl("log_softmax", 1024)) == ("warp", "warp")
+    assert impl("log_softmax", 1025) == "block_smem"
+
+
+def test_explain_human_readable():
+    result = run("explain", "softmax", "--shape", "64,3000", "--device", "h100", "--dtype", "bfloat16")
+    assert result.exit_code == 0, result.output
+    kernel = plan("softmax", 64, 3000, "bf16", "auto", Target.profile("h100")).spec.name
+    assert "rows=64 cols=3000" in result.output and kernel in result.output
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_explain_source(as_json):
+    args = ["explain", "log_softmax", "--shape", "64,4096", "--device", "h100", "--source"]
+    result = run(*args, *(["--json"] if as_json else []))
+    assert result.exit_code == 0, result.output
+    kernel = plan("log_softmax", 64, 4096, "f16", "auto", Target.profile("h100")).spec.name
+    source = json.loads(result.stdout)["source"] if as_json else result.output
+    assert re.search(rf'extern "C" __global__ void __launch_bounds__\(\d+\)\s*{kernel}\(', source)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shape", "0,5"], "positive"),
+    (["--shape", "4,-5"], "positive"),
+    (["--shape", "4,x"], "integers"),
+    (["--shape", ""], "positive"),
+    (["--shape", "4,5", "--axis", "2"], "out of range"),
+    (["--shape", "4,5", "--axis", "-3"], "out of range"),
+    (["--shape", "4,5", "--dtype", "int8"], "int8"),
+    (["--shape", "4,5", "--device", "h300"], "h300"),
+], ids=["zero", "negative", "not-int", "empty", "axis", "negative-axis", "dtype", "device"])
+def test_explain_bad_arguments(args, message):
+    result = run("explain", "softmax", *args, "--device", "h100") if "--device" not in args \
+        else run("explain", "softmax", *args)
+    assert result.exit_code == 2, result.output           # click's usage error
+    assert message in result.output
+    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.skipif(GPU, reason="a GPU is present: explain plans for it without --device")
+def test_explain_without_gpu_needs_device():
+    result = run("explain", "softmax", "--shape", "49152,1024")
+    assert result.exit_code == 2, result.output
+    assert "--device" in result.output
+    assert isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.gpu
+def test_explain_live_gpu():
+    import cupy
+
+    result = run("explain", "softmax", "--shape", "49152,1024", "--json")
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    assert info == plan("softmax", 49152, 1024, "f16", "auto",
+                        Target.live(cupy.cuda.runtime.getDevice())).explain()
+
+
+def test_compile_lists_the_kernels():
+    result = run("compile", "softmax", "--dtype", "float16", "--cols", "32,1024,4096",
+                 "--arch", "sm_80")
+    assert result.exit_code == 0, result.output
+    target = Target.profile("a100")
+    names = [plan("softmax", 49152, cols, "f16", "auto", target).spec.name for cols in (32, 1024, 4096)]
+    assert len(set(names)) == 3
+    for name in names:
+        assert name in result.output
+    assert "3 kernels compiled for sm_80, 0 failed" in result.output
+
+
+def test_compile_oneflow_dedupes():
+    # 2048 and 4096 columns of float32 may share one OneFlow shared-memory kernel: listed once
+    result = run("compile", "softmax", "--dtype", "float32", "--cols", "2048,4096",
+                 "--arch", "sm_90", "--policy", "oneflow")
+    assert result.exit_code == 0, result.output
+    target = Target.profile("h100")
+    names = {plan("softmax", 49152, cols, "f32", "oneflow", target).spec.name for cols in (2048, 4096)}
+    assert f"{len(names)} kernels compiled for sm_90, 0 failed" in result.output
+
+
+def test_compile_bad_cols():
+    result = run("compile", "softmax", "--cols", "32,abc")
+    assert result.exit_code == 2 and "integers" in result.output
+
+
+def test_info_prints_the_cache(tmp_path):
+    (tmp_path / "kernel.cubin").write_bytes(b"\0" * 2048)
+    result = run("info", env={"CUPY_CACHE_DIR": str(tmp_path)})
+    assert result.exit_code == 0, result.output
+    assert str(tmp_path) in result.output and "1 files" in result.output
+    assert "cupy" in result.output and "nvrtc" in result.output
+    if not GPU:
+        assert "none (no usable GPU)" in result.output
+
+
+@pytest.mark.skipif(GPU, reason="a GPU is present: bench would run")
+def test_bench_without_gpu_fails_cleanly():
+    result = run("bench", "softmax", "--cols", "32", "--baseline", "cupyx")
+    assert result.exit_code != 0
+    assert isinstance(result.exception, SystemExit), result.exception   # no uncaught error
+    assert "Traceback" not in result.output
+    assert "GPU" in result.output
+
+
+def test_bench_rejects_unknown_baseline():
+    result = run("bench", "softmax", "--cols", "32", "--baseline", "tensorflow")
+    assert result.exit_code == 2 and "tensorflow" in result.output
+
+
+def test_help_lists_the_commands():
+    result = run("--help")
+    assert result.exit_code == 0
+    for command in ("explain", "compile", "bench", "info"):
+        assert command in result.output
