@@ -18,7 +18,7 @@ from conftest import assert_close
 
 from cupyops import jit
 from cupyops.dtypes import BFLOAT16
-from cupyops.launch import Target
+from cupyops.launch import LaunchCache, Target
 from cupyops.ops import softmax_axis as sa
 from cupyops.ops.softmax_axis import SoftmaxAxisSpec, plan
 
@@ -35,7 +35,7 @@ def axis_everywhere(monkeypatch):
     few uncached tiles), fresh plan and launch caches."""
     monkeypatch.setattr(sa, "AXIS_MIN_INNER", 1)
     monkeypatch.setattr(sa, "AXIS_MIN_TILES_PER_SM", 0)
-    monkeypatch.setattr(sa, "_launches", {})
+    monkeypatch.setattr(sa, "_launches", LaunchCache())
     sa.plan.cache_clear()
     yield
     sa.plan.cache_clear()

@@ -19,7 +19,7 @@ from conftest import TOLERANCES, assert_close
 
 from cupyops import jit
 from cupyops.dtypes import BFLOAT16
-from cupyops.launch import Target
+from cupyops.launch import LaunchCache, Target
 from cupyops.ops import softmax_split as ss
 from cupyops.ops.softmax_split import SoftmaxSplitSpec, plan
 
@@ -36,7 +36,7 @@ def split_everywhere(monkeypatch):
     reach every edge of the kernels; fresh plan and launch caches."""
     monkeypatch.setattr(ss, "SPLIT_MIN_ROW_BYTES", 0)
     monkeypatch.setattr(ss, "SPLIT_MIN_CHUNK_BYTES", 256)
-    monkeypatch.setattr(ss, "_launches", {})
+    monkeypatch.setattr(ss, "_launches", LaunchCache())
     ss.plan.cache_clear()
     yield
     ss.plan.cache_clear()

@@ -1,0 +1,51 @@
+"""Runs every kernel path once on small shapes, for compute-sanitizer
+(memcheck, racecheck): python scripts/sanitize_paths.py [--quick].
+
+Each shape is chosen to reach one path of the auto or OneFlow plans (printed
+with the kernel name), forward and backward, softmax and the norms."""
+from __future__ import annotations
+
+import cupy
+
+import cupyops
+from cupyops.launch import Target
+from cupyops.ops import softmax as softmax_ops
+from cupyops.ops import softmax_split
+
+# (rows, cols): warp, peeled registers, registers, cp.async, shared memory,
+# uncached, split rows
+ROW_SHAPES = [(6, 100), (5, 3001), (4, 4096), (3, 32768), (3, 40001), (2, 300000), (2, 1 << 19)]
+DTYPES = (cupy.float16, cupy.float32)
+
+
+def main():
+    target = Target.live(cupy.cuda.runtime.getDevice())
+    rng = cupy.random.default_rng(0)
+    for dtype in DTYPES:
+        for rows, cols in ROW_SHAPES:
+            x = rng.standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
+            dy = rng.standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
+            short = "f16" if dtype == cupy.float16 else "f32"
+            for op in softmax_ops.OPS:
+                inputs = (dy, x) if op.endswith("_backward") else (x,)
+                for policy in ("auto", "oneflow"):
+                    split = softmax_split.plan(op, rows, cols, short, target) if policy == "auto" else None
+                    chosen = split or softmax_ops.plan(op, rows, cols, short, policy, target)
+                    print(f"{op:<21} {policy:<8} {rows}x{cols:<7} {chosen.spec.name}", flush=True)
+                    getattr(cupyops, op)(*inputs, axis=-1, policy=policy)
+            weight = rng.standard_normal(cols, dtype=cupy.float32).astype(dtype)
+            for policy in ("auto", "oneflow"):
+                y, mean, rstd = cupyops.layer_norm(x, weight, weight, return_stats=True, policy=policy)
+                cupyops.layer_norm_backward(dy, x, mean, rstd, weight, policy=policy)
+                y, rstd = cupyops.rms_norm(x, weight, return_stats=True, policy=policy)
+                cupyops.rms_norm_backward(dy, x, rstd, weight, policy=policy)
+        x = rng.standard_normal((4, 4096, 64), dtype=cupy.float32).astype(dtype)
+        for axis in (0, 1):
+            cupyops.softmax(x, axis=axis)
+            cupyops.log_softmax(x, axis=axis)
+    cupy.cuda.Device().synchronize()
+    print("all paths ran")
+
+
+if __name__ == "__main__":
+    main()
