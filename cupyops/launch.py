@@ -97,10 +97,18 @@ class LaunchCache:
         try:
             return self._entries[key]
         except KeyError:
-            if len(self._entries) >= self._max_entries:
-                self._entries.clear()
-            found = self._entries[key] = make()
+            found = make()
+            self.put(key, found)
             return found
+
+    def peek(self, key):
+        """The entry for `key`, or None."""
+        return self._entries.get(key)
+
+    def put(self, key, value) -> None:
+        if len(self._entries) >= self._max_entries:
+            self._entries.clear()
+        self._entries[key] = value
 
 
 @functools.lru_cache(maxsize=None)

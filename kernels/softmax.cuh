@@ -291,8 +291,9 @@ __device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_i
 // registers. With stages = 2 the block's next row is fetched while this one is
 // computed. A thread only ever reads the packs it copied itself, so the data
 // needs no barrier between copy and use. Loads are DirectLoads (raw pointers).
+// online (forward): the maximum and the sum in one pass over the cache.
 template <typename Op, typename T, typename Load, typename Store, typename C, int pack_size,
-          int block_size, int stages>
+          int block_size, int stages, bool online>
 __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_inputs], const Store& store,
                                                     int64 rows, int64 cols) {
   static_assert(pack_size * sizeof(T) == 16, "cp.async moves 16-byte packs");
@@ -326,26 +327,43 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
     }
     Op op;
     C v[N];
-    if (Op::needs_max) {
-      C thread_max = -infinity<C>();
+    if constexpr (Op::needs_max && online) {
+      // One pass over the cache: a running (max, sum) per thread.
+      OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
+      for (int p = threadIdx.x; p < num_packs; p += block_size) {
+        C values[pack_size];
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) {
+          element(stage, p, i, v);
+          values[i] = v[0];
+        }
+        state.add_pack(values);
+      }
+      const OnlineSoftmaxState<C> row_state = state.template block_all_reduce<block_size>();
+      op.set_max(row_state.max);
+      op.set_sum(row_state.sum);
+    } else {
+      if (Op::needs_max) {
+        C thread_max = -infinity<C>();
+        for (int p = threadIdx.x; p < num_packs; p += block_size) {
+#pragma unroll
+          for (int i = 0; i < pack_size; ++i) {
+            element(stage, p, i, v);
+            thread_max = MaxOp<C>()(thread_max, v[0]);
+          }
+        }
+        op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
+      }
+      C thread_sum = 0;
       for (int p = threadIdx.x; p < num_packs; p += block_size) {
 #pragma unroll
         for (int i = 0; i < pack_size; ++i) {
           element(stage, p, i, v);
-          thread_max = MaxOp<C>()(thread_max, v[0]);
+          thread_sum += op.template term<false>(v);
         }
       }
-      op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
+      op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
     }
-    C thread_sum = 0;
-    for (int p = threadIdx.x; p < num_packs; p += block_size) {
-#pragma unroll
-      for (int i = 0; i < pack_size; ++i) {
-        element(stage, p, i, v);
-        thread_sum += op.template term<false>(v);
-      }
-    }
-    op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
       C values[pack_size];
 #pragma unroll

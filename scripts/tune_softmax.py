@@ -50,11 +50,14 @@ def candidates(op, dtype, rows, cols, target):
             for block in (128, 256, 512, 1024):
                 if num_packs < block or smem > target.facts.smem_per_block_optin:
                     continue
-                spec = SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=stages)
-                active = target.max_active_blocks(spec, block, smem, True)
-                if active:
-                    grid = (min(rows, active * target.facts.sm_count), 1, 1)
-                    found.append((f"async b{block} s{stages}", spec, grid, (block, 1, 1), smem))
+                for online in ((False, True) if num_inputs == 1 else (False,)):
+                    spec = SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=stages,
+                                       online=online)
+                    active = target.max_active_blocks(spec, block, smem, True)
+                    if active:
+                        grid = (min(rows, active * target.facts.sm_count), 1, 1)
+                        label = f"async b{block} s{stages}{' online' if online else ''}"
+                        found.append((label, spec, grid, (block, 1, 1), smem))
     smem = num_inputs * cols * ftype.itemsize
     if cols >= 8192 and smem <= target.facts.smem_per_block_optin:
         for block in (256, 512, 1024):

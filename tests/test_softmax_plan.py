@@ -309,27 +309,32 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
         return {"impl": "warp", "pack_size": pack}
     # 2. register block: 16-byte packs (peeling the row's edges when the row is
     # off the 16-byte grid the same way for input and output), the smallest block
-    # giving a thread at most MAX_PACKS packs within MAX_BYTES a block
+    # giving a thread at most MAX_PACKS packs (PEELED_MAX_PACKS when peeled)
+    # within MAX_BYTES a block
     peel = pack * itemsize < 16 and same_phase
     regs_pack = 16 // itemsize if peel else pack
+    max_packs = sm.AUTO_PEELED_MAX_PACKS if peel else sm.AUTO_BLOCK_REGS_MAX_PACKS
     packs = cols // regs_pack
-    for block_size in sm.AUTO_BLOCK_REGS_SIZES:
+    largest = sm.AUTO_BLOCK_REGS_LARGEST.get(op, sm.AUTO_BLOCK_REGS_SIZES[-1])
+    for block_size in [size for size in sm.AUTO_BLOCK_REGS_SIZES if size <= largest]:
         per_thread = ceil_div(packs, block_size)
-        if (per_thread <= sm.AUTO_BLOCK_REGS_MAX_PACKS
+        if (per_thread <= max_packs
                 and per_thread * regs_pack * compute * block_size <= sm.AUTO_BLOCK_REGS_MAX_BYTES):
             spec = SoftmaxSpec(op, "block_regs", dtype, regs_pack, block_size=block_size,
                                packs_per_thread=per_thread, peel=peel)
             return {"impl": "block_regs", "spec": spec, "smem_bytes": 0,
                     "grid": get_num_blocks(facts, block_size, rows)}
     row_bytes = cols * itemsize
-    # 3. cp.async into shared memory (16-byte packs only), a persistent grid
+    # 3. cp.async into shared memory (16-byte packs only), a persistent grid, two
+    # rows in flight when they fit, the forward maximum and sum in one pass
     if pack * itemsize == 16:
-        spec = SoftmaxSpec(op, "block_async", dtype, pack, block_size=sm.AUTO_ASYNC_BLOCK_SIZE,
-                           stages=sm.AUTO_ASYNC_STAGES)
-        active = occupancy(target, spec, sm.AUTO_ASYNC_STAGES * row_bytes, True)
-        if active:
-            return {"impl": "block_async", "spec": spec, "smem_bytes": row_bytes,
-                    "grid": min(rows, active * facts.sm_count)}
+        for stages in sm.AUTO_ASYNC_STAGES:
+            spec = SoftmaxSpec(op, "block_async", dtype, pack, block_size=sm.AUTO_ASYNC_BLOCK_SIZE,
+                               stages=stages, online=True)
+            active = occupancy(target, spec, stages * row_bytes, True)
+            if active:
+                return {"impl": "block_async", "spec": spec, "smem_bytes": stages * row_bytes,
+                        "grid": min(rows, active * facts.sm_count)}
     # 4. shared memory filled through registers, the input's own type cached
     spec = SoftmaxSpec(op, "block_smem", dtype, pack, block_size=sm.AUTO_SMEM_BLOCK_SIZE,
                        storage_cache=True)
