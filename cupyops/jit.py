@@ -68,6 +68,10 @@ class KernelSpec:
     def template_args(self) -> dict:
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
+    def explain_extra(self) -> dict:
+        """Fields of this family that `cupyops explain` shows besides the common ones."""
+        return {}
+
 
 def render(spec: KernelSpec) -> str:
     """The complete CUDA translation unit for `spec`."""

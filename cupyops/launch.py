@@ -18,6 +18,24 @@ def get_num_blocks(facts: device.DeviceFacts, block_size: int, max_blocks: int,
 
 
 @dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel launch: the instantiation, its block and grid, its dynamic shared memory."""
+    spec: jit.KernelSpec
+    block: tuple
+    grid: tuple
+    smem_bytes: int
+
+    # Spec fields `cupyops explain --json` shows before the launch's own.
+    EXPLAINED_FIELDS = ("op", "impl", "pack_size", "cols_per_thread", "thread_group_width",
+                        "rows_per_access", "padding")
+
+    def explain(self) -> dict:
+        fields = {name: getattr(self.spec, name) for name in self.EXPLAINED_FIELDS}
+        return {**fields, **self.spec.explain_extra(), "block": list(self.block),
+                "grid": list(self.grid), "smem_bytes": self.smem_bytes, "kernel": self.spec.name}
+
+
+@dataclass(frozen=True)
 class Target:
     """What plans are made for: a live GPU (device_id set) or a device profile.
 

@@ -49,7 +49,7 @@ from typing import Optional
 import numpy
 
 from .. import arrays, dtypes, jit, rowwise
-from ..launch import BLOCK_SIZE_LADDER, Target, choose_block_size, get_num_blocks, live_function
+from ..launch import BLOCK_SIZE_LADDER, KernelLaunch, Target, choose_block_size, get_num_blocks, live_function
 from .softmax import vector_pack_size
 
 FORWARD_OPS = ("layer_norm", "rms_norm")
@@ -174,28 +174,13 @@ class NormSpec(jit.KernelSpec):
         direction = "forward" if self.op in FORWARD_OPS else "backward"
         return max(1, MIN_RESIDENT_THREADS[direction] // self.threads_per_block)
 
+    def explain_extra(self) -> dict:
+        return {"min_cols_per_thread": self.min_cols_per_thread}
+
     def template_args(self) -> dict:
         return {**super().template_args(), "storage_type": self.ftype.c_type,
                 "compute_type": self.ftype.compute_c_type, "cache_type": self.cache_ftype.c_type,
                 "centered": self.centered, "min_blocks_per_sm": self.min_blocks_per_sm}
-
-
-@dataclass(frozen=True)
-class KernelLaunch:
-    spec: NormSpec
-    block: tuple
-    grid: tuple
-    smem_bytes: int
-
-    def explain(self) -> dict:
-        spec = self.spec
-        return {"op": spec.op, "impl": spec.impl, "pack_size": spec.pack_size,
-                "cols_per_thread": spec.cols_per_thread,
-                "min_cols_per_thread": spec.min_cols_per_thread,
-                "thread_group_width": spec.thread_group_width,
-                "rows_per_access": spec.rows_per_access, "padding": spec.padding,
-                "block": list(self.block), "grid": list(self.grid),
-                "smem_bytes": self.smem_bytes, "kernel": spec.name}
 
 
 @dataclass(frozen=True)

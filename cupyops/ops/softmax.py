@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy
 
 from .. import arrays, dtypes, jit, rowwise
-from ..launch import LaunchCache, Target, choose_block_size, get_num_blocks, live_function
+from ..launch import KernelLaunch, LaunchCache, Target, choose_block_size, get_num_blocks, live_function
 
 OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
 # Arrays each op reads (the kernel's parameters, in order).
@@ -115,21 +115,7 @@ class SoftmaxSpec(jit.KernelSpec):
                 "packed_cache": self.storage_cache}
 
 
-@dataclass(frozen=True)
-class SoftmaxPlan:
-    spec: SoftmaxSpec
-    block: tuple
-    grid: tuple
-    smem_bytes: int
-
-    def explain(self) -> dict:
-        spec = self.spec
-        return {"op": spec.op, "impl": spec.impl, "pack_size": spec.pack_size,
-                "cols_per_thread": spec.cols_per_thread,
-                "thread_group_width": spec.thread_group_width,
-                "rows_per_access": spec.rows_per_access, "padding": spec.padding,
-                "block": list(self.block), "grid": list(self.grid),
-                "smem_bytes": self.smem_bytes, "kernel": spec.name}
+SoftmaxPlan = KernelLaunch   # a row kernel's plan is its one launch
 
 
 def warp_ladder(cols: int, rows: int, pack_size: int, max_cols_per_thread: int):
