@@ -28,11 +28,16 @@ def candidates(op, dtype, rows, cols, target):
     for policy in ("auto", "oneflow"):
         chosen = plan(op, rows, cols, dtype, policy, target)
         found.append((policy, chosen.spec, chosen.grid, chosen.block, chosen.smem_bytes))
-    for max_cols_per_thread in (16, 32, 64):
-        ladder = warp_ladder(cols, rows, pack, max_cols_per_thread)
-        if ladder is not None and ladder[0] * num_inputs * 4 <= 256:
-            warp = _warp_plan(op, dtype, rows, cols, pack, ladder, target)
-            found.append((f"warp c{ladder[0]}", warp.spec, warp.grid, warp.block, 0))
+    for warp_pack in sorted({pack, 2, 4} & {p for p in (2, 4, 8) if p <= pack}):
+        for max_cols_per_thread in (16, 32, 64):
+            ladder = warp_ladder(cols, rows, warp_pack, max_cols_per_thread)
+            if ladder is None or ladder[0] * num_inputs * 4 > 256:
+                continue
+            for rows_per_access in (1, 2):
+                variant = (ladder[0], ladder[1], rows_per_access)
+                warp = _warp_plan(op, dtype, rows, cols, warp_pack, variant, target)
+                found.append((f"warp p{warp_pack} c{ladder[0]} g{ladder[1]} r{rows_per_access}",
+                              warp.spec, warp.grid, warp.block, 0))
     peel = pack * ftype.itemsize < 16       # rows off the 16-byte grid: peel their edges
     regs_pack = 16 // ftype.itemsize if peel else pack
     num_packs = cols // regs_pack
