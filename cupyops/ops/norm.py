@@ -349,22 +349,35 @@ def _oneflow_main(family, spec_fields, rows, cols, align, target, smem_arrays) -
     return _uncached_launch(spec_fields, rows, block_pack, target, "oneflow")
 
 
-def _auto_forward(spec_fields, rows, cols, align, target) -> KernelLaunch:
-    ftype = dtypes.BY_SHORT[spec_fields["dtype"]]
+def _auto_registers(fields, rows, cols, align, target, direction, block_ladder):
+    """auto's warp path, else its register block path: (launch or None, pack size).
+
+    block_ladder: (block_size, most bytes of compute values a thread holds,
+    extra spec fields), tried in order."""
+    ftype = dtypes.BY_SHORT[fields["dtype"]]
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     pack = vector_pack_size(cols, ftype.itemsize, align)
-    max_cols_per_thread = max(AUTO_WARP_MAX_BYTES_PER_LANE["forward"] // compute_itemsize, pack)
+    max_cols_per_thread = max(AUTO_WARP_MAX_BYTES_PER_LANE[direction] // compute_itemsize, pack)
     ladder = auto_warp_ladder(cols, pack, max_cols_per_thread)
     if ladder is not None:
-        return _warp_launch(spec_fields, rows, cols, pack, ladder, target, "auto")
+        return _warp_launch(fields, rows, cols, pack, ladder, target, "auto"), pack
     num_packs = cols // pack
-    for block_size, max_bytes in AUTO_BLOCK_REGS_LADDER:
+    for block_size, max_bytes, extra in block_ladder:
         packs_per_thread = -(-num_packs // block_size)
         if packs_per_thread * pack * compute_itemsize <= max_bytes:
             spec = NormSpec(impl="block_regs", pack_size=pack, block_size=block_size,
-                            packs_per_thread=packs_per_thread, **spec_fields)
-            return _block_launch(spec, rows, 0, target, "auto", False)
-    launch = _smem_launch(spec_fields, rows, cols, pack, cols * ftype.itemsize, target, "auto", True,
+                            packs_per_thread=packs_per_thread, **extra, **fields)
+            return _block_launch(spec, rows, 0, target, "auto", False), pack
+    return None, pack
+
+
+def _auto_forward(spec_fields, rows, cols, align, target) -> KernelLaunch:
+    block_ladder = [(block_size, max_bytes, {}) for block_size, max_bytes in AUTO_BLOCK_REGS_LADDER]
+    launch, pack = _auto_registers(spec_fields, rows, cols, align, target, "forward", block_ladder)
+    if launch is not None:
+        return launch
+    itemsize = dtypes.BY_SHORT[spec_fields["dtype"]].itemsize
+    launch = _smem_launch(spec_fields, rows, cols, pack, cols * itemsize, target, "auto", True,
                           "same_occupancy", packed_cache=True)
     return launch or _uncached_launch(spec_fields, rows, pack, target, "auto")
 
@@ -450,20 +463,12 @@ def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target,
 def _auto_backward_dx(fields, rows, cols, align, target) -> KernelLaunch:
     """auto's dx kernel without fused partials (rows too long for register
     partials, or no dweight / dbias wanted)."""
-    ftype = dtypes.BY_SHORT[fields["dtype"]]
-    compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
-    pack = vector_pack_size(cols, ftype.itemsize, align)
-    max_cols_per_thread = max(AUTO_WARP_MAX_BYTES_PER_LANE["backward"] // compute_itemsize, pack)
-    ladder = auto_warp_ladder(cols, pack, max_cols_per_thread)
-    if ladder is not None:
-        return _warp_launch(fields, rows, cols, pack, ladder, target, "auto")
-    num_packs = cols // pack
-    for block_size, max_bytes, cached in AUTO_GRAD_BLOCK_LADDER:
-        packs_per_thread = -(-num_packs // block_size)
-        if packs_per_thread * pack * compute_itemsize <= max_bytes:
-            spec = NormSpec(impl="block_regs", pack_size=pack, block_size=block_size,
-                            packs_per_thread=packs_per_thread, cached=cached, **fields)
-            return _block_launch(spec, rows, 0, target, "auto", False)
+    block_ladder = [(block_size, max_bytes, {"cached": cached})
+                    for block_size, max_bytes, cached in AUTO_GRAD_BLOCK_LADDER]
+    launch, pack = _auto_registers(fields, rows, cols, align, target, "backward", block_ladder)
+    if launch is not None:
+        return launch
+    compute_itemsize = dtypes.BY_SHORT[dtypes.BY_SHORT[fields["dtype"]].compute].itemsize
     launch = _smem_launch(fields, rows, cols, pack, 2 * cols * compute_itemsize, target, "auto", True,
                           "same_occupancy")
     return launch or _uncached_launch(fields, rows, pack, target, "auto")
