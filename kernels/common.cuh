@@ -88,6 +88,18 @@ __device__ __forceinline__ void store_pack(T* address, const Pack<T, N>& pack) {
   }
 }
 
+// A pack stored to shared memory as whole vectors (a struct copy of a pack
+// of 16-bit elements may be split into element stores).
+template <typename T, int N>
+__device__ __forceinline__ void store_pack_shared(T* address, const Pack<T, N>& pack) {
+  constexpr int bytes = sizeof(T) * N;
+  typedef typename Vector<(bytes < 16 ? bytes : 16)>::type V;
+  union { Pack<T, N> pack; V vectors[(bytes + 15) / 16]; } bits;
+  bits.pack = pack;
+#pragma unroll
+  for (int i = 0; i < (bytes + 15) / 16; ++i) reinterpret_cast<V*>(address)[i] = bits.vectors[i];
+}
+
 // Reads row `row`, columns [col, col + N) of a row-major matrix whose rows are
 // `row_stride` elements apart, converting to the compute type.
 template <typename Src, typename Dst>

@@ -7,12 +7,14 @@
 //   norm_block_regs      a row per block, in registers
 //   norm_block_smem      a row per block, cached in dynamic shared memory
 //   norm_block_uncached  a row per block, read twice from global memory
-// `Stats` is WelfordState (LayerNorm) or SquareSumState (RMSNorm). LayerNorm's
-// statistics are taken of x - K, K the row's first value (row_shift): every
-// thread of the row loads the same K, so Welford's float32 mean never has to
-// resolve a small variance under a large mean. Inputs come
-// through NormInput (optionally h = x + residual, stored), outputs leave
-// through NormOutput (weight and bias applied in the compute type).
+// `Stats` is WelfordState (LayerNorm) or SquareSumState (RMSNorm): each thread
+// takes the state of the values it holds without a division per value
+// (of_packs), Chan's combine joins the threads. LayerNorm's statistics are
+// taken of x - K, K the row's first value (row_shift): every thread of the row
+// loads the same K, so a float32 mean never has to resolve a small variance
+// under a large mean. Inputs come through NormInput (optionally
+// h = x + residual, stored), outputs leave through NormOutput (weight and
+// bias applied in the compute type).
 //
 // Backward: the same four shapes compute
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * weight
@@ -37,16 +39,16 @@ struct NormInput {
 
   template <int N>
   __device__ __forceinline__ void load(C* dst, int64 row, int64 col) const {
-    const Pack<T, N> a = *reinterpret_cast<const Pack<T, N>*>(x + row * x_stride + col);
+    const Pack<T, N> a = load_pack<T, N>(x + row * x_stride + col);
     if constexpr (has_residual) {
-      const Pack<T, N> b = *reinterpret_cast<const Pack<T, N>*>(residual + row * residual_stride + col);
+      const Pack<T, N> b = load_pack<T, N>(residual + row * residual_stride + col);
       Pack<T, N> sum;
 #pragma unroll
       for (int i = 0; i < N; ++i) {
         sum.elem[i] = cast<T>(cast<C>(a.elem[i]) + cast<C>(b.elem[i]));
         dst[i] = cast<C>(sum.elem[i]);
       }
-      *reinterpret_cast<Pack<T, N>*>(h + row * h_stride + col) = sum;
+      store_pack(h + row * h_stride + col, sum);
     } else {
 #pragma unroll
       for (int i = 0; i < N; ++i) dst[i] = cast<C>(a.elem[i]);
@@ -68,28 +70,40 @@ struct NormInput {
   template <int N>
   __device__ __forceinline__ void reload(C* dst, int64 row, int64 col) const {
     const T* src = has_residual ? h + row * h_stride : x + row * x_stride;
-    const Pack<T, N> a = *reinterpret_cast<const Pack<T, N>*>(src + col);
+    const Pack<T, N> a = load_pack<T, N>(src + col);
 #pragma unroll
     for (int i = 0; i < N; ++i) dst[i] = cast<C>(a.elem[i]);
   }
 };
 
 // Per-column weight / bias vectors, read in compute type (1 / 0 when absent).
+// aligned = false: col need not be a multiple of N (a peeled row's packs sit
+// at the row's phase, the vectors at theirs), so element by element (L1 hits).
 template <typename T, typename C, bool has_weight, bool has_bias>
 struct Affine {
   const T* weight;
   const T* bias;
 
-  template <int N>
+  template <int N, bool aligned = true>
+  static __device__ __forceinline__ void load_vector(const T* vector, C* dst, int64 col) {
+    if constexpr (aligned) {
+      DirectLoad<T, C>{vector, 0}.template load<N>(dst, 0, col);
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) dst[i] = cast<C>(vector[col + i]);
+    }
+  }
+
+  template <int N, bool aligned = true>
   __device__ __forceinline__ void load(C* w, C* b, int64 col) const {
     if constexpr (has_weight) {
-      DirectLoad<T, C>{weight, 0}.template load<N>(w, 0, col);
+      load_vector<N, aligned>(weight, w, col);
     } else {
 #pragma unroll
       for (int i = 0; i < N; ++i) w[i] = C(1);
     }
     if constexpr (has_bias) {
-      DirectLoad<T, C>{bias, 0}.template load<N>(b, 0, col);
+      load_vector<N, aligned>(bias, b, col);
     } else {
 #pragma unroll
       for (int i = 0; i < N; ++i) b[i] = C(0);
@@ -104,10 +118,10 @@ struct NormOutput {
   int64 y_stride;
   Affine<T, C, has_weight, has_bias> affine;
 
-  template <int N>
+  template <int N, bool aligned = true>
   __device__ __forceinline__ void store(const C* normalized, int64 row, int64 col) const {
     C w[N], b[N], out[N];
-    affine.template load<N>(w, b, col);
+    affine.template load<N, aligned>(w, b, col);
 #pragma unroll
     for (int i = 0; i < N; ++i) out[i] = normalized[i] * w[i] + b[i];
     DirectStore<C, T>{y, y_stride}.template store<N>(out, row, col);
@@ -165,7 +179,8 @@ __device__ __forceinline__ bool pack_in_row(int p, int64 col, int64 cols) {
 }
 
 // ---------------------------------------------------------------------------
-// Forward, warp path.
+// Forward, warp path: a group of `width` lanes owns rows_per_access rows at a
+// time, each lane holding max_cols_per_thread values of each in registers.
 template <typename Stats, typename Input, typename Output, typename C, int pack_size,
           int max_cols_per_thread, int min_cols_per_thread, int width, int rows_per_access, bool padding>
 __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, const MomentsOutput<C>& moments_out,
@@ -183,7 +198,6 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
     C shift[rows_per_access];
 #pragma unroll
     for (int r = 0; r < rows_per_access; ++r) {
-      stats[r] = Stats::empty();
       shift[r] = row + r < rows ? row_shift<Stats, Input, C>(in, row + r) : C(0);
 #pragma unroll
       for (int p = 0; p < max_packs; ++p) {
@@ -192,15 +206,16 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
         if (row + r < rows && pack_in_row<padding, min_packs>(p, col, cols)) {
           in.template load<pack_size>(values, row + r, col);
 #pragma unroll
-          for (int i = 0; i < pack_size; ++i) {
-            values[i] -= shift[r];           // buf holds x - K from here on
-            stats[r].add(values[i]);
-          }
+          for (int i = 0; i < pack_size; ++i) values[i] -= shift[r];   // buf holds x - K from here on
         } else {
 #pragma unroll
           for (int i = 0; i < pack_size; ++i) values[i] = C(0);
         }
       }
+      stats[r] = Stats::template of_packs<max_packs, pack_size>(buf[r], [&](int p) {
+        const int64 col = (static_cast<int64>(p) * width + lane) * pack_size;
+        return row + r < rows && pack_in_row<padding, min_packs>(p, col, cols);
+      });
     }
 #pragma unroll
     for (int r = 0; r < rows_per_access; ++r) {
@@ -221,48 +236,68 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
 }
 
 // ---------------------------------------------------------------------------
-// Forward, block-register path: thread t holds packs t, t + block_size, ...
+// Forward, block-register path: a block owns a row; thread t holds packs t,
+// t + block_size, ... (packs_per_thread of them) in registers.
+// peel: rows need not start on a 16-byte boundary (odd cols, offset views;
+// every row operand at the same phase). Each row's first `head` elements (up
+// to its first 16-byte boundary, RowHead) and its last partial pack are
+// single elements ("edges") held by threads 0, 1, ...; the packs in between
+// are aligned. The edges are loaded after the packs, so the packs' loads are
+// all in flight first. Weight and bias are read element by element then.
 template <typename Stats, typename Input, typename Output, typename C, int pack_size, int packs_per_thread,
-          int block_size>
+          int block_size, bool peel, typename RowHead>
 __device__ __forceinline__ void norm_block_regs(const Input& in, const Output& out,
                                                 const MomentsOutput<C>& moments_out, int64 rows, int64 cols,
-                                                C eps) {
-  C buf[packs_per_thread][pack_size];
-  const int64 num_packs = cols / pack_size;
+                                                C eps, const RowHead& row_head) {
+  C buf[packs_per_thread * pack_size];
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    Stats stats = Stats::empty();
+    const int head = peel ? row_head(row) : 0;
+    const int64 num_packs = (cols - head) / pack_size;
     const C shift = row_shift<Stats, Input, C>(in, row);
+    const auto pack_id = [&](int k) { return static_cast<int64>(k) * block_size + threadIdx.x; };
+    const auto in_row = [&](int k) { return pack_id(k) < num_packs; };
 #pragma unroll
     for (int k = 0; k < packs_per_thread; ++k) {
-      const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
-      if (pack_id < num_packs) {
-        in.template load<pack_size>(buf[k], row, pack_id * pack_size);
+      C* values = buf + k * pack_size;
+      if (in_row(k)) {
+        in.template load<pack_size>(values, row, head + pack_id(k) * pack_size);
 #pragma unroll
-        for (int i = 0; i < pack_size; ++i) {
-          buf[k][i] -= shift;                // buf holds x - K from here on
-          stats.add(buf[k][i]);
-        }
+        for (int i = 0; i < pack_size; ++i) values[i] -= shift;   // buf holds x - K from here on
       }
     }
+    const int64 tail = head + num_packs * pack_size;
+    const bool has_edge = peel && threadIdx.x < head + (cols - tail);
+    const int64 edge_col = threadIdx.x < head ? threadIdx.x : tail + threadIdx.x - head;
+    C edge = C(0);
+    if (has_edge) {
+      in.template load<1>(&edge, row, edge_col);
+      edge -= shift;
+    }
+    Stats stats = Stats::template of_packs<packs_per_thread, pack_size>(buf, in_row);
+    if (has_edge) stats.add(edge);
     const RowMoments<C> m = block_all_reduce_state<block_size>(stats).moments(cols, eps);
     if (threadIdx.x == 0) moments_out.store(row, m, shift);
+    if (has_edge) {
+      edge = (edge - m.mean) * m.rstd;
+      out.template store<1>(&edge, row, edge_col);
+    }
 #pragma unroll
     for (int k = 0; k < packs_per_thread; ++k) {
-      const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
-      if (pack_id < num_packs) {
+      if (in_row(k)) {
+        C* values = buf + k * pack_size;
 #pragma unroll
-        for (int i = 0; i < pack_size; ++i) buf[k][i] = (buf[k][i] - m.mean) * m.rstd;
-        out.template store<pack_size>(buf[k], row, pack_id * pack_size);
+        for (int i = 0; i < pack_size; ++i) values[i] = (values[i] - m.mean) * m.rstd;
+        out.template store<pack_size, !peel>(values, row, head + pack_id(k) * pack_size);
       }
     }
   }
 }
 
 // ---------------------------------------------------------------------------
-// Forward, block-shared-memory path: pack p of the row cached at [p] as Cache
-// (the compute type as OneFlow, or the storage type: lossless and half the
-// bytes for 16-bit inputs). A thread reads back only the packs it wrote, so
-// rows need no barrier between them.
+// Forward, block-shared-memory path: a block owns a row; pack p of the row is
+// cached at [p] as Cache (the compute type as OneFlow, or the storage type:
+// lossless and half the bytes for 16-bit inputs). A thread reads back only the
+// packs it wrote, so rows need no barrier between them.
 template <typename Stats, typename Input, typename Output, typename C, typename Cache, int pack_size,
           int block_size>
 __device__ __forceinline__ void norm_block_smem(const Input& in, const Output& out,
@@ -278,11 +313,13 @@ __device__ __forceinline__ void norm_block_smem(const Input& in, const Output& o
       C values[pack_size];
       in.template load<pack_size>(values, row, static_cast<int64>(p) * pack_size);
       Pack<Cache, pack_size> packed;
+      C shifted[pack_size];
 #pragma unroll
       for (int i = 0; i < pack_size; ++i) {
-        stats.add(values[i] - shift);
+        shifted[i] = values[i] - shift;
         packed.elem[i] = cast<Cache>(values[i]);   // x itself: x - K may not fit a 16-bit cache
       }
+      stats.combine(Stats::template of_packs<1, pack_size>(shifted, [](int) { return true; }));
       cache[p] = packed;
     }
     const RowMoments<C> m = block_all_reduce_state<block_size>(stats).moments(cols, eps);
@@ -298,8 +335,10 @@ __device__ __forceinline__ void norm_block_smem(const Input& in, const Output& o
 }
 
 // ---------------------------------------------------------------------------
-// Forward, uncached path: statistics in one pass, output in a second pass
-// that re-reads the row (h instead of x + residual when h was stored).
+// Forward, uncached path: a block owns a row; statistics in one pass, output
+// in a second pass that re-reads the row (h instead of x + residual when h was
+// stored). The smem and uncached paths take each pack's state (two passes over
+// the pack) and combine it into the thread's: a division per pack.
 template <typename Stats, typename Input, typename Output, typename C, int pack_size, int block_size>
 __device__ __forceinline__ void norm_block_uncached(const Input& in, const Output& out,
                                                     const MomentsOutput<C>& moments_out, int64 rows,
@@ -312,7 +351,8 @@ __device__ __forceinline__ void norm_block_uncached(const Input& in, const Outpu
       C values[pack_size];
       in.template load<pack_size>(values, row, p * pack_size);
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) stats.add(values[i] - shift);
+      for (int i = 0; i < pack_size; ++i) values[i] -= shift;
+      stats.combine(Stats::template of_packs<1, pack_size>(values, [](int) { return true; }));
     }
     const RowMoments<C> m = block_all_reduce_state<block_size>(stats).moments(cols, eps);
     if (threadIdx.x == 0) moments_out.store(row, m, shift);

@@ -417,7 +417,7 @@ __device__ __forceinline__ void softmax_block_smem(const Load (&loads)[Op::num_i
           P packed;
 #pragma unroll
           for (int i = 0; i < pack_size; ++i) packed.elem[i] = cast<Cache>(values[i]);
-          reinterpret_cast<P*>(cache + j * cols)[p] = packed;
+          store_pack_shared(cache + j * cols + p * pack_size, packed);
         } else {
 #pragma unroll
           for (int i = 0; i < pack_size; ++i) slot(j, p, i) = values[i];

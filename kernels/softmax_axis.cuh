@@ -5,15 +5,18 @@
 // owns a tile: one `o` and block_x * pack_size consecutive `i` (threadIdx.x
 // picks a pack along inner, so a warp reads whole sectors of consecutive
 // rows), and splits the tile's rows among its block_y rows of threads
-// (threadIdx.y takes rows y, y + block_y, ...). Each thread keeps a running
-// (max, sum) per slice of its pack; the block combines them through shuffles
-// and shared memory, then writes the outputs through RowSoftmax, so NaN and
+// (threadIdx.y takes rows y, y + block_y, ...). Each thread reduces its rows
+// of each slice of its pack; the block combines them through shuffles and
+// shared memory, then writes the outputs through RowSoftmax, so NaN and
 // +-inf slices end as in scipy.special (and as the row-wise paths).
 //
-// cached = true: pass 1 also keeps the tile in dynamic shared memory
-//   ([cols][block_x] packs), pass 2 reads it from there: one read of the array.
-//   With loads_in_flight = 0 the tile is filled by cp.async, else through registers.
-// cached = false: pass 2 reads the array again (two reads, one write).
+// cached = true: the tile is loaded into dynamic shared memory ([cols][block_x]
+//   packs; with loads_in_flight = 0 by cp.async, else through registers), then
+//   a max pass, a sum pass and the output pass read it from there: one read
+//   of the array, one exponential per element per pass that needs it.
+// cached = false: a running (max, sum) per slice over the array (one
+//   exponential per element), then the output pass reads the array again
+//   (two reads, one write).
 #pragma once
 #include "common.cuh"
 #include "reduce.cuh"
@@ -120,41 +123,66 @@ __device__ __forceinline__ void softmax_axis(const T* x, T* y, int64 outer, int6
     const int64 slice_offset = o * cols * inner + pack_id * pack_size;
     const T* const src = x + slice_offset;
     T* const dst = y + slice_offset;
-    const auto load_global = [&](int64 c) { return *reinterpret_cast<const P*>(src + c * inner); };
+    const auto load_global = [&](int64 c) { return load_pack<T, pack_size>(src + c * inner); };
     const auto cached_pack = [&](int64 c) -> P& { return tile_cache[c * block_x + threadIdx.x]; };
 
-    // Pass 1: running (max, sum) of this thread's rows.
-    RunningSoftmax<C> state[pack_size];
-    const auto add_pack = [&](int64, const P& pack) {
-#pragma unroll
-      for (int i = 0; i < pack_size; ++i) state[i].add(cast<C>(pack.elem[i]));
-    };
-    if (active) {
-      if constexpr (async_fill) {
-        for (int64 c = threadIdx.y; c < cols; c += block_y) {
-          cp_async_pack<sizeof(P)>(&cached_pack(c), src + c * inner);
+    // The slices' (max, sum): cached, a max pass then a sum pass over the
+    // tile in shared memory; otherwise one pass over the array keeping a
+    // running (max, sum) per thread. The block's rows are combined through
+    // column_all_reduce: the maximum first, then every thread's sum rescaled
+    // to it (0 where the thread saw only -inf).
+    C slice_max[pack_size], slice_sum[pack_size];
+    if constexpr (cached) {
+      if (active) {
+        if constexpr (async_fill) {
+          for (int64 c = threadIdx.y; c < cols; c += block_y) {
+            cp_async_pack<sizeof(P)>(&cached_pack(c), src + c * inner);
+          }
+          cp_async_wait_all();
+        } else {
+          // cached: the tile's cols fit in shared memory, so an int index
+#pragma unroll loads_in_flight
+          for (int c = threadIdx.y; c < cols; c += block_y) store_pack_shared(cached_pack(c).elem, load_global(c));
         }
-        cp_async_wait_all();
-        for (int64 c = threadIdx.y; c < cols; c += block_y) add_pack(c, cached_pack(c));
-      } else {
-        for_rows_batched<P, block_y, loads_in_flight>(cols, load_global, [&](int64 c, const P& pack) {
-          if (cached) cached_pack(c) = pack;
-          add_pack(c, pack);
+      }
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) slice_max[i] = -infinity<C>();
+      if (active) {
+        for (int64 c = threadIdx.y; c < cols; c += block_y) {
+          const P pack = load_pack<T, pack_size>(cached_pack(c).elem);
+#pragma unroll
+          for (int i = 0; i < pack_size; ++i) slice_max[i] = MaxOp<C>()(slice_max[i], cast<C>(pack.elem[i]));
+        }
+      }
+      if (block_y > 1) column_all_reduce<MaxOp, C, pack_size, block_x, block_y>(slice_max);
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) slice_sum[i] = C(0);
+      if (active) {
+        for (int64 c = threadIdx.y; c < cols; c += block_y) {
+          const P pack = load_pack<T, pack_size>(cached_pack(c).elem);
+#pragma unroll
+          for (int i = 0; i < pack_size; ++i) {
+            slice_sum[i] += RowSoftmax<algorithm, C>::exp_term(cast<C>(pack.elem[i]), slice_max[i]);
+          }
+        }
+      }
+    } else {
+      RunningSoftmax<C> state[pack_size];
+      if (active) {
+        for_rows_batched<P, block_y, loads_in_flight>(cols, load_global, [&](int64, const P& pack) {
+#pragma unroll
+          for (int i = 0; i < pack_size; ++i) state[i].add(cast<C>(pack.elem[i]));
         });
       }
-    }
-
-    // Combine the block's rows: the maximum first, then every thread's sum
-    // rescaled to it (0 where the thread saw only -inf).
-    C slice_max[pack_size], slice_sum[pack_size];
 #pragma unroll
-    for (int i = 0; i < pack_size; ++i) slice_max[i] = state[i].max;
-    if (block_y > 1) column_all_reduce<MaxOp, C, pack_size, block_x, block_y>(slice_max);
+      for (int i = 0; i < pack_size; ++i) slice_max[i] = state[i].max;
+      if (block_y > 1) column_all_reduce<MaxOp, C, pack_size, block_x, block_y>(slice_max);
 #pragma unroll
-    for (int i = 0; i < pack_size; ++i) {
-      slice_sum[i] = block_y == 1 ? state[i].sum
-                     : state[i].max == -infinity<C>() ? C(0)
-                     : state[i].sum * exp_(state[i].max - slice_max[i]);
+      for (int i = 0; i < pack_size; ++i) {
+        slice_sum[i] = block_y == 1 ? state[i].sum
+                       : state[i].max == -infinity<C>() ? C(0)
+                       : state[i].sum * exp_(state[i].max - slice_max[i]);
+      }
     }
     if (block_y > 1) column_all_reduce<SumOp, C, pack_size, block_x, block_y>(slice_sum);
 
@@ -171,10 +199,12 @@ __device__ __forceinline__ void softmax_axis(const T* x, T* y, int64 outer, int6
         for (int i = 0; i < pack_size; ++i) {
           result.elem[i] = cast<T>(finish[i].from_input(cast<C>(pack.elem[i])));
         }
-        *reinterpret_cast<P*>(dst + c * inner) = result;
+        store_pack(dst + c * inner, result);   // one vector store (a struct copy may split)
       };
       if constexpr (cached) {
-        for (int64 c = threadIdx.y; c < cols; c += block_y) store_output(c, cached_pack(c));
+        for (int64 c = threadIdx.y; c < cols; c += block_y) {
+          store_output(c, load_pack<T, pack_size>(cached_pack(c).elem));
+        }
       } else {
         for_rows_batched<P, block_y, loads_in_flight>(cols, load_global, store_output);
       }

@@ -4,18 +4,19 @@
 // in two launches over the same grid of rows * splits blocks.
 //
 // 1. softmax_split_partials: the block of chunk (row, split) reduces it to one
-//    partial at [row * splits + split] of a workspace in compute type:
-//    forward the online pair (max, sum(exp(x - max))) (two values), combined
-//    as the uncached path's online pass combines them (OnlineSoftmaxState),
-//    so NaN and +-inf reach RowSoftmax as they would there; backward the sum
-//    of the row op's term (dy * y for softmax, dy for log-softmax).
+//    partial (ChunkPartial) at [row * splits + split] of a workspace in
+//    compute type: forward the online pair (max, sum(exp(x - max))), backward
+//    the sum of the row op's term (dy * y for softmax, dy for log-softmax).
 // 2. softmax_split_finish: the block of chunk (row, split) combines the row's
 //    partials into the row's (max, sum) -- in the same fixed order in every
 //    block of the row, so they agree bit for bit -- then re-reads its chunk
 //    and writes the outputs through the row op's out.
 //
-// Block b works on chunk b in row-major order (the chunks of a row adjacent).
-// The finish launch walks the chunks in reverse, so it first re-reads what the
+// 3. softmax_split_coop, one cooperative launch instead of the two: see the
+//    kernel's comment. Each chunk is read once, into registers.
+//
+// Two launches: block b works on chunk b in row-major order (the chunks of a
+// row adjacent). The finish launch walks the chunks in reverse, so it first re-reads what the
 // partials launch read last: the chunks most likely still in L2.
 //
 // Each thread writes only the packs it has just read itself, and the output
@@ -63,7 +64,7 @@ __device__ __forceinline__ void for_chunk_packs(const Load (&loads)[num_inputs],
       if (col < end) {
 #pragma unroll
         for (int j = 0; j < num_inputs; ++j) {
-          packs[u][j] = *reinterpret_cast<const P*>(loads[j].src + row * loads[j].row_stride + col);
+          packs[u][j] = load_pack<T, pack_size>(loads[j].src + row * loads[j].row_stride + col);
         }
       }
     }
@@ -83,6 +84,70 @@ __device__ __forceinline__ void for_chunk_packs(const Load (&loads)[num_inputs],
   }
 }
 
+// Combines the `splits` partials of one row (row_partials[s * size ...]) into
+// the row op: thread t takes t, t + block_size, ..., then the block combines
+// the threads in warp order, the same order in every block of the row, so they
+// agree bit for bit. Loads bypass L1 (__ldcg): other blocks wrote the partials.
+template <typename Op, typename C, int block_size>
+__device__ __forceinline__ void combine_row_partials(const C* row_partials, int64 splits, Op& op) {
+  constexpr int size = split_partial_size<Op>();
+  if constexpr (Op::needs_max) {
+    OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
+    for (int64 s = threadIdx.x; s < splits; s += block_size) {
+      state.add(__ldcg(row_partials + s * size), __ldcg(row_partials + s * size + 1));
+    }
+    const OnlineSoftmaxState<C> row = state.template block_all_reduce<block_size>();
+    op.set_max(row.max);
+    op.set_sum(row.sum);
+  } else {
+    C thread_sum = 0;
+    for (int64 s = threadIdx.x; s < splits; s += block_size) thread_sum += __ldcg(row_partials + s);
+    op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
+  }
+}
+
+// One thread's share of a chunk's partial, fed packs of every input in
+// compute type: forward the online (max, sum) pair, kept as the uncached
+// path's online pass keeps it (OnlineSoftmaxState), so NaN and +-inf reach
+// RowSoftmax as they would there; backward the sum of the row op's term.
+template <typename Op, typename C>
+struct ChunkPartial {
+  OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};   // forward
+  C sum = C(0);                                        // backward
+
+  template <int num_inputs, int pack_size>
+  __device__ __forceinline__ void add(const C (&values)[num_inputs][pack_size]) {
+    if constexpr (Op::needs_max) {
+      state.add_pack(values[0]);
+    } else {
+      const Op op{};
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) {
+        C v[num_inputs];
+#pragma unroll
+        for (int j = 0; j < num_inputs; ++j) v[j] = values[j][i];
+        sum += op.template term<false>(v);
+      }
+    }
+  }
+
+  // Reduces the block's threads (every thread must call it); thread 0 writes
+  // the block's partial to partial[0, split_partial_size).
+  template <int block_size>
+  __device__ __forceinline__ void block_write(C* partial) const {
+    if constexpr (Op::needs_max) {
+      const OnlineSoftmaxState<C> block = state.template block_all_reduce<block_size>();
+      if (threadIdx.x == 0) {
+        partial[0] = block.max;
+        partial[1] = block.sum;
+      }
+    } else {
+      const C block_sum = block_all_reduce<SumOp, C, block_size>(sum);
+      if (threadIdx.x == 0) partial[0] = block_sum;
+    }
+  }
+};
+
 template <typename Op, typename T, typename Load, typename C, int pack_size, int block_size,
           int loads_in_flight>
 __device__ __forceinline__ void softmax_split_partials(const Load (&loads)[Op::num_inputs], C* partials,
@@ -90,35 +155,27 @@ __device__ __forceinline__ void softmax_split_partials(const Load (&loads)[Op::n
   constexpr int N = Op::num_inputs;
   const int64 chunk_id = blockIdx.x;
   const SplitChunk chunk(chunk_id, cols, splits, chunk_cols);
-  C* const partial = partials + chunk_id * split_partial_size<Op>();
-  if constexpr (Op::needs_max) {
-    // Forward: a running (max, sum) per thread, one pack at a time as the
-    // uncached path's online pass keeps it.
-    OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
-    for_chunk_packs<T, C, N, pack_size, block_size, loads_in_flight>(
-        loads, chunk.row, chunk.begin, chunk.end,
-        [&](int64, const C (&values)[N][pack_size]) { state.add_pack(values[0]); });
-    const OnlineSoftmaxState<C> block = state.template block_all_reduce<block_size>();
-    if (threadIdx.x == 0) {
-      partial[0] = block.max;
-      partial[1] = block.sum;
-    }
-  } else {
-    const Op op{};
-    C thread_sum = 0;
-    for_chunk_packs<T, C, N, pack_size, block_size, loads_in_flight>(
-        loads, chunk.row, chunk.begin, chunk.end, [&](int64, const C (&values)[N][pack_size]) {
+  ChunkPartial<Op, C> partial;
+  for_chunk_packs<T, C, N, pack_size, block_size, loads_in_flight>(
+      loads, chunk.row, chunk.begin, chunk.end,
+      [&](int64, const C (&values)[N][pack_size]) { partial.add(values); });
+  partial.template block_write<block_size>(partials + chunk_id * split_partial_size<Op>());
+}
+
+// Writes the outputs of one pack (values[j][i]: element i of input j) at (row, col).
+template <typename Op, typename Store, typename C, int num_inputs, int pack_size>
+__device__ __forceinline__ void store_pack_outputs(const Op& op, const Store& store,
+                                                   const C (&values)[num_inputs][pack_size], int64 row,
+                                                   int64 col) {
+  C result[pack_size];
 #pragma unroll
-          for (int i = 0; i < pack_size; ++i) {
-            C v[N];
+  for (int i = 0; i < pack_size; ++i) {
+    C v[num_inputs];
 #pragma unroll
-            for (int j = 0; j < N; ++j) v[j] = values[j][i];
-            thread_sum += op.template term<false>(v);
-          }
-        });
-    const C block_sum = block_all_reduce<SumOp, C, block_size>(thread_sum);
-    if (threadIdx.x == 0) partial[0] = block_sum;
+    for (int j = 0; j < num_inputs; ++j) v[j] = values[j][i];
+    result[i] = op.template out<false>(v);
   }
+  store.template store<pack_size>(result, row, col);
 }
 
 template <typename Op, typename T, typename Load, typename Store, typename C, int pack_size,
@@ -130,35 +187,109 @@ __device__ __forceinline__ void softmax_split_finish(const Load (&loads)[Op::num
   constexpr int size = split_partial_size<Op>();
   const int64 chunk_id = static_cast<int64>(gridDim.x) - 1 - blockIdx.x;   // reverse order: see above
   const SplitChunk chunk(chunk_id, cols, splits, chunk_cols);
-  const C* const row_partials = partials + chunk.row * splits * size;
-  // The row's partials: thread t takes t, t + block_size, ..., then the block
-  // combines the threads in warp order (the same order in every block).
   Op op;
-  if constexpr (Op::needs_max) {
-    OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
-    for (int64 s = threadIdx.x; s < splits; s += block_size) {
-      state.add(row_partials[s * size], row_partials[s * size + 1]);
-    }
-    const OnlineSoftmaxState<C> row = state.template block_all_reduce<block_size>();
-    op.set_max(row.max);
-    op.set_sum(row.sum);
-  } else {
-    C thread_sum = 0;
-    for (int64 s = threadIdx.x; s < splits; s += block_size) thread_sum += row_partials[s];
-    op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
-  }
+  combine_row_partials<Op, C, block_size>(partials + chunk.row * splits * size, splits, op);
   for_chunk_packs<T, C, N, pack_size, block_size, loads_in_flight>(
       loads, chunk.row, chunk.begin, chunk.end, [&](int64 col, const C (&values)[N][pack_size]) {
-        C result[pack_size];
-#pragma unroll
-        for (int i = 0; i < pack_size; ++i) {
-          C v[N];
-#pragma unroll
-          for (int j = 0; j < N; ++j) v[j] = values[j][i];
-          result[i] = op.template out<false>(v);
-        }
-        store.template store<pack_size>(result, chunk.row, col);
+        store_pack_outputs(op, store, values, chunk.row, col);
       });
+}
+
+// Acquire load of a counter other blocks increment (gpu scope).
+__device__ __forceinline__ unsigned load_acquire(const unsigned* address) {
+  unsigned value;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
+// One launch, cooperative (every block resident at once): gridDim.x = slots *
+// splits blocks; block (slot, split) owns chunk `split` of rows slot,
+// slot + slots, ... For each row it loads its chunk into registers
+// (packs_per_thread packs of every input, storage type, all in flight),
+// writes the chunk's partial, announces it on the slot's arrival counter,
+// waits until the slot's `splits` blocks have all announced this row,
+// combines the row's partials (combine_row_partials) and writes the outputs
+// from registers: each element is read once and written once.
+//
+// Workspace: partials [slots][2][splits][size], by round parity (a block that
+// runs ahead writes the other half, never partials its slot still reads: it
+// cannot pass the next row's wait before every block of the slot has
+// published that row, after reading this one), and counters [2][slots]
+// (arrivals, departures), zero at launch and left zero: the last block of a
+// slot to leave resets both, once every block of the slot has passed its last
+// wait.
+template <typename Op, typename T, typename Load, typename Store, typename C, int pack_size,
+          int packs_per_thread, int block_size>
+__device__ __forceinline__ void softmax_split_coop(const Load (&loads)[Op::num_inputs], const Store& store,
+                                                   C* partials, unsigned* counters, int64 rows, int64 cols,
+                                                   int64 splits, int64 chunk_cols) {
+  constexpr int N = Op::num_inputs;
+  constexpr int size = split_partial_size<Op>();
+  typedef Pack<T, pack_size> P;
+  const int64 slots = gridDim.x / splits;
+  const int64 slot = blockIdx.x / splits;
+  const int64 split = blockIdx.x - slot * splits;
+  const int64 chunk_packs = chunk_cols / pack_size;
+  const int64 end_pack = min((split + 1) * chunk_packs, cols / pack_size);
+  const int64 first_pack = split * chunk_packs + threadIdx.x;
+  unsigned* const arrivals = counters + slot;
+  unsigned* const departures = counters + slots + slot;
+  P cache[packs_per_thread][N];
+  unsigned round = 0;
+  for (int64 row = slot; row < rows; row += slots, ++round) {
+#pragma unroll
+    for (int k = 0; k < packs_per_thread; ++k) {
+      const int64 pack = first_pack + static_cast<int64>(k) * block_size;
+      if (pack < end_pack) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          cache[k][j] = load_pack<T, pack_size>(loads[j].src + row * loads[j].row_stride + pack * pack_size);
+        }
+      }
+    }
+    // values[j][i]: element i of cached pack k of input j in compute type.
+    const auto values_of = [&](int k, C (&values)[N][pack_size]) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) values[j][i] = cast<C>(cache[k][j].elem[i]);
+      }
+    };
+    ChunkPartial<Op, C> partial;
+#pragma unroll
+    for (int k = 0; k < packs_per_thread; ++k) {
+      if (first_pack + static_cast<int64>(k) * block_size < end_pack) {
+        C values[N][pack_size];
+        values_of(k, values);
+        partial.add(values);
+      }
+    }
+    C* const round_partials = partials + (slot * 2 + (round & 1)) * splits * size;
+    partial.template block_write<block_size>(round_partials + split * size);
+    if (threadIdx.x == 0) {
+      __threadfence();
+      atomicAdd(arrivals, 1u);
+      const unsigned everyone = (round + 1) * static_cast<unsigned>(splits);
+      while (load_acquire(arrivals) < everyone) {
+      }
+    }
+    __syncthreads();
+    Op op;
+    combine_row_partials<Op, C, block_size>(round_partials, splits, op);
+#pragma unroll
+    for (int k = 0; k < packs_per_thread; ++k) {
+      const int64 pack = first_pack + static_cast<int64>(k) * block_size;
+      if (pack < end_pack) {
+        C values[N][pack_size];
+        values_of(k, values);
+        store_pack_outputs(op, store, values, row, pack * pack_size);
+      }
+    }
+  }
+  if (threadIdx.x == 0 && atomicAdd(departures, 1u) == static_cast<unsigned>(splits) - 1) {
+    *arrivals = 0;
+    *departures = 0;
+  }
 }
 
 }  // namespace cupyops

@@ -7,6 +7,10 @@
 //   void combine(const S& other);         merges another partial state
 //   S shfl_down(int delta) const;         __shfl_down_sync of every field (width-wide groups)
 //   S shfl(int src_lane) const;           __shfl_sync of every field (width-wide groups)
+// and the row statistics (WelfordState, SquareSumState) also
+//   static S of_packs<num_packs, pack_size>(values, in_row)
+//                                         the state of the values one thread holds
+//   void add(T x);                        adds one more value
 #pragma once
 #include "common.cuh"
 
@@ -16,6 +20,40 @@ __device__ __forceinline__ float div_(float a, float b) { return __fdividef(a, b
 __device__ __forceinline__ double div_(double a, double b) { return a / b; }
 __device__ __forceinline__ float rsqrt_(float x) { return rsqrtf(x); }
 __device__ __forceinline__ double rsqrt_(double x) { return rsqrt(x); }
+
+// Pairwise sum of n values.
+template <int n, typename T>
+__device__ __forceinline__ T tree_sum(const T* values) {
+  if constexpr (n == 1) {
+    return values[0];
+  } else {
+    return tree_sum<n / 2>(values) + tree_sum<n - n / 2>(values + n / 2);
+  }
+}
+
+// Sum of term(j) over the elements j of the packs p < num_packs with
+// in_row(p), through min(n, 4) interleaved partial sums (2 for double) added
+// pairwise at the end: chains of n / 4 adds that overlap instead of one chain
+// of n, with at most 4 extra live registers (8 spilled threads holding 32
+// values at 1024 threads on sm_80; so did selecting 0 for packs outside the
+// row instead of branching around them).
+template <int num_packs, int pack_size, typename T, typename InRow, typename Term>
+__device__ __forceinline__ T sum_in_row(InRow in_row, Term term) {
+  constexpr int n = num_packs * pack_size;
+  constexpr int max_lanes = 16 / sizeof(T);
+  constexpr int lanes = n < max_lanes ? n : max_lanes;
+  T partial[lanes];
+#pragma unroll
+  for (int j = 0; j < lanes; ++j) partial[j] = T(0);
+#pragma unroll
+  for (int p = 0; p < num_packs; ++p) {
+    if (in_row(p)) {
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) partial[(p * pack_size + i) % lanes] += term(p * pack_size + i);
+    }
+  }
+  return tree_sum<lanes>(partial);
+}
 
 template <int width, typename T>
 __device__ __forceinline__ T shfl_down_(T v, int delta) { return __shfl_down_sync(0xffffffffu, v, delta, width); }
@@ -28,7 +66,10 @@ struct RowMoments {
   T mean, rstd;
 };
 
-// Welford's running mean and m2 (sum of squared deviations from the mean).
+// A row's (count, mean, m2 = sum of squared deviations from the mean): one
+// thread's part from the values it holds (of_packs, two passes over
+// registers), Chan's combine across threads; Welford's update for a single
+// further value (add).
 //
 // The norm kernels feed it shifted values x - K, K the same value for every
 // thread of a row (its first element), and add K back to the mean: in float32
@@ -42,6 +83,27 @@ struct WelfordState {
   T mean, m2, count;
 
   static __device__ __forceinline__ WelfordState empty() { return {T(0), T(0), T(0)}; }
+
+  // The state of the values of the packs p < num_packs with in_row(p):
+  // mean = sum / count, then m2 = sum of (x - mean)^2 (sum_in_row). One
+  // division per thread instead of Welford's one per value, whose chain
+  // (each mean depends on the previous one through a division) left a thread
+  // holding 16 .. 32 values latency-bound. The two-pass m2 is at least as
+  // accurate as Welford's; the row shift K still keeps the values small.
+  template <int num_packs, int pack_size, typename InRow>
+  static __device__ __forceinline__ WelfordState of_packs(const T* values, InRow in_row) {
+    int packs_in_row = 0;
+#pragma unroll
+    for (int p = 0; p < num_packs; ++p) packs_in_row += in_row(p) ? 1 : 0;
+    const T count = static_cast<T>(packs_in_row * pack_size);
+    const T sum = sum_in_row<num_packs, pack_size, T>(in_row, [&](int j) { return values[j]; });
+    const T mean = packs_in_row > 0 ? div_(sum, count) : T(0);
+    const T m2 = sum_in_row<num_packs, pack_size, T>(in_row, [&](int j) {
+      const T deviation = values[j] - mean;
+      return deviation * deviation;
+    });
+    return {mean, m2, count};
+  }
 
   __device__ __forceinline__ void add(T x) {
     count += T(1);
@@ -85,6 +147,10 @@ struct SquareSumState {
   T sum;
 
   static __device__ __forceinline__ SquareSumState empty() { return {T(0)}; }
+  template <int num_packs, int pack_size, typename InRow>
+  static __device__ __forceinline__ SquareSumState of_packs(const T* values, InRow in_row) {
+    return {sum_in_row<num_packs, pack_size, T>(in_row, [&](int j) { return values[j] * values[j]; })};
+  }
   __device__ __forceinline__ void add(T x) { sum += x * x; }
   __device__ __forceinline__ void combine(const SquareSumState& b) { sum += b.sum; }
   template <int width>
@@ -116,33 +182,46 @@ struct SumPairState {
   }
 };
 
-// Combines the states of groups of `width` consecutive lanes. Lane 0 of each
-// group combines in a fixed tree (as OneFlow's WelfordWarpReduce) and
-// broadcasts, so every lane of a group holds the same bits.
-template <int width, typename State>
-__device__ __forceinline__ State warp_all_reduce_state(State state) {
+// Combines the states of lanes [0, span) of each group of `width` consecutive
+// lanes into the group's lane 0, in a fixed tree (as OneFlow's
+// WelfordWarpReduce); the other lanes hold partial states.
+template <int width, int span, typename State>
+__device__ __forceinline__ State warp_reduce_state(State state) {
+  static_assert(span <= width && (span & (span - 1)) == 0, "span: a power of two, at most width");
 #pragma unroll
-  for (int delta = width / 2; delta > 0; delta /= 2) {
+  for (int delta = span / 2; delta > 0; delta /= 2) {
     state.combine(state.template shfl_down<width>(delta));
   }
-  return state.template shfl<width>(0);
+  return state;
 }
 
+// Combines the states of groups of `width` consecutive lanes; lane 0 of each
+// group broadcasts, so every lane of a group holds the same bits.
+template <int width, typename State>
+__device__ __forceinline__ State warp_all_reduce_state(State state) {
+  return warp_reduce_state<width, width>(state).template shfl<width>(0);
+}
+
+// Smallest power of two >= n.
+constexpr int ceil_pow2(int n) { return n <= 1 ? 1 : 2 * ceil_pow2((n + 1) / 2); }
+
 // Combines the states of a one-dimensional block of `block_size` threads:
-// warps first, then the per-warp results in warp order. Every warp repeats the
-// second step on the same inputs, so all threads get identical bits without a
-// broadcast; deterministic. Safe to call repeatedly (trailing barrier).
+// warps first, then the per-warp results in warp order over the first
+// ceil_pow2(num_warps) lanes. Every warp repeats the second step on the same
+// inputs and broadcasts its lane 0, so all threads get identical bits;
+// deterministic. Safe to call repeatedly (trailing barrier).
 template <int block_size, typename State>
 __device__ __forceinline__ State block_all_reduce_state(State state) {
   static_assert(block_size % 32 == 0 && block_size <= 1024, "block_size: a multiple of 32, at most 1024");
   constexpr int num_warps = block_size / 32;
-  state = warp_all_reduce_state<32>(state);
-  if (num_warps == 1) return state;
+  if (num_warps == 1) return warp_all_reduce_state<32>(state);
+  state = warp_reduce_state<32, 32>(state);
   __shared__ State partials[num_warps];
   const int lane = threadIdx.x % 32;
   if (lane == 0) partials[threadIdx.x / 32] = state;
   __syncthreads();
-  state = warp_all_reduce_state<32>(lane < num_warps ? partials[lane] : State::empty());
+  state = lane < num_warps ? partials[lane] : State::empty();
+  state = warp_reduce_state<32, ceil_pow2(num_warps)>(state).template shfl<32>(0);
   __syncthreads();
   return state;
 }

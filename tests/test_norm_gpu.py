@@ -5,7 +5,10 @@ import numpy
 import pytest
 
 from conftest import DTYPES, assert_close
+from cupyops import dtypes
 from cupyops.dtypes import BFLOAT16
+from cupyops.launch import Target
+from cupyops.ops import norm
 
 import cupyops
 
@@ -206,6 +209,59 @@ def test_trailing_axes_views_and_offsets(rng):
     transposed = cupy.asfortranarray(x.reshape(15, 48))
     assert_close(cupyops.layer_norm(transposed, eps=EPS).get(),
                  _reference(x64.reshape(15, 48), None, None, 1, True)[0], numpy.float32, scale=4)
+
+
+# odd cols: warp rows (1, 3, 17) and register-block rows whose edges are peeled
+PEEL_COLS = (1, 3, 17, 1025, 2049, 12345)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cols", PEEL_COLS)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_rows_off_the_16_byte_grid(rng, op, cols, dtype):
+    """Contiguous odd cols (each row at another phase), views at the same
+    offset in input and output (every row's head the same), an input view at
+    another phase than the output (no peel), and a residual: all match the
+    reference and nothing outside the rows is written."""
+    cupy = _cupy()
+    centered = op == "layer_norm"
+    rows = 9
+    w, w64 = _data(rng, (cols,), dtype, 1.0, 0.2)
+    b, b64 = _data(rng, (cols,), dtype, 0.0, 0.2)
+    affine = dict(weight=w, bias=b) if centered else dict(weight=w)
+    run = getattr(cupyops, op)
+
+    def check(y, x64, stats=None):
+        y_ref, mean_ref, rstd_ref = _reference(x64, w64, b64 if centered else None, 1, centered)
+        assert_close(y.get(), y_ref, dtype, scale=4)
+        if stats is not None:
+            assert_close(stats[-1].get(), rstd_ref, _stats_tolerance_dtype(dtype), scale=10)
+            if centered:
+                assert_close(stats[0].get(), mean_ref, _stats_tolerance_dtype(dtype), scale=10)
+
+    itemsize = numpy.dtype(dtype).itemsize
+    peeled = norm.plan(op, rows, cols, dtypes.float_type(dtype).short, "auto", Target.live(0), itemsize,
+                       bias=centered).spec
+    # past the warp path's 1024 columns a register block peels the row edges;
+    # float64 rows of 12345 (over 16 doubles a thread at 1024 threads) go to shared memory
+    assert peeled.peel == (cols > 1024 and peeled.impl == "block_regs")
+    assert peeled.impl == "block_regs" or cols <= 1024 or itemsize == 8
+
+    x, x64 = _data(rng, (rows, cols), dtype)
+    y, *stats = run(x, **affine, eps=EPS, return_stats=True)
+    check(y, x64, stats)
+
+    base, base64 = _data(rng, (rows, cols + 16), dtype)
+    out_base = _poisoned((rows, cols + 16), dtype)
+    y = run(base[:, 3:3 + cols], **affine, eps=EPS, out=out_base[:, 3:3 + cols])
+    check(y, base64[:, 3:3 + cols])
+    assert bool(cupy.isnan(out_base[:, :3]).all()) and bool(cupy.isnan(out_base[:, 3 + cols:]).all())
+
+    check(run(base[:, 1:1 + cols], **affine, eps=EPS), base64[:, 1:1 + cols])
+
+    r, r64 = _data(rng, (rows, cols), dtype)
+    y, h = run(x, **affine, residual=r, eps=EPS)
+    check(y, h.get().astype(numpy.float64))
 
 
 # -- backward -------------------------------------------------------------------

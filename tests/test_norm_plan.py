@@ -110,6 +110,23 @@ def test_auto_paths():
     assert norm.plan("layer_norm", 64, 300_000, "f32", "auto", H100).spec.impl == "block_uncached"
 
 
+@pytest.mark.parametrize("op", norm.FORWARD_OPS)
+def test_auto_peels_rows_off_the_16_byte_grid(op):
+    """Odd cols: 16-byte packs between each row's peeled edges when every row
+    operand has the same phase; element by element otherwise."""
+    f16 = norm.plan(op, ROWS, 12345, "f16", "auto", H100, align=2).spec
+    assert (f16.impl, f16.pack_size, f16.peel) == ("block_regs", 8, True)
+    f32 = norm.plan(op, ROWS, 12345, "f32", "auto", H100, align=4).spec
+    assert (f32.impl, f32.pack_size, f32.peel) == ("block_regs", 4, True)
+    assert f16.name.endswith("_peel" + ("_affine" if op == "layer_norm" else "_weight"))
+    unpeeled = norm.plan(op, ROWS, 12345, "f16", "auto", H100, align=2, same_phase=False).spec
+    assert (unpeeled.pack_size, unpeeled.peel) == (1, False)
+    aligned = norm.plan(op, ROWS, 12352, "f16", "auto", H100).spec
+    assert (aligned.pack_size, aligned.peel) == (8, False)
+    assert norm.plan(op, ROWS, 1023, "f16", "auto", H100, align=2).spec.impl == "warp"   # warp: no peel
+    assert not norm.plan(op, ROWS, 12345, "f16", "oneflow", H100, align=2).spec.peel
+
+
 def test_auto_backward_fuses_param_grads_in_registers():
     chosen = norm.plan("layer_norm_backward", ROWS, 512, "f16", "auto", H100)
     assert chosen.main.spec.impl == "warp" and chosen.main.spec.fuse_param_grad
@@ -117,11 +134,24 @@ def test_auto_backward_fuses_param_grads_in_registers():
     assert chosen.main.smem_bytes == 2 * 4 * 4 * 512        # 2 sums x float x 4 groups x cols
     regs = norm.plan("layer_norm_backward", ROWS, 4096, "f16", "auto", H100)
     assert regs.main.spec.impl == "block_regs" and regs.main.spec.fuse_param_grad
-    assert regs.num_parts <= H100.facts.sm_count * 16
+    # one wave of resident blocks, one workspace row each
+    active = H100.max_active_blocks(regs.main.spec, regs.main.spec.block_size, 0, False)
+    assert regs.num_parts == regs.main.grid[0] == active * H100.facts.sm_count
+    odd = norm.plan("layer_norm_backward", ROWS, 12345, "f16", "auto", H100, align=2).main.spec
+    assert (odd.block_size, odd.cached, odd.fuse_param_grad) == (1024, False, True)
     unfused = norm.plan("layer_norm_backward", ROWS, 65536, "f16", "auto", H100)
     assert not unfused.main.spec.fuse_param_grad and unfused.param_grad is not None
     dx_only = norm.plan("rms_norm_backward", ROWS, 512, "f16", "auto", H100, param_grad=False)
     assert dx_only.finish is None and not dx_only.main.spec.fuse_param_grad
+
+
+@pytest.mark.parametrize("policy", ["auto", "oneflow"])
+def test_one_finish_launch_for_every_param_grad(policy):
+    for family, grads in (("layer_norm", 2), ("rms_norm", 1)):
+        chosen = norm.plan(f"{family}_backward", ROWS, 3000, "f16", policy, H100)
+        assert chosen.finish.grid == (-(-3000 // 32), grads, 1)
+        source = jit.render(chosen.finish.spec)
+        assert "blockIdx.y == 1" in source and "dbias" in source
 
 
 @pytest.mark.parametrize("policy", ["auto", "oneflow"])
@@ -195,7 +225,9 @@ def _compile_sweep(job) -> list:
     compiles every kernel one op and policy needs across the sweep."""
     arch, op, policy = job
     target = Target.profile(ARCH_PROFILES[arch])
-    variants = [{"residual": False}, {"residual": True}] if op in norm.FORWARD_OPS else [{}]
+    # forward: with and without residual, and rows at different phases (not peeled)
+    variants = ([{"residual": False}, {"residual": True}, {"same_phase": False}] if op in norm.FORWARD_OPS
+                else [{}])
     specs = set()
     for dtype in SWEEP_DTYPES:
         for cols in SWEEP_COLS:
@@ -203,6 +235,19 @@ def _compile_sweep(job) -> list:
                 chosen = norm.plan(op, ROWS, cols, dtype, policy, target, **extra)
                 specs.update(launch.spec for launch in chosen.launches)
     return [(spec.name, spec.impl, jit.compile_cubin(spec, arch).spill_bytes) for spec in specs]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_peeled_kernels_compile_for_every_dtype(arch):
+    """The peeled register path (its float64 instantiation is outside the sweep)."""
+    target = Target.profile(ARCH_PROFILES[arch])
+    for dtype, cols in (("f16", 4097), ("bf16", 12345), ("f32", 12345), ("f64", 4097)):
+        for op in norm.FORWARD_OPS:
+            for residual in (False, True):
+                spec = norm.plan(op, ROWS, cols, dtype, "auto", target, align=2, residual=residual).spec
+                assert spec.peel and spec.pack_size * {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}[dtype] == 16
+                report = jit.compile_cubin(spec, arch)
+                assert report.spill_bytes == 0, f"{spec.name}: {report.spill_bytes} spill bytes on {arch}"
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

@@ -3,13 +3,19 @@
 Forward paths (SPEC §5): "warp" (a row per group of lanes, registers),
 "block_regs" (a row per block, registers; auto only), "block_smem" (a row per
 block, shared memory) and "block_uncached" (a row per block, read twice).
-Statistics: Welford per thread, Chan's combine across lanes and warps
-(kernels/welford.cuh), on x - K with K the row's first value (every thread of
-the row loads it; mean = K + shifted mean, y = ((x - K) - shifted mean) * rstd),
-in every path and both policies: float32 Welford on raw values loses a std of
-1e-2 under a mean of 1e4. RMSNorm sums squares.
+Statistics (kernels/welford.cuh), the same in every path and both policies:
+each thread takes the (count, mean, m2) of the values it holds without a
+division per value (pairwise sum -> mean, then the squared deviations from it;
+the block paths that stream packs do this per pack and combine), and Chan's
+combine joins lanes and warps as Welford's would. All of it on x - K with K
+the row's first value (every thread of the row loads it; mean = K + shifted
+mean, y = ((x - K) - shifted mean) * rstd): float32 statistics of the raw
+values lose a std of 1e-2 under a mean of 1e4. RMSNorm sums squares.
 
-policy="oneflow" reproduces OneFlow's layer_norm.cuh / rms_norm.cuh dispatch:
+policy="oneflow" reproduces OneFlow's layer_norm.cuh / rms_norm.cuh dispatch
+(paths, packs, ladders, block sizes and grids, below); the kernels it launches
+are ours, with the statistics above (OneFlow runs Welford's update per value;
+the results agree within rounding):
 - float64: uncached, always.
 - cols <= 1024: warp path. pack 2 if cols is even (and the pointers allow
   it), else 1. Ladder: cols <= g * pack for g in 4, 8, 16, 32 ->
@@ -30,10 +36,12 @@ policy="oneflow" reproduces OneFlow's layer_norm.cuh / rms_norm.cuh dispatch:
 
 policy="auto" (default): 16-byte packs; warp groups of 1 .. 32 lanes with two
 rows per access (odd row counts included, the last row guarded) and lanes
-holding up to 128 bytes (backward: 64); then the register block path; then
-shared memory beyond 48 KB caching the storage type; then uncached. The
-backward pass folds dweight / dbias partial sums into the dx kernel while
-they fit in registers.
+holding up to 128 bytes (backward: 64); then the register block path (forward:
+rows that allow no 16-byte pack, e.g. odd cols, peel their edges and read
+16-byte packs when every row operand has the same phase); then shared memory
+beyond 48 KB caching the storage type; then uncached. The backward pass folds
+dweight / dbias partial sums into the dx kernel while they fit in registers,
+in one wave of resident blocks (one workspace row each).
 
 dweight / dbias are always reduced in the compute type to a workspace of
 [parts, cols] partial sums, then summed by a second kernel in a fixed order:
@@ -59,6 +67,7 @@ OPS = FORWARD_OPS + BACKWARD_OPS
 WARP_BLOCK_THREADS = 128
 UNCACHED_BLOCK_SIZE = 1024
 PARAM_GRAD_BLOCK = (32, 32)          # kParamGradRows in kernels/norm.cuh
+PARAM_GRADS = {"layer_norm": 2, "rms_norm": 1}   # dweight (and dbias)
 # Threads per SM each kernel is compiled to leave room for (the second
 # argument of __launch_bounds__): 64 registers a thread forward, 128 backward
 # (dy, xhat and partial sums live in registers).
@@ -77,15 +86,25 @@ AUTO_GROUP_WIDTHS = (1, 2, 4, 8, 16, 32)
 # auto: the warp path while a lane holds at most this many bytes of compute
 # values per row (the backward pass holds dy and xhat and partial sums).
 AUTO_WARP_MAX_BYTES_PER_LANE = {"forward": 128, "backward": 64}
-# auto, forward: (block_size, most bytes of compute values a thread holds).
-AUTO_BLOCK_REGS_LADDER = ((128, 64), (256, 64), (512, 64), (1024, 64), (1024, 128))
+# auto, forward, by compute itemsize: (block_size, most bytes of compute values
+# a thread holds, taken only when the kernel needs no local memory on the
+# target). 32 floats a thread (four 16-byte packs of 16-bit input) measured
+# fastest on an H200 (scripts/tune_norm.py: 94-97 % of copy at 8192 and 16384
+# f16 columns, against 64-87 % holding 16); they sit at the 64-register bound
+# of 1024 resident threads, where some (peeled, with a residual) spill: each
+# rung is checked. 16 doubles a thread at most.
+AUTO_BLOCK_REGS_LADDER = {
+    4: ((128, 128, True), (256, 128, True), (512, 128, True), (1024, 128, True)),
+    8: ((128, 64, False), (256, 64, False), (512, 64, False), (1024, 64, False)),
+}
 # auto, backward: (block_size, most bytes per thread and array, dy / xhat kept
-# in registers between the passes); dweight / dbias partials stay in registers.
-AUTO_GRAD_BLOCK_LADDER = ((128, 32, True), (256, 32, True), (512, 32, True), (1024, 32, True),
-                          (512, 128, False))
-# auto, backward: blocks per SM for the fused kernels (one wave: each block
-# owns one workspace row of partial sums, so fewer blocks mean less workspace).
-AUTO_PARAM_GRAD_WAVES = 1
+# in registers between the passes, taken only without local memory);
+# dweight / dbias partials stay in registers. Re-reading rows up to 64 bytes a
+# thread at 1024 threads (<= 64 registers, 1024 resident threads an SM) comes
+# before 512 threads holding 128 bytes (> 64 registers: 512 resident threads):
+# 12345 and 16384 columns, unless it spills (RMSNorm f16 16384 on sm_80).
+AUTO_GRAD_BLOCK_LADDER = ((128, 32, True, False), (256, 32, True, False), (512, 32, True, False),
+                          (1024, 32, True, False), (1024, 64, False, True), (512, 128, False, False))
 # unfused column reduction: aim for this many 1024-thread blocks per SM.
 PARAM_GRAD_BLOCKS_PER_SM = 8
 
@@ -112,6 +131,7 @@ class NormSpec(jit.KernelSpec):
     block_size: int = 0              # block paths
     packs_per_thread: int = 0        # block_regs
     packed_cache: bool = False       # forward block_smem: cache the storage type
+    peel: bool = False               # forward block_regs: rows start off the 16-byte grid
     cached: bool = True              # backward block_regs: dy / xhat kept in registers
     weight: bool = False
     bias: bool = False
@@ -144,6 +164,7 @@ class NormSpec(jit.KernelSpec):
             path = f"_{cols}_g{self.thread_group_width}_r{self.rows_per_access}_{pad}"
         elif self.impl == "block_regs":
             path = f"_k{self.packs_per_thread}_b{self.block_size}"
+            path += "_peel" if self.peel else ""
             if self.op not in FORWARD_OPS:
                 path += "_cached" if self.cached else "_reread"
         elif self.impl == "block_smem" and self.op in FORWARD_OPS:
@@ -265,7 +286,7 @@ def _oneflow_grid(target: Target, spec: NormSpec, block_threads: int, smem: int,
 
 
 def _warp_launch(spec_fields: dict, rows: int, cols: int, pack_size: int, ladder, target: Target,
-                 policy: str, smem_per_group_col: int = 0, waves: int = 32) -> KernelLaunch:
+                 policy: str, smem_per_group_col: int = 0) -> KernelLaunch:
     max_cols, min_cols, width, rows_per_access = ladder
     padding = cols != max_cols * width
     spec = NormSpec(impl="warp", pack_size=pack_size, cols_per_thread=max_cols,
@@ -278,16 +299,16 @@ def _warp_launch(spec_fields: dict, rows: int, cols: int, pack_size: int, ladder
         grid = _oneflow_grid(target, spec, WARP_BLOCK_THREADS, smem, False, needed)
     else:
         needed = _ceil_div(_ceil_div(rows, rows_per_access), groups_per_block)
-        grid = get_num_blocks(target.facts, WARP_BLOCK_THREADS, needed, waves)
+        grid = get_num_blocks(target.facts, WARP_BLOCK_THREADS, needed)
     return KernelLaunch(spec, (width, groups_per_block, 1), (grid, 1, 1), smem)
 
 
-def _block_launch(spec: NormSpec, rows: int, smem: int, target: Target, policy: str, opt_in: bool,
-                  waves: int = 32) -> KernelLaunch:
+def _block_launch(spec: NormSpec, rows: int, smem: int, target: Target, policy: str,
+                  opt_in: bool) -> KernelLaunch:
     if policy == "oneflow":
         grid = _oneflow_grid(target, spec, spec.block_size, smem, opt_in, rows)
     else:
-        grid = get_num_blocks(target.facts, spec.block_size, rows, waves)
+        grid = get_num_blocks(target.facts, spec.block_size, rows)
     return KernelLaunch(spec, (spec.block_size, 1, 1), (grid, 1, 1), smem)
 
 
@@ -349,11 +370,18 @@ def _oneflow_main(family, spec_fields, rows, cols, align, target, smem_arrays) -
     return _uncached_launch(spec_fields, rows, block_pack, target, "oneflow")
 
 
-def _auto_registers(fields, rows, cols, align, target, direction, block_ladder):
+def _uses_local_memory(spec: NormSpec, target: Target) -> bool:
+    """Whether the kernel spills (or keeps a stack) when compiled for the target."""
+    return target.resources(spec)["local_bytes"] > 0
+
+
+def _auto_registers(fields, rows, cols, align, target, direction, block_ladder, peel_allowed=False):
     """auto's warp path, else its register block path: (launch or None, pack size).
 
     block_ladder: (block_size, most bytes of compute values a thread holds,
-    extra spec fields), tried in order."""
+    extra spec fields, only without local memory), tried in order. peel_allowed: every row operand starts
+    at the same offset from a 16-byte boundary, so a register block whose rows
+    allow no 16-byte pack peels each row's edges and reads 16-byte packs."""
     ftype = dtypes.BY_SHORT[fields["dtype"]]
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     pack = vector_pack_size(cols, ftype.itemsize, align)
@@ -361,25 +389,43 @@ def _auto_registers(fields, rows, cols, align, target, direction, block_ladder):
     ladder = auto_warp_ladder(cols, pack, max_cols_per_thread)
     if ladder is not None:
         return _warp_launch(fields, rows, cols, pack, ladder, target, "auto"), pack
-    num_packs = cols // pack
-    for block_size, max_bytes, extra in block_ladder:
+    peel = peel_allowed and pack * ftype.itemsize < 16
+    regs_pack = 16 // ftype.itemsize if peel else pack
+    num_packs = cols // regs_pack
+    for block_size, max_bytes, extra, spill_checked in block_ladder:
         packs_per_thread = -(-num_packs // block_size)
-        if packs_per_thread * pack * compute_itemsize <= max_bytes:
-            spec = NormSpec(impl="block_regs", pack_size=pack, block_size=block_size,
-                            packs_per_thread=packs_per_thread, **extra, **fields)
-            return _block_launch(spec, rows, 0, target, "auto", False), pack
+        if packs_per_thread * regs_pack * compute_itemsize <= max_bytes:
+            spec = NormSpec(impl="block_regs", pack_size=regs_pack, block_size=block_size,
+                            packs_per_thread=packs_per_thread, **extra, **fields,
+                            **({"peel": True} if peel else {}))
+            if not (spill_checked and _uses_local_memory(spec, target)):
+                return _block_launch(spec, rows, 0, target, "auto", False), pack
     return None, pack
 
 
-def _auto_forward(spec_fields, rows, cols, align, target) -> KernelLaunch:
-    block_ladder = [(block_size, max_bytes, {}) for block_size, max_bytes in AUTO_BLOCK_REGS_LADDER]
-    launch, pack = _auto_registers(spec_fields, rows, cols, align, target, "forward", block_ladder)
+def _auto_forward(spec_fields, rows, cols, align, same_phase, target) -> KernelLaunch:
+    compute_itemsize = dtypes.BY_SHORT[dtypes.BY_SHORT[spec_fields["dtype"]].compute].itemsize
+    block_ladder = [(block_size, max_bytes, {}, spill_checked)
+                    for block_size, max_bytes, spill_checked in AUTO_BLOCK_REGS_LADDER[compute_itemsize]]
+    launch, pack = _auto_registers(spec_fields, rows, cols, align, target, "forward", block_ladder,
+                                   peel_allowed=same_phase)
     if launch is not None:
         return launch
     itemsize = dtypes.BY_SHORT[spec_fields["dtype"]].itemsize
     launch = _smem_launch(spec_fields, rows, cols, pack, cols * itemsize, target, "auto", True,
                           "same_occupancy", packed_cache=True)
     return launch or _uncached_launch(spec_fields, rows, pack, target, "auto")
+
+
+def _resident_launch(spec: NormSpec, block: tuple, rows_per_block: int, rows: int, smem: int,
+                     target: Target) -> KernelLaunch:
+    """One wave of as many blocks as can be resident (each block owns one
+    workspace row of partial sums: no block waits for a second wave, and the
+    workspace is no larger than the blocks that run at once)."""
+    threads = block[0] * block[1]
+    active = max(1, target.max_active_blocks(spec, threads, smem, smem > 0))
+    grid = max(1, min(_ceil_div(rows, rows_per_block), active * target.facts.sm_count))
+    return KernelLaunch(spec, block, (grid, 1, 1), smem)
 
 
 def _auto_backward_fused(spec_fields, rows, cols, align, target) -> Optional[KernelLaunch]:
@@ -391,15 +437,19 @@ def _auto_backward_fused(spec_fields, rows, cols, align, target) -> Optional[Ker
     ladder = auto_warp_ladder(cols, pack, max_cols_per_thread)
     if ladder is not None:
         # partials of the groups meet in shared memory: 2 values per group and column
-        return _warp_launch(spec_fields, rows, cols, pack, ladder, target, "auto",
-                            smem_per_group_col=2 * compute_itemsize, waves=AUTO_PARAM_GRAD_WAVES)
+        warp = _warp_launch(spec_fields, rows, cols, pack, ladder, target, "auto",
+                            smem_per_group_col=2 * compute_itemsize)
+        groups = warp.block[1]
+        return _resident_launch(warp.spec, warp.block, groups * warp.spec.rows_per_access, rows,
+                                warp.smem_bytes, target)
     num_packs = cols // pack
-    for block_size, max_bytes, cached in AUTO_GRAD_BLOCK_LADDER:
+    for block_size, max_bytes, cached, spill_checked in AUTO_GRAD_BLOCK_LADDER:
         packs_per_thread = -(-num_packs // block_size)
         if packs_per_thread * pack * compute_itemsize <= max_bytes:
             spec = NormSpec(impl="block_regs", pack_size=pack, block_size=block_size,
                             packs_per_thread=packs_per_thread, cached=cached, **spec_fields)
-            return _block_launch(spec, rows, 0, target, "auto", False, waves=AUTO_PARAM_GRAD_WAVES)
+            if not (spill_checked and _uses_local_memory(spec, target)):
+                return _resident_launch(spec, (block_size, 1, 1), 1, rows, 0, target)
     return None
 
 
@@ -414,21 +464,26 @@ def _param_grad_launches(family, dtype, rows, cols, target):
     return KernelLaunch(spec, PARAM_GRAD_BLOCK + (1,), (col_tiles, chunks, 1), 0), chunks, rows_per_chunk
 
 
-def _finish_launch(dtype, cols) -> KernelLaunch:
+def _finish_launch(family, dtype, cols) -> KernelLaunch:
+    """One launch sums the partials of every parameter gradient: blockIdx.y
+    picks dweight (0) or dbias (1, LayerNorm only)."""
     spec = NormSpec("norm_param_grad_finish", "param_grad_finish", dtype)
-    return KernelLaunch(spec, PARAM_GRAD_BLOCK + (1,), (_ceil_div(cols, PARAM_GRAD_BLOCK[0]), 1, 1), 0)
+    grid = (_ceil_div(cols, PARAM_GRAD_BLOCK[0]), PARAM_GRADS[family], 1)
+    return KernelLaunch(spec, PARAM_GRAD_BLOCK + (1,), grid, 0)
 
 
 @functools.lru_cache(maxsize=4096)
 def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target, align: int = 16, *,
          weight: bool = True, bias: bool = True, residual: bool = False,
-         param_grad: bool = True):
+         param_grad: bool = True, same_phase: bool = True):
     """The launch plan of `op` for `rows` x `cols` of dtype (short name) on `target`.
 
     Forward ops take weight / bias / residual flags; backward ops take weight
     (dy is multiplied by it) and param_grad (dweight / dbias wanted). `align`
     is the largest power of two (<= 16) dividing every operand's address and
-    row stride in bytes. The flags are keyword-only: passed by position,
+    row stride in bytes; `same_phase` says every row of every row operand
+    starts at the same offset from a 16-byte boundary (auto's forward then
+    peels rows that allow no 16-byte pack). The flags are keyword-only: passed by position,
     param_grad once landed in `bias` and the backward planned fused partials
     that were never allocated."""
     if op not in OPS:
@@ -442,14 +497,14 @@ def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target,
         fields = dict(op=op, dtype=dtype, weight=weight, bias=bias and centered, residual=residual)
         if policy == "oneflow":
             return NormPlan(_oneflow_main(family, fields, rows, cols, align, target, 1))
-        return NormPlan(_auto_forward(fields, rows, cols, align, target))
+        return NormPlan(_auto_forward(fields, rows, cols, align, same_phase, target))
 
     fields = dict(op=f"{family}_grad", dtype=dtype, weight=weight)
     main = None
     if policy == "auto" and param_grad:
         main = _auto_backward_fused({**fields, "fuse_param_grad": True}, rows, cols, align, target)
     if main is not None:
-        return NormGradPlan(main, None, _finish_launch(dtype, cols), main.grid[0], 0)
+        return NormGradPlan(main, None, _finish_launch(family, dtype, cols), main.grid[0], 0)
     if policy == "oneflow":
         main = _oneflow_main(family, fields, rows, cols, align, target, 2)
     else:
@@ -457,14 +512,14 @@ def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target,
     if not param_grad:
         return NormGradPlan(main, None, None, 0, 0)
     column_reduction, chunks, rows_per_chunk = _param_grad_launches(family, dtype, rows, cols, target)
-    return NormGradPlan(main, column_reduction, _finish_launch(dtype, cols), chunks, rows_per_chunk)
+    return NormGradPlan(main, column_reduction, _finish_launch(family, dtype, cols), chunks, rows_per_chunk)
 
 
 def _auto_backward_dx(fields, rows, cols, align, target) -> KernelLaunch:
     """auto's dx kernel without fused partials (rows too long for register
     partials, or no dweight / dbias wanted)."""
-    block_ladder = [(block_size, max_bytes, {"cached": cached})
-                    for block_size, max_bytes, cached in AUTO_GRAD_BLOCK_LADDER]
+    block_ladder = [(block_size, max_bytes, {"cached": cached}, spill_checked)
+                    for block_size, max_bytes, cached, spill_checked in AUTO_GRAD_BLOCK_LADDER]
     launch, pack = _auto_registers(fields, rows, cols, align, target, "backward", block_ladder)
     if launch is not None:
         return launch
@@ -546,6 +601,20 @@ def _stats_dtype(dtype) -> numpy.dtype:
 
 # -- forward -------------------------------------------------------------------
 
+def launch_forward(chosen: NormPlan, device_id: int, rows: int, cols: int, x, y, eps: float, *,
+                   residual=None, h=None, weight=None, bias=None, mean=None, rstd=None) -> None:
+    """Runs a forward plan: x, y and residual are rowwise.Operands, h (stored
+    when residual is given) a contiguous [rows, cols] array, weight / bias
+    contiguous [cols], mean / rstd [rows] in the compute type (None: not stored)."""
+    ftype = dtypes.float_type(x.array.dtype)
+    _run(chosen.main, device_id, (
+        x.array, _pointer(None if residual is None else residual.array), _pointer(weight),
+        _pointer(bias), y.array, _pointer(h), _pointer(mean), _pointer(rstd),
+        numpy.int64(rows), numpy.int64(cols), numpy.int64(x.row_stride),
+        numpy.int64(0 if residual is None else residual.row_stride), numpy.int64(y.row_stride),
+        numpy.int64(cols), _scalar(ftype, eps)))
+
+
 def _forward(op, x, weight, bias, axis, eps, residual, return_stats, out, policy, stream):
     import cupy
 
@@ -579,15 +648,12 @@ def _forward(op, x, weight, bias, axis, eps, residual, return_stats, out, policy
                 pointers += [res_op.byte_address, res_op.byte_row_stride, h.data.ptr, cols * x.itemsize]
             pointers += [vector.data.ptr for vector in (weight, bias) if vector is not None]
             align = arrays.alignment(*pointers)
+            row_operands = [x_op, output] + ([] if res_op is None else [res_op, rowwise.Operand(h, cols)])
             chosen = plan(op, rows, cols, ftype.short, policy, Target.live(device_id), align,
                           weight=weight is not None, bias=bias is not None,
-                          residual=residual is not None)
-            _run(chosen.main, device_id, (
-                x_op.array, _pointer(None if res_op is None else res_op.array), _pointer(weight),
-                _pointer(bias), output.array, _pointer(h), _pointer(mean), _pointer(rstd),
-                numpy.int64(rows), numpy.int64(cols), numpy.int64(x_op.row_stride),
-                numpy.int64(0 if res_op is None else res_op.row_stride), numpy.int64(output.row_stride),
-                numpy.int64(cols), _scalar(ftype, eps)))
+                          residual=residual is not None, same_phase=arrays.same_phase(*row_operands))
+            launch_forward(chosen, device_id, rows, cols, x_op, output, eps, residual=res_op, h=h,
+                           weight=weight, bias=bias, mean=mean, rstd=rstd)
 
         if x.size == 0:
             y = out if out is not None else cupy.empty(x.shape, x.dtype)
@@ -644,6 +710,39 @@ def _check_stat(value, name: str, rows: int, dtype, device_id: int):
     return cupy.ascontiguousarray(value.reshape(rows), dtype=dtype)
 
 
+def launch_backward(chosen: NormGradPlan, device_id: int, rows: int, cols: int, dy, x, dx, rstd, *,
+                    mean=None, weight=None, dweight=None, dbias=None) -> None:
+    """Runs a backward plan: dy, x and dx are rowwise.Operands, rstd / mean
+    (None for RMSNorm) [rows] in the compute type, weight contiguous [cols];
+    dweight / dbias [cols] are written when given (the plan must then reduce
+    them). Allocates the [parts, cols] workspace of the gradients wanted; the
+    kernels skip a null one."""
+    import cupy
+
+    weight_parts = bias_parts = None
+    if dweight is not None:
+        weight_parts = cupy.empty((chosen.num_parts, cols), rstd.dtype)
+    if dbias is not None:
+        bias_parts = cupy.empty((chosen.num_parts, cols), rstd.dtype)
+    for step in (chosen.main, chosen.param_grad):
+        if step is None:
+            continue
+        writes_dx = step is chosen.main
+        writes_parts = step.spec.fuse_param_grad or not writes_dx
+        _run(step, device_id, (
+            dy.array, x.array, _pointer(weight), _pointer(mean), rstd,
+            dx.array if writes_dx else _NULL,
+            _pointer(weight_parts if writes_parts else None),
+            _pointer(bias_parts if writes_parts else None),
+            numpy.int64(rows), numpy.int64(cols), numpy.int64(dy.row_stride),
+            numpy.int64(x.row_stride), numpy.int64(dx.row_stride),
+            numpy.int64(chosen.rows_per_chunk)))
+    if chosen.finish is not None:
+        _run(chosen.finish, device_id, (_pointer(weight_parts), _pointer(bias_parts),
+                                        numpy.int64(chosen.num_parts), numpy.int64(cols),
+                                        _pointer(dweight), _pointer(dbias)))
+
+
 def _backward(op, dy, x, mean, rstd, weight, axis, need_weight_grad, need_bias_grad, policy, stream):
     import cupy
 
@@ -669,8 +768,10 @@ def _backward(op, dy, x, mean, rstd, weight, axis, need_weight_grad, need_bias_g
         rstd = _check_stat(rstd, "rstd", rows, stats_dtype, device_id)
         weight = None if weight is None else cupy.ascontiguousarray(weight)
         grad_dtype = x.dtype
-        dweight = cupy.zeros(normalized_shape, grad_dtype) if need_weight_grad else None
-        dbias = cupy.zeros(normalized_shape, grad_dtype) if need_bias_grad else None
+        # the finish kernel writes every element; no rows: all zeros
+        allocate = cupy.empty if rows else cupy.zeros
+        dweight = allocate(normalized_shape, grad_dtype) if need_weight_grad else None
+        dbias = allocate(normalized_shape, grad_dtype) if need_bias_grad else None
 
         def launch(operands, output, rows, cols):
             dy_op, x_op = operands
@@ -680,30 +781,9 @@ def _backward(op, dy, x, mean, rstd, weight, axis, need_weight_grad, need_bias_g
                 pointers.append(weight.data.ptr)
             chosen = plan(op, rows, cols, ftype.short, policy, Target.live(device_id),
                           arrays.alignment(*pointers), weight=weight is not None, param_grad=param_grad)
-            # partials only for the gradients wanted; the kernels skip a null one
-            weight_parts = bias_parts = None
-            if dweight is not None:
-                weight_parts = cupy.empty((chosen.num_parts, cols), stats_dtype)
-            if dbias is not None:
-                bias_parts = cupy.empty((chosen.num_parts, cols), stats_dtype)
             _check_grad_plan(chosen, param_grad)
-            for step in (chosen.main, chosen.param_grad):
-                if step is None:
-                    continue
-                writes_dx = step is chosen.main
-                writes_parts = step.spec.fuse_param_grad or not writes_dx
-                _run(step, device_id, (
-                    dy_op.array, x_op.array, _pointer(weight), _pointer(mean), rstd,
-                    output.array if writes_dx else _NULL,
-                    _pointer(weight_parts if writes_parts else None),
-                    _pointer(bias_parts if writes_parts else None),
-                    numpy.int64(rows), numpy.int64(cols), numpy.int64(dy_op.row_stride),
-                    numpy.int64(x_op.row_stride), numpy.int64(output.row_stride),
-                    numpy.int64(chosen.rows_per_chunk)))
-            for parts, grad in ((weight_parts, dweight), (bias_parts, dbias)):
-                if parts is not None and grad is not None:
-                    _run(chosen.finish, device_id, (parts, numpy.int64(chosen.num_parts),
-                                                    numpy.int64(cols), grad))
+            launch_backward(chosen, device_id, rows, cols, dy_op, x_op, output, rstd, mean=mean,
+                            weight=weight, dweight=dweight, dbias=dbias)
 
         if x.size == 0:
             dx = cupy.empty(x.shape, x.dtype)

@@ -1,34 +1,46 @@
 """Row-wise softmax / log_softmax, forward and backward, with each row split
 across several blocks: for a few long rows, which one block per row would
-leave most of the GPU idle (8 rows x 2**20 columns: 8 blocks on 132 SMs).
+leave most of the GPU idle (8 rows x 2**20 columns: 8 blocks on 132 SMs), and
+for rows too long for one block to keep on chip.
 
 Each row is cut into `splits` chunks of `chunk_cols` columns, a block per
-chunk, in two launches over the same rows * splits blocks
-(kernels/softmax_split.cuh):
-1. "partials": each block reduces its chunk to a partial in a workspace
-   (float32, float64 for float64 arrays): forward an online (max, sum) pair,
-   backward the sum of dy * y (softmax) or dy (log-softmax);
-2. "finish": each block combines its row's partials in a fixed order
-   (deterministic), reads its chunk again and writes the outputs. It walks
-   the chunks in reverse, re-reading first what the partials launch read
-   last, so the second read hits L2 for as much of the rows as L2 holds
-   (all of it up to ~50 MB on H100 / 60 MB on H200).
+chunk (kernels/softmax_split.cuh), in one of two ways:
 
-Planner rule (the thresholds below are data: first guesses, to be tuned on
-the GPU):
-1. rows >= SPLIT_MAX_ROWS_PER_SM x SMs fill the GPU with a block per row,
-   and rows of fewer than SPLIT_MIN_ROW_BYTES bytes (per input) are cached on
-   chip by the ordinary paths and read once: the ordinary path -> None.
+- "coop", one cooperative launch (every block resident at once): blocks form
+  slots of `splits`; a slot takes rows slot, slot + slots, ...; each block
+  keeps its chunk in registers, publishes its partial, waits on the slot's
+  counter for the others, combines the row's partials and writes its chunk.
+  Each element is read once. Needs the chunks of a row to fit the resident
+  blocks (splits <= resident blocks).
+- two launches over rows * splits blocks: "partials" reduces each chunk to a
+  partial in a workspace, "finish" combines the row's partials in a fixed
+  order, reads its chunk again and writes the outputs, walking the chunks in
+  reverse so the second read hits L2 for as much of the rows as L2 holds.
+
+Partials are (max, sum) forward, the sum of dy * y (softmax) or dy
+(log-softmax) backward, in float32 (float64 for float64 arrays), combined in
+the same fixed order by every block of a row: deterministic.
+
+Planner rule (thresholds are data, tuned on an H200 with scripts/tune_long_rows.py):
+1. A row is split when it is long and either few rows exist (rows <
+   SPLIT_MAX_ROWS_PER_SM x SMs and at least SPLIT_MIN_ROW_BYTES of each
+   input) or it is longer than the ordinary paths keep on chip (at least
+   COOP_MIN_ROW_BYTES of all inputs together); otherwise -> None.
 2. pack = the largest 16-byte-or-smaller vector dividing cols that every
    operand's address and row stride allow (softmax.vector_pack_size).
-3. blocks of SPLIT_BLOCK_SIZE threads; resident blocks = the partials
-   kernel's occupancy x SMs; splits = enough chunks for SPLIT_WAVES full
-   waves (ceil(SPLIT_WAVES x resident / rows)), fewer where a chunk would be
-   shorter than SPLIT_MIN_CHUNK_BYTES (per input); chunk_cols = the row
-   shared evenly among them, rounded up to SPLIT_CHUNK_GRANULE_BYTES (every
-   chunk starts on a sector boundary of a 128-byte-aligned row); splits then
-   = the chunks of that size covering the row.
-4. fewer than 2 chunks per row: the ordinary path -> None.
+3. coop: blocks of COOP_BLOCK_SIZE threads holding packs_per_thread packs of
+   each input, COOP_BYTES_PER_THREAD bytes of it (doubled while a row's
+   chunks outnumber the resident blocks; at most COOP_MAX_CACHED_PACKS packs
+   of all inputs together; packs of at least COOP_MIN_PACK_BYTES):
+   resident = occupancy x SMs, splits = ceil(cols / chunk_cols) (2 ..
+   resident), slots = min(rows, resident // splits), grid = slots x splits.
+4. otherwise two launches: blocks of SPLIT_BLOCK_SIZE threads; resident =
+   the partials kernel's occupancy x SMs; splits = enough chunks for
+   SPLIT_WAVES full waves (ceil(SPLIT_WAVES x resident / rows)), fewer where a
+   chunk would be shorter than SPLIT_MIN_CHUNK_BYTES (per input); chunk_cols
+   = the row shared evenly among them, rounded up to SPLIT_CHUNK_GRANULE_BYTES;
+   splits then = the chunks of that size covering the row. Fewer than 2
+   chunks per row, or many rows: the ordinary path -> None.
 """
 from __future__ import annotations
 
@@ -42,7 +54,8 @@ from .. import arrays, dtypes, jit
 from ..launch import LaunchCache, Target, live_function
 from .softmax import INPUTS, OPS, vector_pack_size
 
-STAGES = ("partials", "finish")
+STAGES = ("partials", "finish", "coop")
+TWO_LAUNCH_STAGES = ("partials", "finish")
 
 SPLIT_BLOCK_SIZE = 512
 # Blocks for this many full waves of the GPU.
@@ -60,17 +73,34 @@ SPLIT_MIN_ROW_BYTES = 128 * 1024
 SPLIT_BYTES_IN_FLIGHT = 64
 SPLIT_MAX_LOADS_IN_FLIGHT = 8
 
+COOP_BLOCK_SIZE = 512
+# Bytes of each input a coop thread keeps in registers, by (itemsize, number
+# of inputs): the fastest measured on an H200 (scripts/tune_long_rows.py,
+# rows of 128 KB to 2 MB); doubled, up to COOP_DOUBLINGS times, where a row's
+# chunks would outnumber the resident blocks.
+COOP_BYTES_PER_THREAD = {(2, 1): 128, (4, 1): 64, (8, 1): 64, (2, 2): 64, (4, 2): 128, (8, 2): 128}
+COOP_DOUBLINGS = 2
+# Most packs (of all inputs together) a coop thread holds: each takes at least
+# a register, so narrow packs hold fewer bytes.
+COOP_MAX_CACHED_PACKS = 32
+# Narrower packs (odd cols, misaligned rows) take the two launches.
+COOP_MIN_PACK_BYTES = 4
+# Rows of at least this many bytes (all inputs together) are split even when
+# many rows fill the GPU: longer than the ordinary paths keep on chip.
+COOP_MIN_ROW_BYTES = 256 * 1024
+
 
 @dataclass(frozen=True)
 class SoftmaxSplitSpec(jit.KernelSpec):
     template = "softmax_split.cu.j2"
 
     op: str
-    stage: str              # "partials" or "finish"
+    stage: str              # "partials", "finish" or "coop"
     dtype: str              # short name of the storage type
     pack_size: int
     block_size: int
     loads_in_flight: int    # packs of each input loaded before the first is used
+                            # (coop: all the packs a thread holds)
 
     @property
     def ftype(self) -> dtypes.FloatType:
@@ -95,6 +125,7 @@ class SoftmaxSplitSpec(jit.KernelSpec):
 
 @dataclass(frozen=True)
 class SplitPlan:
+    """Two launches over the same grid: partials, then finish."""
     partials: SoftmaxSplitSpec
     finish: SoftmaxSplitSpec
     splits: int             # chunks per row
@@ -117,25 +148,98 @@ class SplitPlan:
         return {"op": spec.op, "impl": "split", "pack_size": spec.pack_size,
                 "splits": self.splits, "chunk_cols": self.chunk_cols,
                 "block": list(self.block), "grid": list(self.grid), "smem_bytes": 0,
-                "kernel": spec.name, "partials_kernel": self.partials.name}
+                "kernel": spec.name, "partials_kernel": self.partials.name, "cooperative": False}
+
+
+@dataclass(frozen=True)
+class CoopPlan:
+    """One cooperative launch: slots of `splits` blocks, a row per slot at a time."""
+    spec: SoftmaxSplitSpec
+    splits: int
+    chunk_cols: int
+    slots: int
+    block: tuple
+    grid: tuple             # slots * splits blocks, all resident
+
+    @property
+    def partial_size(self) -> int:
+        return 1 if self.spec.op.endswith("_backward") else 2
+
+    def explain(self) -> dict:
+        spec = self.spec
+        return {"op": spec.op, "impl": "split", "pack_size": spec.pack_size,
+                "splits": self.splits, "chunk_cols": self.chunk_cols, "slots": self.slots,
+                "packs_per_thread": spec.loads_in_flight, "block": list(self.block),
+                "grid": list(self.grid), "smem_bytes": 0, "kernel": spec.name, "cooperative": True}
 
 
 def _round_up(value: int, unit: int) -> int:
     return -(-value // unit) * unit
 
 
-@functools.lru_cache(maxsize=4096)
-def plan(op: str, rows: int, cols: int, dtype: str, target: Target,
-         align: int = 16) -> Optional[SplitPlan]:
-    """The split-row plan for `rows` x `cols` of dtype (short name) on `target`,
-    or None when the ordinary row paths should run (rule in the module docstring).
-
-    `align` is the largest power of two (<= 16) dividing every operand's
-    address and row stride in bytes."""
+def _check(op, rows, cols):
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
     if rows < 1 or cols < 1:
         raise ValueError(f"rows and cols must be positive, got {rows} x {cols}")
+
+
+def coop_candidate(op: str, rows: int, cols: int, dtype: str, target: Target, align: int,
+                   bytes_per_thread: int) -> Optional[CoopPlan]:
+    """The CoopPlan with threads holding `bytes_per_thread` bytes of each
+    input, or None when it cannot be (rule 3)."""
+    facts = target.facts
+    itemsize = dtypes.BY_SHORT[dtype].itemsize
+    pack_size = vector_pack_size(cols, itemsize, align)
+    packs_per_thread = max(1, bytes_per_thread // (pack_size * itemsize))
+    if pack_size * itemsize < COOP_MIN_PACK_BYTES or packs_per_thread * len(INPUTS[op]) > COOP_MAX_CACHED_PACKS:
+        return None
+    spec = SoftmaxSplitSpec(op, "coop", dtype, pack_size, COOP_BLOCK_SIZE, packs_per_thread)
+    resident = facts.sm_count * target.max_active_blocks(spec, COOP_BLOCK_SIZE, 0, opt_in=False)
+    chunk_cols = COOP_BLOCK_SIZE * packs_per_thread * pack_size
+    splits = -(-cols // chunk_cols)
+    if not 2 <= splits <= resident or rows * splits >= 2**31:
+        return None
+    slots = min(rows, resident // splits)
+    return CoopPlan(spec, splits, chunk_cols, slots, (COOP_BLOCK_SIZE, 1, 1), (slots * splits, 1, 1))
+
+
+@functools.lru_cache(maxsize=4096)
+def coop_plan(op: str, rows: int, cols: int, dtype: str, target: Target,
+              align: int = 16) -> Optional[CoopPlan]:
+    """The one-launch cooperative plan (rule 3 of the module docstring) for a
+    row that is split, or None when a row's chunks cannot all be resident."""
+    _check(op, rows, cols)
+    preferred = COOP_BYTES_PER_THREAD[(dtypes.BY_SHORT[dtype].itemsize, len(INPUTS[op]))]
+    for doubling in range(COOP_DOUBLINGS + 1):
+        candidate = coop_candidate(op, rows, cols, dtype, target, align, preferred << doubling)
+        if candidate is not None:
+            return candidate
+    return None
+
+
+def plan(op: str, rows: int, cols: int, dtype: str, target: Target, align: int = 16):
+    """The split-row plan (CoopPlan or SplitPlan) for `rows` x `cols` of dtype
+    (short name) on `target`, or None when the ordinary row paths should run
+    (rule in the module docstring).
+
+    `align` is the largest power of two (<= 16) dividing every operand's
+    address and row stride in bytes."""
+    _check(op, rows, cols)
+    itemsize = dtypes.BY_SHORT[dtype].itemsize
+    few_long_rows = (rows < SPLIT_MAX_ROWS_PER_SM * target.facts.sm_count
+                     and cols * itemsize >= SPLIT_MIN_ROW_BYTES)
+    if not (few_long_rows or cols * itemsize * len(INPUTS[op]) >= COOP_MIN_ROW_BYTES):
+        return None
+    return coop_plan(op, rows, cols, dtype, target, align) or \
+        two_launch_plan(op, rows, cols, dtype, target, align)
+
+
+@functools.lru_cache(maxsize=4096)
+def two_launch_plan(op: str, rows: int, cols: int, dtype: str, target: Target,
+                    align: int = 16) -> Optional[SplitPlan]:
+    """The two-launch split plan (rule 4 of the module docstring), or None."""
+    _check(op, rows, cols)
     facts = target.facts
     itemsize = dtypes.BY_SHORT[dtype].itemsize
     if rows >= SPLIT_MAX_ROWS_PER_SM * facts.sm_count or cols * itemsize < SPLIT_MIN_ROW_BYTES:
@@ -145,7 +249,7 @@ def plan(op: str, rows: int, cols: int, dtype: str, target: Target,
     num_packs = cols // pack_size
     loads_in_flight = min(SPLIT_MAX_LOADS_IN_FLIGHT, max(1, SPLIT_BYTES_IN_FLIGHT // pack_bytes))
     partials, finish = (SoftmaxSplitSpec(op, stage, dtype, pack_size, SPLIT_BLOCK_SIZE,
-                                         loads_in_flight) for stage in STAGES)
+                                         loads_in_flight) for stage in TWO_LAUNCH_STAGES)
     resident = facts.sm_count * target.max_active_blocks(partials, SPLIT_BLOCK_SIZE, 0, opt_in=False)
     splits = min(-(-SPLIT_WAVES * resident // rows), num_packs * pack_bytes // SPLIT_MIN_CHUNK_BYTES)
     if splits < 2:
@@ -163,13 +267,35 @@ _launches = LaunchCache()
 
 
 def _launch_config(op, rows, cols, dtype, align, device_id):
-    """(partials function, finish function, plan) for a live GPU, or None; memoised."""
+    """(plan, its functions) for a live GPU, or None; memoised."""
     def make():
         chosen = plan(op, rows, cols, dtype, Target.live(device_id), align)
-        return None if chosen is None else (
-            live_function(chosen.partials, device_id), live_function(chosen.finish, device_id), chosen)
+        return None if chosen is None else (chosen, functions_of(chosen, device_id))
 
     return _launches.get((op, rows, cols, dtype, align, device_id), make)
+
+
+def functions_of(chosen, device_id: int) -> tuple:
+    """The compiled functions of a CoopPlan or SplitPlan, in launch order."""
+    specs = (chosen.spec,) if isinstance(chosen, CoopPlan) else (chosen.partials, chosen.finish)
+    return tuple(live_function(spec, device_id) for spec in specs)
+
+
+# Coop launches' arrival / departure counters per (device, stream): zero
+# between launches (each launch leaves them zero), grown on demand. Launches
+# on one stream run one after another, so they can share them.
+_counters: dict = {}
+
+
+def _coop_counters(slots: int, device_id: int, stream_ptr: int):
+    import cupy
+
+    key = (device_id, stream_ptr)
+    counters = _counters.get(key)
+    if counters is None or counters.size < 2 * slots:
+        counters = cupy.zeros(max(2 * slots, 1024), numpy.uint32)
+        _counters[key] = counters
+    return counters
 
 
 def run(op: str, inputs, output, rows: int, cols: int) -> bool:
@@ -180,23 +306,35 @@ def run(op: str, inputs, output, rows: int, cols: int) -> bool:
     rows of `cols` contiguous elements; the output may be one of the inputs
     (same address and row stride). Returns False, having launched nothing,
     when the ordinary row paths should run."""
+    first = inputs[0].array
+    operands = (*inputs, output)
+    align = arrays.alignment(*(value for o in operands for value in (o.byte_address, o.byte_row_stride)))
+    config = _launch_config(op, rows, cols, dtypes.BY_DTYPE[first.dtype].short, align, first.device.id)
+    if config is None:
+        return False
+    launch(*config, inputs, output, rows, cols)
+    return True
+
+
+def launch(chosen, functions, inputs, output, rows: int, cols: int) -> None:
+    """Launches plan `chosen` (CoopPlan or SplitPlan) with its compiled
+    `functions` (live_function of its specs, in order) on row operands as run() takes them."""
     import cupy
 
     first = inputs[0].array
-    ftype = dtypes.BY_DTYPE[first.dtype]
+    compute_dtype = dtypes.DTYPE_OF_SHORT[dtypes.BY_DTYPE[first.dtype].compute]
     operands = (*inputs, output)
-    align = arrays.alignment(*(value for o in operands for value in (o.byte_address, o.byte_row_stride)))
-    config = _launch_config(op, rows, cols, ftype.short, align, first.device.id)
-    if config is None:
-        return False
-    partials_function, finish_function, chosen = config
-    workspace = cupy.empty(rows * chosen.splits * chosen.partial_size,
-                           dtypes.DTYPE_OF_SHORT[ftype.compute])
+    strides = tuple(numpy.int64(o.row_stride) for o in operands)
     scalars = (numpy.int64(cols), numpy.int64(chosen.splits), numpy.int64(chosen.chunk_cols))
+    if isinstance(chosen, CoopPlan):
+        workspace = cupy.empty(chosen.slots * 2 * chosen.splits * chosen.partial_size, compute_dtype)
+        counters = _coop_counters(chosen.slots, first.device.id, cupy.cuda.get_current_stream().ptr)
+        functions[0](chosen.grid, chosen.block,
+                     (*(o.array for o in operands), workspace, counters, numpy.int64(rows), *scalars,
+                      *strides), enable_cooperative_groups=True)
+        return
+    partials_function, finish_function = functions
+    workspace = cupy.empty(rows * chosen.splits * chosen.partial_size, compute_dtype)
     partials_function(chosen.grid, chosen.block,
-                      (*(o.array for o in inputs), workspace, *scalars,
-                       *(numpy.int64(o.row_stride) for o in inputs)))
-    finish_function(chosen.grid, chosen.block,
-                    (*(o.array for o in operands), workspace, *scalars,
-                     *(numpy.int64(o.row_stride) for o in operands)))
-    return True
+                      (*(o.array for o in inputs), workspace, *scalars, *strides[:-1]))
+    finish_function(chosen.grid, chosen.block, (*(o.array for o in operands), workspace, *scalars, *strides))

@@ -1,0 +1,91 @@
+"""Times the plans for long rows against each other to choose softmax_split's
+tables: the ordinary row plan (auto), the two-launch split and the
+cooperative split holding each of COOP_SIZES bytes a thread.
+
+Bytes counted: (inputs + 1) * rows * cols * itemsize (forward: x read, y
+written; backward: dy and y read, dx written). Each candidate is checked
+against a float64 CuPy reference on its first rows (a fast wrong kernel
+cannot win). Usage: python scripts/tune_long_rows.py [--dtypes float16,float32]
+[--ops softmax,softmax_backward] [--shapes 8x1048576,8192x131072]
+"""
+from __future__ import annotations
+
+import argparse
+
+import cupy
+import numpy
+
+from cupyops import bench, dtypes
+from cupyops.device import live_facts
+from cupyops.launch import Target, live_function
+from cupyops.ops import softmax, softmax_split
+from cupyops.rowwise import Operand
+from tune_softmax import reference
+
+COOP_SIZES = (32, 64, 96, 128)     # bytes of each input a coop thread holds
+SHAPES = "16384x32768,16384x65536,8192x131072,4096x262144,8x1048576,64x1048576,1x16777216,49152x32768"
+
+
+def candidates(op, rows, cols, dtype, target):
+    """(label, plan) for each plan worth timing at this shape."""
+    found = [("auto", softmax_split.plan(op, rows, cols, dtype, target)
+              or softmax.plan(op, rows, cols, dtype, "auto", target))]
+    found.append(("rows", softmax.plan(op, rows, cols, dtype, "auto", target)))
+    found.append(("two-launch", softmax_split.two_launch_plan(op, rows, cols, dtype, target)))
+    for size in COOP_SIZES:
+        found.append((f"coop {size}B", softmax_split.coop_candidate(op, rows, cols, dtype, target, 16, size)))
+    return [(label, chosen) for label, chosen in found if chosen is not None]
+
+
+def launcher(chosen, inputs, out, device_id):
+    rows, cols = out.shape
+    if isinstance(chosen, (softmax_split.CoopPlan, softmax_split.SplitPlan)):
+        functions = softmax_split.functions_of(chosen, device_id)
+        operands = [Operand(a, cols) for a in inputs]
+        return lambda: softmax_split.launch(chosen, functions, operands, Operand(out, cols), rows, cols)
+    function = live_function(chosen.spec, device_id, chosen.smem_bytes)
+    args = (*inputs, out, numpy.int64(rows), numpy.int64(cols), *[numpy.int64(cols)] * (len(inputs) + 1))
+    return lambda: function(chosen.grid, chosen.block, args, shared_mem=chosen.smem_bytes)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtypes", default="float16,float32")
+    parser.add_argument("--ops", default="softmax,softmax_backward")
+    parser.add_argument("--shapes", default=SHAPES)
+    args = parser.parse_args()
+    device_id = cupy.cuda.runtime.getDevice()
+    target = Target.live(device_id)
+    timer = bench.Timer(budget_s=0.15)
+    copy = bench.copy_ceiling_gbs(timer)
+    print(f"# {live_facts(device_id).name}; copy ceiling {copy:.0f} GB/s")
+    for dtype_name in args.dtypes.split(","):
+        dtype = dtypes.parse_dtype(dtype_name)
+        short = dtypes.float_type(dtype).short
+        for shape in args.shapes.split(","):
+            rows, cols = map(int, shape.split("x"))
+            generator = cupy.random.default_rng(0)
+            arrays = [(generator.standard_normal((rows, cols), dtype=cupy.float32) * 3).astype(dtype)
+                      for _ in range(2)]
+            out = cupy.empty_like(arrays[0])
+            for op in args.ops.split(","):
+                inputs = arrays[:len(softmax.INPUTS[op])]
+                checked = min(rows, 4)
+                expect = reference(op, [a[:checked] for a in inputs])
+                num_bytes = (len(inputs) + 1) * rows * cols * dtype.itemsize
+                for label, chosen in candidates(op, rows, cols, short, target):
+                    run = launcher(chosen, inputs, out, device_id)
+                    out.fill(float("nan"))
+                    run()
+                    error = float(cupy.abs(out[:checked].astype(cupy.float64) - expect).max())
+                    t = timer.time(run)
+                    gbs = bench.gbs(num_bytes, t)
+                    print(f"{op:<16} {short:<4} {rows:>6}x{cols:<9} {label:<20} {t.median_us:>9.1f} us "
+                          f"{gbs:>6.0f} GB/s {gbs / copy:>6.1%}  err={error:.1e} {chosen.spec.name}",
+                          flush=True)
+            del arrays, out, inputs
+            cupy.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()

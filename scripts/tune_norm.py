@@ -1,0 +1,282 @@
+"""Times LayerNorm / RMSNorm plans against each other to choose the auto planner's tables.
+
+For each op, dtype and cols it times the auto plan, the oneflow plan and a
+few hand-built variants (block sizes, packs per thread, warp widths, register
+vs shared-memory caches, peeled rows, fused vs separate dweight / dbias),
+at most 8 per shape, with cupyops.bench.Timer (L2 flushed, median).
+
+Bytes counted: forward 2 * rows * cols * itemsize (x read, y written);
+backward 3 * rows * cols * itemsize (dy and x read, dx written; the weight,
+the statistics and the dweight / dbias workspace are not counted). Forward
+runs with weight (and bias for LayerNorm), backward with weight, dweight (and
+dbias), as a training step calls them.
+
+Each candidate is checked against a float64 reference (y or dx on the first
+rows; dweight / dbias over all rows), so a fast wrong kernel cannot win:
+its line ends in WRONG.
+
+Usage on a GPU:  python scripts/tune_norm.py [--dtypes float16,bfloat16,float32]
+                 [--ops layer_norm,...] [--cols 1024,...] [--rows 49152] > table
+Without a GPU:   python scripts/tune_norm.py --dry-run [--profile h200]
+(builds every candidate for the profile, compiling through NVRTC, and prints
+their kernels' names, registers and spills).
+"""
+from __future__ import annotations
+
+import argparse
+
+from cupyops import dtypes
+from cupyops.launch import Target
+from cupyops.ops import norm
+
+DEFAULT_COLS = "1024,2048,4096,8192,12345,16384,32768"
+CHECK_ROWS = 64
+MAX_CANDIDATES = 8
+# max |error| / max |reference| a correct kernel stays within (storage rounding)
+TOLERANCE = {"f16": 4e-3, "bf16": 3e-2, "f32": 1e-4, "f64": 1e-9}
+# register-block variants: (block_size, most bytes of compute values a thread holds)
+REGS_VARIANTS = ((128, 64), (256, 64), (512, 64), (1024, 64), (256, 128), (512, 128))
+GRAD_VARIANTS = ((256, 32, True), (512, 32, True), (1024, 32, True), (1024, 64, False), (512, 128, False))
+
+
+def _forward_variants(op, dtype, rows, cols, target):
+    ftype = dtypes.BY_SHORT[dtype]
+    compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
+    fields = dict(op=op, dtype=dtype, weight=True, bias=op == "layer_norm")
+    pack = norm.vector_pack_size(cols, ftype.itemsize, 16)
+    peel = pack * ftype.itemsize < 16
+    regs_pack = 16 // ftype.itemsize if peel else pack
+    num_packs = cols // regs_pack
+    found = []
+    for block_size, max_bytes in REGS_VARIANTS:
+        per_thread = -(-num_packs // block_size)
+        if per_thread * regs_pack * compute_itemsize <= max_bytes and num_packs >= block_size // 2:
+            spec = norm.NormSpec(impl="block_regs", pack_size=regs_pack, block_size=block_size,
+                                 packs_per_thread=per_thread, peel=peel, **fields)
+            launch = norm._block_launch(spec, rows, 0, target, "auto", False)
+            found.append((f"regs b{block_size} k{per_thread}{' peel' if peel else ''}", norm.NormPlan(launch)))
+    if cols >= 4096:
+        smem = cols * ftype.itemsize
+        for block_size in (256, 512):
+            spec = norm.NormSpec(impl="block_smem", pack_size=pack, block_size=block_size, packed_cache=True,
+                                 **fields)
+            if target.max_active_blocks(spec, block_size, smem, True):
+                launch = norm._block_launch(spec, rows, smem, target, "auto", True)
+                found.append((f"smem b{block_size}", norm.NormPlan(launch)))
+    if cols <= 1024:
+        for max_bytes in (64, 128):
+            ladder = norm.auto_warp_ladder(cols, pack, max(max_bytes // compute_itemsize, pack))
+            if ladder is not None:
+                launch = norm._warp_launch(fields, rows, cols, pack, ladder, target, "auto")
+                found.append((f"warp c{ladder[0]} g{ladder[2]}", norm.NormPlan(launch)))
+    return found
+
+
+def _backward_variants(op, dtype, rows, cols, target):
+    family = op.replace("_backward", "")
+    ftype = dtypes.BY_SHORT[dtype]
+    compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
+    fields = dict(op=f"{family}_grad", dtype=dtype, weight=True)
+    pack = norm.vector_pack_size(cols, ftype.itemsize, 16)
+    num_packs = cols // pack
+    finish = norm._finish_launch(family, dtype, cols)
+    found = []
+    for block_size, max_bytes, cached in GRAD_VARIANTS:
+        per_thread = -(-num_packs // block_size)
+        if per_thread * pack * compute_itemsize <= max_bytes and num_packs >= block_size // 2:
+            spec = norm.NormSpec(impl="block_regs", pack_size=pack, block_size=block_size,
+                                 packs_per_thread=per_thread, cached=cached, fuse_param_grad=True, **fields)
+            main = norm._resident_launch(spec, (block_size, 1, 1), 1, rows, 0, target)
+            label = f"fused b{block_size} k{per_thread} {'cached' if cached else 'reread'}"
+            found.append((label, norm.NormGradPlan(main, None, finish, main.grid[0], 0)))
+    dx = norm._auto_backward_dx(fields, rows, cols, 16, target)
+    column_reduction, chunks, rows_per_chunk = norm._param_grad_launches(family, dtype, rows, cols, target)
+    found.append(("dx + column reduction", norm.NormGradPlan(dx, column_reduction, finish, chunks, rows_per_chunk)))
+    return found
+
+
+def candidates(op, dtype, rows, cols, target):
+    """(label, plan) for each variant worth timing at this shape: the
+    policies first, then at most MAX_CANDIDATES kernels in all."""
+    found = [(policy, norm.plan(op, rows, cols, dtype, policy, target)) for policy in ("auto", "oneflow")]
+    variants = _forward_variants if op in norm.FORWARD_OPS else _backward_variants
+    found += variants(op, dtype, rows, cols, target)
+    unique = {}
+    for label, chosen in found:    # the first label of each set of kernels (the policies come first)
+        unique.setdefault(tuple(launch.spec.name for launch in chosen.launches), (label, chosen))
+    return list(unique.values())[:MAX_CANDIDATES]
+
+
+def _kernel_names(chosen) -> str:
+    return "+".join(launch.spec.name for launch in chosen.launches if launch.spec.impl != "param_grad_finish")
+
+
+def dry_run(args) -> None:
+    from cupyops import jit
+
+    target = Target.profile(args.profile)
+    for op in args.ops.split(","):
+        for dtype_name in args.dtypes.split(","):
+            short = dtypes.float_type(dtypes.parse_dtype(dtype_name)).short
+            for cols in map(int, args.cols.split(",")):
+                rows = _rows(args.rows, cols, dtypes.BY_SHORT[short].itemsize)
+                for label, chosen in candidates(op, short, rows, cols, target):
+                    reports = [jit.compile_cubin(launch.spec, target.facts.arch) for launch in chosen.launches]
+                    registers = "/".join(str(r.registers) for r in reports)
+                    spills = sum(r.spill_bytes for r in reports)
+                    print(f"{op:<19} {short:<4} cols={cols:<6} {label:<24} regs={registers:<9} "
+                          f"spill={spills:<4} grid={chosen.main.grid[0]:<6} {_kernel_names(chosen)}", flush=True)
+
+
+def _rows(rows: int, cols: int, itemsize: int) -> int:
+    return min(rows, (4 << 30) // (cols * itemsize))
+
+
+def _relative_error(got, expected) -> float:
+    import cupy
+
+    scale = max(float(cupy.abs(expected).max()), 1e-30)
+    return float(cupy.abs(got.astype(cupy.float64) - expected).max()) / scale
+
+
+class Shape:
+    """Inputs of one (op, dtype, rows, cols), the float64 references, and a
+    runner per plan that leaves its outputs where check() reads them."""
+
+    def __init__(self, op, dtype, rows, cols):
+        import cupy
+
+        from cupyops.rowwise import Operand
+
+        self.op, self.rows, self.cols = op, rows, cols
+        self.centered = op.startswith("layer_norm")
+        self.backward = op in norm.BACKWARD_OPS
+        self.device_id = cupy.cuda.runtime.getDevice()
+        generator = cupy.random.default_rng(0)
+
+        def normal(shape, loc=0.0, scale=1.0):
+            return (loc + scale * generator.standard_normal(shape, dtype=cupy.float32)).astype(dtype)
+
+        self.x = normal((rows, cols), 0.5, 2.0)
+        self.weight = normal((cols,), 1.0, 0.2)
+        self.bias = normal((cols,), 0.0, 0.2) if self.centered and not self.backward else None
+        self.out = cupy.empty_like(self.x)
+        self.x_op, self.out_op = Operand(self.x, cols), Operand(self.out, cols)
+        mean, rstd = self._stats(rows if self.backward else CHECK_ROWS)
+        if self.backward:
+            import cupyops
+
+            self.dy = normal((rows, cols))
+            self.dy_op = Operand(self.dy, cols)
+            stats = (cupyops.layer_norm(self.x, eps=1e-5, return_stats=True)[1:] if self.centered
+                     else (None, cupyops.rms_norm(self.x, eps=1e-5, return_stats=True)[1]))
+            self.mean, self.rstd = stats
+            self.dweight = cupy.empty_like(self.weight)
+            self.dbias = cupy.empty_like(self.weight) if self.centered else None
+            self.expected = self._backward_reference(mean, rstd)
+        else:
+            xhat = (self.x[:CHECK_ROWS].astype(cupy.float64) - mean[:CHECK_ROWS, None]) * rstd[:CHECK_ROWS, None]
+            y = xhat * self.weight.astype(cupy.float64)
+            if self.bias is not None:
+                y += self.bias.astype(cupy.float64)
+            self.expected = {"y": y}
+
+    def _stats(self, rows):
+        """float64 mean (0 for RMSNorm) and rstd of the first rows, in chunks of rows."""
+        import cupy
+
+        means, rstds = [], []
+        for first in range(0, rows, 4096):
+            chunk = self.x[first:min(rows, first + 4096)].astype(cupy.float64)
+            mean = chunk.mean(axis=1) if self.centered else cupy.zeros(len(chunk))
+            rstds.append(1 / cupy.sqrt(((chunk - mean[:, None]) ** 2).mean(axis=1) + 1e-5))
+            means.append(mean)
+        return cupy.concatenate(means), cupy.concatenate(rstds)
+
+    def _backward_reference(self, mean, rstd):
+        import cupy
+
+        weight = self.weight.astype(cupy.float64)
+        dweight = cupy.zeros(self.cols)
+        dbias = cupy.zeros(self.cols)
+        dx = None
+        for first in range(0, self.rows, 4096):
+            x = self.x[first:first + 4096].astype(cupy.float64)
+            dy = self.dy[first:first + 4096].astype(cupy.float64)
+            xhat = (x - mean[first:first + 4096, None]) * rstd[first:first + 4096, None]
+            dweight += (dy * xhat).sum(axis=0)
+            dbias += dy.sum(axis=0)
+            if dx is None:
+                g = (dy * weight)[:CHECK_ROWS]
+                head = xhat[:CHECK_ROWS]
+                mean_g = g.mean(axis=1, keepdims=True) if self.centered else 0
+                dx = rstd[:CHECK_ROWS, None] * (g - mean_g - head * (g * head).mean(axis=1, keepdims=True))
+        expected = {"dx": dx, "dweight": dweight}
+        if self.centered:
+            expected["dbias"] = dbias
+        return expected
+
+    def runner(self, chosen):
+        if self.backward:
+            return lambda: norm.launch_backward(
+                chosen, self.device_id, self.rows, self.cols, self.dy_op, self.x_op, self.out_op, self.rstd,
+                mean=self.mean, weight=self.weight, dweight=self.dweight, dbias=self.dbias)
+        return lambda: norm.launch_forward(chosen, self.device_id, self.rows, self.cols, self.x_op, self.out_op,
+                                           1e-5, weight=self.weight, bias=self.bias)
+
+    def check(self) -> float:
+        """Largest relative error of the last run's outputs."""
+        got = {"y": self.out[:CHECK_ROWS], "dx": self.out[:CHECK_ROWS], "dweight": getattr(self, "dweight", None),
+               "dbias": getattr(self, "dbias", None)}
+        return max(_relative_error(got[name], expected) for name, expected in self.expected.items())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=49152)
+    parser.add_argument("--dtypes", default="float16")
+    parser.add_argument("--ops", default=",".join(norm.OPS))
+    parser.add_argument("--cols", default=DEFAULT_COLS)
+    parser.add_argument("--dry-run", action="store_true", help="build and compile the candidates, no GPU")
+    parser.add_argument("--profile", default="h200", help="device profile of --dry-run")
+    args = parser.parse_args()
+    if args.dry_run:
+        dry_run(args)
+        return
+
+    import cupy
+
+    from cupyops import bench
+    from cupyops.device import live_facts
+
+    device_id = cupy.cuda.runtime.getDevice()
+    target = Target.live(device_id)
+    timer = bench.Timer(budget_s=0.1)
+    copy = bench.copy_ceiling_gbs(timer)
+    print(f"# {live_facts(device_id).name}; copy ceiling {copy:.0f} GB/s")
+    for op in args.ops.split(","):
+        arrays_counted = 3 if op in norm.BACKWARD_OPS else 2
+        for dtype_name in args.dtypes.split(","):
+            dtype = dtypes.parse_dtype(dtype_name)
+            short = dtypes.float_type(dtype).short
+            for cols in map(int, args.cols.split(",")):
+                rows = _rows(args.rows, cols, dtype.itemsize)
+                shape = Shape(op, dtype, rows, cols)
+                num_bytes = arrays_counted * rows * cols * dtype.itemsize
+                for label, chosen in candidates(op, short, rows, cols, target):
+                    run = shape.runner(chosen)
+                    shape.out.fill(float("nan"))
+                    run()
+                    error = shape.check()
+                    verdict = "" if error <= TOLERANCE[short] else "  WRONG"
+                    t = timer.time(run)
+                    gbs = bench.gbs(num_bytes, t)
+                    print(f"{op:<19} {short:<4} cols={cols:<6} {label:<24} {_kernel_names(chosen)} "
+                          f"{t.median_us:>9.1f} us {gbs:>6.0f} GB/s {gbs / copy:>6.1%}  "
+                          f"err={error:.1e}{verdict}", flush=True)
+                del shape
+                cupy.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()
