@@ -54,27 +54,35 @@ template <> struct Vector<4> { typedef unsigned type; };
 template <> struct Vector<8> { typedef uint2 type; };
 template <> struct Vector<16> { typedef uint4 type; };
 
-// One access per pack of up to 16 bytes (larger packs: one per 16 bytes),
-// through its native vector type. 16- and 8-byte stores are written in PTX:
-// given a column known only at run time (peeled rows), the compiler
+// A pack seen as the native vectors one access each moves: one per 16 bytes
+// (a smaller pack: one vector of its size).
+template <typename T, int N>
+union PackVectors {
+  enum : int { bytes = sizeof(T) * N, count = (bytes + 15) / 16 };   // enum: no device global
+  typedef typename Vector<(bytes < 16 ? bytes : 16)>::type V;
+  Pack<T, N> pack;
+  V vectors[count];
+};
+
+// One access per vector of the pack. 16- and 8-byte global stores are written
+// in PTX: given a column known only at run time (peeled rows), the compiler
 // otherwise split a pack's store into element stores.
 template <typename T, int N>
 __device__ __forceinline__ Pack<T, N> load_pack(const T* address) {
-  constexpr int bytes = sizeof(T) * N;
-  typedef typename Vector<(bytes < 16 ? bytes : 16)>::type V;
-  union { V vectors[(bytes + 15) / 16]; Pack<T, N> pack; } bits;
+  typedef PackVectors<T, N> Bits;
+  Bits bits;
 #pragma unroll
-  for (int i = 0; i < (bytes + 15) / 16; ++i) bits.vectors[i] = reinterpret_cast<const V*>(address)[i];
+  for (int i = 0; i < Bits::count; ++i) bits.vectors[i] = reinterpret_cast<const typename Bits::V*>(address)[i];
   return bits.pack;
 }
 template <typename T, int N>
 __device__ __forceinline__ void store_pack(T* address, const Pack<T, N>& pack) {
-  constexpr int bytes = sizeof(T) * N;
-  typedef typename Vector<(bytes < 16 ? bytes : 16)>::type V;
-  union { Pack<T, N> pack; V vectors[(bytes + 15) / 16]; } bits;
+  typedef PackVectors<T, N> Bits;
+  typedef typename Bits::V V;
+  Bits bits;
   bits.pack = pack;
 #pragma unroll
-  for (int i = 0; i < (bytes + 15) / 16; ++i) {
+  for (int i = 0; i < Bits::count; ++i) {
     V* const target = reinterpret_cast<V*>(address) + i;
     if constexpr (sizeof(V) == 16) {
       asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(target), "r"(bits.vectors[i].x),
@@ -92,12 +100,11 @@ __device__ __forceinline__ void store_pack(T* address, const Pack<T, N>& pack) {
 // of 16-bit elements may be split into element stores).
 template <typename T, int N>
 __device__ __forceinline__ void store_pack_shared(T* address, const Pack<T, N>& pack) {
-  constexpr int bytes = sizeof(T) * N;
-  typedef typename Vector<(bytes < 16 ? bytes : 16)>::type V;
-  union { Pack<T, N> pack; V vectors[(bytes + 15) / 16]; } bits;
+  typedef PackVectors<T, N> Bits;
+  Bits bits;
   bits.pack = pack;
 #pragma unroll
-  for (int i = 0; i < (bytes + 15) / 16; ++i) reinterpret_cast<V*>(address)[i] = bits.vectors[i];
+  for (int i = 0; i < Bits::count; ++i) reinterpret_cast<typename Bits::V*>(address)[i] = bits.vectors[i];
 }
 
 // Reads row `row`, columns [col, col + N) of a row-major matrix whose rows are

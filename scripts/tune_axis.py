@@ -13,11 +13,11 @@ import argparse
 import cupy
 import numpy
 
-from cupyops import bench, dtypes, jit
-from cupyops.device import live_facts
-from cupyops.launch import Target, get_num_blocks, live_function
+from cupyops import dtypes, jit
+from cupyops.launch import get_num_blocks, live_function
 from cupyops.ops.softmax import vector_pack_size
 from cupyops.ops.softmax_axis import SoftmaxAxisSpec, plan
+from tuning import Tuning
 
 SHAPES = "64x4096x256,32x4096x512,64x1024x1024,256x512x256"
 
@@ -65,11 +65,8 @@ def main():
     parser.add_argument("--shapes", default=SHAPES)
     parser.add_argument("--dtypes", default="float16,float32")
     args = parser.parse_args()
-    device_id = cupy.cuda.runtime.getDevice()
-    target = Target.live(device_id)
-    timer = bench.Timer(budget_s=0.1)
-    copy = bench.copy_ceiling_gbs(timer)
-    print(f"# {live_facts(device_id).name}; copy ceiling {copy:.0f} GB/s")
+    tuning = Tuning(budget_s=0.1)
+    device_id, target = tuning.device_id, tuning.target
     for dtype_name in args.dtypes.split(","):
         dtype = dtypes.parse_dtype(dtype_name)
         short = dtypes.float_type(dtype).short
@@ -87,18 +84,15 @@ def main():
                 function = live_function(spec, device_id, smem)
                 arguments = (x, y, numpy.int64(outer), numpy.int64(cols), numpy.int64(inner))
                 run = lambda: function(grid, block, arguments, shared_mem=smem)  # noqa: E731
-                y.fill(float("nan"))
-                run()
-                error = float(cupy.abs(y[:2].astype(cupy.float64) - expect).max())
-                t = timer.time(run)
-                gbs = bench.gbs(num_bytes, t)
-                results.append((t.median_us, label, gbs, error, spec.name))
-            for median_us, label, gbs, error, name in sorted(results)[:12]:
+                median_us, gbs, fraction, error = tuning.measure(
+                    run, y, lambda result: float(cupy.abs(result[:2].astype(cupy.float64) - expect).max()), num_bytes)
+                results.append((median_us, label, gbs, fraction, error, spec.name))
+            for median_us, label, gbs, fraction, error, name in sorted(results)[:12]:
                 print(f"{short:<4} {shape:<14} {label:<28} {median_us:>9.1f} us {gbs:>6.0f} GB/s "
-                      f"{gbs / copy:>6.1%}  err={error:.1e} {name}", flush=True)
+                      f"{fraction:>6.1%}  err={error:.1e} {name}", flush=True)
             auto = [r for r in results if r[1] == "auto"]
             if auto:
-                print(f"{short:<4} {shape:<14} auto {auto[0][0]:.1f} us {auto[0][2] / copy:.1%} {auto[0][4]}")
+                print(f"{short:<4} {shape:<14} auto {auto[0][0]:.1f} us {auto[0][3]:.1%} {auto[0][5]}")
             del x, y
             cupy.get_default_memory_pool().free_all_blocks()
 

@@ -15,12 +15,12 @@ import argparse
 import cupy
 import numpy
 
-from cupyops import bench, dtypes
-from cupyops.device import live_facts
-from cupyops.launch import Target, live_function
+from cupyops import dtypes
+from cupyops.launch import live_function
 from cupyops.ops import softmax, softmax_split
 from cupyops.rowwise import Operand
 from tune_softmax import reference
+from tuning import Tuning
 
 COOP_SIZES = (32, 64, 96, 128)     # bytes of each input a coop thread holds
 SHAPES = "16384x32768,16384x65536,8192x131072,4096x262144,8x1048576,64x1048576,1x16777216,49152x32768"
@@ -54,11 +54,8 @@ def main():
     parser.add_argument("--ops", default="softmax,softmax_backward")
     parser.add_argument("--shapes", default=SHAPES)
     args = parser.parse_args()
-    device_id = cupy.cuda.runtime.getDevice()
-    target = Target.live(device_id)
-    timer = bench.Timer(budget_s=0.15)
-    copy = bench.copy_ceiling_gbs(timer)
-    print(f"# {live_facts(device_id).name}; copy ceiling {copy:.0f} GB/s")
+    tuning = Tuning(budget_s=0.15)
+    device_id, target = tuning.device_id, tuning.target
     for dtype_name in args.dtypes.split(","):
         dtype = dtypes.parse_dtype(dtype_name)
         short = dtypes.float_type(dtype).short
@@ -74,14 +71,11 @@ def main():
                 expect = reference(op, [a[:checked] for a in inputs])
                 num_bytes = (len(inputs) + 1) * rows * cols * dtype.itemsize
                 for label, chosen in candidates(op, rows, cols, short, target):
-                    run = launcher(chosen, inputs, out, device_id)
-                    out.fill(float("nan"))
-                    run()
-                    error = float(cupy.abs(out[:checked].astype(cupy.float64) - expect).max())
-                    t = timer.time(run)
-                    gbs = bench.gbs(num_bytes, t)
-                    print(f"{op:<16} {short:<4} {rows:>6}x{cols:<9} {label:<20} {t.median_us:>9.1f} us "
-                          f"{gbs:>6.0f} GB/s {gbs / copy:>6.1%}  err={error:.1e} {chosen.spec.name}",
+                    median_us, gbs, fraction, error = tuning.measure(
+                        launcher(chosen, inputs, out, device_id), out,
+                        lambda result: float(cupy.abs(result[:checked].astype(cupy.float64) - expect).max()), num_bytes)
+                    print(f"{op:<16} {short:<4} {rows:>6}x{cols:<9} {label:<20} {median_us:>9.1f} us "
+                          f"{gbs:>6.0f} GB/s {fraction:>6.1%}  err={error:.1e} {chosen.spec.name}",
                           flush=True)
             del arrays, out, inputs
             cupy.get_default_memory_pool().free_all_blocks()

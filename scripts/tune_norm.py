@@ -224,9 +224,9 @@ class Shape:
         return lambda: norm.launch_forward(chosen, self.device_id, self.rows, self.cols, self.x_op, self.out_op,
                                            1e-5, weight=self.weight, bias=self.bias)
 
-    def check(self) -> float:
-        """Largest relative error of the last run's outputs."""
-        got = {"y": self.out[:CHECK_ROWS], "dx": self.out[:CHECK_ROWS], "dweight": getattr(self, "dweight", None),
+    def check(self, out) -> float:
+        """Largest relative error of the last run's outputs (`out`: y or dx, self.out)."""
+        got = {"y": out[:CHECK_ROWS], "dx": out[:CHECK_ROWS], "dweight": getattr(self, "dweight", None),
                "dbias": getattr(self, "dbias", None)}
         return max(_relative_error(got[name], expected) for name, expected in self.expected.items())
 
@@ -246,14 +246,10 @@ def main():
 
     import cupy
 
-    from cupyops import bench
-    from cupyops.device import live_facts
+    from tuning import Tuning
 
-    device_id = cupy.cuda.runtime.getDevice()
-    target = Target.live(device_id)
-    timer = bench.Timer(budget_s=0.1)
-    copy = bench.copy_ceiling_gbs(timer)
-    print(f"# {live_facts(device_id).name}; copy ceiling {copy:.0f} GB/s")
+    tuning = Tuning(budget_s=0.1)
+    target = tuning.target
     for op in args.ops.split(","):
         arrays_counted = 3 if op in norm.BACKWARD_OPS else 2
         for dtype_name in args.dtypes.split(","):
@@ -264,15 +260,11 @@ def main():
                 shape = Shape(op, dtype, rows, cols)
                 num_bytes = arrays_counted * rows * cols * dtype.itemsize
                 for label, chosen in candidates(op, short, rows, cols, target):
-                    run = shape.runner(chosen)
-                    shape.out.fill(float("nan"))
-                    run()
-                    error = shape.check()
+                    median_us, gbs, fraction, error = tuning.measure(
+                        shape.runner(chosen), shape.out, shape.check, num_bytes)
                     verdict = "" if error <= TOLERANCE[short] else "  WRONG"
-                    t = timer.time(run)
-                    gbs = bench.gbs(num_bytes, t)
                     print(f"{op:<19} {short:<4} cols={cols:<6} {label:<24} {_kernel_names(chosen)} "
-                          f"{t.median_us:>9.1f} us {gbs:>6.0f} GB/s {gbs / copy:>6.1%}  "
+                          f"{median_us:>9.1f} us {gbs:>6.0f} GB/s {fraction:>6.1%}  "
                           f"err={error:.1e}{verdict}", flush=True)
                 del shape
                 cupy.get_default_memory_pool().free_all_blocks()

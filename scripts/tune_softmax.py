@@ -13,10 +13,10 @@ import argparse
 import cupy
 import numpy
 
-from cupyops import bench, dtypes, jit
-from cupyops.device import live_facts
-from cupyops.launch import Target, get_num_blocks
+from cupyops import dtypes, jit
+from cupyops.launch import get_num_blocks
 from cupyops.ops.softmax import INPUTS, SoftmaxSpec, _warp_plan, plan, vector_pack_size, warp_ladder
+from tuning import Tuning
 
 
 def candidates(op, dtype, rows, cols, target):
@@ -103,11 +103,8 @@ def main():
     parser.add_argument("--ops", default="softmax")
     parser.add_argument("--cols", default="256,512,1024,2048,4096,8192,16384,32768,65536")
     args = parser.parse_args()
-    device_id = cupy.cuda.runtime.getDevice()
-    target = Target.live(device_id)
-    timer = bench.Timer(budget_s=0.15)
-    copy = bench.copy_ceiling_gbs(timer)
-    print(f"# {live_facts(device_id).name}; copy ceiling {copy:.0f} GB/s")
+    tuning = Tuning(budget_s=0.15)
+    device_id, target = tuning.device_id, tuning.target
     for op in args.ops.split(","):
         for dtype_name in args.dtypes.split(","):
             dtype = dtypes.parse_dtype(dtype_name)
@@ -127,13 +124,10 @@ def main():
                     args_ = (*inputs, y, numpy.int64(rows), numpy.int64(cols),
                              *[numpy.int64(cols)] * (len(inputs) + 1))
                     run = lambda: raw(grid, block, args_, shared_mem=smem)  # noqa: E731
-                    y.fill(float("nan"))
-                    run()
-                    error = float(cupy.abs(y[:64].astype(cupy.float64) - expect).max())
-                    t = timer.time(run)
-                    gbs = bench.gbs(num_bytes, t)
+                    median_us, gbs, fraction, error = tuning.measure(
+                        run, y, lambda result: float(cupy.abs(result[:64].astype(cupy.float64) - expect).max()), num_bytes)
                     print(f"{op:<11} {short:<4} rows={rows:<6} cols={cols:<7} {label:<18} "
-                          f"{t.median_us:>9.1f} us {gbs:>6.0f} GB/s {gbs / copy:>6.1%}  "
+                          f"{median_us:>9.1f} us {gbs:>6.0f} GB/s {fraction:>6.1%}  "
                           f"err={error:.1e} regs={raw.num_regs} {spec.name}", flush=True)
                 del inputs, y
                 cupy.get_default_memory_pool().free_all_blocks()

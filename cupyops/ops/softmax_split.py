@@ -115,6 +115,12 @@ class SoftmaxSplitSpec(jit.KernelSpec):
     def threads_per_block(self) -> int:
         return self.block_size
 
+    @property
+    def partial_size(self) -> int:
+        """Workspace values per chunk: (max, sum) forward, the sum backward
+        (split_partial_size in kernels/softmax_split.cuh)."""
+        return 1 if self.op.endswith("_backward") else 2
+
     def template_args(self) -> dict:
         ftype = self.ftype
         return {**super().template_args(), "inputs": INPUTS[self.op],
@@ -138,11 +144,6 @@ class SplitPlan:
         """The finish kernel, named in explain() as "kernel" (as other plans' spec)."""
         return self.finish
 
-    @property
-    def partial_size(self) -> int:
-        """Workspace values per chunk: (max, sum) forward, the sum backward."""
-        return 1 if self.finish.op.endswith("_backward") else 2
-
     def explain(self) -> dict:
         spec = self.finish
         return {"op": spec.op, "impl": "split", "pack_size": spec.pack_size,
@@ -160,10 +161,6 @@ class CoopPlan:
     slots: int
     block: tuple
     grid: tuple             # slots * splits blocks, all resident
-
-    @property
-    def partial_size(self) -> int:
-        return 1 if self.spec.op.endswith("_backward") else 2
 
     def explain(self) -> dict:
         spec = self.spec
@@ -327,14 +324,14 @@ def launch(chosen, functions, inputs, output, rows: int, cols: int) -> None:
     strides = tuple(numpy.int64(o.row_stride) for o in operands)
     scalars = (numpy.int64(cols), numpy.int64(chosen.splits), numpy.int64(chosen.chunk_cols))
     if isinstance(chosen, CoopPlan):
-        workspace = cupy.empty(chosen.slots * 2 * chosen.splits * chosen.partial_size, compute_dtype)
+        workspace = cupy.empty(chosen.slots * 2 * chosen.splits * chosen.spec.partial_size, compute_dtype)
         counters = _coop_counters(chosen.slots, first.device.id, cupy.cuda.get_current_stream().ptr)
         functions[0](chosen.grid, chosen.block,
                      (*(o.array for o in operands), workspace, counters, numpy.int64(rows), *scalars,
                       *strides), enable_cooperative_groups=True)
         return
     partials_function, finish_function = functions
-    workspace = cupy.empty(rows * chosen.splits * chosen.partial_size, compute_dtype)
+    workspace = cupy.empty(rows * chosen.splits * chosen.spec.partial_size, compute_dtype)
     partials_function(chosen.grid, chosen.block,
                       (*(o.array for o in inputs), workspace, *scalars, *strides[:-1]))
     finish_function(chosen.grid, chosen.block, (*(o.array for o in operands), workspace, *scalars, *strides))
