@@ -109,15 +109,53 @@ __device__ __forceinline__ void store_pack_shared(T* address, const Pack<T, N>& 
 
 // Reads row `row`, columns [col, col + N) of a row-major matrix whose rows are
 // `row_stride` elements apart, converting to the compute type.
+// fetch() is the load alone, in the storage type (see RegisterRow).
 template <typename Src, typename Dst>
 struct DirectLoad {
+  typedef Src Storage;
   const Src* src;
   int64 row_stride;
   template <int N>
+  __device__ __forceinline__ Pack<Src, N> fetch(int64 row, int64 col) const {
+    return load_pack<Src, N>(src + row * row_stride + col);
+  }
+  template <int N>
   __device__ __forceinline__ void load(Dst* dst, int64 row, int64 col) const {
-    const Pack<Src, N> pack = load_pack<Src, N>(src + row * row_stride + col);
+    const Pack<Src, N> pack = fetch<N>(row, col);
 #pragma unroll
     for (int i = 0; i < N; ++i) dst[i] = cast<Dst>(pack.elem[i]);
+  }
+};
+
+// The values of N row operands a thread holds in registers: num_packs packs
+// of pack_size each. storage = false keeps them in the compute type C;
+// storage = true keeps the loaded packs of T and converts at each use: half
+// the registers for 16-bit inputs, and every pack's load is issued before the
+// first is converted (converting as they arrive made the compiler wait on each
+// load in turn). Only compute-type values can be replaced (set).
+template <typename T, typename C, int N, int num_packs, int pack_size, bool storage>
+struct RegisterRow {
+  static constexpr int size = num_packs * pack_size;
+  Pack<T, pack_size> packs[N][storage ? num_packs : 1];
+  C values[N][storage ? 1 : size];
+
+  template <typename Load>
+  __device__ __forceinline__ void load(int j, int k, const Load& source, int64 row, int64 col) {
+    if constexpr (storage) {
+      packs[j][k] = source.template fetch<pack_size>(row, col);
+    } else {
+      source.template load<pack_size>(values[j] + k * pack_size, row, col);
+    }
+  }
+  __device__ __forceinline__ C get(int j, int i) const {
+    if constexpr (storage) {
+      return cast<C>(packs[j][i / pack_size].elem[i % pack_size]);
+    } else {
+      return values[j][i];
+    }
+  }
+  __device__ __forceinline__ void set(int j, int i, C value) {
+    if constexpr (!storage) values[j][i] = value;
   }
 };
 

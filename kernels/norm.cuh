@@ -32,11 +32,13 @@ namespace cupyops {
 // to the storage type (as torch computes it), stored, and normalised.
 template <typename T, typename C, bool has_residual>
 struct NormInput {
+  typedef T Storage;
   const T* x;
   const T* residual;
   T* h;
   int64 x_stride, residual_stride, h_stride;
 
+  static constexpr bool has_residual_input = has_residual;
   template <int N>
   __device__ __forceinline__ void load(C* dst, int64 row, int64 col) const {
     const Pack<T, N> a = load_pack<T, N>(x + row * x_stride + col);
@@ -178,6 +180,44 @@ __device__ __forceinline__ bool pack_in_row(int p, int64 col, int64 cols) {
   return !padding || p < min_packs || col < cols;
 }
 
+// Loads the packs p < num_packs a thread holds of one row into buf (compute
+// type), col_of(p) their columns, inside(p) whether each lies in the rows.
+// Without a residual every pack is loaded first and without a branch (a pack
+// outside loads the one at (fallback_row, fallback_col), which exists, and
+// is left out by the caller), then converted: converting each pack under the
+// condition of its load had the loads go out one at a time (bfloat16 rows at
+// 57-66 % of copy). With a residual the raw x and residual packs would not
+// fit the registers beside buf, so each pack is loaded, added and stored (h)
+// in turn.
+template <typename Input, typename C, int num_packs, int pack_size, typename ColOf, typename Inside>
+__device__ __forceinline__ void load_row_packs(const Input& in, C* buf, int64 row, ColOf col_of, Inside inside,
+                                               int64 fallback_row, int64 fallback_col) {
+  if constexpr (Input::has_residual_input) {
+#pragma unroll
+    for (int p = 0; p < num_packs; ++p) {
+      if (inside(p)) {
+        in.template load<pack_size>(buf + p * pack_size, row, col_of(p));
+      } else {
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) buf[p * pack_size + i] = C(0);
+      }
+    }
+  } else {
+    typedef typename Input::Storage T;
+    Pack<T, pack_size> fetched[num_packs];
+#pragma unroll
+    for (int p = 0; p < num_packs; ++p) {
+      const T* source = in.x + (inside(p) ? row * in.x_stride + col_of(p) : fallback_row * in.x_stride + fallback_col);
+      fetched[p] = load_pack<T, pack_size>(source);
+    }
+#pragma unroll
+    for (int p = 0; p < num_packs; ++p) {
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) buf[p * pack_size + i] = cast<C>(fetched[p].elem[i]);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Forward, warp path: a group of `width` lanes owns rows_per_access rows at a
 // time, each lane holding max_cols_per_thread values of each in registers.
@@ -192,30 +232,20 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
   C buf[rows_per_access][max_cols_per_thread];
   const WarpRows warp_rows = WarpRows::make<width, rows_per_access>();
   const int lane = warp_rows.group_lane;
+  const auto pack_col = [&](int p) { return (static_cast<int64>(p) * width + lane) * pack_size; };
   for (int64 base = warp_rows.first; base < rows; base += warp_rows.step) {
     const int64 row = base + WarpRows::group_offset<width, rows_per_access>();
+    const auto inside = [&](int r, int p) { return row + r < rows && pack_in_row<padding, min_packs>(p, pack_col(p), cols); };
     Stats stats[rows_per_access];
     C shift[rows_per_access];
 #pragma unroll
     for (int r = 0; r < rows_per_access; ++r) {
       shift[r] = row + r < rows ? row_shift<Stats, Input, C>(in, row + r) : C(0);
+      load_row_packs<Input, C, max_packs, pack_size>(in, buf[r], row + r, pack_col, [&](int p) { return inside(r, p); },
+                                                     rows - 1, 0);
 #pragma unroll
-      for (int p = 0; p < max_packs; ++p) {
-        const int64 col = (static_cast<int64>(p) * width + lane) * pack_size;
-        C* values = buf[r] + p * pack_size;
-        if (row + r < rows && pack_in_row<padding, min_packs>(p, col, cols)) {
-          in.template load<pack_size>(values, row + r, col);
-#pragma unroll
-          for (int i = 0; i < pack_size; ++i) values[i] -= shift[r];   // buf holds x - K from here on
-        } else {
-#pragma unroll
-          for (int i = 0; i < pack_size; ++i) values[i] = C(0);
-        }
-      }
-      stats[r] = Stats::template of_packs<max_packs, pack_size>(buf[r], [&](int p) {
-        const int64 col = (static_cast<int64>(p) * width + lane) * pack_size;
-        return row + r < rows && pack_in_row<padding, min_packs>(p, col, cols);
-      });
+      for (int i = 0; i < max_cols_per_thread; ++i) buf[r][i] -= shift[r];   // buf holds x - K from here on
+      stats[r] = Stats::template of_packs<max_packs, pack_size>(buf[r], [&](int p) { return inside(r, p); });
     }
 #pragma unroll
     for (int r = 0; r < rows_per_access; ++r) {
@@ -226,10 +256,7 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
       for (int i = 0; i < max_cols_per_thread; ++i) buf[r][i] = (buf[r][i] - m.mean) * m.rstd;
 #pragma unroll
       for (int p = 0; p < max_packs; ++p) {
-        const int64 col = (static_cast<int64>(p) * width + lane) * pack_size;
-        if (pack_in_row<padding, min_packs>(p, col, cols)) {
-          out.template store<pack_size>(buf[r] + p * pack_size, row + r, col);
-        }
+        if (inside(r, p)) out.template store<pack_size>(buf[r] + p * pack_size, row + r, pack_col(p));
       }
     }
   }
@@ -254,17 +281,10 @@ __device__ __forceinline__ void norm_block_regs(const Input& in, const Output& o
     const int head = peel ? row_head(row) : 0;
     const int64 num_packs = (cols - head) / pack_size;
     const C shift = row_shift<Stats, Input, C>(in, row);
-    const auto pack_id = [&](int k) { return static_cast<int64>(k) * block_size + threadIdx.x; };
-    const auto in_row = [&](int k) { return pack_id(k) < num_packs; };
-#pragma unroll
-    for (int k = 0; k < packs_per_thread; ++k) {
-      C* values = buf + k * pack_size;
-      if (in_row(k)) {
-        in.template load<pack_size>(values, row, head + pack_id(k) * pack_size);
-#pragma unroll
-        for (int i = 0; i < pack_size; ++i) values[i] -= shift;   // buf holds x - K from here on
-      }
-    }
+    const auto pack_col = [&](int k) { return head + (static_cast<int64>(k) * block_size + threadIdx.x) * pack_size; };
+    const auto in_row = [&](int k) { return static_cast<int64>(k) * block_size + threadIdx.x < num_packs; };
+    // A pack past the row loads the row's first pack (num_packs >= 1).
+    load_row_packs<Input, C, packs_per_thread, pack_size>(in, buf, row, pack_col, in_row, row, head);
     const int64 tail = head + num_packs * pack_size;
     const bool has_edge = peel && threadIdx.x < head + (cols - tail);
     const int64 edge_col = threadIdx.x < head ? threadIdx.x : tail + threadIdx.x - head;
@@ -273,6 +293,8 @@ __device__ __forceinline__ void norm_block_regs(const Input& in, const Output& o
       in.template load<1>(&edge, row, edge_col);
       edge -= shift;
     }
+#pragma unroll
+    for (int i = 0; i < packs_per_thread * pack_size; ++i) buf[i] -= shift;   // buf holds x - K from here on
     Stats stats = Stats::template of_packs<packs_per_thread, pack_size>(buf, in_row);
     if (has_edge) stats.add(edge);
     const RowMoments<C> m = block_all_reduce_state<block_size>(stats).moments(cols, eps);
@@ -283,12 +305,10 @@ __device__ __forceinline__ void norm_block_regs(const Input& in, const Output& o
     }
 #pragma unroll
     for (int k = 0; k < packs_per_thread; ++k) {
-      if (in_row(k)) {
-        C* values = buf + k * pack_size;
+      C* values = buf + k * pack_size;
 #pragma unroll
-        for (int i = 0; i < pack_size; ++i) values[i] = (values[i] - m.mean) * m.rstd;
-        out.template store<pack_size, !peel>(values, row, head + pack_id(k) * pack_size);
-      }
+      for (int i = 0; i < pack_size; ++i) values[i] = (values[i] - m.mean) * m.rstd;
+      if (in_row(k)) out.template store<pack_size, !peel>(values, row, pack_col(k));
     }
   }
 }
@@ -387,32 +407,57 @@ struct NormGradIO {
   __device__ __forceinline__ RowMoments<C> moments(int64 row) const {
     return {centered ? mean[row] : C(0), rstd[row]};
   }
-  // dy and xhat of a pack; g = dy * weight is added to sums.first (centered)
-  // and g * xhat to sums.second.
+  // The weight of a pack's columns (1 without a weight).
   template <int N>
-  __device__ __forceinline__ void load(C* dy_out, C* xhat_out, SumPairState<C>& sums, const RowMoments<C>& m,
-                                       int64 row, int64 col) const {
-    DirectLoad<T, C>{dy, dy_stride}.template load<N>(dy_out, row, col);
-    DirectLoad<T, C>{x, x_stride}.template load<N>(xhat_out, row, col);
-    C w[N], unused[N];
+  __device__ __forceinline__ void weights(C* w, int64 col) const {
+    C unused[N];
     Affine<T, C, has_weight, false>{weight, nullptr}.template load<N>(w, unused, col);
+  }
+  // dy and x of a pack as stored.
+  template <int N>
+  struct Fetched {
+    Pack<T, N> dy, x;
+  };
+  template <int N>
+  __device__ __forceinline__ Fetched<N> fetch(int64 row, int64 col) const {
+    return {load_pack<T, N>(dy + row * dy_stride + col), load_pack<T, N>(x + row * x_stride + col)};
+  }
+  // dy and xhat of a fetched pack; g = dy * weight is added to sums.first
+  // (centered) and g * xhat to sums.second.
+  template <int N>
+  __device__ __forceinline__ void convert(const Fetched<N>& fetched, const C* w, C* dy_out, C* xhat_out,
+                                          SumPairState<C>& sums, const RowMoments<C>& m) const {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      xhat_out[i] = (xhat_out[i] - m.mean) * m.rstd;
+      dy_out[i] = cast<C>(fetched.dy.elem[i]);
+      xhat_out[i] = (cast<C>(fetched.x.elem[i]) - m.mean) * m.rstd;
       const C g = dy_out[i] * w[i];
       if (centered) sums.first += g;
       sums.second += g * xhat_out[i];
     }
   }
+  template <int N>
+  __device__ __forceinline__ void load(C* dy_out, C* xhat_out, SumPairState<C>& sums, const RowMoments<C>& m,
+                                       int64 row, int64 col) const {
+    C w[N];
+    weights<N>(w, col);
+    convert<N>(fetch<N>(row, col), w, dy_out, xhat_out, sums, m);
+  }
   // dx of a pack from dy and xhat and the row sums (already divided by cols).
   template <int N>
-  __device__ __forceinline__ void store(const C* dy_in, const C* xhat, C mean_g, C mean_gx, C rstd, int64 row,
-                                        int64 col) const {
-    C w[N], unused[N], out[N];
-    Affine<T, C, has_weight, false>{weight, nullptr}.template load<N>(w, unused, col);
+  __device__ __forceinline__ void store_with(const C* w, const C* dy_in, const C* xhat, C mean_g, C mean_gx,
+                                             C rstd, int64 row, int64 col) const {
+    C out[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) out[i] = rstd * (dy_in[i] * w[i] - mean_g - xhat[i] * mean_gx);
     DirectStore<C, T>{dx, dx_stride}.template store<N>(out, row, col);
+  }
+  template <int N>
+  __device__ __forceinline__ void store(const C* dy_in, const C* xhat, C mean_g, C mean_gx, C rstd, int64 row,
+                                        int64 col) const {
+    C w[N];
+    weights<N>(w, col);
+    store_with<N>(w, dy_in, xhat, mean_g, mean_gx, rstd, row, col);
   }
 };
 
@@ -516,16 +561,18 @@ __device__ __forceinline__ void norm_grad_warp(const IO& io, int64 rows, int64 c
 }
 
 // Backward, block-register path: thread t owns packs t, t + block_size, ...
-// cached = true keeps dy and xhat in registers between the two passes;
-// cached = false re-reads them (from L1 / L2) for the second pass. With
-// fuse_param_grad the owned columns' partial sums stay in registers and are
-// written to the block's workspace row at the end.
+// cached = true keeps dy and xhat in registers between the two passes.
+// prefetch (cached only) fetches the block's next row (dy, x, mean and rstd)
+// while this one is reduced and written, so a row's loads need not wait for
+// the previous row's barriers; a thread's columns being the same in every
+// row, it then reads its weight once. cached = false re-reads dy and x (from L1 /
+// L2) for the second pass. With fuse_param_grad the owned columns' partial
+// sums stay in registers and are written to the block's workspace row at the
+// end.
 template <typename IO, typename C, int pack_size, int packs_per_thread, int block_size, bool cached,
-          bool fuse_param_grad>
+          bool prefetch, bool fuse_param_grad>
 __device__ __forceinline__ void norm_grad_block_regs(const IO& io, int64 rows, int64 cols) {
-  constexpr int cache_packs = cached ? packs_per_thread : 1;
   constexpr int part_packs = fuse_param_grad ? packs_per_thread : 1;
-  C dy_buf[cache_packs][pack_size], xhat_buf[cache_packs][pack_size];
   C weight_part[part_packs][pack_size], bias_part[part_packs][pack_size];
   if constexpr (fuse_param_grad) {
 #pragma unroll
@@ -535,42 +582,87 @@ __device__ __forceinline__ void norm_grad_block_regs(const IO& io, int64 rows, i
     }
   }
   const int64 num_packs = cols / pack_size;
-  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    const RowMoments<C> m = io.moments(row);
-    SumPairState<C> sums = SumPairState<C>::empty();
+  const auto in_row = [&](int k) { return static_cast<int64>(k) * block_size + threadIdx.x < num_packs; };
+  // A pack past the row reads the row's first pack (and is skipped).
+  const auto pack_col = [&](int k) {
+    return in_row(k) ? (static_cast<int64>(k) * block_size + threadIdx.x) * pack_size : int64(0);
+  };
+  const auto add_param_grads = [&](int k, const C* dy_pack, const C* xhat) {
+    if constexpr (fuse_param_grad) {
 #pragma unroll
-    for (int k = 0; k < packs_per_thread; ++k) {
-      const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
-      const int c = cached ? k : 0;
-      if (pack_id < num_packs) io.template load<pack_size>(dy_buf[c], xhat_buf[c], sums, m, row, pack_id * pack_size);
-    }
-    const RowGradSums<C> row_sums(block_all_reduce_state<block_size>(sums), cols);
-#pragma unroll
-    for (int k = 0; k < packs_per_thread; ++k) {
-      const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
-      if (pack_id >= num_packs) continue;
-      const int c = cached ? k : 0;
-      if (!cached) {
-        SumPairState<C> unused = SumPairState<C>::empty();
-        io.template load<pack_size>(dy_buf[c], xhat_buf[c], unused, m, row, pack_id * pack_size);
+      for (int i = 0; i < pack_size; ++i) {
+        weight_part[k][i] += dy_pack[i] * xhat[i];
+        bias_part[k][i] += dy_pack[i];
       }
-      io.template store<pack_size>(dy_buf[c], xhat_buf[c], row_sums.mean_g, row_sums.mean_gx, m.rstd, row,
-                                   pack_id * pack_size);
-      if constexpr (fuse_param_grad) {
+    }
+  };
+  if constexpr (prefetch) {
+    static_assert(cached, "prefetch keeps the rows in registers");
+    C w[packs_per_thread][pack_size];
 #pragma unroll
-        for (int i = 0; i < pack_size; ++i) {
-          weight_part[k][i] += dy_buf[c][i] * xhat_buf[c][i];
-          bias_part[k][i] += dy_buf[c][i];
+    for (int k = 0; k < packs_per_thread; ++k) io.template weights<pack_size>(w[k], pack_col(k));
+    typename IO::template Fetched<pack_size> next[packs_per_thread];
+    RowMoments<C> next_moments{C(0), C(0)};
+    const auto fetch_row = [&](int64 row) {
+#pragma unroll
+      for (int k = 0; k < packs_per_thread; ++k) next[k] = io.template fetch<pack_size>(row, pack_col(k));
+      next_moments = io.moments(row);
+    };
+    if (blockIdx.x < rows) fetch_row(blockIdx.x);
+    for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+      typename IO::template Fetched<pack_size> current[packs_per_thread];
+#pragma unroll
+      for (int k = 0; k < packs_per_thread; ++k) current[k] = next[k];
+      const RowMoments<C> m = next_moments;
+      if (row + gridDim.x < rows) fetch_row(row + gridDim.x);
+      C dy_buf[packs_per_thread][pack_size], xhat_buf[packs_per_thread][pack_size];
+      SumPairState<C> sums = SumPairState<C>::empty();
+#pragma unroll
+      for (int k = 0; k < packs_per_thread; ++k) {
+        SumPairState<C> pack_sums = SumPairState<C>::empty();
+        io.template convert<pack_size>(current[k], w[k], dy_buf[k], xhat_buf[k], pack_sums, m);
+        if (in_row(k)) sums.combine(pack_sums);
+      }
+      const RowGradSums<C> row_sums(block_all_reduce_state<block_size>(sums), cols);
+#pragma unroll
+      for (int k = 0; k < packs_per_thread; ++k) {
+        if (!in_row(k)) continue;
+        io.template store_with<pack_size>(w[k], dy_buf[k], xhat_buf[k], row_sums.mean_g, row_sums.mean_gx, m.rstd,
+                                          row, pack_col(k));
+        add_param_grads(k, dy_buf[k], xhat_buf[k]);
+      }
+    }
+  } else {
+    constexpr int cache_packs = cached ? packs_per_thread : 1;
+    C dy_buf[cache_packs][pack_size], xhat_buf[cache_packs][pack_size];
+    for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+      const RowMoments<C> m = io.moments(row);
+      SumPairState<C> sums = SumPairState<C>::empty();
+#pragma unroll
+      for (int k = 0; k < packs_per_thread; ++k) {
+        const int c = cached ? k : 0;
+        if (in_row(k)) io.template load<pack_size>(dy_buf[c], xhat_buf[c], sums, m, row, pack_col(k));
+      }
+      const RowGradSums<C> row_sums(block_all_reduce_state<block_size>(sums), cols);
+#pragma unroll
+      for (int k = 0; k < packs_per_thread; ++k) {
+        if (!in_row(k)) continue;
+        const int c = cached ? k : 0;
+        if (!cached) {
+          SumPairState<C> unused = SumPairState<C>::empty();
+          io.template load<pack_size>(dy_buf[c], xhat_buf[c], unused, m, row, pack_col(k));
         }
+        io.template store<pack_size>(dy_buf[c], xhat_buf[c], row_sums.mean_g, row_sums.mean_gx, m.rstd, row,
+                                     pack_col(k));
+        add_param_grads(k, dy_buf[c], xhat_buf[c]);
       }
     }
   }
   if constexpr (fuse_param_grad) {
 #pragma unroll
     for (int k = 0; k < packs_per_thread; ++k) {
-      const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
-      if (pack_id < num_packs) {
-        const int64 offset = static_cast<int64>(blockIdx.x) * cols + pack_id * pack_size;
+      if (in_row(k)) {
+        const int64 offset = static_cast<int64>(blockIdx.x) * cols + pack_col(k);
         if (io.weight_partials != nullptr) {
           DirectStore<C, C>{io.weight_partials, 0}.template store<pack_size>(weight_part[k], 0, offset);
         }

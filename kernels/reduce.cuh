@@ -14,6 +14,15 @@ template <typename T>
 struct MaxOp {
   __device__ __forceinline__ T operator()(T a, T b) const { return (a != a || a > b) ? a : b; }
 };
+// float: one instruction (max.NaN, sm_80 and later) instead of compare and select.
+template <>
+struct MaxOp<float> {
+  __device__ __forceinline__ float operator()(float a, float b) const {
+    float result;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(result) : "f"(a), "f"(b));
+    return result;
+  }
+};
 
 // Reduces over groups of `width` consecutive lanes (width a power of two <= 32).
 template <template <typename> class Op, typename T, int width = 32>

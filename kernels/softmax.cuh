@@ -210,29 +210,29 @@ __device__ __forceinline__ void softmax_warp(const Load (&loads)[Op::num_inputs]
 // every operand) and its last partial pack are single elements held by
 // threads 0, 1, ...; the packs in between are aligned. They are loaded after
 // the packs, so the packs' loads are all in flight first.
+// storage_cache: the packs are held as loaded (RegisterRow) and converted in
+// each pass; softmax then takes exp(x - m) again for the outputs.
 template <typename Op, typename Load, typename Store, typename C, int pack_size, int packs_per_thread,
-          int block_size, bool peel, typename RowHead>
+          int block_size, bool peel, bool storage_cache, typename RowHead>
 __device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_inputs], const Store& store,
                                                    int64 rows, int64 cols, const RowHead& row_head) {
   constexpr int N = Op::num_inputs;
-  constexpr int kCached = packs_per_thread * pack_size;
-  C buf[N][kCached];
+  // The storage cache keeps no exp(x - m) between passes: out<false> recomputes it.
+  constexpr bool reuse = !storage_cache;
+  RegisterRow<typename Load::Storage, C, N, packs_per_thread, pack_size, storage_cache> buf;
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
     const int head = peel ? row_head(row) : 0;
     const int64 num_packs = (cols - head) / pack_size;
+    const auto pack_col = [&](int k) { return head + (static_cast<int64>(k) * block_size + threadIdx.x) * pack_size; };
+    const auto in_row = [&](int k) { return static_cast<int64>(k) * block_size + threadIdx.x < num_packs; };
+    // Every pack is loaded without a branch (one past the row loads the row's
+    // first pack again, num_packs >= 1) and each pass skips those past the
+    // row: a load under the same condition as its use was fused with it, and
+    // the loads went out one pass of arithmetic apart.
 #pragma unroll
     for (int k = 0; k < packs_per_thread; ++k) {
-      const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
 #pragma unroll
-      for (int j = 0; j < N; ++j) {
-        C* values = buf[j] + k * pack_size;
-        if (pack_id < num_packs) {
-          loads[j].template load<pack_size>(values, row, head + pack_id * pack_size);
-        } else {
-#pragma unroll
-          for (int i = 0; i < pack_size; ++i) values[i] = Op::pad();
-        }
-      }
+      for (int j = 0; j < N; ++j) buf.load(j, k, loads[j], row, in_row(k) ? pack_col(k) : head);
     }
     const int64 tail = head + num_packs * pack_size;
     const int num_edges = peel ? head + static_cast<int>(cols - tail) : 0;
@@ -248,18 +248,21 @@ __device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_i
     if (Op::needs_max) {
       C thread_max = edge[0];
 #pragma unroll
-      for (int i = 0; i < kCached; ++i) thread_max = MaxOp<C>()(thread_max, buf[0][i]);
+      for (int i = 0; i < buf.size; ++i) {
+        if (in_row(i / pack_size)) thread_max = MaxOp<C>()(thread_max, buf.get(0, i));
+      }
       op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
     }
     C thread_sum = has_edge ? op.template term<true>(edge) : C(0);
 #pragma unroll
-    for (int i = 0; i < kCached; ++i) {
+    for (int i = 0; i < buf.size; ++i) {
+      if (!in_row(i / pack_size)) continue;
       C v[N];
 #pragma unroll
-      for (int j = 0; j < N; ++j) v[j] = buf[j][i];
-      thread_sum += op.template term<true>(v);
+      for (int j = 0; j < N; ++j) v[j] = buf.get(j, i);
+      thread_sum += op.template term<reuse>(v);
 #pragma unroll
-      for (int j = 0; j < N; ++j) buf[j][i] = v[j];
+      for (int j = 0; j < N; ++j) buf.set(j, i, v[j]);
     }
     op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
     if (has_edge) {
@@ -268,17 +271,16 @@ __device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_i
     }
 #pragma unroll
     for (int k = 0; k < packs_per_thread; ++k) {
-      const int64 pack_id = static_cast<int64>(k) * block_size + threadIdx.x;
-      if (pack_id < num_packs) {
+      if (in_row(k)) {
         C values[pack_size];
 #pragma unroll
         for (int i = 0; i < pack_size; ++i) {
           C v[N];
 #pragma unroll
-          for (int j = 0; j < N; ++j) v[j] = buf[j][k * pack_size + i];
-          values[i] = op.template out<true>(v);
+          for (int j = 0; j < N; ++j) v[j] = buf.get(j, k * pack_size + i);
+          values[i] = op.template out<reuse>(v);
         }
-        store.template store<pack_size>(values, row, head + pack_id * pack_size);
+        store.template store<pack_size>(values, row, pack_col(k));
       }
     }
   }

@@ -31,12 +31,13 @@ from cupyops.ops import norm
 
 DEFAULT_COLS = "1024,2048,4096,8192,12345,16384,32768"
 CHECK_ROWS = 64
-MAX_CANDIDATES = 8
+MAX_CANDIDATES = 14
 # max |error| / max |reference| a correct kernel stays within (storage rounding)
 TOLERANCE = {"f16": 4e-3, "bf16": 3e-2, "f32": 1e-4, "f64": 1e-9}
 # register-block variants: (block_size, most bytes of compute values a thread holds)
-REGS_VARIANTS = ((128, 64), (256, 64), (512, 64), (1024, 64), (256, 128), (512, 128))
-GRAD_VARIANTS = ((256, 32, True), (512, 32, True), (1024, 32, True), (1024, 64, False), (512, 128, False))
+REGS_VARIANTS = ((64, 128), (128, 64), (256, 64), (512, 64), (1024, 64), (256, 128), (512, 128))
+GRAD_VARIANTS = ((128, 64, True), (256, 32, True), (256, 64, True), (512, 32, True), (512, 64, True),
+                 (1024, 32, True), (1024, 64, False), (512, 128, False))
 
 
 def _forward_variants(op, dtype, rows, cols, target):
@@ -84,11 +85,13 @@ def _backward_variants(op, dtype, rows, cols, target):
     for block_size, max_bytes, cached in GRAD_VARIANTS:
         per_thread = -(-num_packs // block_size)
         if per_thread * pack * compute_itemsize <= max_bytes and num_packs >= block_size // 2:
-            spec = norm.NormSpec(impl="block_regs", pack_size=pack, block_size=block_size,
-                                 packs_per_thread=per_thread, cached=cached, fuse_param_grad=True, **fields)
-            main = norm._resident_launch(spec, (block_size, 1, 1), 1, rows, 0, target)
-            label = f"fused b{block_size} k{per_thread} {'cached' if cached else 'reread'}"
-            found.append((label, norm.NormGradPlan(main, None, finish, main.grid[0], 0)))
+            for prefetch in ((False, True) if cached else (False,)):
+                spec = norm.NormSpec(impl="block_regs", pack_size=pack, block_size=block_size,
+                                     packs_per_thread=per_thread, cached=cached, prefetch=prefetch,
+                                     fuse_param_grad=True, **fields)
+                main = norm._resident_launch(spec, (block_size, 1, 1), 1, rows, 0, target)
+                label = f"fused b{block_size} k{per_thread} {spec.name.split('_')[-3]}"
+                found.append((label, norm.NormGradPlan(main, None, finish, main.grid[0], 0)))
     dx = norm._auto_backward_dx(fields, rows, cols, 16, target)
     column_reduction, chunks, rows_per_chunk = norm._param_grad_launches(family, dtype, rows, cols, target)
     found.append(("dx + column reduction", norm.NormGradPlan(dx, column_reduction, finish, chunks, rows_per_chunk)))

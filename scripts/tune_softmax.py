@@ -44,10 +44,12 @@ def candidates(op, dtype, rows, cols, target):
     for block in (128, 256, 512, 1024):
         per_thread = -(-num_packs // block)
         if per_thread * regs_pack * 4 * num_inputs <= 256 and num_packs >= block // 2:
-            spec = SoftmaxSpec(op, "block_regs", dtype, regs_pack, block_size=block,
-                               packs_per_thread=per_thread, peel=peel)
-            grid = (get_num_blocks(target.facts, block, rows), 1, 1)
-            found.append((f"regs b{block} k{per_thread}", spec, grid, (block, 1, 1), 0))
+            for storage_cache in ((False, True) if ftype.itemsize == 2 else (False,)):
+                spec = SoftmaxSpec(op, "block_regs", dtype, regs_pack, block_size=block,
+                                   packs_per_thread=per_thread, peel=peel, storage_cache=storage_cache)
+                grid = (get_num_blocks(target.facts, block, rows), 1, 1)
+                label = f"regs b{block} k{per_thread}{' packed' if storage_cache else ''}"
+                found.append((label, spec, grid, (block, 1, 1), 0))
     num_packs = cols // pack
     if pack * ftype.itemsize == 16 and cols >= 2048:
         for stages in (1, 2):
@@ -102,7 +104,9 @@ def main():
     parser.add_argument("--dtypes", default="float16,float32")
     parser.add_argument("--ops", default="softmax")
     parser.add_argument("--cols", default="256,512,1024,2048,4096,8192,16384,32768,65536")
+    parser.add_argument("--kinds", default="", help="comma-separated label prefixes to time (default: all)")
     args = parser.parse_args()
+    kinds = tuple(kind for kind in args.kinds.split(",") if kind)
     tuning = Tuning(budget_s=0.15)
     device_id, target = tuning.device_id, tuning.target
     for op in args.ops.split(","):
@@ -118,6 +122,8 @@ def main():
                 expect = reference(op, [a[:64] for a in inputs])
                 num_bytes = (len(inputs) + 1) * rows * cols * dtype.itemsize
                 for label, spec, grid, block, smem in candidates(op, short, rows, cols, target):
+                    if kinds and not label.startswith(kinds):
+                        continue
                     raw = jit.kernel(spec, device_id)
                     if smem > 48 * 1024:
                         raw.max_dynamic_shared_size_bytes = smem

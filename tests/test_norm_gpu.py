@@ -288,6 +288,33 @@ def test_backward_matches_reference(rng, centered, cols, dtype, policy):
     assert_close(dw.get(), dw_ref, dtype, scale=scale * 10)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("cols", [2048, 4096])
+@pytest.mark.parametrize("centered", [True, False], ids=["layer_norm", "rms_norm"])
+def test_backward_prefetch_walks_its_rows(rng, centered, cols, dtype):
+    """The prefetching register path: each block fetches its next row while it
+    finishes one, so rows run past the grid (two rounds and a partial one)."""
+    op = "layer_norm_backward" if centered else "rms_norm_backward"
+    short = dtypes.float_type(numpy.dtype(dtype)).short
+    chosen = norm.plan(op, 1 << 20, cols, short, "auto", Target.live(0)).main
+    assert chosen.spec.prefetch, chosen.spec.name
+    rows = 2 * chosen.grid[0] + 3
+    x, x64 = _data(rng, (rows, cols), dtype)
+    dy, dy64 = _data(rng, (rows, cols), dtype)
+    w, w64 = _data(rng, (cols,), dtype, 1.0, 0.2)
+    dx_ref, dw_ref, db_ref = _reference_backward(dy64, x64, w64, 1, centered)
+    if centered:
+        _, mean, rstd = cupyops.layer_norm(x, w, eps=EPS, return_stats=True)
+        dx, dw, db = cupyops.layer_norm_backward(dy, x, mean, rstd, w)
+        assert_close(db.get(), db_ref, dtype, scale=10)
+    else:
+        _, rstd = cupyops.rms_norm(x, w, eps=EPS, return_stats=True)
+        dx, dw = cupyops.rms_norm_backward(dy, x, rstd, w)
+    assert norm.plan(op, rows, cols, short, "auto", Target.live(0)).main.spec == chosen.spec
+    assert_close(dx.get(), dx_ref, dtype, scale=10)
+    assert_close(dw.get(), dw_ref, dtype, scale=100)
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("cols", [64, 1024, 4096, 16384, 40000])
 def test_backward_is_deterministic(rng, cols, policy):

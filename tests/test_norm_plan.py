@@ -195,9 +195,9 @@ def test_golden_names():
     assert (norm.plan("layer_norm", ROWS, 1000, "f16", "oneflow", H100).spec.name
             == "layer_norm_warp_f16_f32_p2_c32m28_g32_r1_pad_affine")
     assert (norm.plan("rms_norm", ROWS, 2048, "bf16", "auto", H100).spec.name
-            == "rms_norm_block_regs_bf16_f32_p8_k2_b128_weight")
+            == "rms_norm_block_regs_bf16_f32_p8_k4_b64_weight")
     assert (norm.plan("layer_norm_backward", ROWS, 4096, "f32", "auto", H100).spec.name
-            == "layer_norm_grad_block_regs_f32_f32_p4_k2_b512_cached_weight_pgrad")
+            == "layer_norm_grad_block_regs_f32_f32_p4_k2_b512_prefetch_weight_pgrad")
     assert (norm.plan("layer_norm", ROWS, 1024, "f32", "auto", H100, weight=False, bias=False).spec.name
             == "layer_norm_warp_f32_f32_p4_c32_g32_r1_nopad")
 

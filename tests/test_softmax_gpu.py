@@ -133,8 +133,8 @@ def boundary_groups(policy, dtype, facts) -> dict:
         compute = COMPUTE_ITEMSIZE[itemsize]
         warp = 32 * sm.AUTO_WARP_MAX_BYTES_PER_LANE // compute
         groups["warp-limit"] = [warp - 1, warp, warp + 1]
-        regs = sorted({bs * vec * min(sm.AUTO_BLOCK_REGS_MAX_PACKS,
-                                      sm.AUTO_BLOCK_REGS_MAX_BYTES // (vec * compute * bs))
+        max_packs = max(sm.AUTO_BLOCK_REGS_MAX_PACKS.get((itemsize, inputs), 4) for inputs in (1, 2))
+        regs = sorted({bs * vec * min(max_packs, sm.AUTO_BLOCK_REGS_MAX_BYTES // (vec * compute * bs))
                        for bs in sm.AUTO_BLOCK_REGS_SIZES} - {0})
         groups["regs-limits"] = [c for limit in regs for c in (limit, limit + 1, limit + vec)]
         # past the register path: 16-byte packs (cp.async), and odd rows that have none

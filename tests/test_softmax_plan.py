@@ -309,11 +309,13 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
         return {"impl": "warp", "pack_size": pack}
     # 2. register block: 16-byte packs (peeling the row's edges when the row is
     # off the 16-byte grid the same way for input and output), the smallest block
-    # giving a thread at most MAX_PACKS packs (PEELED_MAX_PACKS when peeled)
-    # within MAX_BYTES a block
+    # giving a thread at most MAX_PACKS packs (PEELED_MAX_PACKS when peeled; by
+    # itemsize and inputs) within MAX_BYTES a block, with MIN_RESIDENT threads of
+    # it an SM; 16-bit rows held as loaded
     peel = pack * itemsize < 16 and same_phase
     regs_pack = 16 // itemsize if peel else pack
-    max_packs = sm.AUTO_PEELED_MAX_PACKS if peel else sm.AUTO_BLOCK_REGS_MAX_PACKS
+    key = (itemsize, 2 if op.endswith("_backward") else 1)
+    max_packs = (sm.AUTO_PEELED_MAX_PACKS.get(key, 8) if peel else sm.AUTO_BLOCK_REGS_MAX_PACKS.get(key, 4))
     packs = cols // regs_pack
     largest = sm.AUTO_BLOCK_REGS_LARGEST.get(op, sm.AUTO_BLOCK_REGS_SIZES[-1])
     for block_size in [size for size in sm.AUTO_BLOCK_REGS_SIZES if size <= largest]:
@@ -321,9 +323,10 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
         if (per_thread <= max_packs
                 and per_thread * regs_pack * compute * block_size <= sm.AUTO_BLOCK_REGS_MAX_BYTES):
             spec = SoftmaxSpec(op, "block_regs", dtype, regs_pack, block_size=block_size,
-                               packs_per_thread=per_thread, peel=peel)
-            return {"impl": "block_regs", "spec": spec, "smem_bytes": 0,
-                    "grid": get_num_blocks(facts, block_size, rows)}
+                               packs_per_thread=per_thread, peel=peel, storage_cache=itemsize == 2)
+            if occupancy(target, spec, 0, False) * block_size >= sm.AUTO_BLOCK_REGS_MIN_RESIDENT:
+                return {"impl": "block_regs", "spec": spec, "smem_bytes": 0,
+                        "grid": get_num_blocks(facts, block_size, rows)}
     row_bytes = cols * itemsize
     # 3. cp.async into shared memory (16-byte packs only), a persistent grid, two
     # rows in flight when they fit, the forward maximum and sum in one pass

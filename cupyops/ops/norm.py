@@ -86,25 +86,34 @@ AUTO_GROUP_WIDTHS = (1, 2, 4, 8, 16, 32)
 # auto: the warp path while a lane holds at most this many bytes of compute
 # values per row (the backward pass holds dy and xhat and partial sums).
 AUTO_WARP_MAX_BYTES_PER_LANE = {"forward": 128, "backward": 64}
-# auto, forward, by compute itemsize: (block_size, most bytes of compute values
+# auto, forward, by storage itemsize: (block_size, most bytes of compute values
 # a thread holds, taken only when the kernel needs no local memory on the
 # target). 32 floats a thread (four 16-byte packs of 16-bit input) measured
 # fastest on an H200 (scripts/tune_norm.py: 94-97 % of copy at 8192 and 16384
 # f16 columns, against 64-87 % holding 16); they sit at the 64-register bound
 # of 1024 resident threads, where some (peeled, with a residual) spill: each
-# rung is checked. 16 doubles a thread at most.
+# rung is checked. 16-bit rows start at 64 threads: LayerNorm f16 2048 cols
+# at 64 x 4 packs 92.8 % of copy, against 75.2 % at 128 x 2 (bf16 88.1 %
+# against 70.6 %). 16 doubles a thread at most.
 AUTO_BLOCK_REGS_LADDER = {
+    2: ((64, 128, True), (128, 128, True), (256, 128, True), (512, 128, True), (1024, 128, True)),
     4: ((128, 128, True), (256, 128, True), (512, 128, True), (1024, 128, True)),
-    8: ((128, 64, False), (256, 64, False), (512, 64, False), (1024, 64, False)),
+    8: ((128, 64, True), (256, 64, True), (512, 64, True), (1024, 64, True)),
 }
-# auto, backward: (block_size, most bytes per thread and array, dy / xhat kept
-# in registers between the passes, taken only without local memory);
-# dweight / dbias partials stay in registers. Re-reading rows up to 64 bytes a
-# thread at 1024 threads (<= 64 registers, 1024 resident threads an SM) comes
-# before 512 threads holding 128 bytes (> 64 registers: 512 resident threads):
-# 12345 and 16384 columns, unless it spills (RMSNorm f16 16384 on sm_80).
-AUTO_GRAD_BLOCK_LADDER = ((128, 32, True, False), (256, 32, True, False), (512, 32, True, False),
-                          (1024, 32, True, False), (1024, 64, False, True), (512, 128, False, False))
+# auto, backward: (block_size, most bytes per thread and array, how dy / xhat
+# are held between the passes, taken only without local memory); dweight /
+# dbias partials stay in registers. "cached": in registers; "prefetch": in
+# registers, the block's next row fetched while this one is reduced (more
+# registers: fewer blocks an SM); "reread": loaded again for the second pass.
+# Measured (LayerNorm f16 backward, H200): 1024 cols 128 x 1 cached 73.7 %
+# (prefetch 65 %); 2048, 4096 and 8192 cols two packs a thread prefetched
+# 78.0 %, 76.7 % and 69.8 % against 75.6 %, 74.2 % and 66.7 % holding one
+# pack at twice the threads. Re-reading rows up to 64 bytes a thread at 1024
+# threads comes before 512 threads holding 128 bytes: 12345 and 16384
+# columns, unless it spills (RMSNorm f16 16384 on sm_80).
+AUTO_GRAD_BLOCK_LADDER = ((128, 32, "cached", False), (128, 64, "prefetch", True), (256, 64, "prefetch", True),
+                          (512, 64, "prefetch", True), (1024, 32, "cached", False), (1024, 64, "reread", True),
+                          (512, 128, "reread", False))
 # unfused column reduction: aim for this many 1024-thread blocks per SM.
 PARAM_GRAD_BLOCKS_PER_SM = 8
 
@@ -133,6 +142,7 @@ class NormSpec(jit.KernelSpec):
     packed_cache: bool = False       # forward block_smem: cache the storage type
     peel: bool = False               # forward block_regs: rows start off the 16-byte grid
     cached: bool = True              # backward block_regs: dy / xhat kept in registers
+    prefetch: bool = False           # backward block_regs, cached: the next row fetched during this one
     weight: bool = False
     bias: bool = False
     residual: bool = False
@@ -166,7 +176,7 @@ class NormSpec(jit.KernelSpec):
             path = f"_k{self.packs_per_thread}_b{self.block_size}"
             path += "_peel" if self.peel else ""
             if self.op not in FORWARD_OPS:
-                path += "_cached" if self.cached else "_reread"
+                path += ("_prefetch" if self.prefetch else "_cached") if self.cached else "_reread"
         elif self.impl == "block_smem" and self.op in FORWARD_OPS:
             path = f"_b{self.block_size}_cache{self.cache_ftype.short}"
         else:
@@ -404,14 +414,13 @@ def _auto_registers(fields, rows, cols, align, target, direction, block_ladder, 
 
 
 def _auto_forward(spec_fields, rows, cols, align, same_phase, target) -> KernelLaunch:
-    compute_itemsize = dtypes.BY_SHORT[dtypes.BY_SHORT[spec_fields["dtype"]].compute].itemsize
+    itemsize = dtypes.BY_SHORT[spec_fields["dtype"]].itemsize
     block_ladder = [(block_size, max_bytes, {}, spill_checked)
-                    for block_size, max_bytes, spill_checked in AUTO_BLOCK_REGS_LADDER[compute_itemsize]]
+                    for block_size, max_bytes, spill_checked in AUTO_BLOCK_REGS_LADDER[itemsize]]
     launch, pack = _auto_registers(spec_fields, rows, cols, align, target, "forward", block_ladder,
                                    peel_allowed=same_phase)
     if launch is not None:
         return launch
-    itemsize = dtypes.BY_SHORT[spec_fields["dtype"]].itemsize
     launch = _smem_launch(spec_fields, rows, cols, pack, cols * itemsize, target, "auto", True,
                           "same_occupancy", packed_cache=True)
     return launch or _uncached_launch(spec_fields, rows, pack, target, "auto")
@@ -426,6 +435,11 @@ def _resident_launch(spec: NormSpec, block: tuple, rows_per_block: int, rows: in
     active = max(1, target.max_active_blocks(spec, threads, smem, smem > 0))
     grid = max(1, min(_ceil_div(rows, rows_per_block), active * target.facts.sm_count))
     return KernelLaunch(spec, block, (grid, 1, 1), smem)
+
+
+def _grad_holding(held: str) -> dict:
+    """NormSpec fields of a backward ladder rung's "cached" / "prefetch" / "reread"."""
+    return {"cached": held != "reread", "prefetch": held == "prefetch"}
 
 
 def _auto_backward_fused(spec_fields, rows, cols, align, target) -> Optional[KernelLaunch]:
@@ -443,11 +457,11 @@ def _auto_backward_fused(spec_fields, rows, cols, align, target) -> Optional[Ker
         return _resident_launch(warp.spec, warp.block, groups * warp.spec.rows_per_access, rows,
                                 warp.smem_bytes, target)
     num_packs = cols // pack
-    for block_size, max_bytes, cached, spill_checked in AUTO_GRAD_BLOCK_LADDER:
+    for block_size, max_bytes, held, spill_checked in AUTO_GRAD_BLOCK_LADDER:
         packs_per_thread = -(-num_packs // block_size)
         if packs_per_thread * pack * compute_itemsize <= max_bytes:
             spec = NormSpec(impl="block_regs", pack_size=pack, block_size=block_size,
-                            packs_per_thread=packs_per_thread, cached=cached, **spec_fields)
+                            packs_per_thread=packs_per_thread, **_grad_holding(held), **spec_fields)
             if not (spill_checked and _uses_local_memory(spec, target)):
                 return _resident_launch(spec, (block_size, 1, 1), 1, rows, 0, target)
     return None
@@ -518,8 +532,8 @@ def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target,
 def _auto_backward_dx(fields, rows, cols, align, target) -> KernelLaunch:
     """auto's dx kernel without fused partials (rows too long for register
     partials, or no dweight / dbias wanted)."""
-    block_ladder = [(block_size, max_bytes, {"cached": cached}, spill_checked)
-                    for block_size, max_bytes, cached, spill_checked in AUTO_GRAD_BLOCK_LADDER]
+    block_ladder = [(block_size, max_bytes, _grad_holding(held), spill_checked)
+                    for block_size, max_bytes, held, spill_checked in AUTO_GRAD_BLOCK_LADDER]
     launch, pack = _auto_registers(fields, rows, cols, align, target, "backward", block_ladder)
     if launch is not None:
         return launch

@@ -36,19 +36,28 @@ AUTO_WARP_MAX_BYTES_PER_LANE = 128
 # one row per access for 16-bit types where OneFlow takes two (bf16 256 cols:
 # 67 % of copy against 60 %; 128 cols: 54 % against 49 %);
 AUTO_WARP_ROWS_PER_ACCESS = {2: 1}      # itemsize -> rows per access
-# then the register block path with the smallest of these block sizes giving a
-# thread at most 4 packs, while a block holds at most 64 KiB of compute values
-# (beyond, register pressure halves occupancy: f16 32768 cols fell to 60-70 %);
+# then the register block path: the smallest of these block sizes giving a
+# thread at most AUTO_BLOCK_REGS_MAX_PACKS[itemsize] packs (peeled rows, off
+# the 16-byte grid: AUTO_PEELED_MAX_PACKS) while a block holds at most 64 KiB
+# of compute values, taken when AUTO_BLOCK_REGS_MIN_RESIDENT threads of it fit
+# an SM by its registers. 16-bit rows are held as loaded (storage_cache: half
+# the registers). Measured (scripts/tune_softmax.py, H200, rows 49152):
+#   f32 holds up to 16 packs: 8192 cols at 128 x 16 97.4 % of copy against
+#       96.0 % at 512 x 4; log-softmax 16384 cols: 256 x 16 has 142 registers
+#       (256 threads an SM) and 89.6 %, 512 x 8 has 2 blocks an SM and 96.7 %;
+#       peeled 12345 cols at 256 x 13: 96.7 % against 79.6 % at 512 x 7;
+#   16-bit stays at 4 packs (f16 16384 cols: 256 x 8 93 % against 97 % at
+#       512 x 4), 8 peeled: 12345 cols 256 x 7 held as loaded 96.6 % (64
+#       registers) against 86.7 % in float (87 registers, two blocks an SM);
+#   the backward (two inputs) keeps 4 and 8 packs for every type.
 AUTO_BLOCK_REGS_SIZES = (128, 256, 512, 1024)
 # log-softmax stops at 512 threads (f32 16384 cols: 77.6 % at 1024 x 4 against
 # 91.9 % through cp.async)
 AUTO_BLOCK_REGS_LARGEST = {"log_softmax": 512}
-AUTO_BLOCK_REGS_MAX_PACKS = 4
+AUTO_BLOCK_REGS_MAX_PACKS = {(2, 1): 4, (4, 1): 16, (8, 1): 4}   # (itemsize, inputs); else 4
+AUTO_PEELED_MAX_PACKS = {(2, 1): 8, (4, 1): 16, (8, 1): 8}       # else 8
 AUTO_BLOCK_REGS_MAX_BYTES = 64 * 1024
-# peeled rows (off the 16-byte grid) did best with up to 8 packs a thread
-# (12345 cols: f16 84 % at 256 x 7 against 73 % at 512 x 4; f32 95 % at 512 x 7
-# against 64 % at 1024 x 4)
-AUTO_PEELED_MAX_PACKS = 8
+AUTO_BLOCK_REGS_MIN_RESIDENT = 384
 # then cp.async into shared memory (16-byte packs), the next row fetched while
 # this one is computed when two fit, the forward maximum and sum in one pass
 # over the cache (f16 32768 cols: 92.6 % against 87.7 % with one stage and
@@ -74,7 +83,7 @@ class SoftmaxSpec(jit.KernelSpec):
     block_size: int = 0           # block paths
     packs_per_thread: int = 0     # block_regs
     peel: bool = False            # block_regs: rows start off the 16-byte grid
-    storage_cache: bool = False   # block_smem: cache packs of the input's type
+    storage_cache: bool = False   # block_smem, block_regs: cache packs of the input's type
     stages: int = 0               # block_async: rows in flight per block
     online: bool = False          # block_uncached, block_async: max and sum in one pass
 
@@ -95,7 +104,8 @@ class SoftmaxSpec(jit.KernelSpec):
                     f"_r{self.rows_per_access}_{pad}")
         if self.impl == "block_regs":
             peel = "_peel" if self.peel else ""
-            return f"{head}_k{self.packs_per_thread}_b{self.block_size}{peel}"
+            storage = "_packed" if self.storage_cache else ""
+            return f"{head}_k{self.packs_per_thread}_b{self.block_size}{peel}{storage}"
         if self.impl == "block_smem":
             return f"{head}_b{self.block_size}_{'packed' if self.storage_cache else 'strided'}"
         if self.impl == "block_async":
@@ -209,15 +219,19 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
     peel = pack_size * ftype.itemsize < 16 and same_phase
     regs_pack = 16 // ftype.itemsize if peel else pack_size
     num_packs = cols // regs_pack
-    max_packs = AUTO_PEELED_MAX_PACKS if peel else AUTO_BLOCK_REGS_MAX_PACKS
+    max_packs = (AUTO_PEELED_MAX_PACKS.get((ftype.itemsize, num_inputs), 8) if peel
+                 else AUTO_BLOCK_REGS_MAX_PACKS.get((ftype.itemsize, num_inputs), 4))
     largest = AUTO_BLOCK_REGS_LARGEST.get(op, AUTO_BLOCK_REGS_SIZES[-1])
     for block_size in (size for size in AUTO_BLOCK_REGS_SIZES if size <= largest):
         packs_per_thread = -(-num_packs // block_size)
         if (packs_per_thread <= max_packs and
                 packs_per_thread * regs_pack * compute_itemsize * block_size <= AUTO_BLOCK_REGS_MAX_BYTES):
             spec = SoftmaxSpec(op, "block_regs", dtype, regs_pack, block_size=block_size,
-                               packs_per_thread=packs_per_thread, peel=peel)
-            return _block_plan(spec, rows, 0, target)
+                               packs_per_thread=packs_per_thread, peel=peel,
+                               storage_cache=ftype.itemsize < compute_itemsize)
+            resident = target.max_active_blocks(spec, block_size, 0, False) * block_size
+            if resident >= AUTO_BLOCK_REGS_MIN_RESIDENT:
+                return _block_plan(spec, rows, 0, target)
     row_bytes = num_inputs * cols * ftype.itemsize
     if pack_size * ftype.itemsize == 16:
         for stages in AUTO_ASYNC_STAGES:
