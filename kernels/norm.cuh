@@ -407,11 +407,12 @@ struct NormGradIO {
   __device__ __forceinline__ RowMoments<C> moments(int64 row) const {
     return {centered ? mean[row] : C(0), rstd[row]};
   }
-  // The weight of a pack's columns (1 without a weight).
-  template <int N>
+  // The weight of a pack's columns (1 without a weight); aligned = false: col
+  // need not be a multiple of N (a peeled row), read element by element.
+  template <int N, bool aligned = true>
   __device__ __forceinline__ void weights(C* w, int64 col) const {
     C unused[N];
-    Affine<T, C, has_weight, false>{weight, nullptr}.template load<N>(w, unused, col);
+    Affine<T, C, has_weight, false>{weight, nullptr}.template load<N, aligned>(w, unused, col);
   }
   // dy and x of a pack as stored.
   template <int N>
@@ -436,11 +437,11 @@ struct NormGradIO {
       sums.second += g * xhat_out[i];
     }
   }
-  template <int N>
+  template <int N, bool aligned = true>
   __device__ __forceinline__ void load(C* dy_out, C* xhat_out, SumPairState<C>& sums, const RowMoments<C>& m,
                                        int64 row, int64 col) const {
     C w[N];
-    weights<N>(w, col);
+    weights<N, aligned>(w, col);
     convert<N>(fetch<N>(row, col), w, dy_out, xhat_out, sums, m);
   }
   // dx of a pack from dy and xhat and the row sums (already divided by cols).
@@ -452,11 +453,11 @@ struct NormGradIO {
     for (int i = 0; i < N; ++i) out[i] = rstd * (dy_in[i] * w[i] - mean_g - xhat[i] * mean_gx);
     DirectStore<C, T>{dx, dx_stride}.template store<N>(out, row, col);
   }
-  template <int N>
+  template <int N, bool aligned = true>
   __device__ __forceinline__ void store(const C* dy_in, const C* xhat, C mean_g, C mean_gx, C rstd, int64 row,
                                         int64 col) const {
     C w[N];
-    weights<N>(w, col);
+    weights<N, aligned>(w, col);
     store_with<N>(w, dy_in, xhat, mean_g, mean_gx, rstd, row, col);
   }
 };
@@ -569,9 +570,17 @@ __device__ __forceinline__ void norm_grad_warp(const IO& io, int64 rows, int64 c
 // L2) for the second pass. With fuse_param_grad the owned columns' partial
 // sums stay in registers and are written to the block's workspace row at the
 // end.
+// peel (not with prefetch): rows off the 16-byte grid, dy, x and dx at the
+// same phase. Every row of a block must start at the same phase (one row per
+// block, or a grid that is a multiple of the rows' phase period), so the
+// block's first row gives the head (elements to the first 16-byte boundary)
+// and each thread owns the same columns in every row: 16-byte packs between
+// single-element edges (the head and the last partial pack, threads 0, 1, ...),
+// weight and partial sums element by element at those columns.
 template <typename IO, typename C, int pack_size, int packs_per_thread, int block_size, bool cached,
-          bool prefetch, bool fuse_param_grad>
-__device__ __forceinline__ void norm_grad_block_regs(const IO& io, int64 rows, int64 cols) {
+          bool prefetch, bool fuse_param_grad, bool peel, typename RowHead>
+__device__ __forceinline__ void norm_grad_block_regs(const IO& io, int64 rows, int64 cols, const RowHead& row_head) {
+  static_assert(!(peel && prefetch), "the prefetching path takes whole 16-byte rows");
   constexpr int part_packs = fuse_param_grad ? packs_per_thread : 1;
   C weight_part[part_packs][pack_size], bias_part[part_packs][pack_size];
   if constexpr (fuse_param_grad) {
@@ -581,12 +590,17 @@ __device__ __forceinline__ void norm_grad_block_regs(const IO& io, int64 rows, i
       for (int i = 0; i < pack_size; ++i) weight_part[k][i] = bias_part[k][i] = C(0);
     }
   }
-  const int64 num_packs = cols / pack_size;
+  const int head = peel && blockIdx.x < rows ? row_head(blockIdx.x) : 0;
+  const int64 num_packs = (cols - head) / pack_size;
   const auto in_row = [&](int k) { return static_cast<int64>(k) * block_size + threadIdx.x < num_packs; };
   // A pack past the row reads the row's first pack (and is skipped).
   const auto pack_col = [&](int k) {
-    return in_row(k) ? (static_cast<int64>(k) * block_size + threadIdx.x) * pack_size : int64(0);
+    return head + (in_row(k) ? (static_cast<int64>(k) * block_size + threadIdx.x) * pack_size : int64(0));
   };
+  const int64 tail = head + num_packs * pack_size;
+  const bool has_edge = peel && threadIdx.x < head + (cols - tail);
+  const int64 edge_col = threadIdx.x < head ? threadIdx.x : tail + threadIdx.x - head;
+  C edge_weight_part = C(0), edge_bias_part = C(0);
   const auto add_param_grads = [&](int k, const C* dy_pack, const C* xhat) {
     if constexpr (fuse_param_grad) {
 #pragma unroll
@@ -641,35 +655,51 @@ __device__ __forceinline__ void norm_grad_block_regs(const IO& io, int64 rows, i
 #pragma unroll
       for (int k = 0; k < packs_per_thread; ++k) {
         const int c = cached ? k : 0;
-        if (in_row(k)) io.template load<pack_size>(dy_buf[c], xhat_buf[c], sums, m, row, pack_col(k));
+        if (in_row(k)) io.template load<pack_size, !peel>(dy_buf[c], xhat_buf[c], sums, m, row, pack_col(k));
       }
+      C edge_dy = C(0), edge_xhat = C(0);
+      if (has_edge) io.template load<1>(&edge_dy, &edge_xhat, sums, m, row, edge_col);
       const RowGradSums<C> row_sums(block_all_reduce_state<block_size>(sums), cols);
+      if (has_edge) {
+        io.template store<1>(&edge_dy, &edge_xhat, row_sums.mean_g, row_sums.mean_gx, m.rstd, row, edge_col);
+        edge_weight_part += edge_dy * edge_xhat;
+        edge_bias_part += edge_dy;
+      }
 #pragma unroll
       for (int k = 0; k < packs_per_thread; ++k) {
         if (!in_row(k)) continue;
         const int c = cached ? k : 0;
         if (!cached) {
           SumPairState<C> unused = SumPairState<C>::empty();
-          io.template load<pack_size>(dy_buf[c], xhat_buf[c], unused, m, row, pack_col(k));
+          io.template load<pack_size, !peel>(dy_buf[c], xhat_buf[c], unused, m, row, pack_col(k));
         }
-        io.template store<pack_size>(dy_buf[c], xhat_buf[c], row_sums.mean_g, row_sums.mean_gx, m.rstd, row,
-                                     pack_col(k));
+        io.template store<pack_size, !peel>(dy_buf[c], xhat_buf[c], row_sums.mean_g, row_sums.mean_gx, m.rstd,
+                                            row, pack_col(k));
         add_param_grads(k, dy_buf[c], xhat_buf[c]);
       }
     }
   }
   if constexpr (fuse_param_grad) {
+    // partials[blockIdx.x][col]: a peeled pack's columns are off the 16-byte grid there too
+    const auto store_partials = [&](C* partials, const C* values, int count, int64 col) {
+      if (partials == nullptr) return;
+      C* row_start = partials + static_cast<int64>(blockIdx.x) * cols;
+      if (!peel && count == pack_size) {
+        DirectStore<C, C>{row_start, 0}.template store<pack_size>(values, 0, col);
+      } else {
+        for (int i = 0; i < count; ++i) row_start[col + i] = values[i];
+      }
+    };
 #pragma unroll
     for (int k = 0; k < packs_per_thread; ++k) {
       if (in_row(k)) {
-        const int64 offset = static_cast<int64>(blockIdx.x) * cols + pack_col(k);
-        if (io.weight_partials != nullptr) {
-          DirectStore<C, C>{io.weight_partials, 0}.template store<pack_size>(weight_part[k], 0, offset);
-        }
-        if (io.bias_partials != nullptr) {
-          DirectStore<C, C>{io.bias_partials, 0}.template store<pack_size>(bias_part[k], 0, offset);
-        }
+        store_partials(io.weight_partials, weight_part[k], pack_size, pack_col(k));
+        store_partials(io.bias_partials, bias_part[k], pack_size, pack_col(k));
       }
+    }
+    if (has_edge) {
+      store_partials(io.weight_partials, &edge_weight_part, 1, edge_col);
+      store_partials(io.bias_partials, &edge_bias_part, 1, edge_col);
     }
   }
 }

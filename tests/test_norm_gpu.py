@@ -288,16 +288,23 @@ def test_backward_matches_reference(rng, centered, cols, dtype, policy):
     assert_close(dw.get(), dw_ref, dtype, scale=scale * 10)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("cols", [2048, 4096])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("cols", [2048, 4096, 4097, 12345])
 @pytest.mark.parametrize("centered", [True, False], ids=["layer_norm", "rms_norm"])
-def test_backward_prefetch_walks_its_rows(rng, centered, cols, dtype):
-    """The prefetching register path: each block fetches its next row while it
-    finishes one, so rows run past the grid (two rounds and a partial one)."""
+def test_backward_register_paths_walk_their_rows(rng, centered, cols, dtype):
+    """Rows past the grid (two rounds and a partial one) through the register
+    block paths with fused dweight / dbias: prefetching each block's next row
+    (2048, 4096 and 4097 cols), or peeling 16-bit rows off the 16-byte grid
+    (12345 cols: the grid a multiple of the rows' phase period, each thread
+    owning the same columns in every row)."""
     op = "layer_norm_backward" if centered else "rms_norm_backward"
     short = dtypes.float_type(numpy.dtype(dtype)).short
     chosen = norm.plan(op, 1 << 20, cols, short, "auto", Target.live(0)).main
-    assert chosen.spec.prefetch, chosen.spec.name
+    assert chosen.spec.impl == "block_regs" and chosen.spec.fuse_param_grad, chosen.spec.name
+    if cols == 12345:
+        assert chosen.spec.peel == (numpy.dtype(dtype).itemsize == 2), chosen.spec.name
+    else:
+        assert chosen.spec.prefetch, chosen.spec.name
     rows = 2 * chosen.grid[0] + 3
     x, x64 = _data(rng, (rows, cols), dtype)
     dy, dy64 = _data(rng, (rows, cols), dtype)

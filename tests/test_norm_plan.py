@@ -137,8 +137,16 @@ def test_auto_backward_fuses_param_grads_in_registers():
     # one wave of resident blocks, one workspace row each
     active = H100.max_active_blocks(regs.main.spec, regs.main.spec.block_size, 0, False)
     assert regs.num_parts == regs.main.grid[0] == active * H100.facts.sm_count
-    odd = norm.plan("layer_norm_backward", ROWS, 12345, "f16", "auto", H100, align=2).main.spec
-    assert (odd.block_size, odd.cached, odd.fuse_param_grad) == (1024, False, True)
+    # rows off the 16-byte grid: single elements prefetched where a rung fits (4097 cols),
+    # else 16-bit rows peeled, on a grid that is a multiple of their phase period (8 rows)
+    odd = norm.plan("layer_norm_backward", ROWS, 4097, "f16", "auto", H100, align=2).main.spec
+    assert (odd.pack_size, odd.prefetch, odd.peel, odd.fuse_param_grad) == (1, True, False, True)
+    peeled = norm.plan("layer_norm_backward", ROWS, 12345, "f16", "auto", H100, align=2).main
+    assert (peeled.spec.pack_size, peeled.spec.peel, peeled.spec.fuse_param_grad) == (8, True, True)
+    assert peeled.grid[0] % 8 == 0
+    not_peeled = norm.plan("layer_norm_backward", ROWS, 12345, "f16", "auto", H100, align=2, same_phase=False)
+    assert not not_peeled.main.spec.peel
+    assert not norm.plan("layer_norm_backward", ROWS, 12345, "f32", "auto", H100, align=4).main.spec.peel
     unfused = norm.plan("layer_norm_backward", ROWS, 65536, "f16", "auto", H100)
     assert not unfused.main.spec.fuse_param_grad and unfused.param_grad is not None
     dx_only = norm.plan("rms_norm_backward", ROWS, 512, "f16", "auto", H100, param_grad=False)

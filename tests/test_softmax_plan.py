@@ -304,6 +304,13 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
     facts = target.facts
     itemsize, compute = ITEMSIZE[dtype], COMPUTE_ITEMSIZE[dtype]
     pack = auto_pack(cols, dtype, align)
+    # 0. float32 forward rows of the listed cols, 16-byte aligned: OneFlow's shared-memory plan
+    inputs = 2 if op.endswith("_backward") else 1
+    if cols in sm.AUTO_ONEFLOW_SMEM_COLS.get((dtype, inputs), ()) and align == 16:
+        oneflow = plan(op, rows, cols, dtype, "oneflow", target, align)
+        if oneflow.spec.impl == "block_smem":
+            return {"impl": "block_smem", "spec": oneflow.spec, "smem_bytes": oneflow.smem_bytes,
+                    "grid": oneflow.grid[0]}
     # 1. warp: while a lane holds at most 128 bytes of compute values
     if cols <= 32 * pack or pack * ceil_div(cols, 32 * pack) * compute <= sm.AUTO_WARP_MAX_BYTES_PER_LANE:
         return {"impl": "warp", "pack_size": pack}
@@ -396,19 +403,22 @@ def test_auto_rules(profile, dtype, rows):
 @pytest.mark.parametrize("dtype, last_warp", [("f16", 1024), ("bf16", 1024), ("f32", 1024),
                                               ("f64", 512)])
 def test_auto_warp_holds_at_most_128_bytes_per_lane(dtype, last_warp):
-    # 128 bytes of float32 are 32 values a lane (1024 a warp), of float64 16 (512)
+    # 128 bytes of float32 are 32 values a lane (1024 a warp), of float64 16 (512);
+    # log-softmax: float32 softmax at 1024 cols takes OneFlow's shared-memory plan
     for cols in (last_warp - 1, last_warp):
-        p = plan("softmax", 64, cols, dtype, "auto", H100).spec
+        p = plan("log_softmax", 64, cols, dtype, "auto", H100).spec
         assert p.impl == "warp" and p.cols_per_thread * COMPUTE_ITEMSIZE[dtype] <= 128
-    assert plan("softmax", 64, last_warp + 1, dtype, "auto", H100).spec.impl != "warp"
-    assert plan("softmax", 64, 2 * last_warp, dtype, "auto", H100).spec.impl == "block_regs"
+    assert plan("log_softmax", 64, last_warp + 1, dtype, "auto", H100).spec.impl != "warp"
+    assert plan("log_softmax", 64, 2 * last_warp + 512, dtype, "auto", H100).spec.impl == "block_regs"
+    if dtype == "f32":
+        assert plan("softmax", 64, last_warp, dtype, "auto", H100).spec.impl == "block_smem"
 
 
 @pytest.mark.parametrize("dtype, cols, pack", [("f16", 1024, 8), ("bf16", 1000, 8), ("f16", 1004, 4),
                                                ("f32", 1024, 4), ("f32", 1022, 2), ("f64", 256, 2),
                                                ("f16", 1001, 1)])
 def test_auto_warp_uses_16_byte_packs(dtype, cols, pack):
-    assert plan("softmax", 64, cols, dtype, "auto", H100).spec.pack_size == pack
+    assert plan("log_softmax", 64, cols, dtype, "auto", H100).spec.pack_size == pack
 
 
 def test_auto_alignment_and_phase():

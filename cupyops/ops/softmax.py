@@ -66,6 +66,12 @@ AUTO_ASYNC_BLOCK_SIZE = 512
 AUTO_ASYNC_STAGES = (2, 1)
 # rows that allow no 16-byte pack: shared memory filled through registers.
 AUTO_SMEM_BLOCK_SIZE = 256
+# float32 forward rows of these cols, 16-byte aligned, take OneFlow's
+# shared-memory plan where OneFlow takes it: softmax 1024 cols 96.4 % of copy
+# against 95.3 % on the warp path, 2048 cols 97.6 % against 96.2 % in
+# registers (log-softmax 97.4 % against 96.0 %); 1536 cols is 2 % faster in
+# registers.
+AUTO_ONEFLOW_SMEM_COLS = {("f32", 1): (1024, 2048)}   # (dtype, inputs) -> cols
 
 
 @dataclass(frozen=True)
@@ -205,6 +211,10 @@ def vector_pack_size(cols: int, itemsize: int, align: int) -> int:
 def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
     ftype = dtypes.BY_SHORT[dtype]
     num_inputs = len(INPUTS[op])
+    if cols in AUTO_ONEFLOW_SMEM_COLS.get((dtype, num_inputs), ()) and align == 16:
+        oneflow = _oneflow_plan(op, dtype, rows, cols, align, target)
+        if oneflow.spec.impl == "block_smem":
+            return oneflow
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     pack_size = vector_pack_size(cols, ftype.itemsize, align)
     max_cols_per_thread = max(AUTO_WARP_MAX_BYTES_PER_LANE // compute_itemsize, pack_size)
