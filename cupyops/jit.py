@@ -13,6 +13,7 @@ import functools
 import hashlib
 import re
 import threading
+import uuid
 from pathlib import Path
 from typing import ClassVar
 
@@ -139,6 +140,21 @@ def _ptxas_number(log: str, key: str) -> int:
     return int(match.group(1)) if match else 0
 
 
+def _compile_with_log(spec: KernelSpec, arch: str, source: str, options: list) -> tuple:
+    """NVRTC-compiles `source`: (ptxas log of the entry function, cubin)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(source, f"{spec.name}.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(program, options)
+        except nvrtc.NVRTCError as error:
+            raise CompileError(f"{spec.name} ({arch}): {error}\n{nvrtc.getProgramLog(program)}") from None
+        return _entry_log(nvrtc.getProgramLog(program), spec.name), nvrtc.getCUBIN(program)
+    finally:
+        nvrtc.destroyProgram(program)
+
+
 def _entry_log(log: str, name: str) -> str:
     """The part of a ptxas log about the entry function `name` (not its callees)."""
     start = log.find(f"Function properties for {name}\n")
@@ -150,22 +166,17 @@ def compile_cubin(spec: KernelSpec, arch: str) -> CompileReport:
     """Render and compile `spec` for `arch` (e.g. "sm_90") with NVRTC alone: no GPU needed."""
     import time
 
-    from cupy_backends.cuda.libs import nvrtc
-
     source = render(spec)
     options = [f"--gpu-architecture={arch}", "--ptxas-options=-v", *compile_options(),
                *CUPY_ADDED_OPTIONS]
     start = time.perf_counter()
-    program = nvrtc.createProgram(source, f"{spec.name}.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(program, options)
-        except nvrtc.NVRTCError as error:
-            raise CompileError(f"{spec.name} ({arch}): {error}\n{nvrtc.getProgramLog(program)}") from None
-        log = _entry_log(nvrtc.getProgramLog(program), spec.name)
-        cubin = nvrtc.getCUBIN(program)
-    finally:
-        nvrtc.destroyProgram(program)
+    log, cubin = _compile_with_log(spec, arch, source, options)
+    if _PTXAS["registers"].search(log) is None:
+        # A cache in NVRTC (CUDA 13) answers a repeated compile without running
+        # ptxas, so without its report: compile once more with a device
+        # variable no other module has (the kernel itself is unchanged).
+        unique = f"\n__device__ int cupyops_report_{uuid.uuid4().hex};\n"
+        log, cubin = _compile_with_log(spec, arch, source + unique, options)
     return CompileReport(
         name=spec.name, arch=arch,
         registers=_ptxas_number(log, "registers"),

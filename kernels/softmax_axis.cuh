@@ -1,5 +1,5 @@
-// Softmax and log-softmax over the middle axis of a C-contiguous array seen
-// as (outer, cols, inner), without a transpose copy.
+// Softmax and log-softmax, forward and backward, over the middle axis of a
+// C-contiguous array seen as (outer, cols, inner), without a transpose copy.
 //
 // A slice is the `cols` elements x[o, :, i], `inner` elements apart. A block
 // owns a tile: one `o` and block_x * pack_size consecutive `i` (threadIdx.x
@@ -7,16 +7,20 @@
 // rows), and splits the tile's rows among its block_y rows of threads
 // (threadIdx.y takes rows y, y + block_y, ...). Each thread reduces its rows
 // of each slice of its pack; the block combines them through shuffles and
-// shared memory, then writes the outputs through RowSoftmax, so NaN and
-// +-inf slices end as in scipy.special (and as the row-wise paths).
+// shared memory, then writes the outputs.
 //
-// cached = true: the tile is loaded into dynamic shared memory ([cols][block_x]
-//   packs; with loads_in_flight = 0 by cp.async, else through registers), then
-//   a max pass, a sum pass and the output pass read it from there: one read
-//   of the array, one exponential per element per pass that needs it.
-// cached = false: a running (max, sum) per slice over the array (one
-//   exponential per element), then the output pass reads the array again
-//   (two reads, one write).
+// The kernel is written once for a slice operation (Op, kernels/softmax.cuh):
+// SoftmaxForward (input x) reduces a maximum, then a sum, and writes through
+// RowSoftmax, so NaN and +-inf slices end as in scipy.special (and as the
+// row-wise paths); SoftmaxBackward (inputs dy, y) reduces one sum.
+//
+// cached = true: the tile of every input is loaded into dynamic shared memory
+//   ([input][cols][block_x] packs; with loads_in_flight = 0 by cp.async, else
+//   through registers), then every pass reads it from there: one read of the
+//   arrays, one exponential per element per pass that needs it.
+// cached = false: forward, a running (max, sum) per slice over the array (one
+//   exponential per element); backward, a sum pass; then the output pass reads
+//   the arrays again (two reads, one write).
 #pragma once
 #include "common.cuh"
 #include "reduce.cuh"
@@ -84,12 +88,18 @@ __device__ __forceinline__ void column_all_reduce(C (&values)[pack_size]) {
   for (int i = 0; i < pack_size; ++i) values[i] = totals[threadIdx.x * pack_size + i];
 }
 
+// The packs of every input at one row of a thread's tile column.
+template <typename T, int pack_size, int num_inputs>
+struct InputPacks {
+  Pack<T, pack_size> input[num_inputs];
+};
+
 // For rows c = threadIdx.y, threadIdx.y + block_y, ... < cols: load(c) then
-// use(c, pack), loading loads_in_flight packs before using the first of them.
-template <typename P, int block_y, int loads_in_flight, typename Load, typename Use>
+// use(c, packs), loading loads_in_flight rows before using the first of them.
+template <typename Packs, int block_y, int loads_in_flight, typename Load, typename Use>
 __device__ __forceinline__ void for_rows_batched(int64 cols, const Load& load, const Use& use) {
   for (int64 first = threadIdx.y; first < cols; first += static_cast<int64>(block_y) * loads_in_flight) {
-    P packs[loads_in_flight];
+    Packs packs[loads_in_flight];
 #pragma unroll
     for (int u = 0; u < loads_in_flight; ++u) {
       const int64 c = first + u * block_y;
@@ -103,15 +113,19 @@ __device__ __forceinline__ void for_rows_batched(int64 cols, const Load& load, c
   }
 }
 
-template <typename T, typename C, int pack_size, int block_x, int block_y, int loads_in_flight,
-          bool cached, Algorithm algorithm>
-__device__ __forceinline__ void softmax_axis(const T* x, T* y, int64 outer, int64 cols, int64 inner) {
+// Op (kernels/softmax.cuh) over the slices of `inputs`, written to `out`.
+template <typename Op, typename T, typename C, int pack_size, int block_x, int block_y, int loads_in_flight,
+          bool cached>
+__device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_inputs], T* out, int64 outer,
+                                             int64 cols, int64 inner) {
+  constexpr int N = Op::num_inputs;
   typedef Pack<T, pack_size> P;
+  typedef InputPacks<T, pack_size, N> Packs;
   // loads_in_flight = 0: the shared-memory tile is filled by cp.async (packs
   // of 4 bytes or more): all of it in flight at once, holding no registers.
   constexpr bool async_fill = cached && loads_in_flight == 0;
   extern __shared__ __align__(16) unsigned char shared_buf[];
-  P* const tile_cache = reinterpret_cast<P*>(shared_buf);  // [cols][block_x] when cached
+  P* const tile_cache = reinterpret_cast<P*>(shared_buf);  // [input][cols][block_x] when cached
   const int64 inner_packs = inner / pack_size;
   const int64 tiles_per_outer = (inner_packs + block_x - 1) / block_x;
   const int64 num_tiles = outer * tiles_per_outer;
@@ -121,93 +135,133 @@ __device__ __forceinline__ void softmax_axis(const T* x, T* y, int64 outer, int6
     const int64 pack_id = (tile - o * tiles_per_outer) * block_x + threadIdx.x;
     const bool active = pack_id < inner_packs;
     const int64 slice_offset = o * cols * inner + pack_id * pack_size;
-    const T* const src = x + slice_offset;
-    T* const dst = y + slice_offset;
-    const auto load_global = [&](int64 c) { return load_pack<T, pack_size>(src + c * inner); };
-    const auto cached_pack = [&](int64 c) -> P& { return tile_cache[c * block_x + threadIdx.x]; };
+    const auto load_global = [&](int64 c) {
+      Packs packs;
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        packs.input[j] = load_pack<T, pack_size>(inputs[j] + slice_offset + c * inner);
+      }
+      return packs;
+    };
+    const auto cached_pack = [&](int j, int64 c) -> P& {
+      return tile_cache[(j * cols + c) * block_x + threadIdx.x];
+    };
+    // use(c, packs) for each of this thread's rows of the tile, read from the
+    // shared-memory tile when cached (its cols fit there, so an int index),
+    // else from the arrays.
+    const auto for_each_row = [&](const auto& use) {
+      if constexpr (cached) {
+        for (int c = threadIdx.y; c < cols; c += block_y) {
+          Packs packs;
+#pragma unroll
+          for (int j = 0; j < N; ++j) packs.input[j] = load_pack<T, pack_size>(cached_pack(j, c).elem);
+          use(c, packs);
+        }
+      } else {
+        for_rows_batched<Packs, block_y, loads_in_flight>(cols, load_global, use);
+      }
+    };
+    // Element i of every input, in the compute type.
+    const auto element = [](const Packs& packs, int i, C (&v)[N]) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) v[j] = cast<C>(packs.input[j].elem[i]);
+    };
 
-    // The slices' (max, sum): cached, a max pass then a sum pass over the
-    // tile in shared memory; otherwise one pass over the array keeping a
-    // running (max, sum) per thread. The block's rows are combined through
-    // column_all_reduce: the maximum first, then every thread's sum rescaled
-    // to it (0 where the thread saw only -inf).
-    C slice_max[pack_size], slice_sum[pack_size];
     if constexpr (cached) {
       if (active) {
         if constexpr (async_fill) {
-          for (int64 c = threadIdx.y; c < cols; c += block_y) {
-            cp_async_pack<sizeof(P)>(&cached_pack(c), src + c * inner);
+          for (int c = threadIdx.y; c < cols; c += block_y) {
+#pragma unroll
+            for (int j = 0; j < N; ++j) {
+              cp_async_pack<sizeof(P)>(&cached_pack(j, c), inputs[j] + slice_offset + c * inner);
+            }
           }
           cp_async_wait_all();
         } else {
-          // cached: the tile's cols fit in shared memory, so an int index
 #pragma unroll loads_in_flight
-          for (int c = threadIdx.y; c < cols; c += block_y) store_pack_shared(cached_pack(c).elem, load_global(c));
-        }
-      }
+          for (int c = threadIdx.y; c < cols; c += block_y) {
+            const Packs packs = load_global(c);
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) slice_max[i] = -infinity<C>();
-      if (active) {
-        for (int64 c = threadIdx.y; c < cols; c += block_y) {
-          const P pack = load_pack<T, pack_size>(cached_pack(c).elem);
-#pragma unroll
-          for (int i = 0; i < pack_size; ++i) slice_max[i] = MaxOp<C>()(slice_max[i], cast<C>(pack.elem[i]));
-        }
-      }
-      if (block_y > 1) column_all_reduce<MaxOp, C, pack_size, block_x, block_y>(slice_max);
-#pragma unroll
-      for (int i = 0; i < pack_size; ++i) slice_sum[i] = C(0);
-      if (active) {
-        for (int64 c = threadIdx.y; c < cols; c += block_y) {
-          const P pack = load_pack<T, pack_size>(cached_pack(c).elem);
-#pragma unroll
-          for (int i = 0; i < pack_size; ++i) {
-            slice_sum[i] += RowSoftmax<algorithm, C>::exp_term(cast<C>(pack.elem[i]), slice_max[i]);
+            for (int j = 0; j < N; ++j) store_pack_shared(cached_pack(j, c).elem, packs.input[j]);
           }
         }
       }
-    } else {
+    }
+
+    // The slices' sums (and first, forward, their maxima), each thread's rows
+    // combined through column_all_reduce. Forward online: one pass keeping a
+    // running (max, sum) per thread; the block's sum is every thread's sum
+    // rescaled to the block's maximum (0 where the thread saw only -inf).
+    // Otherwise a max pass (forward) then a pass summing Op's terms.
+    Op ops[pack_size];
+    C slice_sum[pack_size];
+    if constexpr (Op::needs_max && !cached) {
       RunningSoftmax<C> state[pack_size];
       if (active) {
-        for_rows_batched<P, block_y, loads_in_flight>(cols, load_global, [&](int64, const P& pack) {
+        for_each_row([&](int64, const Packs& packs) {
 #pragma unroll
-          for (int i = 0; i < pack_size; ++i) state[i].add(cast<C>(pack.elem[i]));
+          for (int i = 0; i < pack_size; ++i) state[i].add(cast<C>(packs.input[0].elem[i]));
         });
       }
+      C slice_max[pack_size];
 #pragma unroll
       for (int i = 0; i < pack_size; ++i) slice_max[i] = state[i].max;
       if (block_y > 1) column_all_reduce<MaxOp, C, pack_size, block_x, block_y>(slice_max);
 #pragma unroll
       for (int i = 0; i < pack_size; ++i) {
+        ops[i].set_max(slice_max[i]);
         slice_sum[i] = block_y == 1 ? state[i].sum
                        : state[i].max == -infinity<C>() ? C(0)
                        : state[i].sum * exp_(state[i].max - slice_max[i]);
       }
+    } else {
+      if constexpr (Op::needs_max) {
+        C slice_max[pack_size];
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) slice_max[i] = -infinity<C>();
+        if (active) {
+          for_each_row([&](int64, const Packs& packs) {
+#pragma unroll
+            for (int i = 0; i < pack_size; ++i) {
+              slice_max[i] = MaxOp<C>()(slice_max[i], cast<C>(packs.input[0].elem[i]));
+            }
+          });
+        }
+        if (block_y > 1) column_all_reduce<MaxOp, C, pack_size, block_x, block_y>(slice_max);
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) ops[i].set_max(slice_max[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) slice_sum[i] = C(0);
+      if (active) {
+        for_each_row([&](int64, const Packs& packs) {
+#pragma unroll
+          for (int i = 0; i < pack_size; ++i) {
+            C v[N];
+            element(packs, i, v);
+            slice_sum[i] += ops[i].template term<false>(v);
+          }
+        });
+      }
     }
     if (block_y > 1) column_all_reduce<SumOp, C, pack_size, block_x, block_y>(slice_sum);
-
-    // Pass 2: outputs, from the shared-memory tile or from the array again. A
-    // thread reads only the elements it writes (and the cache slots it
-    // filled), so out = x and the cache need no further barrier.
-    if (active) {
-      RowSoftmax<algorithm, C> finish[pack_size];
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) finish[i] = RowSoftmax<algorithm, C>(slice_max[i], slice_sum[i]);
-      const auto store_output = [&](int64 c, const P& pack) {
+    for (int i = 0; i < pack_size; ++i) ops[i].set_sum(slice_sum[i]);
+
+    // Outputs, from the shared-memory tile or from the arrays again. A thread
+    // reads only the elements it writes (and the cache slots it filled), so
+    // out may be an input and the cache needs no further barrier.
+    if (active) {
+      for_each_row([&](int64 c, const Packs& packs) {
         P result;
 #pragma unroll
         for (int i = 0; i < pack_size; ++i) {
-          result.elem[i] = cast<T>(finish[i].from_input(cast<C>(pack.elem[i])));
+          C v[N];
+          element(packs, i, v);
+          result.elem[i] = cast<T>(ops[i].template out<false>(v));
         }
-        store_pack(dst + c * inner, result);   // one vector store (a struct copy may split)
-      };
-      if constexpr (cached) {
-        for (int64 c = threadIdx.y; c < cols; c += block_y) {
-          store_output(c, load_pack<T, pack_size>(cached_pack(c).elem));
-        }
-      } else {
-        for_rows_batched<P, block_y, loads_in_flight>(cols, load_global, store_output);
-      }
+        store_pack(out + slice_offset + c * inner, result);   // one vector store (a struct copy may split)
+      });
     }
   }
 }

@@ -41,9 +41,16 @@ def main():
                 y, rstd = cupyops.rms_norm(x, weight, return_stats=True, policy=policy)
                 cupyops.rms_norm_backward(dy, x, rstd, weight, policy=policy)
         x = rng.standard_normal((4, 4096, 64), dtype=cupy.float32).astype(dtype)
+        dy = rng.standard_normal(x.shape, dtype=cupy.float32).astype(dtype)
         for axis in (0, 1):
-            cupyops.softmax(x, axis=axis)
-            cupyops.log_softmax(x, axis=axis)
+            y = cupyops.softmax(x, axis=axis)
+            cupyops.softmax_backward(dy, y, axis=axis)
+            y = cupyops.log_softmax(x, axis=axis)
+            cupyops.log_softmax_backward(dy, y, axis=axis)
+        for shape in ((3, 700, 64), (8, 4096, 256)):   # backward axis tiles: cached, read twice
+            x = rng.standard_normal(shape, dtype=cupy.float32).astype(dtype)
+            cupyops.softmax_backward(x, x, axis=1)
+            cupyops.log_softmax_backward(x, x, axis=1)
     cupy.cuda.Device().synchronize()
     print("all paths ran")
 

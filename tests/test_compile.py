@@ -60,6 +60,26 @@ def test_compile_report_reads_ptxas():
     assert jit.compile_cubin(spec, "sm_90") is report          # memoised
 
 
+def test_compile_report_survives_a_cached_compile(monkeypatch):
+    """A compile answered from NVRTC's cache has no ptxas report: the report
+    comes from one more compile of a module no cache holds, same kernel."""
+    spec = SoftmaxSpec("softmax", "block_smem", "f32", 2, block_size=128)
+    compile_with_log = jit._compile_with_log
+    sources = []
+
+    def first_cached(spec_, arch, source, options):
+        sources.append(source)
+        log, cubin = compile_with_log(spec_, arch, source, options)
+        return ("" if len(sources) == 1 else log), cubin
+
+    monkeypatch.setattr(jit, "_compile_with_log", first_cached)
+    report = jit.compile_cubin.__wrapped__(spec, "sm_90")
+    assert len(sources) == 2 and sources[1].startswith(sources[0]) and sources[1] != sources[0]
+    expected = jit.compile_cubin(spec, "sm_90")
+    assert (report.registers, report.smem_bytes, report.spill_bytes) == \
+        (expected.registers, expected.smem_bytes, expected.spill_bytes) and report.registers > 0
+
+
 def test_compile_error_names_the_kernel():
     spec = SoftmaxSpec("softmax", "warp", "f32", 3, cols_per_thread=4, thread_group_width=32)
     with pytest.raises(jit.CompileError, match=spec.name):     # static_assert: 4 % 3 != 0

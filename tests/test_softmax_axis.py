@@ -1,12 +1,13 @@
-"""softmax / log_softmax over a non-last axis without a transpose copy
-(cupyops/ops/softmax_axis.py, kernels/softmax_axis.cuh).
+"""softmax / log_softmax and their backward over a non-last axis without a
+transpose copy (cupyops/ops/softmax_axis.py, kernels/softmax_axis.cuh).
 
 CPU: kernel names, rendering, the planner's rule (golden plans for the H100
 profile worked from the rule in the module docstring, and invariants over many
 shapes), and NVRTC compiles of the instantiations for sm_80 and sm_90.
 GPU (marked gpu): every non-last axis of 3-D and 4-D arrays, both the cached
-and the online kernel, against float64 references of SciPy's formulas, with
-NaN / +-inf slices, poisoned outputs, in-place output and odd shapes.
+and the online kernel, against float64 references of SciPy's formulas (and of
+the gradients' formulas), with NaN / +-inf slices, poisoned outputs, in-place
+output and odd shapes.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import math
 import numpy
 import pytest
 from conftest import assert_close
+from test_softmax_backward_gpu import check as check_gradient
+from test_softmax_backward_gpu import make_inputs, reference as gradient_reference
 
 from cupyops import jit
 from cupyops.dtypes import BFLOAT16
@@ -25,6 +28,9 @@ from cupyops.ops.softmax_axis import SoftmaxAxisSpec, plan
 H100 = Target.profile("h100")
 TARGETS = {"sm_80": Target.profile("a100"), "sm_90": H100}
 OPS = ("softmax", "log_softmax")
+BACKWARD_OPS = ("softmax_backward", "log_softmax_backward")
+ALL_OPS = OPS + BACKWARD_OPS
+NUM_INPUTS = {"softmax": 1, "log_softmax": 1, "softmax_backward": 2, "log_softmax_backward": 2}
 DTYPES = ("f16", "bf16", "f32", "f64")
 ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
 
@@ -41,10 +47,13 @@ def axis_everywhere(monkeypatch):
     sa.plan.cache_clear()
 
 
-@pytest.fixture
-def online_only(monkeypatch, axis_everywhere):
-    """Every tile read twice (no shared-memory cache)."""
-    monkeypatch.setattr(sa, "AXIS_CACHE_MAX_BYTES", 0)
+@pytest.fixture(params=["cached", "online"])
+def cache(request, monkeypatch, axis_everywhere):
+    """The axis kernel for every shape, each tile cached in shared memory where
+    it fits ("cached") or every tile read twice ("online")."""
+    if request.param == "online":
+        monkeypatch.setattr(sa, "AXIS_CACHE_MAX_BYTES", 0)
+    return request.param
 
 
 # -- names and rendering --------------------------------------------------------------
@@ -54,6 +63,10 @@ def online_only(monkeypatch, axis_everywhere):
     (SoftmaxAxisSpec("log_softmax", "bf16", 1, 16, 64, 8, True),
      "log_softmax_axis_bf16_f32_p1_b16x64_l8_cached"),
     (SoftmaxAxisSpec("softmax", "f64", 2, 2, 256, 4, False), "softmax_axis_f64_f64_p2_b2x256_l4_online"),
+    (SoftmaxAxisSpec("softmax_backward", "f16", 8, 2, 256, 2, False),
+     "softmax_backward_axis_f16_f32_p8_b2x256_l2_online"),
+    (SoftmaxAxisSpec("log_softmax_backward", "f32", 4, 2, 512, 0, True),
+     "log_softmax_backward_axis_f32_f32_p4_b2x512_async_cached"),
 ])
 def test_golden_names(spec, name):
     assert spec.name == name
@@ -66,6 +79,19 @@ def test_render_names_the_kernel_and_fingerprint():
     assert f'extern "C" __global__ void __launch_bounds__(1024)\n{spec.name}(' in source
     assert jit.headers_fingerprint() in source
     assert "cupyops::half_t" in source and "Algorithm::kLogSoftmax" in source
+    assert "{{" not in source and "}}" not in source
+
+
+@pytest.mark.parametrize("op, algorithm", [("softmax_backward", "kSoftmax"),
+                                           ("log_softmax_backward", "kLogSoftmax")])
+def test_render_backward(op, algorithm):
+    spec = SoftmaxAxisSpec(op, "bf16", 8, 2, 256, 2, False)
+    source = jit.render(spec)
+    assert f'extern "C" __global__ void __launch_bounds__(512)\n{spec.name}(' in source
+    assert jit.headers_fingerprint() in source
+    assert (f"{spec.name}(const cupyops::bfloat16_t* dy, const cupyops::bfloat16_t* y, "
+            "cupyops::bfloat16_t* out,") in source
+    assert f"SoftmaxBackward<Algorithm::{algorithm}, C>" in source and "inputs[] = {dy, y};" in source
     assert "{{" not in source and "}}" not in source
 
 
@@ -103,6 +129,26 @@ PLAN_GOLDEN = [
      ("softmax_axis_f16_f32_p8_b32x1_async_cached", (32, 1, 1), 64, 32 * 16)),
     (("log_softmax", 7, 333, 97, "f64", 8),
      ("log_softmax_axis_f64_f64_p1_b4x256_async_cached", (4, 256, 1), 175, 333 * 4 * 8)),
+    # backward: a tile holds dy and y. The target's 256 KB tile is read twice;
+    # 1024 tiles x 256 threads do not fill the GPU: 512 threads, 64 bytes in
+    # flight, 2 rows of two 16-byte packs
+    (("softmax_backward", 64, 4096, 256, "f16", 16),
+     ("softmax_backward_axis_f16_f32_p8_b2x256_l2_online", (2, 256, 1), 1024, 0)),
+    # half the cols: a 128 KB tile, cached as the forward's
+    (("log_softmax_backward", 64, 2048, 256, "f16", 16),
+     ("log_softmax_backward_axis_f16_f32_p8_b2x512_async_cached", (2, 512, 1), 1024, 131072)),
+    (("softmax_backward", 64, 2048, 256, "f32", 16),
+     ("softmax_backward_axis_f32_f32_p4_b2x512_async_cached", (2, 512, 1), 2048, 131072)),
+    # 2-byte packs: 8 rows (the most) of two packs in flight
+    (("log_softmax_backward", 64, 4096, 256, "bf16", 2),
+     ("log_softmax_backward_axis_bf16_f32_p1_b16x32_l8_online", (16, 32, 1), 1024, 0)),
+    # 1024 threads get 32 bytes in flight: one row of two packs
+    (("softmax_backward", 4, 100000, 512, "f16", 16),
+     ("softmax_backward_axis_f16_f32_p8_b2x512_l1_online", (2, 512, 1), 128, 0)),
+    (("softmax_backward", 2, 17, 1025, "f32", 16),
+     ("softmax_backward_axis_f32_f32_p1_b32x16_async_cached", (32, 16, 1), 66, 2 * 17 * 32 * 4)),
+    (("log_softmax_backward", 7, 333, 97, "f64", 8),
+     ("log_softmax_backward_axis_f64_f64_p1_b4x256_async_cached", (4, 256, 1), 175, 2 * 333 * 4 * 8)),
 ]
 
 
@@ -116,7 +162,7 @@ def test_plan_golden(args, expected):
 @pytest.mark.parametrize("shape", [(8, 1000, 3), (4096, 64, 31), (1, 50000, 64), (2, 1000000, 32)])
 def test_rows_path_chosen(shape):
     """inner < 32, or too few tiles too large to cache: the rows path (None)."""
-    for op in OPS:
+    for op in ALL_OPS:
         for dtype in DTYPES:
             assert plan(op, *shape, dtype, H100) is None
 
@@ -126,11 +172,16 @@ def test_explain():
     assert info == {"op": "softmax", "impl": "axis", "outer": 64, "cols": 4096, "inner": 256,
                     "pack_size": 8, "cached": True, "block": [2, 512, 1], "grid": [1024, 1, 1],
                     "smem_bytes": 131072, "kernel": "softmax_axis_f16_f32_p8_b2x512_async_cached"}
+    info = plan("softmax_backward", 64, 4096, 256, "f16", H100).explain()
+    assert info == {"op": "softmax_backward", "impl": "axis", "outer": 64, "cols": 4096,
+                    "inner": 256, "pack_size": 8, "cached": False, "block": [2, 256, 1],
+                    "grid": [1024, 1, 1], "smem_bytes": 0,
+                    "kernel": "softmax_backward_axis_f16_f32_p8_b2x256_l2_online"}
 
 
 def test_plan_rejects_bad_arguments():
     with pytest.raises(ValueError, match="unknown op"):
-        plan("softmax_backward", 2, 3, 64, "f32", H100)
+        plan("softmax_grad", 2, 3, 64, "f32", H100)
     with pytest.raises(ValueError, match="positive"):
         plan("softmax", 2, 0, 64, "f32", H100)
 
@@ -139,15 +190,16 @@ SHAPE_SWEEP = [(outer, cols, inner) for outer in (1, 3, 64, 4096) for cols in (1
                for inner in (32, 33, 64, 100, 256, 1025, 4096)]
 
 
+@pytest.mark.parametrize("op", ("softmax", "softmax_backward", "log_softmax_backward"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("align", (16, 8, 4, 2))
-def test_plan_invariants(dtype, align):
+def test_plan_invariants(op, dtype, align):
     itemsize = ITEMSIZE[dtype]
     if align < itemsize:
         pytest.skip("an array is always aligned to its itemsize")
     facts = H100.facts
     for outer, cols, inner in SHAPE_SWEEP:
-        p = plan("softmax", outer, cols, inner, dtype, H100, align)
+        p = plan(op, outer, cols, inner, dtype, H100, align)
         if p is None:
             continue
         spec = p.spec
@@ -162,13 +214,19 @@ def test_plan_invariants(dtype, align):
         assert spec.block_y <= cols or spec.block_x * spec.block_y == 32
         tiles = outer * math.ceil(inner // spec.pack_size / spec.block_x)
         assert 1 <= p.grid[0] <= tiles and p.block == (spec.block_x, spec.block_y, 1)
-        tile_bytes = cols * spec.block_x * pack_bytes
+        # a tile holds a pack of every input per row; cached exactly when it fits
+        # (every tile that fits launches on the H100)
+        tile_bytes = NUM_INPUTS[op] * cols * spec.block_x * pack_bytes
+        assert spec.cached == (tile_bytes <= sa.AXIS_CACHE_MAX_BYTES)
         if spec.cached:
-            assert p.smem_bytes == tile_bytes <= sa.AXIS_CACHE_MAX_BYTES
+            assert p.smem_bytes == tile_bytes
             assert (spec.loads_in_flight == 0) == (pack_bytes >= sa.AXIS_ASYNC_MIN_PACK_BYTES)
         else:
             assert p.smem_bytes == 0 and spec.loads_in_flight >= 1
             assert tiles >= sa.AXIS_MIN_TILES_PER_SM * facts.sm_count
+        if spec.loads_in_flight > 1:   # rows of a pack of every input, within the bytes in flight
+            in_flight = next(size for most, size in sa.AXIS_BYTES_IN_FLIGHT if threads <= most)
+            assert spec.loads_in_flight * NUM_INPUTS[op] * pack_bytes <= in_flight
         # few tiles: the cols axis is split among more threads (up to 1024)
         if tiles * threads < facts.sm_count * facts.max_threads_per_sm and threads < 1024:
             assert spec.block_y == 1 << (cols.bit_length() - 1) or spec.block_x * spec.block_y == 32
@@ -177,7 +235,8 @@ def test_plan_invariants(dtype, align):
 def test_lifted_thresholds_give_axis_plans(axis_everywhere):
     """The fixture the GPU tests use: every shape gets an axis plan."""
     for shape in [(8, 1000, 3), (1, 50000, 64), (5, 7, 1), (1, 1, 1)]:
-        assert plan("softmax", *shape, "f32", H100) is not None
+        for op in ("softmax", "softmax_backward"):
+            assert plan(op, *shape, "f32", H100) is not None
 
 
 # -- NVRTC compiles -------------------------------------------------------------------
@@ -196,7 +255,7 @@ def _instantiations(arch: str, dtype: str, monkeypatch) -> set:
     for cache_max in (sa.AXIS_CACHE_MAX_BYTES, 0):
         monkeypatch.setattr(sa, "AXIS_CACHE_MAX_BYTES", cache_max)
         sa.plan.cache_clear()
-        for op in OPS:
+        for op in ALL_OPS:
             for shape in COMPILE_SHAPES:
                 specs.add(plan(op, *shape, dtype, target).spec)
             specs.add(plan(op, *MISALIGNED_SHAPE, dtype, target, ITEMSIZE[dtype]).spec)
@@ -207,7 +266,8 @@ def _instantiations(arch: str, dtype: str, monkeypatch) -> set:
 @pytest.mark.parametrize("arch", sorted(TARGETS))
 def test_instantiations_compile(arch, dtype, axis_everywhere, monkeypatch):
     specs = _instantiations(arch, dtype, monkeypatch)
-    assert {spec.cached for spec in specs} == {True, False}
+    for op in ALL_OPS:
+        assert {spec.cached for spec in specs if spec.op == op} == {True, False}
     problems = []
     for spec in sorted(specs, key=lambda s: s.name):
         report = jit.compile_cubin(spec, arch)       # raises jit.CompileError on failure
@@ -266,12 +326,9 @@ GPU_SHAPES = [(3, 17, 64), (2, 5, 33), (4, 1, 40), (1, 300, 1), (6, 7, 1025), (2
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cache", ["cached", "online"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", OPS)
-def test_every_axis(op, dtype, cache, rng, axis_everywhere, request):
-    if cache == "online":
-        request.getfixturevalue("online_only")
+def test_every_axis(op, dtype, cache, rng):
     for shape in GPU_SHAPES:
         x, exact = random_input(rng, shape, NUMPY_DTYPES[dtype])
         for axis in range(len(shape) - 1):
@@ -295,14 +352,11 @@ def test_public_functions_every_axis(op, dtype, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cache", ["cached", "online"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", OPS)
-def test_nan_and_inf_slices(op, dtype, cache, rng, axis_everywhere, request):
+def test_nan_and_inf_slices(op, dtype, cache, rng):
     import cupy
 
-    if cache == "online":
-        request.getfixturevalue("online_only")
     outer, cols, inner = 3, 37, 48
     host = (rng.standard_normal((outer, cols, inner)) * 4.0).astype(NUMPY_DTYPES[dtype])
     special = [
@@ -381,3 +435,107 @@ def test_not_applicable_returns_none(rng, axis_everywhere):
     poison = overlapping_out.copy()
     assert sa.run("softmax", overlapping_in, 1, overlapping_out) is None
     assert bool((overlapping_out == poison).all())                     # nothing written
+
+
+# -- GPU: backward --------------------------------------------------------------------
+
+def gradient_inputs(rng, op, shape, dtype, axis):
+    """(dy, y) on the device and on the host: y a softmax / log_softmax of random data."""
+    import cupy
+
+    dy, y = make_inputs(rng, op, shape, NUMPY_DTYPES[dtype], axis)
+    return cupy.asarray(dy), cupy.asarray(y), dy, y
+
+
+def run_backward_checked(op, dy, y, axis, out=None):
+    result = sa.run_backward(op, dy, y, axis, out)
+    assert result is not None, "the axis kernel did not apply"
+    return result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", BACKWARD_OPS)
+def test_backward_every_axis(op, dtype, cache, rng):
+    """A fresh output, a poisoned `out` and in place (out = dy)."""
+    for shape in GPU_SHAPES:
+        for axis in range(len(shape) - 1):
+            dy, y, dy_host, y_host = gradient_inputs(rng, op, shape, dtype, axis)
+            expected = gradient_reference(op, dy_host, y_host, axis)
+            dx = run_backward_checked(op, dy, y, axis)
+            assert dx.shape == shape and dx.dtype == dy.dtype and dx.flags.c_contiguous
+            check_gradient(dx.get(), expected, NUMPY_DTYPES[dtype])
+            out = poisoned(shape, NUMPY_DTYPES[dtype])
+            assert run_backward_checked(op, dy, y, axis, out) is out
+            check_gradient(out.get(), expected, NUMPY_DTYPES[dtype])
+            assert run_backward_checked(op, dy, y, axis, dy) is dy
+            check_gradient(dy.get(), expected, NUMPY_DTYPES[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", BACKWARD_OPS)
+def test_backward_public_functions(op, dtype, rng, axis_everywhere, monkeypatch):
+    """Through cupyops.softmax_backward / log_softmax_backward: every non-last
+    axis takes the axis kernel (the rows path is made to fail); in place, out = y."""
+    import cupyops
+    from cupyops import rowwise
+
+    def rows_path(*args, **kwargs):
+        raise AssertionError("the rows path ran instead of the axis kernel")
+
+    monkeypatch.setattr(rowwise, "run", rows_path)
+    function = getattr(cupyops, op)
+    for shape in [(4, 33, 64), (3, 5, 7, 40), (64, 300, 256)]:
+        for axis in [*range(len(shape) - 1), *range(-len(shape), -1)]:
+            dy, y, dy_host, y_host = gradient_inputs(rng, op, shape, dtype, axis)
+            expected = gradient_reference(op, dy_host, y_host, axis)
+            check_gradient(function(dy, y, axis=axis).get(), expected, NUMPY_DTYPES[dtype])
+            assert function(dy, y, axis=axis, out=y) is y
+            check_gradient(y.get(), expected, NUMPY_DTYPES[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", BACKWARD_OPS)
+def test_backward_target_shape(op, rng):
+    """(64, 4096, 256) float16 over axis 1 with the default planner (read twice),
+    and half its cols (cached)."""
+    for shape, cached in [((64, 4096, 256), False), ((64, 2048, 256), True)]:
+        dy, y, dy_host, y_host = gradient_inputs(rng, op, shape, "f16", 1)
+        p = plan(op, *shape, "f16", Target.live(dy.device.id))
+        assert p is not None and p.spec.cached == cached
+        check_gradient(run_backward_checked(op, dy, y, 1).get(),
+                       gradient_reference(op, dy_host, y_host, 1), numpy.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["f16", "f32"])
+def test_backward_misaligned_input(dtype, rng, axis_everywhere):
+    """dy one element off the 16-byte grid, y on it: packs narrow for both."""
+    import cupy
+
+    shape = (4, 300, 64)
+    for op in BACKWARD_OPS:
+        _, y, dy_host, y_host = gradient_inputs(rng, op, shape, dtype, 1)
+        padded = cupy.empty(math.prod(shape) + 1, NUMPY_DTYPES[dtype])
+        dy = padded[1:].reshape(shape)
+        dy[...] = cupy.asarray(dy_host)
+        assert dy.flags.c_contiguous and dy.data.ptr % 16
+        check_gradient(run_backward_checked(op, dy, y, 1).get(),
+                       gradient_reference(op, dy_host, y_host, 1), NUMPY_DTYPES[dtype])
+
+
+@pytest.mark.gpu
+def test_backward_not_applicable_returns_none(rng, axis_everywhere):
+    import cupy
+
+    dy, y, _, _ = gradient_inputs(rng, "softmax_backward", (4, 6, 64), "f32", 1)
+    assert sa.run_backward("softmax_backward", dy, y, 2, None) is None            # last axis
+    strided = y.transpose(1, 0, 2).copy().transpose(1, 0, 2)
+    assert sa.run_backward("softmax_backward", dy, strided, 1, None) is None      # y not C-contiguous
+    big = cupy.zeros(4 * 6 * 64 + 64, numpy.float32)
+    overlapping_y = big[:4 * 6 * 64].reshape(4, 6, 64)
+    overlapping_out = big[64:].reshape(4, 6, 64)
+    poison = overlapping_out.copy()
+    assert sa.run_backward("softmax_backward", dy, overlapping_y, 1, overlapping_out) is None
+    assert bool((overlapping_out == poison).all())                                # nothing written

@@ -305,8 +305,7 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
     itemsize, compute = ITEMSIZE[dtype], COMPUTE_ITEMSIZE[dtype]
     pack = auto_pack(cols, dtype, align)
     # 0. float32 forward rows of the listed cols, 16-byte aligned: OneFlow's shared-memory plan
-    inputs = 2 if op.endswith("_backward") else 1
-    if cols in sm.AUTO_ONEFLOW_SMEM_COLS.get((dtype, inputs), ()) and align == 16:
+    if cols in sm.AUTO_ONEFLOW_SMEM_COLS.get((op, dtype), ()) and align == 16:
         oneflow = plan(op, rows, cols, dtype, "oneflow", target, align)
         if oneflow.spec.impl == "block_smem":
             return {"impl": "block_smem", "spec": oneflow.spec, "smem_bytes": oneflow.smem_bytes,

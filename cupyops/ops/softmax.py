@@ -33,9 +33,10 @@ THREAD_GROUP_WIDTHS = (1, 2, 4, 8, 16, 32)
 # forward and backward; the budgets are per input array):
 # the warp path while a lane holds at most this many bytes of the row,
 AUTO_WARP_MAX_BYTES_PER_LANE = 128
-# one row per access for 16-bit types where OneFlow takes two (bf16 256 cols:
-# 67 % of copy against 60 %; 128 cols: 54 % against 49 %);
-AUTO_WARP_ROWS_PER_ACCESS = {2: 1}      # itemsize -> rows per access
+# one row per access for 16-bit and float32 types where OneFlow takes two
+# (bf16 256 cols: 67 % of copy against 60 %; 128 cols: 54 % against 49 %;
+# f32 128 cols: 71.3 % against 70.2 %);
+AUTO_WARP_ROWS_PER_ACCESS = {2: 1, 4: 1}      # itemsize -> rows per access
 # then the register block path: the smallest of these block sizes giving a
 # thread at most AUTO_BLOCK_REGS_MAX_PACKS[itemsize] packs (peeled rows, off
 # the 16-byte grid: AUTO_PEELED_MAX_PACKS) while a block holds at most 64 KiB
@@ -69,9 +70,9 @@ AUTO_SMEM_BLOCK_SIZE = 256
 # float32 forward rows of these cols, 16-byte aligned, take OneFlow's
 # shared-memory plan where OneFlow takes it: softmax 1024 cols 96.4 % of copy
 # against 95.3 % on the warp path, 2048 cols 97.6 % against 96.2 % in
-# registers (log-softmax 97.4 % against 96.0 %); 1536 cols is 2 % faster in
-# registers.
-AUTO_ONEFLOW_SMEM_COLS = {("f32", 1): (1024, 2048)}   # (dtype, inputs) -> cols
+# registers (log-softmax 97.4 % against 96.0 %; 4096 cols 97.7 % against
+# 97.0 %); 1536 cols, and softmax at 4096, are faster in registers.
+AUTO_ONEFLOW_SMEM_COLS = {("softmax", "f32"): (1024, 2048), ("log_softmax", "f32"): (2048, 4096)}
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,7 @@ def vector_pack_size(cols: int, itemsize: int, align: int) -> int:
 def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
     ftype = dtypes.BY_SHORT[dtype]
     num_inputs = len(INPUTS[op])
-    if cols in AUTO_ONEFLOW_SMEM_COLS.get((dtype, num_inputs), ()) and align == 16:
+    if cols in AUTO_ONEFLOW_SMEM_COLS.get((op, dtype), ()) and align == 16:
         oneflow = _oneflow_plan(op, dtype, rows, cols, align, target)
         if oneflow.spec.impl == "block_smem":
             return oneflow
@@ -399,6 +400,11 @@ def _backward(op, dy, y, axis, out, policy, stream):
     if dy.size == 0:
         return out if out is not None else cupy.empty(dy.shape, dy.dtype)
     with arrays.on_device(dy, stream):
+        if policy == "auto" and len(axes) == 1 and axes[0] != dy.ndim - 1:
+            from . import softmax_axis   # imports this module: bound late
+            result = softmax_axis.run_backward(op, dy, y, axes[0], out)
+            if result is not None:
+                return result
         return rowwise.run([dy, y], axes, out, dy.dtype,
                            lambda i, o, rows, cols: _launch(op, policy, i, o, rows, cols))
 

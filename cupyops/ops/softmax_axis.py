@@ -1,13 +1,15 @@
-"""softmax and log_softmax over one non-last axis, without a transpose copy.
+"""softmax and log_softmax, forward and backward, over one non-last axis,
+without a transpose copy.
 
 A C-contiguous array reduced over axis k is seen as (outer, cols, inner):
 outer = product of the axes before k, cols = shape[k], inner = product of the
 axes after k. The kernel (kernels/softmax_axis.cuh) gives a block a tile of
 one `outer` index and block_x packs of consecutive `inner` indices, so a
 warp reads whole sectors of consecutive rows; block_y rows of threads split
-the `cols` axis and combine their running (max, sum) through shuffles and
-shared memory. "cached" keeps the tile in shared memory (one read of the
-array); "online" reads it again for the outputs (two reads).
+the `cols` axis and combine their partial reductions (forward: (max, sum);
+backward: sum(dy * y) or sum(dy)) through shuffles and shared memory.
+"cached" keeps the tile of every input (x; or dy and y) in shared memory (one
+read of the arrays); "online" reads them again for the outputs (two reads).
 
 Planner rule (the thresholds below are data: first guesses, not yet measured;
 to be tuned on the GPU):
@@ -15,9 +17,9 @@ to be tuned on the GPU):
 2. pack = the largest 16-byte-or-smaller vector dividing inner that the
    pointers' alignment allows; block_x = the packs covering
    AXIS_TILE_ROW_BYTES of a row (at most the packs of inner).
-3. cached when a tile (cols x block_x packs) fits AXIS_CACHE_MAX_BYTES of
-   shared memory and can launch; then blocks get enough threads that the
-   resident ones fill the SM's thread slots.
+3. cached when a tile (inputs x cols x block_x packs: x forward, dy and y
+   backward) fits AXIS_CACHE_MAX_BYTES of shared memory and can launch; then
+   blocks get enough threads that the resident ones fill the SM's thread slots.
 4. threads per block start at AXIS_BLOCK_THREADS and double (up to
    AXIS_MAX_BLOCK_THREADS) while the tiles' threads do not fill the GPU
    (SMs x threads per SM): the cols axis is then split among more threads.
@@ -39,9 +41,9 @@ import numpy
 from .. import arrays, dtypes, jit
 from ..device import WARP_SIZE
 from ..launch import LaunchCache, Target, get_num_blocks, live_function
-from .softmax import vector_pack_size
+from .softmax import INPUTS, vector_pack_size
 
-OPS = ("softmax", "log_softmax")
+OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
 
 # Slices narrower than this (elements along inner) take the rows path with a copy.
 AXIS_MIN_INNER = 32
@@ -53,8 +55,9 @@ AXIS_BLOCK_THREADS = 256
 AXIS_MAX_BLOCK_THREADS = 1024
 # Loads through registers: bytes a thread loads before using the first of
 # them, by block size (a 1024-thread block gets 64 registers a thread), in at
-# most AXIS_MAX_LOADS_IN_FLIGHT packs. A cached tile of packs of 4 bytes or
-# more is filled by cp.async instead: all of it in flight, no registers.
+# most AXIS_MAX_LOADS_IN_FLIGHT rows of a pack of every input. A cached tile
+# of packs of 4 bytes or more is filled by cp.async instead: all of it in
+# flight, no registers.
 AXIS_BYTES_IN_FLIGHT = ((512, 64), (1024, 32))     # (most threads, bytes)
 AXIS_MAX_LOADS_IN_FLIGHT = 8
 AXIS_ASYNC_MIN_PACK_BYTES = 4
@@ -91,8 +94,10 @@ class SoftmaxAxisSpec(jit.KernelSpec):
         return self.block_x * self.block_y
 
     def template_args(self) -> dict:
-        return {**super().template_args(), "storage_type": self.ftype.c_type,
-                "compute_type": self.ftype.compute_c_type}
+        return {**super().template_args(), "inputs": INPUTS[self.op],
+                "backward": self.op.endswith("_backward"),
+                "algorithm": "kLogSoftmax" if self.op.startswith("log_") else "kSoftmax",
+                "storage_type": self.ftype.c_type, "compute_type": self.ftype.compute_c_type}
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,7 @@ class SoftmaxAxisPlan:
     inner: int
     block: tuple
     grid: tuple
-    smem_bytes: int         # dynamic shared memory: the cached tile
+    smem_bytes: int         # dynamic shared memory: the cached tile of every input
 
     def explain(self) -> dict:
         spec = self.spec
@@ -127,7 +132,7 @@ def plan(op: str, outer: int, cols: int, inner: int, dtype: str, target: Target,
     """The axis-kernel plan for (outer, cols, inner) of dtype (short name) on
     `target`, or None when the rows path (with a transpose copy) should run.
 
-    `align` is the largest power of two (<= 16) dividing the input's and the
+    `align` is the largest power of two (<= 16) dividing the inputs' and the
     output's addresses in bytes."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
@@ -139,11 +144,12 @@ def plan(op: str, outer: int, cols: int, inner: int, dtype: str, target: Target,
     itemsize = dtypes.BY_SHORT[dtype].itemsize
     pack_size = vector_pack_size(inner, itemsize, align)
     pack_bytes = pack_size * itemsize
+    row_pack_bytes = len(INPUTS[op]) * pack_bytes   # a pack of every input: a thread's row of a tile
     inner_packs = inner // pack_size
     block_x = min(_next_power_of_two(inner_packs), max(1, AXIS_TILE_ROW_BYTES // pack_bytes))
 
     threads = AXIS_BLOCK_THREADS
-    tile_bytes = cols * block_x * pack_bytes
+    tile_bytes = cols * block_x * row_pack_bytes
     if tile_bytes <= AXIS_CACHE_MAX_BYTES:   # shared memory bounds the resident blocks
         resident = max(1, facts.smem_per_sm // (tile_bytes + facts.smem_reserved_per_block))
         while threads < AXIS_MAX_BLOCK_THREADS and threads * resident < facts.max_threads_per_sm:
@@ -158,13 +164,13 @@ def plan(op: str, outer: int, cols: int, inner: int, dtype: str, target: Target,
                   AXIS_MAX_BLOCK_X)
     block_y = max(block_y, WARP_SIZE // block_x)
     num_tiles = outer * -(-inner_packs // block_x)
-    tile_bytes = cols * block_x * pack_bytes
+    tile_bytes = cols * block_x * row_pack_bytes
     if tile_bytes > AXIS_CACHE_MAX_BYTES and num_tiles < AXIS_MIN_TILES_PER_SM * facts.sm_count:
         return None
 
     threads = block_x * block_y
     bytes_in_flight = next(size for most, size in AXIS_BYTES_IN_FLIGHT if threads <= most)
-    loads_in_flight = min(AXIS_MAX_LOADS_IN_FLIGHT, max(1, bytes_in_flight // pack_bytes))
+    loads_in_flight = min(AXIS_MAX_LOADS_IN_FLIGHT, max(1, bytes_in_flight // row_pack_bytes))
     async_fill = pack_bytes >= AXIS_ASYNC_MIN_PACK_BYTES
     spec = SoftmaxAxisSpec(op, dtype, pack_size, block_x, block_y,
                            0 if async_fill else loads_in_flight, cached=True)
@@ -196,33 +202,49 @@ def _launch_config(op, dtype, outer, cols, inner, align, device_id):
 
 
 def run(op: str, x, axis: int, out):
-    """softmax / log_softmax of `x` over `axis` by the axis kernel, or None.
+    """softmax / log_softmax of `x` over `axis` by the axis kernel, or None (see _run)."""
+    return _run(op, (x,), axis, out)
 
-    `x` is a cupy array of a float dtype, `axis` a non-negative axis other than
-    the last, `out` None or already validated for shape, dtype and device.
-    Returns the result (`out` when given) when the kernel applies: x
-    C-contiguous, out C-contiguous and either x itself or not overlapping it,
-    and the planner prefers it; otherwise None, and nothing was written."""
+
+def run_backward(op: str, dy, y, axis: int, out):
+    """softmax_backward / log_softmax_backward of (dy, y) over `axis` by the
+    axis kernel, or None (see _run). dy and y have the same shape and dtype."""
+    return _run(op, (dy, y), axis, out)
+
+
+def _run(op: str, inputs: tuple, axis: int, out):
+    """`op` of `inputs` (the arrays INPUTS[op] names) over `axis` by the axis kernel, or None.
+
+    The inputs are cupy arrays of one float dtype, shape and device, `axis` a
+    non-negative axis other than the last, `out` None or already validated for
+    shape, dtype and device. Returns the result (`out` when given) when the
+    kernel applies: every input C-contiguous, out C-contiguous and, for each
+    input, either that input itself or not overlapping it, and the planner
+    prefers it; otherwise None, and nothing was written."""
     import cupy
 
-    if x.size == 0 or axis >= x.ndim - 1 or not x.flags.c_contiguous:
+    if len(inputs) != len(INPUTS[op]):
+        raise ValueError(f"{op} reads {len(INPUTS[op])} arrays, got {len(inputs)}")
+    first = inputs[0]
+    if first.size == 0 or axis >= first.ndim - 1 or not all(a.flags.c_contiguous for a in inputs):
         return None
     if out is not None:
         if not out.flags.c_contiguous:
             return None
-        same = out.data.ptr == x.data.ptr and out.strides == x.strides
-        if not same and cupy.may_share_memory(out, x):
-            return None
-    shape = x.shape
+        for a in inputs:
+            same = out.data.ptr == a.data.ptr and out.strides == a.strides
+            if not same and cupy.may_share_memory(out, a):
+                return None
+    shape = first.shape
     outer, cols, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
     # A fresh output comes from CuPy's allocator, aligned to at least 256 bytes.
-    align = arrays.alignment(x.data.ptr, out.data.ptr if out is not None else 0)
-    config = _launch_config(op, dtypes.BY_DTYPE[x.dtype].short, outer, cols, inner, align,
-                            x.device.id)
+    align = arrays.alignment(*(a.data.ptr for a in inputs), out.data.ptr if out is not None else 0)
+    config = _launch_config(op, dtypes.BY_DTYPE[first.dtype].short, outer, cols, inner, align,
+                            first.device.id)
     if config is None:
         return None
     function, grid, block, smem = config
-    result = out if out is not None else cupy.empty(shape, x.dtype)
-    function(grid, block, (x, result, numpy.int64(outer), numpy.int64(cols), numpy.int64(inner)),
+    result = out if out is not None else cupy.empty(shape, first.dtype)
+    function(grid, block, (*inputs, result, numpy.int64(outer), numpy.int64(cols), numpy.int64(inner)),
              shared_mem=smem)
     return result
