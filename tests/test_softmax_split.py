@@ -557,3 +557,15 @@ def test_repeatable(op, rng, split_kind):
     first = run_split(op, inputs, poisoned_like(inputs[0]), split_kind)
     second = run_split(op, inputs, poisoned_like(inputs[0]), split_kind)
     assert cupy.array_equal(first, second)
+
+
+def test_coop_compiles_for_denser_residency_where_it_does_not_spill():
+    """COOP_MIN_BLOCKS blocks an SM by __launch_bounds__ where that needs no
+    local memory (float32 softmax), the compiler's own choice elsewhere."""
+    denser = ss.coop_plan("softmax", 16384, 65536, "f32", H100).spec
+    assert denser.min_blocks == ss.COOP_MIN_BLOCKS and denser.name.endswith(f"_m{ss.COOP_MIN_BLOCKS}")
+    assert H100.resources(denser)["local_bytes"] == 0
+    assert H100.max_active_blocks(denser, ss.COOP_BLOCK_SIZE, 0, opt_in=False) >= ss.COOP_MIN_BLOCKS
+    assert f"__launch_bounds__(512, {ss.COOP_MIN_BLOCKS})" in jit.render(denser)
+    plain = ss.coop_plan("softmax", 8192, 131072, "f16", H100).spec     # would spill
+    assert plain.min_blocks == 1 and "__launch_bounds__(512)\n" in jit.render(plain)

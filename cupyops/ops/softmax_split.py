@@ -45,7 +45,7 @@ Planner rule (thresholds are data, tuned on an H200 with scripts/tune_long_rows.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy
@@ -85,6 +85,9 @@ COOP_DOUBLINGS = 2
 COOP_MAX_CACHED_PACKS = 32
 # Narrower packs (odd cols, misaligned rows) take the two launches.
 COOP_MIN_PACK_BYTES = 4
+# Compile for this many resident blocks an SM where that needs no local memory
+# (float32 softmax: 40 registers and three blocks instead of 60 and two).
+COOP_MIN_BLOCKS = 3
 # Rows of at least this many bytes (all inputs together) are split even when
 # many rows fill the GPU: longer than the ordinary paths keep on chip.
 COOP_MIN_ROW_BYTES = 256 * 1024
@@ -101,6 +104,7 @@ class SoftmaxSplitSpec(jit.KernelSpec):
     block_size: int
     loads_in_flight: int    # packs of each input loaded before the first is used
                             # (coop: all the packs a thread holds)
+    min_blocks: int = 1     # blocks an SM the registers must leave room for (__launch_bounds__)
 
     @property
     def ftype(self) -> dtypes.FloatType:
@@ -108,8 +112,9 @@ class SoftmaxSplitSpec(jit.KernelSpec):
 
     @property
     def name(self) -> str:
+        blocks = f"_m{self.min_blocks}" if self.min_blocks > 1 else ""
         return (f"{self.op}_split_{self.stage}_{self.dtype}_{self.ftype.compute}_p{self.pack_size}"
-                f"_b{self.block_size}_l{self.loads_in_flight}")
+                f"_b{self.block_size}_l{self.loads_in_flight}{blocks}")
 
     @property
     def threads_per_block(self) -> int:
@@ -192,6 +197,9 @@ def coop_candidate(op: str, rows: int, cols: int, dtype: str, target: Target, al
     if pack_size * itemsize < COOP_MIN_PACK_BYTES or packs_per_thread * len(INPUTS[op]) > COOP_MAX_CACHED_PACKS:
         return None
     spec = SoftmaxSplitSpec(op, "coop", dtype, pack_size, COOP_BLOCK_SIZE, packs_per_thread)
+    denser = replace(spec, min_blocks=COOP_MIN_BLOCKS)
+    if target.resources(denser)["local_bytes"] == 0:
+        spec = denser
     resident = facts.sm_count * target.max_active_blocks(spec, COOP_BLOCK_SIZE, 0, opt_in=False)
     chunk_cols = COOP_BLOCK_SIZE * packs_per_thread * pack_size
     splits = -(-cols // chunk_cols)
