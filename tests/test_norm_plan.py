@@ -195,6 +195,17 @@ def test_plan_flags_are_keyword_only():
 
 # -- names and rendering ----------------------------------------------------------
 
+def test_auto_smem_first_for_rms_norm_bf16_long_rows():
+    for cols in (16384, 32768):
+        cached = norm.plan("rms_norm", ROWS, cols, "bf16", "auto", H100).spec
+        assert (cached.impl, cached.block_size, cached.packed_cache) == ("block_smem", 512, True)
+        assert norm.plan("rms_norm", ROWS, cols, "f16", "auto", H100).spec.impl == "block_regs"
+        assert norm.plan("layer_norm", ROWS, cols, "bf16", "auto", H100).spec.impl == "block_regs"
+    assert norm.plan("rms_norm", ROWS, 8192, "bf16", "auto", H100).spec.impl == "block_regs"
+    # rows off the 16-byte grid keep the peeled register path
+    assert norm.plan("rms_norm", ROWS, 16385, "bf16", "auto", H100, align=2).spec.peel
+
+
 def test_golden_names():
     spec = norm.NormSpec("layer_norm", "warp", "f16", pack_size=8, cols_per_thread=32,
                          min_cols_per_thread=32, thread_group_width=32, weight=True, bias=True,
