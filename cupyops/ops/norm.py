@@ -39,9 +39,13 @@ rows per access (odd row counts included, the last row guarded) and lanes
 holding up to 128 bytes (backward: 64); then the register block path (forward:
 rows that allow no 16-byte pack, e.g. odd cols, peel their edges and read
 16-byte packs when every row operand has the same phase); then shared memory
-beyond 48 KB caching the storage type; then uncached. The backward pass folds
-dweight / dbias partial sums into the dx kernel while they fit in registers,
-in one wave of resident blocks (one workspace row each).
+beyond 48 KB caching the storage type; then uncached. RMSNorm bfloat16 rows
+of 16384 cols and more go to shared memory first (AUTO_SMEM_FIRST). The
+backward pass folds dweight / dbias partial sums into the dx kernel while they
+fit in registers, in one wave of resident blocks (one workspace row each):
+rungs that keep the row in registers, prefetch the block's next row, or read
+it twice (AUTO_GRAD_BLOCK_LADDER); 16-bit rows off the 16-byte grid with no
+prefetching rung peel, on a grid of whole phase periods.
 
 dweight / dbias are always reduced in the compute type to a workspace of
 [parts, cols] partial sums, then summed by a second kernel in a fixed order:
