@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy
 import pytest
 
-from conftest import DTYPES, assert_close
+from conftest import DTYPES, TOLERANCES, assert_close
 from cupyops import dtypes
 from cupyops.dtypes import BFLOAT16
 from cupyops.launch import Target
@@ -288,7 +288,13 @@ def check_backward(rng, centered, rows, cols, dtype, policy):
         _, rstd = cupyops.rms_norm(x, w, eps=EPS, return_stats=True)
         dx, dw = cupyops.rms_norm_backward(dy, x, rstd, w, policy=policy)
     scale = 10 if numpy.dtype(dtype) != numpy.float64 else 1e3
-    assert_close(dx.get(), dx_ref, dtype, scale=scale)
+    # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) cancels: an element's
+    # error follows the row's largest value (3-column rows), not its own
+    tol = TOLERANCES[numpy.dtype(dtype)]
+    row_atol = tol["rtol"] * scale * numpy.abs(dx_ref).max(axis=-1, keepdims=True) + tol["atol"] * scale
+    got = dx.get().astype(numpy.float64)
+    close = numpy.isclose(got, dx_ref, rtol=tol["rtol"] * scale, atol=row_atol)
+    assert close.all(), f"dx: {int((~close).sum())} elements off, worst {numpy.abs(got - dx_ref).max():.3g}"
     assert_close(dw.get(), dw_ref, dtype, scale=scale * 10)
 
 

@@ -206,6 +206,17 @@ def test_auto_smem_first_for_rms_norm_bf16_long_rows():
     assert norm.plan("rms_norm", ROWS, 16385, "bf16", "auto", H100, align=2).spec.peel
 
 
+def test_auto_register_block_before_warp_for_rms_norm_16_bit_1024():
+    for dtype in ("f16", "bf16"):
+        spec = norm.plan("rms_norm", ROWS, 1024, dtype, "auto", H100).spec
+        assert (spec.impl, spec.block_size, spec.packs_per_thread) == ("block_regs", 64, 2)
+        assert norm.plan("rms_norm", ROWS, 1000, dtype, "auto", H100).spec.impl == "warp"
+        assert norm.plan("layer_norm", ROWS, 1024, dtype, "auto", H100).spec.impl == "warp"
+        # no 16-byte pack: the warp path
+        assert norm.plan("rms_norm", ROWS, 1024, dtype, "auto", H100, align=2, same_phase=False).spec.impl == "warp"
+    assert norm.plan("rms_norm", ROWS, 1024, "f32", "auto", H100).spec.impl == "warp"
+
+
 def test_golden_names():
     spec = norm.NormSpec("layer_norm", "warp", "f16", pack_size=8, cols_per_thread=32,
                          min_cols_per_thread=32, thread_group_width=32, weight=True, bias=True,
