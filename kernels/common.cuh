@@ -157,6 +157,15 @@ struct RegisterRow {
   __device__ __forceinline__ void set(int j, int i, C value) {
     if constexpr (!storage) values[j][i] = value;
   }
+  // Holds a pack fetched in the storage type (converted now unless storage).
+  __device__ __forceinline__ void set_pack(int j, int k, const Pack<T, pack_size>& pack) {
+    if constexpr (storage) {
+      packs[j][k] = pack;
+    } else {
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) values[j][k * pack_size + i] = cast<C>(pack.elem[i]);
+    }
+  }
 };
 
 template <typename Src, typename Dst>

@@ -33,28 +33,33 @@ namespace cupyops {
 template <typename T, typename C, bool has_residual>
 struct NormInput {
   typedef T Storage;
+  typedef C Compute;
   const T* x;
   const T* residual;
   T* h;
   int64 x_stride, residual_stride, h_stride;
 
   static constexpr bool has_residual_input = has_residual;
+  // The pack in the storage type: x, or h (stored here).
   template <int N>
-  __device__ __forceinline__ void load(C* dst, int64 row, int64 col) const {
+  __device__ __forceinline__ Pack<T, N> fetch(int64 row, int64 col) const {
     const Pack<T, N> a = load_pack<T, N>(x + row * x_stride + col);
     if constexpr (has_residual) {
       const Pack<T, N> b = load_pack<T, N>(residual + row * residual_stride + col);
       Pack<T, N> sum;
 #pragma unroll
-      for (int i = 0; i < N; ++i) {
-        sum.elem[i] = cast<T>(cast<C>(a.elem[i]) + cast<C>(b.elem[i]));
-        dst[i] = cast<C>(sum.elem[i]);
-      }
+      for (int i = 0; i < N; ++i) sum.elem[i] = cast<T>(cast<C>(a.elem[i]) + cast<C>(b.elem[i]));
       store_pack(h + row * h_stride + col, sum);
+      return sum;
     } else {
-#pragma unroll
-      for (int i = 0; i < N; ++i) dst[i] = cast<C>(a.elem[i]);
+      return a;
     }
+  }
+  template <int N>
+  __device__ __forceinline__ void load(C* dst, int64 row, int64 col) const {
+    const Pack<T, N> pack = fetch<N>(row, col);
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = cast<C>(pack.elem[i]);
   }
 
   // The row's first value exactly as load() computes it (h rounded to T).
@@ -111,6 +116,24 @@ struct Affine {
       for (int i = 0; i < N; ++i) b[i] = C(0);
     }
   }
+
+  // Copies the vectors to the block's shared memory `cache` (room for
+  // `stride` elements a vector), shifted so that the columns of a peeled
+  // row's packs, head + N * j, fall on whole N-element vectors there;
+  // returns the copy, read as this is (aligned loads of N).
+  template <int N>
+  __device__ __forceinline__ Affine shifted_copy(T* cache, int64 cols, int head) const {
+    const int offset = (N - head) % N;
+    const int64 stride = (cols + 2 * N - 2) / N * N;   // norm.py: _shifted_affine_bytes
+    T* weight_copy = cache + offset;
+    T* bias_copy = cache + (has_weight ? stride : 0) + offset;
+    for (int64 c = threadIdx.x; c < cols; c += blockDim.x) {
+      if constexpr (has_weight) weight_copy[c] = weight[c];
+      if constexpr (has_bias) bias_copy[c] = bias[c];
+    }
+    __syncthreads();
+    return {weight_copy, bias_copy};
+  }
 };
 
 // y = normalized * weight + bias, computed in C, stored as T.
@@ -127,6 +150,10 @@ struct NormOutput {
 #pragma unroll
     for (int i = 0; i < N; ++i) out[i] = normalized[i] * w[i] + b[i];
     DirectStore<C, T>{y, y_stride}.template store<N>(out, row, col);
+  }
+  // The same output with weight and bias read from `source` (a shifted copy).
+  __device__ __forceinline__ NormOutput with_affine(const Affine<T, C, has_weight, has_bias>& source) const {
+    return {y, y_stride, source};
   }
 };
 
@@ -180,41 +207,41 @@ __device__ __forceinline__ bool pack_in_row(int p, int64 col, int64 cols) {
   return !padding || p < min_packs || col < cols;
 }
 
-// Loads the packs p < num_packs a thread holds of one row into buf (compute
-// type), col_of(p) their columns, inside(p) whether each lies in the rows.
-// Without a residual every pack is loaded first and without a branch (a pack
-// outside loads the one at (fallback_row, fallback_col), which exists, and
-// is left out by the caller), then converted: converting each pack under the
-// condition of its load had the loads go out one at a time (bfloat16 rows at
-// 57-66 % of copy). With a residual the raw x and residual packs would not
-// fit the registers beside buf, so each pack is loaded, added and stored (h)
-// in turn.
-template <typename Input, typename C, int num_packs, int pack_size, typename ColOf, typename Inside>
-__device__ __forceinline__ void load_row_packs(const Input& in, C* buf, int64 row, ColOf col_of, Inside inside,
-                                               int64 fallback_row, int64 fallback_col) {
+// Row operand 0 of a RegisterRow minus `shift`, as of_packs reads values.
+template <typename Row, typename C>
+struct ShiftedValues {
+  const Row& row;
+  C shift;
+  __device__ __forceinline__ C operator[](int i) const { return row.get(0, i) - shift; }
+};
+
+// Loads the packs p < num_packs a thread holds of one row into row operand j
+// of buf (a RegisterRow), col_of(p) their columns, inside(p) whether each
+// lies in the rows. Without a residual every pack is fetched first and
+// without a branch (a pack outside fetches the one at (fallback_row,
+// fallback_col), which exists, and is left out by the caller), then held:
+// converting each pack under the condition of its load had the loads go out
+// one at a time (bfloat16 rows at 57-66 % of copy). With a residual each pack
+// inside is fetched (h stored) and held in turn: the raw x and residual
+// packs would not fit the registers beside the row; a pack outside holds 0.
+template <typename Input, int num_packs, int pack_size, typename Row, typename ColOf, typename Inside>
+__device__ __forceinline__ void load_row_packs(const Input& in, Row& buf, int j, int64 row, ColOf col_of,
+                                               Inside inside, int64 fallback_row, int64 fallback_col) {
+  typedef typename Input::Storage T;
   if constexpr (Input::has_residual_input) {
+    Pack<T, pack_size> zero;
 #pragma unroll
-    for (int p = 0; p < num_packs; ++p) {
-      if (inside(p)) {
-        in.template load<pack_size>(buf + p * pack_size, row, col_of(p));
-      } else {
+    for (int i = 0; i < pack_size; ++i) zero.elem[i] = cast<T>(typename Input::Compute(0));
 #pragma unroll
-        for (int i = 0; i < pack_size; ++i) buf[p * pack_size + i] = C(0);
-      }
-    }
+    for (int p = 0; p < num_packs; ++p) buf.set_pack(j, p, inside(p) ? in.template fetch<pack_size>(row, col_of(p)) : zero);
   } else {
-    typedef typename Input::Storage T;
     Pack<T, pack_size> fetched[num_packs];
 #pragma unroll
     for (int p = 0; p < num_packs; ++p) {
-      const T* source = in.x + (inside(p) ? row * in.x_stride + col_of(p) : fallback_row * in.x_stride + fallback_col);
-      fetched[p] = load_pack<T, pack_size>(source);
+      fetched[p] = in.template fetch<pack_size>(inside(p) ? row : fallback_row, inside(p) ? col_of(p) : fallback_col);
     }
 #pragma unroll
-    for (int p = 0; p < num_packs; ++p) {
-#pragma unroll
-      for (int i = 0; i < pack_size; ++i) buf[p * pack_size + i] = cast<C>(fetched[p].elem[i]);
-    }
+    for (int p = 0; p < num_packs; ++p) buf.set_pack(j, p, fetched[p]);
   }
 }
 
@@ -229,7 +256,8 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
   static_assert(width <= 32 && 32 % width == 0, "width must divide the warp size");
   constexpr int max_packs = max_cols_per_thread / pack_size;
   constexpr int min_packs = min_cols_per_thread / pack_size;
-  C buf[rows_per_access][max_cols_per_thread];
+  RegisterRow<typename Input::Storage, C, rows_per_access, max_packs, pack_size, false> row_values;
+  auto& buf = row_values.values;
   const WarpRows warp_rows = WarpRows::make<width, rows_per_access>();
   const int lane = warp_rows.group_lane;
   const auto pack_col = [&](int p) { return (static_cast<int64>(p) * width + lane) * pack_size; };
@@ -241,8 +269,8 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
 #pragma unroll
     for (int r = 0; r < rows_per_access; ++r) {
       shift[r] = row + r < rows ? row_shift<Stats, Input, C>(in, row + r) : C(0);
-      load_row_packs<Input, C, max_packs, pack_size>(in, buf[r], row + r, pack_col, [&](int p) { return inside(r, p); },
-                                                     rows - 1, 0);
+      load_row_packs<Input, max_packs, pack_size>(in, row_values, r, row + r, pack_col,
+                                                  [&](int p) { return inside(r, p); }, rows - 1, 0);
 #pragma unroll
       for (int i = 0; i < max_cols_per_thread; ++i) buf[r][i] -= shift[r];   // buf holds x - K from here on
       stats[r] = Stats::template of_packs<max_packs, pack_size>(buf[r], [&](int p) { return inside(r, p); });
@@ -264,19 +292,37 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
 
 // ---------------------------------------------------------------------------
 // Forward, block-register path: a block owns a row; thread t holds packs t,
-// t + block_size, ... (packs_per_thread of them) in registers.
+// t + block_size, ... (packs_per_thread of them) in registers: in the compute
+// type, or with `packed` as loaded (RegisterRow; 16-bit rows in half the
+// registers, converted at each use).
 // peel: rows need not start on a 16-byte boundary (odd cols, offset views;
 // every row operand at the same phase). Each row's first `head` elements (up
 // to its first 16-byte boundary, RowHead) and its last partial pack are
 // single elements ("edges") held by threads 0, 1, ...; the packs in between
 // are aligned. The edges are loaded after the packs, so the packs' loads are
-// all in flight first. Weight and bias are read element by element then.
+// all in flight first. Weight and bias are read element by element then,
+// unless shifted_affine: the planner's grid then has every row of a block at
+// the phase of its first row (a row a block, or a whole number of phase
+// periods), and the block copies weight and bias once to shared memory,
+// shifted to that phase (Affine::shifted_copy), for 16-byte reads. Rows of
+// 16-byte packs (head 0) may take the copy too, unshifted.
 template <typename Stats, typename Input, typename Output, typename C, int pack_size, int packs_per_thread,
-          int block_size, bool peel, typename RowHead>
-__device__ __forceinline__ void norm_block_regs(const Input& in, const Output& out,
+          int block_size, bool peel, bool shifted_affine, bool packed, typename RowHead>
+__device__ __forceinline__ void norm_block_regs(const Input& in, const Output& global_out,
                                                 const MomentsOutput<C>& moments_out, int64 rows, int64 cols,
                                                 C eps, const RowHead& row_head) {
-  C buf[packs_per_thread * pack_size];
+  typedef typename Input::Storage T;
+  extern __shared__ __align__(16) unsigned char shared_buf[];
+  const auto out = [&] {
+    if constexpr (shifted_affine) {
+      const int head = blockIdx.x < rows ? row_head(blockIdx.x) : 0;
+      return global_out.with_affine(
+          global_out.affine.template shifted_copy<pack_size>(reinterpret_cast<T*>(shared_buf), cols, head));
+    } else {
+      return global_out;
+    }
+  }();
+  RegisterRow<T, C, 1, packs_per_thread, pack_size, packed> buf;
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
     const int head = peel ? row_head(row) : 0;
     const int64 num_packs = (cols - head) / pack_size;
@@ -284,7 +330,7 @@ __device__ __forceinline__ void norm_block_regs(const Input& in, const Output& o
     const auto pack_col = [&](int k) { return head + (static_cast<int64>(k) * block_size + threadIdx.x) * pack_size; };
     const auto in_row = [&](int k) { return static_cast<int64>(k) * block_size + threadIdx.x < num_packs; };
     // A pack past the row loads the row's first pack (num_packs >= 1).
-    load_row_packs<Input, C, packs_per_thread, pack_size>(in, buf, row, pack_col, in_row, row, head);
+    load_row_packs<Input, packs_per_thread, pack_size>(in, buf, 0, row, pack_col, in_row, row, head);
     const int64 tail = head + num_packs * pack_size;
     const bool has_edge = peel && threadIdx.x < head + (cols - tail);
     const int64 edge_col = threadIdx.x < head ? threadIdx.x : tail + threadIdx.x - head;
@@ -293,9 +339,11 @@ __device__ __forceinline__ void norm_block_regs(const Input& in, const Output& o
       in.template load<1>(&edge, row, edge_col);
       edge -= shift;
     }
+    // x - K: compute-type rows shifted in place, packed rows at each use
 #pragma unroll
-    for (int i = 0; i < packs_per_thread * pack_size; ++i) buf[i] -= shift;   // buf holds x - K from here on
-    Stats stats = Stats::template of_packs<packs_per_thread, pack_size>(buf, in_row);
+    for (int i = 0; i < packs_per_thread * pack_size; ++i) buf.set(0, i, buf.get(0, i) - shift);
+    const ShiftedValues<decltype(buf), C> shifted{buf, packed ? shift : C(0)};
+    Stats stats = Stats::template of_packs<packs_per_thread, pack_size>(shifted, in_row);
     if (has_edge) stats.add(edge);
     const RowMoments<C> m = block_all_reduce_state<block_size>(stats).moments(cols, eps);
     if (threadIdx.x == 0) moments_out.store(row, m, shift);
@@ -305,10 +353,10 @@ __device__ __forceinline__ void norm_block_regs(const Input& in, const Output& o
     }
 #pragma unroll
     for (int k = 0; k < packs_per_thread; ++k) {
-      C* values = buf + k * pack_size;
+      C values[pack_size];
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) values[i] = (values[i] - m.mean) * m.rstd;
-      if (in_row(k)) out.template store<pack_size, !peel>(values, row, pack_col(k));
+      for (int i = 0; i < pack_size; ++i) values[i] = (shifted[k * pack_size + i] - m.mean) * m.rstd;
+      if (in_row(k)) out.template store<pack_size, !peel || shifted_affine>(values, row, pack_col(k));
     }
   }
 }

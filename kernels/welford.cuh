@@ -10,6 +10,8 @@
 // and the row statistics (WelfordState, SquareSumState) also
 //   static S of_packs<num_packs, pack_size>(values, in_row)
 //                                         the state of the values one thread holds
+//                                         (values[j]: an array, or any type with
+//                                         operator[], e.g. a row held as stored)
 //   void add(T x);                        adds one more value
 #pragma once
 #include "common.cuh"
@@ -90,8 +92,8 @@ struct WelfordState {
   // (each mean depends on the previous one through a division) left a thread
   // holding 16 .. 32 values latency-bound. The two-pass m2 is at least as
   // accurate as Welford's; the row shift K still keeps the values small.
-  template <int num_packs, int pack_size, typename InRow>
-  static __device__ __forceinline__ WelfordState of_packs(const T* values, InRow in_row) {
+  template <int num_packs, int pack_size, typename Values, typename InRow>
+  static __device__ __forceinline__ WelfordState of_packs(const Values& values, InRow in_row) {
     int packs_in_row = 0;
 #pragma unroll
     for (int p = 0; p < num_packs; ++p) packs_in_row += in_row(p) ? 1 : 0;
@@ -147,8 +149,8 @@ struct SquareSumState {
   T sum;
 
   static __device__ __forceinline__ SquareSumState empty() { return {T(0)}; }
-  template <int num_packs, int pack_size, typename InRow>
-  static __device__ __forceinline__ SquareSumState of_packs(const T* values, InRow in_row) {
+  template <int num_packs, int pack_size, typename Values, typename InRow>
+  static __device__ __forceinline__ SquareSumState of_packs(const Values& values, InRow in_row) {
     return {sum_in_row<num_packs, pack_size, T>(in_row, [&](int j) { return values[j] * values[j]; })};
   }
   __device__ __forceinline__ void add(T x) { sum += x * x; }

@@ -24,6 +24,7 @@ their kernels' names, registers and spills).
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from cupyops import dtypes
 from cupyops.launch import Target
@@ -31,11 +32,15 @@ from cupyops.ops import norm
 
 DEFAULT_COLS = "1024,2048,4096,8192,12345,16384,32768"
 CHECK_ROWS = 64
-MAX_CANDIDATES = 14
+MAX_CANDIDATES = 24
 # max |error| / max |reference| a correct kernel stays within (storage rounding)
 TOLERANCE = {"f16": 4e-3, "bf16": 3e-2, "f32": 1e-4, "f64": 1e-9}
 # register-block variants: (block_size, most bytes of compute values a thread holds)
 REGS_VARIANTS = ((64, 128), (128, 64), (256, 64), (512, 64), (1024, 64), (256, 128), (512, 128))
+# 16-bit rows held as loaded (packed), at most 128 bytes a thread
+# grids of the shifted weight copy: waves of resident blocks
+SHIFTED_WAVES = (1, 4, 16)
+PACKED_BLOCK_SIZES = (64, 128, 256, 512, 1024)
 GRAD_VARIANTS = ((128, 64, True), (256, 32, True), (256, 64, True), (512, 32, True), (512, 64, True),
                  (1024, 32, True), (1024, 64, False), (512, 128, False))
 
@@ -49,13 +54,27 @@ def _forward_variants(op, dtype, rows, cols, target):
     regs_pack = 16 // ftype.itemsize if peel else pack
     num_packs = cols // regs_pack
     found = []
-    for block_size, max_bytes in REGS_VARIANTS:
+    shapes = [(block_size, False, max_bytes // (regs_pack * compute_itemsize)) for block_size, max_bytes in REGS_VARIANTS]
+    if ftype.itemsize == 2:   # held as loaded: up to 128 bytes a thread
+        shapes += [(block_size, True, 128 // (regs_pack * ftype.itemsize)) for block_size in PACKED_BLOCK_SIZES]
+    for block_size, packed, max_packs in shapes:
         per_thread = -(-num_packs // block_size)
-        if per_thread * regs_pack * compute_itemsize <= max_bytes and num_packs >= block_size // 2:
-            spec = norm.NormSpec(impl="block_regs", pack_size=regs_pack, block_size=block_size,
-                                 packs_per_thread=per_thread, peel=peel, **fields)
-            launch = norm._block_launch(spec, rows, 0, target, "auto", False)
-            found.append((f"regs b{block_size} k{per_thread}{' peel' if peel else ''}", norm.NormPlan(launch)))
+        if per_thread > max_packs or num_packs < block_size // 2:
+            continue
+        spec = norm.NormSpec(impl="block_regs", pack_size=regs_pack, block_size=block_size,
+                             packs_per_thread=per_thread, peel=peel, packed=packed, **fields)
+        label = f"regs b{block_size} k{per_thread}{' peel' if peel else ''}{' packed' if packed else ''}"
+        if not target.resources(spec)["local_bytes"]:
+            found.append((label, norm.NormPlan(norm._block_launch(spec, rows, 0, target, "auto", False))))
+        if peel or regs_pack * ftype.itemsize == 16:   # weight / bias in shared memory
+            shifted = replace(spec, shifted_affine=True)
+            smem = norm._shifted_affine_bytes(shifted, cols)
+            if target.max_active_blocks(shifted, block_size, smem, True) and not target.resources(shifted)["local_bytes"]:
+                resident = norm._resident_launch(shifted, (block_size, 1, 1), 1, rows, smem, target)
+                for waves in SHIFTED_WAVES:
+                    launch = norm._whole_phase_periods(
+                        replace(resident, grid=(min(rows, resident.grid[0] * waves), 1, 1)), rows)
+                    found.append((label + f" shifted w{waves}", norm.NormPlan(launch)))
     if cols >= 4096:
         smem = cols * ftype.itemsize
         for block_size in (256, 512):
@@ -105,8 +124,8 @@ def candidates(op, dtype, rows, cols, target):
     variants = _forward_variants if op in norm.FORWARD_OPS else _backward_variants
     found += variants(op, dtype, rows, cols, target)
     unique = {}
-    for label, chosen in found:    # the first label of each set of kernels (the policies come first)
-        unique.setdefault(tuple(launch.spec.name for launch in chosen.launches), (label, chosen))
+    for label, chosen in found:    # the first label of each set of launches (the policies come first)
+        unique.setdefault(tuple((launch.spec.name, launch.grid) for launch in chosen.launches), (label, chosen))
     return list(unique.values())[:MAX_CANDIDATES]
 
 

@@ -264,6 +264,42 @@ def test_rows_off_the_16_byte_grid(rng, op, cols, dtype):
     check(y, h.get().astype(numpy.float64))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("cols", [2049, 12345])
+def test_peeled_rows_walk_their_rows(rng, cols, dtype):
+    """LayerNorm rows past the grid (two rounds and a partial one) through the
+    peeled register block path with weight and bias copied to shared memory
+    at the block's phase: the grid is a whole number of phase periods, so
+    every row a block visits starts at that phase. Contiguous rows (each at
+    another phase), with a residual, and a view at an offset."""
+    op, centered = "layer_norm", True
+    short = dtypes.float_type(dtype).short
+    itemsize = numpy.dtype(dtype).itemsize
+    launch = norm.plan(op, 1 << 20, cols, short, "auto", Target.live(0), itemsize, bias=centered).main
+    assert launch.spec.peel and launch.spec.shifted_affine, launch.spec.name
+    assert launch.grid[0] % launch.spec.pack_size == 0
+    rows = 2 * launch.grid[0] + 3
+    assert norm.plan(op, rows, cols, short, "auto", Target.live(0), itemsize, bias=centered).main == launch
+    w, w64 = _data(rng, (cols,), dtype, 1.0, 0.2)
+    b, b64 = _data(rng, (cols,), dtype, 0.0, 0.2)
+    affine = dict(weight=w, bias=b) if centered else dict(weight=w)
+    run = getattr(cupyops, op)
+
+    def check(y, x64):
+        y_ref, _, _ = _reference(x64, w64, b64 if centered else None, 1, centered)
+        assert_close(y.get(), y_ref, dtype, scale=4)
+
+    x, x64 = _data(rng, (rows, cols), dtype)
+    check(run(x, **affine, eps=EPS), x64)
+    residual, _ = _data(rng, (rows, cols), dtype)
+    y, h = run(x, **affine, residual=residual, eps=EPS)
+    check(y, h.get().astype(numpy.float64))
+    base, base64 = _data(rng, (rows, cols + 16), dtype)
+    out_base = _poisoned((rows, cols + 16), dtype)
+    check(run(base[:, 5:5 + cols], **affine, eps=EPS, out=out_base[:, 5:5 + cols]), base64[:, 5:5 + cols])
+    assert bool(_cupy().isnan(out_base[:, :5]).all()) and bool(_cupy().isnan(out_base[:, 5 + cols:]).all())
+
+
 # -- backward -------------------------------------------------------------------
 
 @pytest.mark.parametrize("policy", POLICIES)

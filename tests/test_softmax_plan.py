@@ -304,12 +304,12 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
     facts = target.facts
     itemsize, compute = ITEMSIZE[dtype], COMPUTE_ITEMSIZE[dtype]
     pack = auto_pack(cols, dtype, align)
-    # 0. float32 forward rows of the listed cols, 16-byte aligned: OneFlow's shared-memory plan
-    if cols in sm.AUTO_ONEFLOW_SMEM_COLS.get((op, dtype), ()) and align == 16:
+    # 0. float32 forward rows of the listed cols, 16-byte aligned: OneFlow's plan
+    # (shared memory, or the warp path with 2-element packs) unless it reads rows twice
+    if cols in sm.AUTO_ONEFLOW_COLS.get((op, dtype), ()) and align == 16:
         oneflow = plan(op, rows, cols, dtype, "oneflow", target, align)
-        if oneflow.spec.impl == "block_smem":
-            return {"impl": "block_smem", "spec": oneflow.spec, "smem_bytes": oneflow.smem_bytes,
-                    "grid": oneflow.grid[0]}
+        if oneflow.spec.impl != "block_uncached":
+            return {"impl": "oneflow", "plan": oneflow}
     # 1. warp: while a lane holds at most 128 bytes of compute values
     if cols <= 32 * pack or pack * ceil_div(cols, 32 * pack) * compute <= sm.AUTO_WARP_MAX_BYTES_PER_LANE:
         return {"impl": "warp", "pack_size": pack}
@@ -379,7 +379,9 @@ def test_auto_rules(profile, dtype, rows):
         for cols in cols_list:
             p = plan(op, rows, cols, dtype, "auto", target)
             expected = auto_expectation(op, dtype, rows, cols, target)
-            if expected["impl"] == "warp":
+            if expected["impl"] == "oneflow":
+                ok = p == expected["plan"]
+            elif expected["impl"] == "warp":
                 pack = expected["pack_size"]
                 _, cols_per_thread, width, rows_per_access, padding = warp_shape(cols, rows, pack)
                 # auto takes one row per access for 16-bit types

@@ -67,12 +67,15 @@ AUTO_ASYNC_BLOCK_SIZE = 512
 AUTO_ASYNC_STAGES = (2, 1)
 # rows that allow no 16-byte pack: shared memory filled through registers.
 AUTO_SMEM_BLOCK_SIZE = 256
-# float32 forward rows of these cols, 16-byte aligned, take OneFlow's
-# shared-memory plan where OneFlow takes it: softmax 1024 cols 96.4 % of copy
-# against 95.3 % on the warp path, 2048 cols 97.6 % against 96.2 % in
-# registers (log-softmax 97.4 % against 96.0 %; 4096 cols 97.7 % against
-# 97.0 %); 1536 cols, and softmax at 4096, are faster in registers.
-AUTO_ONEFLOW_SMEM_COLS = {("softmax", "f32"): (1024, 2048), ("log_softmax", "f32"): (2048, 4096)}
+# float32 forward rows of these cols, 16-byte aligned, take OneFlow's plan
+# (unless it reads the row twice): its shared-memory plan for softmax at 1024
+# cols (96.4 % of copy against 95.3 % on the warp path) and 2048 cols (97.6 %
+# against 96.2 % in registers; log-softmax 97.4 % against 96.0 %, 4096 cols
+# 97.7 % against 97.0 %; 1536 cols, and softmax at 4096, are faster in
+# registers); its warp plan of 2-element packs for log-softmax at 256 cols
+# (83.6 % against 83.3 % with 4) and 512 cols (91.7 % against 91.0 %; at 128
+# and 1024 cols 4 is as fast or faster).
+AUTO_ONEFLOW_COLS = {("softmax", "f32"): (1024, 2048), ("log_softmax", "f32"): (256, 512, 2048, 4096)}
 
 
 @dataclass(frozen=True)
@@ -212,9 +215,9 @@ def vector_pack_size(cols: int, itemsize: int, align: int) -> int:
 def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
     ftype = dtypes.BY_SHORT[dtype]
     num_inputs = len(INPUTS[op])
-    if cols in AUTO_ONEFLOW_SMEM_COLS.get((op, dtype), ()) and align == 16:
+    if cols in AUTO_ONEFLOW_COLS.get((op, dtype), ()) and align == 16:
         oneflow = _oneflow_plan(op, dtype, rows, cols, align, target)
-        if oneflow.spec.impl == "block_smem":
+        if oneflow.spec.impl != "block_uncached":
             return oneflow
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     pack_size = vector_pack_size(cols, ftype.itemsize, align)
