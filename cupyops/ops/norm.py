@@ -38,10 +38,10 @@ policy="auto" (default): 16-byte packs; warp groups of 1 .. 32 lanes with two
 rows per access (odd row counts included, the last row guarded) and lanes
 holding up to 128 bytes (backward: 64); then the register block path (forward:
 rows that allow no 16-byte pack, e.g. odd cols, peel their edges and read
-16-byte packs when every row operand has the same phase: LayerNorm's weight
-and bias are then copied once a block to shared memory at the rows' phase,
-on a resident grid of whole phase periods; RMSNorm's 16-bit rows are held
-as loaded, AUTO_PEELED_PACKED_LADDER); then shared memory
+16-byte packs when every row operand has the same phase: 16-bit LayerNorm's
+weight and bias are then copied once a block to shared memory at the rows'
+phase, on a resident grid of whole phase periods; RMSNorm's 16-bit rows are
+held as loaded, AUTO_PEELED_PACKED_LADDER); then shared memory
 beyond 48 KB caching the storage type; then uncached. RMSNorm bfloat16 rows
 of 16384 cols and more go to shared memory first (AUTO_SMEM_FIRST). The
 backward pass folds dweight / dbias partial sums into the dx kernel while they
@@ -129,12 +129,14 @@ AUTO_SMEM_FIRST_BLOCK_SIZE = 512
 # 72.1 %).
 AUTO_PEELED_PACKED_LADDER = {("rms_norm", 2): ((64, 64), (128, 128), (256, 128), (512, 128), (1024, 128))}
 # auto, forward, peeled rows: weight and bias copied once a block to shared
-# memory at the rows' phase (on a resident grid) when a pack would read at
-# least this many vectors element by element. The copy takes L1 capacity
-# from the loads in flight: LayerNorm f16 12345 cols 72.6 % of copy against
-# 52.7 % (f32: 87.0 % against 86.0 %), RMSNorm f16 86.1 % against 95.9 %
-# (f32: 90.3 % against 95.1 %).
-AUTO_SHIFTED_AFFINE_VECTORS = 2
+# memory at the rows' phase (on a resident grid) when a pack would take at
+# least this many element loads of them. The copy takes L1 capacity from the
+# loads in flight. LayerNorm f16 (16 loads a pack): 12345 cols 72.6 % of copy
+# against 52.7 %, 4097 cols 81.2 % against 67.2 %, 2049 cols 76.7 % against
+# 64.7 %; LayerNorm f32 (8): 2049 cols 85.0 % against 93.4 %, 6001 cols
+# 86.8 % against 95.5 % (12345: 87.0 % against 86.0 %); RMSNorm f16 (8):
+# 12345 cols 86.1 % against 95.9 %.
+AUTO_SHIFTED_AFFINE_MIN_LOADS = 16
 # auto, backward: (block_size, most bytes per thread and array, how dy / xhat
 # are held between the passes, taken only without local memory); dweight /
 # dbias partials stay in registers. "cached": in registers; "prefetch": in
@@ -473,12 +475,13 @@ def _shifted_affine_bytes(spec: NormSpec, cols: int) -> int:
 
 
 def _peeled_launch(spec: NormSpec, rows: int, cols: int, target: Target) -> KernelLaunch:
-    """A forward register block over peeled rows. With both weight and bias,
-    where a resident wave of blocks each holding a shifted copy of them fits
-    at the occupancy the registers allow (and the kernel needs no local
-    memory), that (16-byte weight reads); else weight and bias element by
-    element, on OneFlow's grid (AUTO_SHIFTED_AFFINE_VECTORS)."""
-    if spec.weight + spec.bias >= AUTO_SHIFTED_AFFINE_VECTORS:
+    """A forward register block over peeled rows. Where weight and bias would
+    take AUTO_SHIFTED_AFFINE_MIN_LOADS element loads a pack and a resident
+    wave of blocks each holding a shifted copy of them fits at the occupancy
+    the registers allow (and the kernel needs no local memory), that (16-byte
+    reads from shared memory); else weight and bias element by element, on
+    OneFlow's grid."""
+    if (spec.weight + spec.bias) * spec.pack_size >= AUTO_SHIFTED_AFFINE_MIN_LOADS:
         shifted = replace(spec, shifted_affine=True)
         smem = _shifted_affine_bytes(shifted, cols)
         by_registers = target.max_active_blocks(spec, spec.block_size, 0, False)
