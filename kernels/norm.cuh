@@ -440,8 +440,11 @@ __device__ __forceinline__ void norm_block_uncached(const Input& in, const Outpu
 // What the backward kernels read and write. mean is null for RMSNorm; each
 // partial pointer is null unless its gradient is wanted (and, for the dx
 // kernels, the partials are fused): every write through one is guarded.
-template <typename T, typename C, bool centered, bool has_weight>
+template <typename T, typename C, bool is_centered, bool with_weight>
 struct NormGradIO {
+  typedef T Storage;
+  static constexpr bool centered = is_centered;
+  static constexpr bool has_weight = with_weight;
   const T* dy;
   const T* x;
   const T* weight;
@@ -461,6 +464,26 @@ struct NormGradIO {
   __device__ __forceinline__ void weights(C* w, int64 col) const {
     C unused[N];
     Affine<T, C, has_weight, false>{weight, nullptr}.template load<N, aligned>(w, unused, col);
+  }
+  // The weight of a pack's columns as stored (unread without a weight), and
+  // in the compute type (1 without a weight).
+  template <int N, bool aligned = true>
+  __device__ __forceinline__ Pack<T, N> weight_pack(int64 col) const {
+    Pack<T, N> w{};
+    if constexpr (has_weight) {
+      if constexpr (aligned) {
+        w = load_pack<T, N>(weight + col);
+      } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) w.elem[i] = weight[col + i];
+      }
+    }
+    return w;
+  }
+  template <int N>
+  __device__ __forceinline__ void weights_of(const Pack<T, N>& stored, C* w) const {
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = has_weight ? cast<C>(stored.elem[i]) : C(1);
   }
   // dy and x of a pack as stored.
   template <int N>
@@ -609,35 +632,105 @@ __device__ __forceinline__ void norm_grad_warp(const IO& io, int64 rows, int64 c
   }
 }
 
-// Backward, block-register path: thread t owns packs t, t + block_size, ...
-// cached = true keeps dy and xhat in registers between the two passes.
-// prefetch (cached only) fetches the block's next row (dy, x, mean and rstd)
-// while this one is reduced and written, so a row's loads need not wait for
-// the previous row's barriers; a thread's columns being the same in every
-// row, it then reads its weight once. cached = false re-reads dy and x (from L1 /
-// L2) for the second pass. With fuse_param_grad the owned columns' partial
-// sums stay in registers and are written to the block's workspace row at the
-// end.
-// peel (not with prefetch): rows off the 16-byte grid, dy, x and dx at the
-// same phase. Every row of a block must start at the same phase (one row per
-// block, or a grid that is a multiple of the rows' phase period), so the
-// block's first row gives the head (elements to the first 16-byte boundary)
-// and each thread owns the same columns in every row: 16-byte packs between
-// single-element edges (the head and the last partial pack, threads 0, 1, ...),
-// weight and partial sums element by element at those columns.
-template <typename IO, typename C, int pack_size, int packs_per_thread, int block_size, bool cached,
-          bool prefetch, bool fuse_param_grad, bool peel, typename RowHead>
-__device__ __forceinline__ void norm_grad_block_regs(const IO& io, int64 rows, int64 cols, const RowHead& row_head) {
-  static_assert(!(peel && prefetch), "the prefetching path takes whole 16-byte rows");
-  constexpr int part_packs = fuse_param_grad ? packs_per_thread : 1;
-  C weight_part[part_packs][pack_size], bias_part[part_packs][pack_size];
-  if constexpr (fuse_param_grad) {
+// dweight / dbias partial sums (dy * xhat; dy when centered) of the packs
+// k < num_packs a thread owns, over all of its block's rows. In registers, or
+// in_smem in the block's dynamic shared memory (the registers then hold rows
+// in flight): a thread's slots are its own, so no barrier, laid out in planes
+// of 16-byte vectors, [grad][plane][num_packs * block_size], so that the
+// threads of a warp touch consecutive vectors.
+template <typename C, int pack_size, int num_packs, int block_size, bool centered, bool in_smem>
+struct ParamGradPartials {
+  static constexpr int grads = centered ? 2 : 1;
+  static constexpr int vector_size = pack_size * sizeof(C) < 16 ? pack_size : 16 / sizeof(C);
+  static constexpr int planes = pack_size / vector_size;
+  static constexpr int slots = num_packs * block_size;
+  typedef Pack<C, vector_size> Vector;
+  C regs[grads][in_smem ? 1 : num_packs][pack_size];
+  Vector* smem;
+
+  __device__ __forceinline__ Vector& slot(int grad, int k, int plane) const {
+    return smem[(grad * planes + plane) * slots + k * block_size + threadIdx.x];
+  }
+  __device__ __forceinline__ explicit ParamGradPartials(void* shared) : smem(static_cast<Vector*>(shared)) {
 #pragma unroll
-    for (int k = 0; k < part_packs; ++k) {
+    for (int g = 0; g < grads; ++g) {
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) weight_part[k][i] = bias_part[k][i] = C(0);
+      for (int k = 0; k < num_packs; ++k) {
+        if constexpr (in_smem) {
+#pragma unroll
+          for (int v = 0; v < planes; ++v) {
+#pragma unroll
+            for (int i = 0; i < vector_size; ++i) slot(g, k, v).elem[i] = C(0);
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < pack_size; ++i) regs[g][k][i] = C(0);
+        }
+      }
     }
   }
+  // Adds a pack's dy * xhat (and dy) to the sums of pack k.
+  __device__ __forceinline__ void add(int k, const C* dy, const C* xhat) {
+#pragma unroll
+    for (int g = 0; g < grads; ++g) {
+#pragma unroll
+      for (int v = 0; v < planes; ++v) {
+        C* sum = in_smem ? slot(g, k, v).elem : regs[g][in_smem ? 0 : k] + v * vector_size;
+#pragma unroll
+        for (int i = 0; i < vector_size; ++i) {
+          const int e = v * vector_size + i;
+          sum[i] += g == 0 ? dy[e] * xhat[e] : dy[e];
+        }
+      }
+    }
+  }
+  // Writes the sums of pack k for gradient `grad` (0: dweight, 1: dbias) to
+  // partials[blockIdx.x][col, col + pack_size); aligned = false: col is off the
+  // vector grid (a peeled row's packs), element by element.
+  template <bool aligned>
+  __device__ __forceinline__ void store(C* partials, int grad, int k, int64 cols, int64 col) const {
+    C values[pack_size];
+#pragma unroll
+    for (int v = 0; v < planes; ++v) {
+#pragma unroll
+      for (int i = 0; i < vector_size; ++i) {
+        values[v * vector_size + i] = in_smem ? slot(grad, k, v).elem[i] : regs[grad][in_smem ? 0 : k][v * vector_size + i];
+      }
+    }
+    if constexpr (aligned) {
+      DirectStore<C, C>{partials, cols}.template store<pack_size>(values, blockIdx.x, col);
+    } else {
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) partials[blockIdx.x * cols + col + i] = values[i];
+    }
+  }
+};
+
+// Backward, block-register path: thread t owns packs t, t + block_size, ...;
+// a thread's columns are the same in every row. held = true keeps the row's
+// dy and x as loaded (the storage type) in registers between the two passes,
+// converted at each use; held = false re-reads them (from L1 / L2) for the
+// second pass. With fuse_param_grad the owned columns' partial sums
+// (ParamGradPartials, in registers or shared memory) are written to the
+// block's workspace row at the end. The weight of the owned columns is held
+// in registers beside held rows with partials in registers, else read at
+// each use (L1 or shared-memory hits).
+// peel: rows off the 16-byte grid, dy, x and dx at the same phase. Every row
+// of a block must start at the same phase (one row per block, or a grid that
+// is a multiple of the rows' phase period), so the block's first row gives
+// the head (elements to the first 16-byte boundary) and each thread owns the
+// same columns in every row: 16-byte packs between single-element edges (the
+// head and the last partial pack, threads 0, 1, ...). The weight is then
+// copied once to shared memory at the rows' phase (Affine::shifted_copy,
+// after the partials), for 16-byte reads.
+template <typename IO, typename C, int pack_size, int packs_per_thread, int block_size, bool held,
+          bool fuse_param_grad, bool smem_partials, bool peel, typename RowHead>
+__device__ __forceinline__ void norm_grad_block_regs(const IO& global_io, int64 rows, int64 cols,
+                                                     const RowHead& row_head) {
+  typedef typename IO::Storage T;
+  typedef typename IO::template Fetched<pack_size> Fetched;
+  typedef ParamGradPartials<C, pack_size, fuse_param_grad ? packs_per_thread : 1, block_size, IO::centered,
+                            smem_partials> Partials;
   const int head = peel && blockIdx.x < rows ? row_head(blockIdx.x) : 0;
   const int64 num_packs = (cols - head) / pack_size;
   const auto in_row = [&](int k) { return static_cast<int64>(k) * block_size + threadIdx.x < num_packs; };
@@ -647,107 +740,84 @@ __device__ __forceinline__ void norm_grad_block_regs(const IO& io, int64 rows, i
   };
   const int64 tail = head + num_packs * pack_size;
   const bool has_edge = peel && threadIdx.x < head + (cols - tail);
-  const int64 edge_col = threadIdx.x < head ? threadIdx.x : tail + threadIdx.x - head;
-  C edge_weight_part = C(0), edge_bias_part = C(0);
-  const auto add_param_grads = [&](int k, const C* dy_pack, const C* xhat) {
-    if constexpr (fuse_param_grad) {
+  const int64 edge_col = has_edge ? (threadIdx.x < head ? threadIdx.x : tail + threadIdx.x - head) : 0;
+
+  extern __shared__ __align__(16) unsigned char shared_buf[];
+  constexpr int partials_bytes = smem_partials ? Partials::grads * Partials::slots * pack_size * sizeof(C) : 0;
+  Partials partials(shared_buf);
+  ParamGradPartials<C, 1, 1, 1, IO::centered, false> edge_partials(nullptr);
+  IO io = global_io;
+  if constexpr (peel && IO::has_weight) {
+    io.weight = Affine<T, C, true, false>{global_io.weight, nullptr}
+                    .template shifted_copy<pack_size>(reinterpret_cast<T*>(shared_buf + partials_bytes), cols, head)
+                    .weight;
+  }
+  constexpr bool hoist_weight = held && !smem_partials;
+  Pack<T, pack_size> weight[hoist_weight ? packs_per_thread : 1];
+  if constexpr (hoist_weight) {
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) {
-        weight_part[k][i] += dy_pack[i] * xhat[i];
-        bias_part[k][i] += dy_pack[i];
-      }
-    }
+    for (int k = 0; k < packs_per_thread; ++k) weight[k] = io.template weight_pack<pack_size>(pack_col(k));
+  }
+  // dy, xhat and the weights of pack k (in the row or not) of `row`, from the
+  // held packs or loaded again; g = dy * weight and g * xhat added to sums.
+  Fetched packs[held ? packs_per_thread : 1];
+  const auto pack_values = [&](int k, int64 row, const RowMoments<C>& m, C* dy, C* xhat, C* w,
+                               SumPairState<C>& sums) {
+    io.template weights_of<pack_size>(hoist_weight ? weight[hoist_weight ? k : 0]
+                                                   : io.template weight_pack<pack_size>(pack_col(k)), w);
+    io.template convert<pack_size>(held ? packs[held ? k : 0] : io.template fetch<pack_size>(row, pack_col(k)), w,
+                                   dy, xhat, sums, m);
   };
-  if constexpr (prefetch) {
-    static_assert(cached, "prefetch keeps the rows in registers");
-    C w[packs_per_thread][pack_size];
+  int parity = 0;
+  for (int64 row = blockIdx.x; row < rows; row += gridDim.x, parity ^= 1) {
+    if constexpr (held) {
 #pragma unroll
-    for (int k = 0; k < packs_per_thread; ++k) io.template weights<pack_size>(w[k], pack_col(k));
-    typename IO::template Fetched<pack_size> next[packs_per_thread];
-    RowMoments<C> next_moments{C(0), C(0)};
-    const auto fetch_row = [&](int64 row) {
-#pragma unroll
-      for (int k = 0; k < packs_per_thread; ++k) next[k] = io.template fetch<pack_size>(row, pack_col(k));
-      next_moments = io.moments(row);
-    };
-    if (blockIdx.x < rows) fetch_row(blockIdx.x);
-    for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
-      typename IO::template Fetched<pack_size> current[packs_per_thread];
-#pragma unroll
-      for (int k = 0; k < packs_per_thread; ++k) current[k] = next[k];
-      const RowMoments<C> m = next_moments;
-      if (row + gridDim.x < rows) fetch_row(row + gridDim.x);
-      C dy_buf[packs_per_thread][pack_size], xhat_buf[packs_per_thread][pack_size];
-      SumPairState<C> sums = SumPairState<C>::empty();
-#pragma unroll
-      for (int k = 0; k < packs_per_thread; ++k) {
-        SumPairState<C> pack_sums = SumPairState<C>::empty();
-        io.template convert<pack_size>(current[k], w[k], dy_buf[k], xhat_buf[k], pack_sums, m);
-        if (in_row(k)) sums.combine(pack_sums);
-      }
-      const RowGradSums<C> row_sums(block_all_reduce_state<block_size>(sums), cols);
-#pragma unroll
-      for (int k = 0; k < packs_per_thread; ++k) {
-        if (!in_row(k)) continue;
-        io.template store_with<pack_size>(w[k], dy_buf[k], xhat_buf[k], row_sums.mean_g, row_sums.mean_gx, m.rstd,
-                                          row, pack_col(k));
-        add_param_grads(k, dy_buf[k], xhat_buf[k]);
-      }
+      for (int k = 0; k < packs_per_thread; ++k) packs[k] = io.template fetch<pack_size>(row, pack_col(k));
     }
-  } else {
-    constexpr int cache_packs = cached ? packs_per_thread : 1;
-    C dy_buf[cache_packs][pack_size], xhat_buf[cache_packs][pack_size];
-    for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
-      const RowMoments<C> m = io.moments(row);
-      SumPairState<C> sums = SumPairState<C>::empty();
+    typename IO::template Fetched<1> edge{};
+    if constexpr (peel) edge = io.template fetch<1>(row, edge_col);
+    const RowMoments<C> m = io.moments(row);
+    SumPairState<C> sums = SumPairState<C>::empty();
 #pragma unroll
-      for (int k = 0; k < packs_per_thread; ++k) {
-        const int c = cached ? k : 0;
-        if (in_row(k)) io.template load<pack_size, !peel>(dy_buf[c], xhat_buf[c], sums, m, row, pack_col(k));
-      }
-      C edge_dy = C(0), edge_xhat = C(0);
-      if (has_edge) io.template load<1>(&edge_dy, &edge_xhat, sums, m, row, edge_col);
-      const RowGradSums<C> row_sums(block_all_reduce_state<block_size>(sums), cols);
-      if (has_edge) {
-        io.template store<1>(&edge_dy, &edge_xhat, row_sums.mean_g, row_sums.mean_gx, m.rstd, row, edge_col);
-        edge_weight_part += edge_dy * edge_xhat;
-        edge_bias_part += edge_dy;
-      }
+    for (int k = 0; k < packs_per_thread; ++k) {
+      C dy[pack_size], xhat[pack_size], w[pack_size];
+      SumPairState<C> pack_sums = SumPairState<C>::empty();
+      pack_values(k, row, m, dy, xhat, w, pack_sums);
+      if (in_row(k)) sums.combine(pack_sums);
+    }
+    C edge_dy, edge_xhat, edge_w;
+    if constexpr (peel) {
+      SumPairState<C> edge_sums = SumPairState<C>::empty();
+      io.template weights_of<1>(io.template weight_pack<1>(edge_col), &edge_w);
+      io.template convert<1>(edge, &edge_w, &edge_dy, &edge_xhat, edge_sums, m);
+      if (has_edge) sums.combine(edge_sums);
+    }
+    const RowGradSums<C> row_sums(block_all_reduce_state<block_size>(sums, parity), cols);
 #pragma unroll
-      for (int k = 0; k < packs_per_thread; ++k) {
-        if (!in_row(k)) continue;
-        const int c = cached ? k : 0;
-        if (!cached) {
-          SumPairState<C> unused = SumPairState<C>::empty();
-          io.template load<pack_size, !peel>(dy_buf[c], xhat_buf[c], unused, m, row, pack_col(k));
-        }
-        io.template store<pack_size, !peel>(dy_buf[c], xhat_buf[c], row_sums.mean_g, row_sums.mean_gx, m.rstd,
-                                            row, pack_col(k));
-        add_param_grads(k, dy_buf[c], xhat_buf[c]);
-      }
+    for (int k = 0; k < packs_per_thread; ++k) {
+      if (!in_row(k)) continue;
+      C dy[pack_size], xhat[pack_size], w[pack_size];
+      SumPairState<C> unused = SumPairState<C>::empty();
+      pack_values(k, row, m, dy, xhat, w, unused);
+      io.template store_with<pack_size>(w, dy, xhat, row_sums.mean_g, row_sums.mean_gx, m.rstd, row, pack_col(k));
+      if constexpr (fuse_param_grad) partials.add(k, dy, xhat);
+    }
+    if (has_edge) {
+      io.template store_with<1>(&edge_w, &edge_dy, &edge_xhat, row_sums.mean_g, row_sums.mean_gx, m.rstd, row,
+                                edge_col);
+      if constexpr (fuse_param_grad) edge_partials.add(0, &edge_dy, &edge_xhat);
     }
   }
   if constexpr (fuse_param_grad) {
-    // partials[blockIdx.x][col]: a peeled pack's columns are off the 16-byte grid there too
-    const auto store_partials = [&](C* partials, const C* values, int count, int64 col) {
-      if (partials == nullptr) return;
-      C* row_start = partials + static_cast<int64>(blockIdx.x) * cols;
-      if (!peel && count == pack_size) {
-        DirectStore<C, C>{row_start, 0}.template store<pack_size>(values, 0, col);
-      } else {
-        for (int i = 0; i < count; ++i) row_start[col + i] = values[i];
-      }
-    };
+    C* const workspaces[2] = {io.weight_partials, io.bias_partials};
 #pragma unroll
-    for (int k = 0; k < packs_per_thread; ++k) {
-      if (in_row(k)) {
-        store_partials(io.weight_partials, weight_part[k], pack_size, pack_col(k));
-        store_partials(io.bias_partials, bias_part[k], pack_size, pack_col(k));
+    for (int g = 0; g < (IO::centered ? 2 : 1); ++g) {
+      if (workspaces[g] == nullptr) continue;
+#pragma unroll
+      for (int k = 0; k < packs_per_thread; ++k) {
+        if (in_row(k)) partials.template store<!peel>(workspaces[g], g, k, cols, pack_col(k));
       }
-    }
-    if (has_edge) {
-      store_partials(io.weight_partials, &edge_weight_part, 1, edge_col);
-      store_partials(io.bias_partials, &edge_bias_part, 1, edge_col);
+      if (has_edge) edge_partials.template store<false>(workspaces[g], g, 0, cols, edge_col);
     }
   }
 }

@@ -211,20 +211,24 @@ constexpr int ceil_pow2(int n) { return n <= 1 ? 1 : 2 * ceil_pow2((n + 1) / 2);
 // warps first, then the per-warp results in warp order over the first
 // ceil_pow2(num_warps) lanes. Every warp repeats the second step on the same
 // inputs and broadcasts its lane 0, so all threads get identical bits;
-// deterministic. Safe to call repeatedly (trailing barrier).
+// deterministic. Safe to call repeatedly: with a trailing barrier, or, given
+// a parity that alternates between consecutive calls, with one barrier a call
+// (a call writes the half of the partials the call before the last read, and
+// every thread has passed that call's barrier by then).
 template <int block_size, typename State>
-__device__ __forceinline__ State block_all_reduce_state(State state) {
+__device__ __forceinline__ State block_all_reduce_state(State state, int parity = -1) {
   static_assert(block_size % 32 == 0 && block_size <= 1024, "block_size: a multiple of 32, at most 1024");
   constexpr int num_warps = block_size / 32;
   if (num_warps == 1) return warp_all_reduce_state<32>(state);
   state = warp_reduce_state<32, 32>(state);
-  __shared__ State partials[num_warps];
+  __shared__ State partials[2][num_warps];
+  State* const half = partials[parity > 0 ? 1 : 0];
   const int lane = threadIdx.x % 32;
-  if (lane == 0) partials[threadIdx.x / 32] = state;
+  if (lane == 0) half[threadIdx.x / 32] = state;
   __syncthreads();
-  state = lane < num_warps ? partials[lane] : State::empty();
+  state = lane < num_warps ? half[lane] : State::empty();
   state = warp_reduce_state<32, ceil_pow2(num_warps)>(state).template shfl<32>(0);
-  __syncthreads();
+  if (parity < 0) __syncthreads();
   return state;
 }
 

@@ -13,9 +13,10 @@ from cupyops.ops import softmax as softmax_ops
 from cupyops.ops import softmax_split
 
 # (rows, cols): warp, peeled registers (more rows than a resident grid:
-# LayerNorm blocks walking rows at their phase), registers (with more rows than
-# blocks: the norm backward's prefetch of each block's next row), cp.async,
-# shared memory, uncached, split rows
+# blocks walking rows at their phase, the norm backward's block reduction
+# alternating halves of its partials with one barrier a row, its partial sums
+# and shifted weight in shared memory), registers, cp.async, shared memory,
+# uncached, split rows
 ROW_SHAPES = [(6, 100), (2500, 3001), (4, 4096), (600, 2048), (3, 32768), (3, 40001), (2, 300000), (2, 1 << 19)]
 DTYPES = (cupy.float16, cupy.float32)
 

@@ -32,7 +32,7 @@ from cupyops.ops import norm
 
 DEFAULT_COLS = "1024,2048,4096,8192,12345,16384,32768"
 CHECK_ROWS = 64
-MAX_CANDIDATES = 24
+MAX_CANDIDATES = 32
 # max |error| / max |reference| a correct kernel stays within (storage rounding)
 TOLERANCE = {"f16": 4e-3, "bf16": 3e-2, "f32": 1e-4, "f64": 1e-9}
 # register-block variants: (block_size, most bytes of compute values a thread holds)
@@ -41,8 +41,12 @@ REGS_VARIANTS = ((64, 128), (128, 64), (256, 64), (512, 64), (1024, 64), (256, 1
 # grids of the shifted weight copy: waves of resident blocks
 SHIFTED_WAVES = (1, 4, 16)
 PACKED_BLOCK_SIZES = (64, 128, 256, 512, 1024)
-GRAD_VARIANTS = ((128, 64, True), (256, 32, True), (256, 64, True), (512, 32, True), (512, 64, True),
-                 (1024, 32, True), (1024, 64, False), (512, 128, False))
+# backward register-block variants: block sizes, at most GRAD_MAX_BYTES of
+# each input a thread, each way of holding the row between the passes,
+# with the dweight / dbias partials in registers or shared memory
+GRAD_BLOCK_SIZES = (128, 256, 512, 1024)
+GRAD_MAX_BYTES = 64
+GRAD_HOLDINGS = (("cached", "regs"), ("reread", "regs"), ("cached", "smem"), ("reread", "smem"))
 
 
 def _forward_variants(op, dtype, rows, cols, target):
@@ -95,22 +99,25 @@ def _forward_variants(op, dtype, rows, cols, target):
 def _backward_variants(op, dtype, rows, cols, target):
     family = op.replace("_backward", "")
     ftype = dtypes.BY_SHORT[dtype]
-    compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     fields = dict(op=f"{family}_grad", dtype=dtype, weight=True)
     pack = norm.vector_pack_size(cols, ftype.itemsize, 16)
-    num_packs = cols // pack
+    peel = pack * ftype.itemsize < 16
     finish = norm._finish_launch(family, dtype, cols)
     found = []
-    for block_size, max_bytes, cached in GRAD_VARIANTS:
-        per_thread = -(-num_packs // block_size)
-        if per_thread * pack * compute_itemsize <= max_bytes and num_packs >= block_size // 2:
-            for prefetch in ((False, True) if cached else (False,)):
-                spec = norm.NormSpec(impl="block_regs", pack_size=pack, block_size=block_size,
-                                     packs_per_thread=per_thread, cached=cached, prefetch=prefetch,
-                                     fuse_param_grad=True, **fields)
-                main = norm._resident_launch(spec, (block_size, 1, 1), 1, rows, 0, target)
-                label = f"fused b{block_size} k{per_thread} {spec.name.split('_')[-3]}"
-                found.append((label, norm.NormGradPlan(main, None, finish, main.grid[0], 0)))
+    for pack_size, peeled in ((pack, False),) + (((16 // ftype.itemsize, True),) if peel else ()):
+        num_packs = cols // pack_size
+        for block_size in GRAD_BLOCK_SIZES:
+            per_thread = -(-num_packs // block_size)
+            if per_thread * pack_size * ftype.itemsize > GRAD_MAX_BYTES or num_packs < block_size // 2:
+                continue
+            for held, partials in GRAD_HOLDINGS:
+                spec = norm.NormSpec(impl="block_regs", pack_size=pack_size, block_size=block_size,
+                                     packs_per_thread=per_thread, peel=peeled, fuse_param_grad=True,
+                                     **norm._grad_holding(held, partials), **fields)
+                main = norm.fused_grad_launch(spec, rows, cols, target)
+                if main is not None:
+                    label = f"b{block_size} k{per_thread} {held} {partials}"
+                    found.append((label, norm.NormGradPlan(main, None, finish, main.grid[0], 0)))
     dx = norm._auto_backward_dx(fields, rows, cols, 16, target)
     column_reduction, chunks, rows_per_chunk = norm._param_grad_launches(family, dtype, rows, cols, target)
     found.append(("dx + column reduction", norm.NormGradPlan(dx, column_reduction, finish, chunks, rows_per_chunk)))

@@ -339,18 +339,18 @@ def check_backward(rng, centered, rows, cols, dtype, policy):
 @pytest.mark.parametrize("centered", [True, False], ids=["layer_norm", "rms_norm"])
 def test_backward_register_paths_walk_their_rows(rng, centered, cols, dtype):
     """Rows past the grid (two rounds and a partial one) through the register
-    block paths with fused dweight / dbias: prefetching each block's next row
-    (2048, 4096 and 4097 cols), or peeling 16-bit rows off the 16-byte grid
-    (12345 cols: the grid a multiple of the rows' phase period, each thread
-    owning the same columns in every row)."""
+    block paths with fused dweight / dbias (partial sums in shared memory at
+    2048 and 4096 cols), and peeling rows off the 16-byte grid (4097 and 12345
+    cols: the grid a multiple of the rows' phase period, each thread owning
+    the same columns in every row, the weight copied to shared memory at the
+    rows' phase)."""
     op = "layer_norm_backward" if centered else "rms_norm_backward"
     short = dtypes.float_type(numpy.dtype(dtype)).short
     chosen = norm.plan(op, 1 << 20, cols, short, "auto", Target.live(0)).main
     assert chosen.spec.impl == "block_regs" and chosen.spec.fuse_param_grad, chosen.spec.name
-    if cols == 12345:
-        assert chosen.spec.peel == (numpy.dtype(dtype).itemsize == 2), chosen.spec.name
-    else:
-        assert chosen.spec.prefetch, chosen.spec.name
+    assert chosen.spec.peel == (cols % 2 == 1), chosen.spec.name
+    if cols in (2048, 4096):
+        assert chosen.spec.smem_partials and chosen.spec.cached, chosen.spec.name
     rows = 2 * chosen.grid[0] + 3
     assert norm.plan(op, rows, cols, short, "auto", Target.live(0)).main.spec == chosen.spec
     check_backward(rng, centered, rows, cols, dtype, "auto")

@@ -158,16 +158,15 @@ def test_auto_backward_fuses_param_grads_in_registers():
     # one wave of resident blocks, one workspace row each
     active = H100.max_active_blocks(regs.main.spec, regs.main.spec.block_size, 0, False)
     assert regs.num_parts == regs.main.grid[0] == active * H100.facts.sm_count
-    # rows off the 16-byte grid: single elements prefetched where a rung fits (4097 cols),
-    # else 16-bit rows peeled, on a grid that is a multiple of their phase period (8 rows)
-    odd = norm.plan("layer_norm_backward", ROWS, 4097, "f16", "auto", H100, align=2).main.spec
-    assert (odd.pack_size, odd.prefetch, odd.peel, odd.fuse_param_grad) == (1, True, False, True)
-    peeled = norm.plan("layer_norm_backward", ROWS, 12345, "f16", "auto", H100, align=2).main
-    assert (peeled.spec.pack_size, peeled.spec.peel, peeled.spec.fuse_param_grad) == (8, True, True)
-    assert peeled.grid[0] % 8 == 0
-    not_peeled = norm.plan("layer_norm_backward", ROWS, 12345, "f16", "auto", H100, align=2, same_phase=False)
-    assert not not_peeled.main.spec.peel
-    assert not norm.plan("layer_norm_backward", ROWS, 12345, "f32", "auto", H100, align=4).main.spec.peel
+    # rows off the 16-byte grid peeled, on a grid that is a multiple of their
+    # phase period (16 bytes of elements), with the weight's shifted copy in shared memory
+    for cols, dtype, pack in ((4097, "f16", 8), (12345, "f16", 8), (12345, "f32", 4)):
+        peeled = norm.plan("layer_norm_backward", ROWS, cols, dtype, "auto", H100, align=2).main
+        assert (peeled.spec.pack_size, peeled.spec.peel, peeled.spec.fuse_param_grad) == (pack, True, True)
+        assert peeled.grid[0] % pack == 0
+        assert peeled.smem_bytes == norm._grad_smem_bytes(peeled.spec, cols)
+        not_peeled = norm.plan("layer_norm_backward", ROWS, cols, dtype, "auto", H100, align=2, same_phase=False)
+        assert not not_peeled.main.spec.peel
     unfused = norm.plan("layer_norm_backward", ROWS, 65536, "f16", "auto", H100)
     assert not unfused.main.spec.fuse_param_grad and unfused.param_grad is not None
     dx_only = norm.plan("rms_norm_backward", ROWS, 512, "f16", "auto", H100, param_grad=False)
@@ -238,6 +237,25 @@ def test_auto_register_block_before_warp_for_rms_norm_16_bit_1024():
     assert norm.plan("rms_norm", ROWS, 1024, "f32", "auto", H100).spec.impl == "warp"
 
 
+def test_auto_backward_keeps_partial_sums_in_shared_memory():
+    """From 2048 cols the fused partial sums sit in shared memory, a float32
+    value per column and gradient, leaving 64 registers a thread: two
+    512-thread blocks an SM at 8192 cols. RMSNorm (one gradient) holds 64
+    bytes a thread at 16384 cols, LayerNorm 32."""
+    for op, grads in (("layer_norm_backward", 2), ("rms_norm_backward", 1)):
+        launch = norm.plan(op, ROWS, 8192, "f16", "auto", H100).main
+        spec = launch.spec
+        assert (spec.block_size, spec.packs_per_thread, spec.cached, spec.smem_partials) == (512, 2, True, True)
+        assert launch.smem_bytes == grads * 8192 * 4
+        assert spec.min_blocks_per_sm == 2
+        assert H100.max_active_blocks(spec, 512, launch.smem_bytes, True) == 2
+        assert launch.grid[0] == 2 * H100.facts.sm_count
+    wide = {op: norm.plan(op, ROWS, 16384, "f16", "auto", H100).main.spec
+            for op in ("layer_norm_backward", "rms_norm_backward")}
+    assert (wide["layer_norm_backward"].block_size, wide["layer_norm_backward"].packs_per_thread) == (1024, 2)
+    assert (wide["rms_norm_backward"].block_size, wide["rms_norm_backward"].packs_per_thread) == (512, 4)
+
+
 def test_golden_names():
     spec = norm.NormSpec("layer_norm", "warp", "f16", pack_size=8, cols_per_thread=32,
                          min_cols_per_thread=32, thread_group_width=32, weight=True, bias=True,
@@ -248,7 +266,7 @@ def test_golden_names():
     assert (norm.plan("rms_norm", ROWS, 2048, "bf16", "auto", H100).spec.name
             == "rms_norm_block_regs_bf16_f32_p8_k4_b64_weight")
     assert (norm.plan("layer_norm_backward", ROWS, 4096, "f32", "auto", H100).spec.name
-            == "layer_norm_grad_block_regs_f32_f32_p4_k2_b512_prefetch_weight_pgrad")
+            == "layer_norm_grad_block_regs_f32_f32_p4_k2_b512_cached_weight_pgradsmem")
     assert (norm.plan("layer_norm", ROWS, 1024, "f32", "auto", H100, weight=False, bias=False).spec.name
             == "layer_norm_warp_f32_f32_p4_c32_g32_r1_nopad")
 

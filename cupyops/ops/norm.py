@@ -45,10 +45,11 @@ held as loaded, AUTO_PEELED_PACKED_LADDER); then shared memory
 beyond 48 KB caching the storage type; then uncached. RMSNorm bfloat16 rows
 of 16384 cols and more go to shared memory first (AUTO_SMEM_FIRST). The
 backward pass folds dweight / dbias partial sums into the dx kernel while they
-fit in registers, in one wave of resident blocks (one workspace row each):
-rungs that keep the row in registers, prefetch the block's next row, or read
-it twice (AUTO_GRAD_BLOCK_LADDER); 16-bit rows off the 16-byte grid with no
-prefetching rung peel, on a grid of whole phase periods.
+fit in registers or shared memory, in one wave of resident blocks (one
+workspace row each): rungs that keep the row in registers or read it twice,
+with the partial sums in registers or shared memory (AUTO_GRAD_BLOCK_LADDER);
+16-bit rows off the 16-byte grid peel, on a grid of whole phase periods, with
+the weight copied to shared memory at the rows' phase.
 
 dweight / dbias are always reduced in the compute type to a workspace of
 [parts, cols] partial sums, then summed by a second kernel in a fixed order:
@@ -77,8 +78,9 @@ PARAM_GRAD_BLOCK = (32, 32)          # kParamGradRows in kernels/norm.cuh
 PARAM_GRADS = {"layer_norm": 2, "rms_norm": 1}   # dweight (and dbias)
 # Threads per SM each kernel is compiled to leave room for (the second
 # argument of __launch_bounds__): 64 registers a thread forward, 128 backward
-# (dy, xhat and partial sums live in registers).
-MIN_RESIDENT_THREADS = {"forward": 1024, "backward": 512}
+# (dy, x and partial sums live in registers), 64 backward with the partial
+# sums in shared memory (the registers hold rows in flight).
+MIN_RESIDENT_THREADS = {"forward": 1024, "backward": 512, "backward_smem_partials": 1024}
 ONEFLOW_WARP_MAX_COLS = 1024
 
 # OneFlow's warp ladder: group widths of the narrow stage, then the
@@ -137,26 +139,25 @@ AUTO_PEELED_PACKED_LADDER = {("rms_norm", 2): ((64, 64), (128, 128), (256, 128),
 # 86.8 % against 95.5 % (12345: 87.0 % against 86.0 %); RMSNorm f16 (8):
 # 12345 cols 86.1 % against 95.9 %.
 AUTO_SHIFTED_AFFINE_MIN_LOADS = 16
-# auto, backward: (block_size, most bytes per thread and array, how dy / xhat
-# are held between the passes, taken only without local memory); dweight /
-# dbias partials stay in registers. "cached": in registers; "prefetch": in
-# registers, the block's next row fetched while this one is reduced (more
-# registers: fewer blocks an SM); "reread": loaded again for the second pass.
-# Measured (LayerNorm f16 backward, H200): 1024 cols 128 x 1 cached 73.7 %
-# (prefetch 65 %); 2048, 4096 and 8192 cols two packs a thread prefetched
-# 78.0 %, 76.7 % and 69.8 % against 75.6 %, 74.2 % and 66.7 % holding one
-# pack at twice the threads. Re-reading rows up to 64 bytes a thread at 1024
-# threads comes before 512 threads holding 128 bytes: 12345 and 16384
-# columns, unless it spills (RMSNorm f16 16384 on sm_80).
-# Rows off the 16-byte grid (odd cols): a prefetching rung of single
-# elements where one fits (4097 cols: 512 x 9 f16 51.8 % of copy, f32 85.4 %,
-# against 32 % and 60 % peeled), else peeled 16-byte packs for float16 (12345
-# cols: 42.6 % against 23.3 %; bfloat16 47 % either way, float32 64.5 %
-# against 69.8 % unpeeled).
-AUTO_GRAD_PEEL_ITEMSIZES = (2,)
-AUTO_GRAD_BLOCK_LADDER = ((128, 32, "cached", False), (128, 64, "prefetch", True), (256, 64, "prefetch", True),
-                          (512, 64, "prefetch", True), (1024, 32, "cached", False), (1024, 64, "reread", True),
-                          (512, 128, "reread", False))
+# auto, backward: (block_size, most bytes of each input a thread holds as
+# stored, "cached" (dy and x held in registers as loaded) or "reread" (loaded
+# again for the second pass), where the dweight / dbias partial sums live,
+# "regs" or "smem"), tried in order, taken where the kernel needs no local
+# memory and its shared memory fits. Partial sums in shared memory leave the
+# registers to rows in flight: two 512-thread blocks an SM instead of one.
+# Measured (H200, fraction of copy; the register partials with the next row
+# prefetched before in parentheses): LayerNorm f16 2048 cols 128 x 2 packs
+# cached smem 84.3 % (72.8 %), 4096 cols 87.8 %, 8192 cols 87.9 % (62.8 %),
+# 16384 cols 82.8 %; bfloat16 4096 / 8192 / 16384 cols 87.3 / 86.0 / 80.9 %;
+# float32 2048 / 4096 / 16384 cols 95.1 / 97.7 / 99.0 %. RMSNorm (one
+# partial sum a column) takes 64 bytes a thread first at 512 threads: 16384
+# cols f16 95.8 % against 85.8 % at 1024 x 32 bytes, 12345 cols 91.7 %.
+AUTO_GRAD_PEEL_ITEMSIZES = (2, 4)
+_GRAD_LADDER = ((128, 16, "cached", "regs"), (128, 32, "cached", "smem"), (256, 32, "cached", "smem"),
+                (512, 32, "cached", "smem"), (1024, 32, "cached", "smem"), (1024, 64, "cached", "smem"),
+                (512, 64, "reread", "regs"))
+AUTO_GRAD_BLOCK_LADDER = {"layer_norm": _GRAD_LADDER,
+                          "rms_norm": _GRAD_LADDER[:4] + ((512, 64, "cached", "smem"),) + _GRAD_LADDER[4:]}
 # unfused column reduction: aim for this many 1024-thread blocks per SM.
 PARAM_GRAD_BLOCKS_PER_SM = 8
 
@@ -186,8 +187,8 @@ class NormSpec(jit.KernelSpec):
     peel: bool = False               # block_regs: rows start off the 16-byte grid
     shifted_affine: bool = False     # forward peel: weight / bias copied to shared memory at the rows' phase
     packed: bool = False             # forward block_regs: the row held as loaded (storage type)
-    cached: bool = True              # backward block_regs: dy / xhat kept in registers
-    prefetch: bool = False           # backward block_regs, cached: the next row fetched during this one
+    cached: bool = True              # backward block_regs: dy / x kept in registers as loaded
+    smem_partials: bool = False      # backward block_regs, fused: dweight / dbias partials in shared memory
     weight: bool = False
     bias: bool = False
     residual: bool = False
@@ -223,14 +224,14 @@ class NormSpec(jit.KernelSpec):
             path += "_shifted" if self.shifted_affine else ""
             path += "_packed" if self.packed else ""
             if self.op not in FORWARD_OPS:
-                path += ("_prefetch" if self.prefetch else "_cached") if self.cached else "_reread"
+                path += "_cached" if self.cached else "_reread"
         elif self.impl == "block_smem" and self.op in FORWARD_OPS:
             path = f"_b{self.block_size}_cache{self.cache_ftype.short}"
         else:
             path = f"_b{self.block_size}"
         flags = _affine_suffix(self.weight, self.bias)
         flags += "_residual" if self.residual else ""
-        flags += "_pgrad" if self.fuse_param_grad else ""
+        flags += ("_pgradsmem" if self.smem_partials else "_pgrad") if self.fuse_param_grad else ""
         return head + path + flags
 
     @property
@@ -249,8 +250,9 @@ class NormSpec(jit.KernelSpec):
     def min_blocks_per_sm(self) -> int:
         """__launch_bounds__' second argument (MIN_RESIDENT_THREADS per SM), so
         ptxas neither spills to reach full occupancy nor spends registers past it."""
-        direction = "forward" if self.op in FORWARD_OPS else "backward"
-        return max(1, MIN_RESIDENT_THREADS[direction] // self.threads_per_block)
+        kind = ("forward" if self.op in FORWARD_OPS
+                else "backward_smem_partials" if self.smem_partials else "backward")
+        return max(1, MIN_RESIDENT_THREADS[kind] // self.threads_per_block)
 
     def explain_extra(self) -> dict:
         return {"min_cols_per_thread": self.min_cols_per_thread}
@@ -537,18 +539,20 @@ def _resident_launch(spec: NormSpec, block: tuple, rows_per_block: int, rows: in
     return KernelLaunch(spec, block, (grid, 1, 1), smem)
 
 
-def _grad_holding(held: str) -> dict:
-    """NormSpec fields of a backward ladder rung's "cached" / "prefetch" / "reread"."""
-    return {"cached": held != "reread", "prefetch": held == "prefetch"}
+def _grad_holding(held: str, partials: str = "regs") -> dict:
+    """NormSpec fields of a backward ladder rung's holding ("cached" /
+    "reread") and partial sums ("regs" / "smem")."""
+    return {"cached": held == "cached", "smem_partials": partials == "smem"}
 
 
 def _auto_backward_fused(spec_fields, rows, cols, align, same_phase, target) -> Optional[KernelLaunch]:
-    """The dx kernel with dweight / dbias partials in registers, if they fit.
+    """The dx kernel with dweight / dbias partials fused (in registers or
+    shared memory), if they fit.
 
     16-bit rows that allow no 16-byte pack (dy, x and dx at the same phase)
-    and find no prefetching rung peel their edges in the register block path
-    (AUTO_GRAD_PEEL_ITEMSIZES); a block's rows then all start at the same
-    phase: one row each, or a grid that is a multiple of the phase period."""
+    peel their edges in the register block path (AUTO_GRAD_PEEL_ITEMSIZES);
+    a block's rows then all start at the same phase: one row each, or a grid
+    that is a multiple of the phase period."""
     ftype = dtypes.BY_SHORT[spec_fields["dtype"]]
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     pack = vector_pack_size(cols, ftype.itemsize, align)
@@ -564,22 +568,47 @@ def _auto_backward_fused(spec_fields, rows, cols, align, same_phase, target) -> 
 
     def first_rung(pack_size: int, peel: bool) -> Optional[KernelLaunch]:
         num_packs = cols // pack_size
-        for block_size, max_bytes, held, spill_checked in AUTO_GRAD_BLOCK_LADDER:
+        for block_size, max_bytes, held, partials in AUTO_GRAD_BLOCK_LADDER[spec_fields["op"][:-5]]:
             packs_per_thread = -(-num_packs // block_size)
-            if packs_per_thread * pack_size * compute_itemsize > max_bytes or (peel and held == "prefetch"):
+            if packs_per_thread * pack_size * ftype.itemsize > max_bytes:
                 continue
             spec = NormSpec(impl="block_regs", pack_size=pack_size, block_size=block_size,
-                            packs_per_thread=packs_per_thread, peel=peel, **_grad_holding(held), **spec_fields)
-            if not (spill_checked and _uses_local_memory(spec, target)):
-                launch = _resident_launch(spec, (block_size, 1, 1), 1, rows, 0, target)
-                return _whole_phase_periods(launch, rows) if peel else launch
+                            packs_per_thread=packs_per_thread, peel=peel, **_grad_holding(held, partials),
+                            **spec_fields)
+            launch = fused_grad_launch(spec, rows, cols, target)
+            if launch is not None and not _uses_local_memory(spec, target):
+                return launch
         return None
 
     launch = first_rung(pack, False)
-    if (same_phase and pack * ftype.itemsize < 16 and ftype.itemsize in AUTO_GRAD_PEEL_ITEMSIZES
-            and not (launch is not None and launch.spec.prefetch)):
+    if same_phase and pack * ftype.itemsize < 16 and ftype.itemsize in AUTO_GRAD_PEEL_ITEMSIZES:
         launch = first_rung(16 // ftype.itemsize, True) or launch
     return launch
+
+
+def _grad_smem_bytes(spec: NormSpec, cols: int) -> int:
+    """Dynamic shared memory of a register block dx kernel: its dweight /
+    dbias partial sums (a value per owned column and gradient) when they are
+    kept there, then, for peeled rows, the shifted copy of the weight."""
+    smem = 0
+    if spec.smem_partials:
+        grads = PARAM_GRADS[spec.op.replace("_grad", "")]
+        compute_itemsize = dtypes.BY_SHORT[spec.ftype.compute].itemsize
+        smem = grads * spec.packs_per_thread * spec.block_size * spec.pack_size * compute_itemsize
+    if spec.peel:
+        smem += _shifted_affine_bytes(spec, cols)
+    return smem
+
+
+def fused_grad_launch(spec: NormSpec, rows: int, cols: int, target: Target) -> Optional[KernelLaunch]:
+    """A register block dx kernel with fused partials: one resident wave
+    (a workspace row a block), whole phase periods for peeled rows; None
+    where its shared memory leaves no block resident."""
+    smem = _grad_smem_bytes(spec, cols)
+    if smem > target.facts.smem_per_block_optin or not target.max_active_blocks(spec, spec.block_size, smem, True):
+        return None
+    launch = _resident_launch(spec, (spec.block_size, 1, 1), 1, rows, smem, target)
+    return _whole_phase_periods(launch, rows) if spec.peel else launch
 
 
 def _param_grad_launches(family, dtype, rows, cols, target):
@@ -648,12 +677,15 @@ def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target,
 def _auto_backward_dx(fields, rows, cols, align, target) -> KernelLaunch:
     """auto's dx kernel without fused partials (rows too long for register
     partials, or no dweight / dbias wanted)."""
-    block_ladder = [(block_size, max_bytes, _grad_holding(held), spill_checked)
-                    for block_size, max_bytes, held, spill_checked in AUTO_GRAD_BLOCK_LADDER]
+    ftype = dtypes.BY_SHORT[fields["dtype"]]
+    compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
+    # the ladder counts bytes as stored, _auto_registers in the compute type
+    widening = compute_itemsize // ftype.itemsize
+    block_ladder = [(block_size, max_bytes * widening, _grad_holding(held), True)
+                    for block_size, max_bytes, held, _ in AUTO_GRAD_BLOCK_LADDER[fields["op"][:-5]]]
     launch, pack = _auto_registers(fields, rows, cols, align, target, "backward", block_ladder)
     if launch is not None:
         return launch
-    compute_itemsize = dtypes.BY_SHORT[dtypes.BY_SHORT[fields["dtype"]].compute].itemsize
     launch = _smem_launch(fields, rows, cols, pack, 2 * cols * compute_itemsize, target, "auto", True,
                           "same_occupancy")
     return launch or _uncached_launch(fields, rows, pack, target, "auto")
