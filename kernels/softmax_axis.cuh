@@ -15,13 +15,22 @@
 // row-wise paths); SoftmaxBackward (inputs dy, y) reduces one sum.
 //
 // cached = true: the tile of every input is loaded into dynamic shared memory
-//   ([input][cols][block_x] packs; with loads_in_flight = 0 by cp.async, else
+//   ([input][rows][block_x] packs; with loads_in_flight = 0 by cp.async, else
 //   through registers), then every pass reads it from there: one read of the
 //   arrays, one exponential per element per pass that needs it.
 // cached = false: forward, a running (max, sum) per slice over the array (one
 //   exponential per element); backward, a sum pass; then the output pass reads
 //   the arrays again (two reads, one write).
+//
+// cluster_size > 1 (sm_90 and newer, cached only): the blocks of a thread-block
+//   cluster share a tile. Block `rank` caches and reduces rows [rank *
+//   block_rows, (rank + 1) * block_rows) of it (block_rows = cols /
+//   cluster_size rounded up), then the blocks combine their reductions through
+//   distributed shared memory (cluster_slice_reduce) and each writes its rows.
+//   Smaller shares let several blocks reside on an SM, so one block's loads
+//   overlap another's writes.
 #pragma once
+#include "cluster.cuh"
 #include "common.cuh"
 #include "reduce.cuh"
 #include "softmax.cuh"
@@ -47,22 +56,35 @@ struct RunningSoftmax {
   }
 };
 
+// Sets values[i] to fold(e) for element e = threadIdx.x * pack_size + i of a
+// tile row: the block's threads fold the row's elements (e, e + threads, ...)
+// into shared memory, then every thread reads those of its pack. Every thread
+// of the block must call it, past a barrier that makes fold's inputs visible.
+template <typename V, int pack_size, int block_x, int block_y, typename Fold>
+__device__ __forceinline__ void fold_tile_row(V (&values)[pack_size], const Fold& fold) {
+  constexpr int tile_elems = block_x * pack_size;
+  __shared__ V totals[tile_elems];
+  for (int e = threadIdx.y * block_x + threadIdx.x; e < tile_elems; e += block_x * block_y) totals[e] = fold(e);
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < pack_size; ++i) values[i] = totals[threadIdx.x * pack_size + i];
+}
+
 // All-reduces values[pack_size] over the threads of a block column (same
 // threadIdx.x): shuffles within each warp, then the warps' partials are folded
 // from shared memory in warp order (deterministic). Every thread of the block
-// must call it; it ends with a barrier, so it is safe to call repeatedly.
+// must call it; it is safe to call repeatedly (a call writes the totals the
+// previous one read only past its own barrier).
 template <template <typename> class Op, typename C, int pack_size, int block_x, int block_y>
 __device__ __forceinline__ void column_all_reduce(C (&values)[pack_size]) {
   constexpr int num_threads = block_x * block_y;
   static_assert(num_threads % 32 == 0, "the block must be whole warps");
   static_assert((block_x & (block_x - 1)) == 0 && (block_y & (block_y - 1)) == 0,
                 "block_x and block_y must be powers of two");
-  constexpr int tile_elems = block_x * pack_size;
   // A warp holds 32 / block_x rows of the block (or part of one row).
   constexpr int rows_per_warp = block_x < 32 ? 32 / block_x : 1;
   constexpr int num_partials = block_y / rows_per_warp;
-  __shared__ C partials[num_partials][tile_elems];
-  __shared__ C totals[tile_elems];
+  __shared__ C partials[num_partials][block_x * pack_size];
 #pragma unroll
   for (int mask = block_x; mask < 32; mask *= 2) {  // lanes of the same column, other rows
 #pragma unroll
@@ -77,15 +99,62 @@ __device__ __forceinline__ void column_all_reduce(C (&values)[pack_size]) {
     }
   }
   __syncthreads();
-  for (int e = threadIdx.y * block_x + threadIdx.x; e < tile_elems; e += num_threads) {
+  fold_tile_row<C, pack_size, block_x, block_y>(values, [](int e) {
     C total = partials[0][e];
 #pragma unroll
     for (int w = 1; w < num_partials; ++w) total = Op<C>()(total, partials[w][e]);
-    totals[e] = total;
-  }
-  __syncthreads();
+    return total;
+  });
+}
+
+// Reduces values[pack_size] -- this block's totals of its tile column, the
+// same in every row of threads -- over the blocks of the cluster: each block
+// publishes its totals in its shared memory, then folds every block's with
+// combine in rank order (kernels/cluster.cuh), so all blocks end with the same
+// bits. The published totals alternate between two buffers by `parity` (the
+// tile's count, mod 2): a block publishing tile t + 2 has passed tile t + 1's
+// cluster barrier, which every block reaches only after reading tile t's.
+template <typename V, int pack_size, int block_x, int block_y, int cluster_size, typename Combine>
+__device__ __forceinline__ void cluster_column_reduce(V (&values)[pack_size], unsigned parity,
+                                                      const Combine& combine) {
+  __shared__ V published[2][block_x * pack_size];
+  if (threadIdx.y == 0) {
 #pragma unroll
-  for (int i = 0; i < pack_size; ++i) values[i] = totals[threadIdx.x * pack_size + i];
+    for (int i = 0; i < pack_size; ++i) published[parity][threadIdx.x * pack_size + i] = values[i];
+  }
+  cluster_sync();
+  fold_tile_row<V, pack_size, block_x, block_y>(
+      values, [&](int e) { return fold_cluster<cluster_size>(published[parity][e], combine); });
+}
+
+// The slices' reductions of a tile from those of its cluster's blocks
+// (cluster_column_reduce). Forward: each block's (maximum, sum of exp(x - its
+// maximum)), combined as OnlineSoftmaxState combines pairs, so NaN and +-inf
+// end as in one block's max and sum passes; a block that saw only -inf adds 0
+// (its sum pass summed exp(-inf - -inf), NaN). Backward: the sums.
+template <typename Op, typename C, int pack_size, int block_x, int block_y, int cluster_size>
+__device__ __forceinline__ void cluster_slice_reduce(Op (&ops)[pack_size], const C (&block_max)[pack_size],
+                                                     C (&slice_sum)[pack_size], unsigned parity) {
+  if constexpr (Op::needs_max) {
+    typedef OnlineSoftmaxState<C> State;
+    State state[pack_size];
+#pragma unroll
+    for (int i = 0; i < pack_size; ++i) {
+      state[i] = {block_max[i], block_max[i] == -infinity<C>() ? C(0) : slice_sum[i]};
+    }
+    cluster_column_reduce<State, pack_size, block_x, block_y, cluster_size>(
+        state, parity, [](State total, const State& next) {
+          total.add(next.max, next.sum);
+          return total;
+        });
+#pragma unroll
+    for (int i = 0; i < pack_size; ++i) {
+      ops[i].set_max(state[i].max);
+      slice_sum[i] = state[i].sum;
+    }
+  } else {
+    cluster_column_reduce<C, pack_size, block_x, block_y, cluster_size>(slice_sum, parity, SumOp<C>());
+  }
 }
 
 // The packs of every input at one row of a thread's tile column.
@@ -115,9 +184,10 @@ __device__ __forceinline__ void for_rows_batched(int64 cols, const Load& load, c
 
 // Op (kernels/softmax.cuh) over the slices of `inputs`, written to `out`.
 template <typename Op, typename T, typename C, int pack_size, int block_x, int block_y, int loads_in_flight,
-          bool cached>
+          bool cached, int cluster_size>
 __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_inputs], T* out, int64 outer,
                                              int64 cols, int64 inner) {
+  static_assert(cluster_size == 1 || cached, "a cluster's blocks cache their rows of the tile");
   constexpr int N = Op::num_inputs;
   typedef Pack<T, pack_size> P;
   typedef InputPacks<T, pack_size, N> Packs;
@@ -125,12 +195,26 @@ __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_in
   // of 4 bytes or more): all of it in flight at once, holding no registers.
   constexpr bool async_fill = cached && loads_in_flight == 0;
   extern __shared__ __align__(16) unsigned char shared_buf[];
-  P* const tile_cache = reinterpret_cast<P*>(shared_buf);  // [input][cols][block_x] when cached
+  P* const tile_cache = reinterpret_cast<P*>(shared_buf);  // [input][block_rows][block_x] when cached
   const int64 inner_packs = inner / pack_size;
   const int64 tiles_per_outer = (inner_packs + block_x - 1) / block_x;
   const int64 num_tiles = outer * tiles_per_outer;
+  // A cluster's blocks walk the same tiles, each caching its rank's rows of
+  // them; a block alone caches all the rows. Used when cached: the rows fit in
+  // shared memory, so ints.
+  int64 first_tile = blockIdx.x, tile_step = gridDim.x;
+  int rank = 0;
+  if constexpr (cluster_size > 1) {
+    first_tile = cluster_index_x();
+    tile_step = num_clusters_x();
+    rank = cluster_rank();
+  }
+  const int block_rows = static_cast<int>((cols + cluster_size - 1) / cluster_size);
+  const int row_begin = rank * block_rows;
+  const int row_end = static_cast<int>(min(cols, static_cast<int64>(row_begin) + block_rows));
 
-  for (int64 tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+  unsigned parity = 0;
+  for (int64 tile = first_tile; tile < num_tiles; tile += tile_step, parity ^= 1) {
     const int64 o = tile / tiles_per_outer;
     const int64 pack_id = (tile - o * tiles_per_outer) * block_x + threadIdx.x;
     const bool active = pack_id < inner_packs;
@@ -143,15 +227,14 @@ __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_in
       }
       return packs;
     };
-    const auto cached_pack = [&](int j, int64 c) -> P& {
-      return tile_cache[(j * cols + c) * block_x + threadIdx.x];
+    const auto cached_pack = [&](int j, int c) -> P& {
+      return tile_cache[(j * block_rows + c - row_begin) * block_x + threadIdx.x];
     };
     // use(c, packs) for each of this thread's rows of the tile, read from the
-    // shared-memory tile when cached (its cols fit there, so an int index),
-    // else from the arrays.
+    // shared-memory tile when cached, else from the arrays.
     const auto for_each_row = [&](const auto& use) {
       if constexpr (cached) {
-        for (int c = threadIdx.y; c < cols; c += block_y) {
+        for (int c = row_begin + threadIdx.y; c < row_end; c += block_y) {
           Packs packs;
 #pragma unroll
           for (int j = 0; j < N; ++j) packs.input[j] = load_pack<T, pack_size>(cached_pack(j, c).elem);
@@ -170,7 +253,7 @@ __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_in
     if constexpr (cached) {
       if (active) {
         if constexpr (async_fill) {
-          for (int c = threadIdx.y; c < cols; c += block_y) {
+          for (int c = row_begin + threadIdx.y; c < row_end; c += block_y) {
 #pragma unroll
             for (int j = 0; j < N; ++j) {
               cp_async_pack<sizeof(P)>(&cached_pack(j, c), inputs[j] + slice_offset + c * inner);
@@ -179,7 +262,7 @@ __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_in
           cp_async_wait_all();
         } else {
 #pragma unroll loads_in_flight
-          for (int c = threadIdx.y; c < cols; c += block_y) {
+          for (int c = row_begin + threadIdx.y; c < row_end; c += block_y) {
             const Packs packs = load_global(c);
 #pragma unroll
             for (int j = 0; j < N; ++j) store_pack_shared(cached_pack(j, c).elem, packs.input[j]);
@@ -194,6 +277,7 @@ __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_in
     // rescaled to the block's maximum (0 where the thread saw only -inf).
     // Otherwise a max pass (forward) then a pass summing Op's terms.
     Op ops[pack_size];
+    C slice_max[pack_size];   // forward: the block's maxima
     C slice_sum[pack_size];
     if constexpr (Op::needs_max && !cached) {
       RunningSoftmax<C> state[pack_size];
@@ -203,7 +287,6 @@ __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_in
           for (int i = 0; i < pack_size; ++i) state[i].add(cast<C>(packs.input[0].elem[i]));
         });
       }
-      C slice_max[pack_size];
 #pragma unroll
       for (int i = 0; i < pack_size; ++i) slice_max[i] = state[i].max;
       if (block_y > 1) column_all_reduce<MaxOp, C, pack_size, block_x, block_y>(slice_max);
@@ -216,7 +299,6 @@ __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_in
       }
     } else {
       if constexpr (Op::needs_max) {
-        C slice_max[pack_size];
 #pragma unroll
         for (int i = 0; i < pack_size; ++i) slice_max[i] = -infinity<C>();
         if (active) {
@@ -245,6 +327,9 @@ __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_in
       }
     }
     if (block_y > 1) column_all_reduce<SumOp, C, pack_size, block_x, block_y>(slice_sum);
+    if constexpr (cluster_size > 1) {
+      cluster_slice_reduce<Op, C, pack_size, block_x, block_y, cluster_size>(ops, slice_max, slice_sum, parity);
+    }
 #pragma unroll
     for (int i = 0; i < pack_size; ++i) ops[i].set_sum(slice_sum[i]);
 
@@ -264,6 +349,8 @@ __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_in
       });
     }
   }
+  // No block leaves while another of its cluster may still read its published totals.
+  if constexpr (cluster_size > 1) cluster_sync();
 }
 
 }  // namespace cupyops

@@ -2,7 +2,8 @@
 (memcheck, racecheck): python scripts/sanitize_paths.py [--quick].
 
 Each shape is chosen to reach one path of the auto or OneFlow plans (printed
-with the kernel name), forward and backward, softmax and the norms."""
+with the kernel name), forward and backward, softmax and the norms, and the
+non-last-axis kernels (thread-block clusters on sm_90 and newer)."""
 from __future__ import annotations
 
 import cupy
@@ -10,7 +11,7 @@ import cupy
 import cupyops
 from cupyops.launch import Target
 from cupyops.ops import softmax as softmax_ops
-from cupyops.ops import softmax_split
+from cupyops.ops import softmax_axis, softmax_split
 
 # (rows, cols): warp, peeled registers (more rows than a resident grid:
 # blocks walking rows at their phase, the norm backward's block reduction
@@ -25,10 +26,10 @@ def main():
     target = Target.live(cupy.cuda.runtime.getDevice())
     rng = cupy.random.default_rng(0)
     for dtype in DTYPES:
+        short = "f16" if dtype == cupy.float16 else "f32"
         for rows, cols in ROW_SHAPES:
             x = rng.standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
             dy = rng.standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
-            short = "f16" if dtype == cupy.float16 else "f32"
             for op in softmax_ops.OPS:
                 inputs = (dy, x) if op.endswith("_backward") else (x,)
                 for policy in ("auto", "oneflow"):
@@ -53,6 +54,16 @@ def main():
             x = rng.standard_normal(shape, dtype=cupy.float32).astype(dtype)
             cupyops.softmax_backward(x, x, axis=1)
             cupyops.log_softmax_backward(x, x, axis=1)
+        # axis tiles shared by thread-block clusters (sm_90+), forward and
+        # backward: 4 or 8 blocks (float32 forward: a block alone); 8 blocks,
+        # the last with fewer rows; 8 blocks of 64 KB and of 128 KB
+        for shape in ((3, 1500, 256), (3, 4099, 64), (2, 16384, 256)):
+            x = rng.standard_normal(shape, dtype=cupy.float32).astype(dtype)
+            for op in softmax_ops.OPS:
+                inputs = (x, x) if op.endswith("_backward") else (x,)
+                chosen = softmax_axis.plan(op, *shape, short, target)
+                print(f"{op:<21} axis 1   {'x'.join(map(str, shape)):<15} {chosen.spec.name}", flush=True)
+                getattr(cupyops, op)(*inputs, axis=1)
     cupy.cuda.Device().synchronize()
     print("all paths ran")
 

@@ -1,100 +1,159 @@
-"""Times hand-built plans of the non-last-axis softmax kernel against each
-other and against the planner's choice, to tune softmax_axis's tables.
+"""Times hand-built plans of the non-last-axis softmax kernels against each
+other and against the planner's choice, forward (softmax) and backward
+(softmax_backward), to tune softmax_axis's tables.
 
-Bytes counted: 2 * size * itemsize (x read once, y written once). Each
-candidate is checked against a float64 CuPy reference (a fast wrong kernel
-cannot win). Usage: python scripts/tune_axis.py [--shapes 64x4096x256]
-[--dtypes float16,float32]
+Candidates for each op, shape and dtype (t: threads a block; m: blocks an SM
+its registers are bound to; a: blocks an SM holds, from the driver; local:
+bytes of local memory, spills included):
+  auto      the planner's choice (not repeated among the others)
+  r{n}      a block a tile of n bytes of each row (n in ROW_BYTES), cached
+            when it fits
+  r{n} c{k} clusters of k = 2, 4, 8 blocks sharing such a tile's rows (sm_90+)
+each with 256, 512 and 1024 threads. A cached candidate's registers are bound
+to the blocks its shared memory and thread slots allow (the planner bounds
+them at AXIS_THREAD_REGISTERS a thread). Bytes counted: 2 x size x itemsize
+forward, 3 x size x itemsize backward. Each candidate is checked against a
+float64 reference of the whole output before it is timed (a fast
+wrong kernel cannot win). Usage: python scripts/tune_axis.py
+[--shapes 64x4096x256,...] [--dtypes float16,float32]
+[--ops softmax,softmax_backward] [--top 8]
 """
 from __future__ import annotations
 
 import argparse
+import math
 
 import cupy
 import numpy
 
-from cupyops import dtypes, jit
-from cupyops.launch import get_num_blocks, live_function
-from cupyops.ops.softmax import vector_pack_size
-from cupyops.ops.softmax_axis import SoftmaxAxisSpec, plan
+from cupyops import dtypes
+from cupyops.launch import live_function
+from cupyops.ops import softmax_axis as sa
+from cupyops.ops.softmax import INPUTS, vector_pack_size
 from tuning import Tuning
 
-SHAPES = "64x4096x256,32x4096x512,64x1024x1024,256x512x256"
+SHAPES = "64x4096x256,32x4096x512,64x1024x1024,256x512x256,16x16384x256"
+THREADS = (256, 512, 1024)
+ROW_BYTES = (32, 64, 128)
+# Largest error against the reference, relative to the reference's largest
+# value, of a candidate that is timed.
+TOLERANCE = {"f16": 1e-2, "bf16": 5e-2, "f32": 1e-4}
+# With registers of 32 a thread an SM's registers hold as many threads as its
+# thread slots: the bound then asks only what shared memory and threads allow.
+UNBOUND_REGISTERS = 32
 
 
-def candidates(outer, cols, inner, dtype, target):
-    """(label, spec, grid, block, smem) for the planner's choice and variants."""
+def variant(op, dtype, pack, block_x, block_y, cluster, cached, block_bytes, facts):
+    """The spec of a hand-built candidate; a cached one bound to the blocks its
+    shared memory and thread slots allow."""
+    threads = block_x * block_y
+    pack_bytes = pack * dtypes.BY_SHORT[dtype].itemsize
+    row_pack_bytes = len(INPUTS[op]) * pack_bytes
+    bytes_in_flight = next(size for most, size in sa.AXIS_BYTES_IN_FLIGHT if threads <= most)
+    loads = max(1, min(sa.AXIS_MAX_LOADS_IN_FLIGHT, bytes_in_flight // row_pack_bytes))
+    if cached and pack_bytes >= sa.AXIS_ASYNC_MIN_PACK_BYTES:
+        loads = 0     # cp.async fills the cache
+    min_blocks = sa.resident_blocks(facts, block_bytes, threads, UNBOUND_REGISTERS) if cached else 1
+    return sa.SoftmaxAxisSpec(op, dtype, pack, block_x, block_y, loads, cached, cluster, min_blocks)
+
+
+def candidates(op, outer, cols, inner, dtype, target):
+    """(label, spec, grid, smem) for the planner's choice and the variants:
+    each cached where it can launch, else (without a cluster) read twice."""
+    facts = target.facts
     itemsize = dtypes.BY_SHORT[dtype].itemsize
     pack = vector_pack_size(inner, itemsize, 16)
-    pack_bytes = pack * itemsize
-    facts = target.facts
+    row_pack_bytes = len(INPUTS[op]) * pack * itemsize
     found = []
-    chosen = plan("softmax", outer, cols, inner, dtype, target)
+    chosen = sa.plan(op, outer, cols, inner, dtype, target)
     if chosen is not None:
-        found.append(("auto", chosen.spec, chosen.grid, chosen.block, chosen.smem_bytes))
-    for block_x in (1, 2, 4, 8, 16, 32):
-        if block_x * pack > inner:
-            continue
+        found.append(("auto", chosen.spec, chosen.grid[0], chosen.smem_bytes))
+    clusters = (1,)
+    if int(facts.arch.removeprefix("sm_")) >= sa.AXIS_CLUSTER_MIN_ARCH:
+        clusters += sa.AXIS_CLUSTER_SIZES
+    variants = [(f"r{row_bytes}" + (f" c{size}" if size > 1 else ""), max(1, row_bytes // (pack * itemsize)), size)
+                for row_bytes in ROW_BYTES for size in clusters]
+    for name, block_x, cluster in variants:
+        block_rows = -(-cols // cluster)
+        block_bytes = block_rows * block_x * row_pack_bytes
         tiles = outer * -(-(inner // pack) // block_x)
-        for threads in (256, 512, 1024):
-            block_y = min(threads // block_x, 1 << (cols.bit_length() - 1))
-            if block_x * block_y < 32:
+        for threads in THREADS:
+            block_y = min(threads // block_x, 1 << (block_rows.bit_length() - 1))
+            if block_x * pack > inner or block_x * block_y != threads:   # too few packs or rows
                 continue
-            tile_bytes = cols * block_x * pack_bytes
-            for cached in (True, False):
-                smem = tile_bytes if cached else 0
-                loads = 0 if cached and pack_bytes >= 4 else max(1, min(8, 64 // pack_bytes))
-                spec = SoftmaxAxisSpec("softmax", dtype, pack, block_x, block_y, loads, cached)
-                if smem > facts.smem_per_block_optin:
-                    continue
-                try:
-                    active = target.max_active_blocks(spec, block_x * block_y, smem, opt_in=True)
-                except (jit.CompileError, cupy.cuda.compiler.CompileException):
-                    # the block's reduction partials exceed static shared memory
-                    continue
-                if not active:
-                    continue
-                grid = (min(tiles, get_num_blocks(facts, block_x * block_y, tiles)), 1, 1)
-                label = f"x{block_x} y{block_y} {'cached' if cached else 'online'} a{active}"
-                found.append((label, spec, grid, (block_x, block_y, 1), smem))
+            for cached in (True, False) if cluster == 1 else (True,):
+                spec = variant(op, dtype, pack, block_x, block_y, cluster, cached, block_bytes, facts)
+                smem = block_bytes if cached else 0
+                active = target.max_active_blocks(spec, threads, smem, opt_in=True)
+                if active:
+                    break
+            if not active or any(spec == other for _, other, _, _ in found):
+                continue
+            local_bytes = target.resources(spec)["local_bytes"]
+            label = (f"{name} t{threads} m{spec.min_blocks} a{active}{'' if cached else ' online'}"
+                     f"{f' local{local_bytes}' if local_bytes else ''}")
+            found.append((label, spec, sa.grid_size(facts, threads, tiles, cluster), smem))
     return found
+
+
+def make_inputs(op, shape, dtype):
+    """(inputs, float64 reference of the output): x forward;
+    dy and a softmax y backward."""
+    rng = cupy.random.default_rng(0)
+    x = rng.standard_normal(shape, dtype=cupy.float32) * 3
+    if op == "softmax":
+        x = x.astype(dtype)
+        x64 = x.astype(cupy.float64)
+        e = cupy.exp(x64 - x64.max(axis=1, keepdims=True))
+        return (x,), e / e.sum(axis=1, keepdims=True)
+    e = cupy.exp(x - x.max(axis=1, keepdims=True))
+    y = (e / e.sum(axis=1, keepdims=True)).astype(dtype)
+    dy = rng.standard_normal(shape, dtype=cupy.float32).astype(dtype)
+    dy64, y64 = dy.astype(cupy.float64), y.astype(cupy.float64)
+    return (dy, y), (dy64 - (dy64 * y64).sum(axis=1, keepdims=True)) * y64
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default=SHAPES)
     parser.add_argument("--dtypes", default="float16,float32")
+    parser.add_argument("--ops", default="softmax,softmax_backward")
+    parser.add_argument("--top", type=int, default=8)
     args = parser.parse_args()
     tuning = Tuning(budget_s=0.1)
     device_id, target = tuning.device_id, tuning.target
-    for dtype_name in args.dtypes.split(","):
-        dtype = dtypes.parse_dtype(dtype_name)
-        short = dtypes.float_type(dtype).short
-        for shape in args.shapes.split(","):
-            outer, cols, inner = map(int, shape.split("x"))
-            x = (cupy.random.default_rng(0).standard_normal((outer, cols, inner), dtype=cupy.float32)
-                 * 3).astype(dtype)
-            y = cupy.empty_like(x)
-            head = x[:2].astype(cupy.float64)
-            e = cupy.exp(head - head.max(axis=1, keepdims=True))
-            expect = e / e.sum(axis=1, keepdims=True)
-            num_bytes = 2 * x.size * dtype.itemsize
-            results = []
-            for label, spec, grid, block, smem in candidates(outer, cols, inner, short, target):
-                function = live_function(spec, device_id, smem)
-                arguments = (x, y, numpy.int64(outer), numpy.int64(cols), numpy.int64(inner))
-                run = lambda: function(grid, block, arguments, shared_mem=smem)  # noqa: E731
-                median_us, gbs, fraction, error = tuning.measure(
-                    run, y, lambda result: float(cupy.abs(result[:2].astype(cupy.float64) - expect).max()), num_bytes)
-                results.append((median_us, label, gbs, fraction, error, spec.name))
-            for median_us, label, gbs, fraction, error, name in sorted(results)[:12]:
-                print(f"{short:<4} {shape:<14} {label:<28} {median_us:>9.1f} us {gbs:>6.0f} GB/s "
-                      f"{fraction:>6.1%}  err={error:.1e} {name}", flush=True)
-            auto = [r for r in results if r[1] == "auto"]
-            if auto:
-                print(f"{short:<4} {shape:<14} auto {auto[0][0]:.1f} us {auto[0][3]:.1%} {auto[0][5]}")
-            del x, y
-            cupy.get_default_memory_pool().free_all_blocks()
+    for op in args.ops.split(","):
+        for dtype_name in args.dtypes.split(","):
+            dtype = dtypes.parse_dtype(dtype_name)
+            short = dtypes.float_type(dtype).short
+            for shape in args.shapes.split(","):
+                outer, cols, inner = map(int, shape.split("x"))
+                inputs, expect = make_inputs(op, (outer, cols, inner), dtype)
+                out = cupy.empty_like(inputs[0])
+                scale = float(cupy.abs(expect).max())
+                num_bytes = (len(inputs) + 1) * math.prod((outer, cols, inner)) * dtype.itemsize
+                results = []
+                for label, spec, grid, smem in candidates(op, outer, cols, inner, short, target):
+                    function = live_function(spec, device_id, smem)
+                    arguments = (*inputs, out, numpy.int64(outer), numpy.int64(cols), numpy.int64(inner))
+                    block = (spec.block_x, spec.block_y, 1)
+                    run = lambda: function((grid, 1, 1), block, arguments, shared_mem=smem)  # noqa: E731
+                    median_us, gbs, fraction, error = tuning.measure(
+                        run, out, lambda result: float(cupy.abs(result - expect).max()) / scale, num_bytes)
+                    if not error <= TOLERANCE[short]:
+                        print(f"{op} {short} {shape} {label}: WRONG, error {error:.1e} ({spec.name})")
+                        continue
+                    results.append((median_us, label, gbs, fraction, error, spec.name))
+                results.sort()
+                for median_us, label, gbs, fraction, error, name in results[:args.top]:
+                    print(f"{op:<16} {short:<4} {shape:<13} {label:<24} {median_us:>8.1f} us {gbs:>5.0f} GB/s "
+                          f"{fraction:>6.1%} err={error:.0e} {name}", flush=True)
+                auto = next((r for r in results if r[1] == "auto"), None)
+                if auto:
+                    print(f"{op:<16} {short:<4} {shape:<13} AUTO {auto[3]:.1%} (best {results[0][3]:.1%} "
+                          f"{results[0][1]}) {auto[5]}", flush=True)
+                del inputs, out
+                cupy.get_default_memory_pool().free_all_blocks()
 
 
 if __name__ == "__main__":

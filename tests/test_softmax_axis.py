@@ -2,16 +2,19 @@
 transpose copy (cupyops/ops/softmax_axis.py, kernels/softmax_axis.cuh).
 
 CPU: kernel names, rendering, the planner's rule (golden plans for the H100
-profile worked from the rule in the module docstring, and invariants over many
-shapes), and NVRTC compiles of the instantiations for sm_80 and sm_90.
-GPU (marked gpu): every non-last axis of 3-D and 4-D arrays, both the cached
-and the online kernel, against float64 references of SciPy's formulas (and of
-the gradients' formulas), with NaN / +-inf slices, poisoned outputs, in-place
-output and odd shapes.
+and A100 profiles worked from the rule in the module docstring, and invariants
+over many shapes), and NVRTC compiles of the instantiations for sm_80 and sm_90
+(thread-block clusters: sm_90 only).
+GPU (marked gpu): every non-last axis of 3-D and 4-D arrays, the cached, the
+online and the cluster kernel (2, 4 and 8 blocks), against float64 references
+of SciPy's formulas (and of the gradients' formulas), with NaN / +-inf slices,
+poisoned outputs, in-place output, odd shapes and more tiles than clusters.
 """
 from __future__ import annotations
 
+import itertools
 import math
+from dataclasses import dataclass
 
 import numpy
 import pytest
@@ -26,13 +29,15 @@ from cupyops.ops import softmax_axis as sa
 from cupyops.ops.softmax_axis import SoftmaxAxisSpec, plan
 
 H100 = Target.profile("h100")
-TARGETS = {"sm_80": Target.profile("a100"), "sm_90": H100}
+A100 = Target.profile("a100")
+TARGETS = {"sm_80": A100, "sm_90": H100}
 OPS = ("softmax", "log_softmax")
 BACKWARD_OPS = ("softmax_backward", "log_softmax_backward")
 ALL_OPS = OPS + BACKWARD_OPS
 NUM_INPUTS = {"softmax": 1, "log_softmax": 1, "softmax_backward": 2, "log_softmax_backward": 2}
 DTYPES = ("f16", "bf16", "f32", "f64")
 ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
+CLUSTER_SIZES = sa.AXIS_CLUSTER_SIZES   # as planned (tests force one at a time)
 
 
 @pytest.fixture
@@ -56,6 +61,16 @@ def cache(request, monkeypatch, axis_everywhere):
     return request.param
 
 
+def force_clusters(monkeypatch, size: int) -> None:
+    """Every 32-byte tile whose share fits the cache shared by a cluster of
+    `size` blocks (on sm_90+): no block caches alone, no share fits the
+    cluster budget, so rule 3 falls to its last choice."""
+    monkeypatch.setattr(sa, "AXIS_CLUSTER_SIZES", (size,))
+    monkeypatch.setattr(sa, "AXIS_CLUSTER_BLOCK_BYTES", 0)
+    monkeypatch.setattr(sa, "AXIS_ALONE_MAX_BYTES", 0)
+    sa.plan.cache_clear()
+
+
 # -- names and rendering --------------------------------------------------------------
 
 @pytest.mark.parametrize("spec, name", [
@@ -67,6 +82,12 @@ def cache(request, monkeypatch, axis_everywhere):
      "softmax_backward_axis_f16_f32_p8_b2x256_l2_online"),
     (SoftmaxAxisSpec("log_softmax_backward", "f32", 4, 2, 512, 0, True),
      "log_softmax_backward_axis_f32_f32_p4_b2x512_async_cached"),
+    (SoftmaxAxisSpec("softmax", "f16", 8, 2, 256, 0, True, cluster_size=2),
+     "softmax_axis_f16_f32_p8_b2x256_async_cached_c2"),
+    (SoftmaxAxisSpec("softmax", "f32", 4, 2, 128, 0, True, cluster_size=4, min_blocks=3),
+     "softmax_axis_f32_f32_p4_b2x128_async_cached_c4_m3"),
+    (SoftmaxAxisSpec("log_softmax_backward", "bf16", 1, 16, 32, 8, True, cluster_size=8),
+     "log_softmax_backward_axis_bf16_f32_p1_b16x32_l8_cached_c8"),
 ])
 def test_golden_names(spec, name):
     assert spec.name == name
@@ -79,7 +100,16 @@ def test_render_names_the_kernel_and_fingerprint():
     assert f'extern "C" __global__ void __launch_bounds__(1024)\n{spec.name}(' in source
     assert jit.headers_fingerprint() in source
     assert "cupyops::half_t" in source and "Algorithm::kLogSoftmax" in source
+    assert "__cluster_dims__" not in source and "true, 1>(inputs" in source
     assert "{{" not in source and "}}" not in source
+
+
+def test_render_cluster():
+    spec = SoftmaxAxisSpec("softmax_backward", "f16", 8, 2, 256, 0, True, cluster_size=4, min_blocks=3)
+    source = jit.render(spec)
+    assert (f'extern "C" __global__ void __launch_bounds__(512, 3)\n__cluster_dims__(4, 1, 1)\n'
+            f'{spec.name}(') in source
+    assert "true, 4>(inputs, out, outer, cols, inner);" in source
 
 
 @pytest.mark.parametrize("op, algorithm", [("softmax_backward", "kSoftmax"),
@@ -97,66 +127,99 @@ def test_render_backward(op, algorithm):
 
 # -- the planner ----------------------------------------------------------------------
 
-# Worked from the rule for the H100 profile (132 SMs x 2048 threads, 228 KB of
-# shared memory per SM): (op, outer, cols, inner, dtype, align) ->
-# (kernel, block, grid, dynamic shared memory).
+# Worked from the rule for the H100 profile (sm_90: clusters; 132 SMs x 2048
+# threads, 228 KB of shared memory per SM, 1 KB reserved a block): (op, outer,
+# cols, inner, dtype, align) -> (kernel, block, grid, dynamic shared memory).
 PLAN_GOLDEN = [
-    # the target: 16-byte packs, 2 threads x 32 bytes along inner, a 128 KB tile
-    # cached (one block per SM, so 1024 threads); 64 x 16 tiles
+    # the target: 16-byte packs, 8 threads x 128 bytes along inner; the 512 KB
+    # tile is over a 16-bit forward block's 64 KB alone, so a cluster of 8
+    # blocks of 64 KB; 233472 // (65536 + 1024) = 3 resident, so 256 threads
+    # (3 x 512 x 64 registers exceed 65536), bound to 3 blocks an SM;
+    # 64 x 4 tiles x 8 blocks
     (("softmax", 64, 4096, 256, "f16", 16),
-     ("softmax_axis_f16_f32_p8_b2x512_async_cached", (2, 512, 1), 1024, 131072)),
+     ("softmax_axis_f16_f32_p8_b8x32_async_cached_c8_m3", (8, 32, 1), 2048, 65536)),
     (("log_softmax", 64, 4096, 256, "bf16", 16),
-     ("log_softmax_axis_bf16_f32_p8_b2x512_async_cached", (2, 512, 1), 1024, 131072)),
+     ("log_softmax_axis_bf16_f32_p8_b8x32_async_cached_c8_m3", (8, 32, 1), 2048, 65536)),
     (("softmax", 64, 4096, 256, "f32", 16),
-     ("softmax_axis_f32_f32_p4_b2x512_async_cached", (2, 512, 1), 2048, 131072)),
+     ("softmax_axis_f32_f32_p4_b8x32_async_cached_c8_m3", (8, 32, 1), 4096, 65536)),
     (("softmax", 64, 4096, 256, "f64", 16),
-     ("softmax_axis_f64_f64_p2_b2x512_async_cached", (2, 512, 1), 4096, 131072)),
-    # an input 2 bytes off the 16-byte grid: 2-byte packs, 16 threads per 32 bytes,
-    # the tile cached through registers (cp.async needs 4 bytes at least)
+     ("softmax_axis_f64_f64_p2_b8x32_async_cached_c8_m3", (8, 32, 1), 8192, 65536)),
+    # an input 2 bytes off the 16-byte grid: 2-byte packs, a warp along inner
+    # (64 bytes); the 256 KB tile in clusters of 4 blocks of 64 KB, cached
+    # through registers (cp.async needs 4 bytes at least)
     (("softmax", 64, 4096, 256, "f16", 2),
-     ("softmax_axis_f16_f32_p1_b16x64_l8_cached", (16, 64, 1), 1024, 131072)),
-    # 1.6 MB tiles, 128 of them: read twice; 1024 threads get 32 bytes in flight
+     ("softmax_axis_f16_f32_p1_b32x8_l8_cached_c4_m3", (32, 8, 1), 2048, 65536)),
+    # 1.6 MB tiles of 32 bytes a row (200 KB a block even in clusters of 8),
+    # 128 of them: read twice; 1024 threads get 32 bytes in flight
     (("softmax", 4, 100000, 512, "f16", 16),
      ("softmax_axis_f16_f32_p8_b2x512_l2_online", (2, 512, 1), 128, 0)),
-    # enough tiles to fill the GPU with 256 threads: 64 bytes in flight
+    # 64-element inner: 4 packs (128 bytes) a row; 1 MB tiles in clusters of 8
+    # blocks of 64 KB; 4096 tiles x 8 blocks, the grid capped at 32 waves of
+    # 256-thread blocks (132 x 8 x 32 = 33792)
     (("softmax", 4096, 8192, 64, "f16", 16),
-     ("softmax_axis_f16_f32_p8_b2x128_l4_online", (2, 128, 1), 16384, 0)),
-    # odd inner: 1-element packs; 17 rows take 16 threads, the rest widen the tile
+     ("softmax_axis_f16_f32_p8_b4x64_async_cached_c8_m3", (4, 64, 1), 33792, 65536)),
+    # no wide tile fits 8 blocks of 64 KB: the 32-byte tile, 8 x 64 KB
+    (("softmax", 16, 16384, 256, "f16", 16),
+     ("softmax_axis_f16_f32_p8_b2x128_async_cached_c8_m3", (2, 128, 1), 2048, 65536)),
+    # odd inner: 1-element packs; 17 rows take 16 threads, the rest widen the
+    # tile; bound to the 2 blocks of 512 threads 64 registers allow
     (("softmax", 2, 17, 1025, "f32", 16),
-     ("softmax_axis_f32_f32_p1_b32x16_async_cached", (32, 16, 1), 66, 17 * 32 * 4)),
-    # cols = 1: a warp along inner
+     ("softmax_axis_f32_f32_p1_b32x16_async_cached_m2", (32, 16, 1), 66, 17 * 32 * 4)),
+    # cols = 1: a warp along inner, 32 of them an SM
     (("softmax", 64, 1, 256, "f16", 16),
-     ("softmax_axis_f16_f32_p8_b32x1_async_cached", (32, 1, 1), 64, 32 * 16)),
+     ("softmax_axis_f16_f32_p8_b32x1_async_cached_m32", (32, 1, 1), 64, 32 * 16)),
+    # 16 packs of 8 bytes (128 bytes) a row, 42 KB alone; 49 tiles: 1024 threads
     (("log_softmax", 7, 333, 97, "f64", 8),
-     ("log_softmax_axis_f64_f64_p1_b4x256_async_cached", (4, 256, 1), 175, 333 * 4 * 8)),
-    # backward: a tile holds dy and y. The target's 256 KB tile is read twice;
-    # 1024 tiles x 256 threads do not fill the GPU: 512 threads, 64 bytes in
-    # flight, 2 rows of two 16-byte packs
+     ("log_softmax_axis_f64_f64_p1_b16x64_async_cached", (16, 64, 1), 49, 333 * 16 * 8)),
+    # backward: a tile holds dy and y. The target's 1 MB tile of 128 bytes a
+    # row fits no cluster within 64 KB; 64 bytes a row, 8 blocks of 64 KB
     (("softmax_backward", 64, 4096, 256, "f16", 16),
-     ("softmax_backward_axis_f16_f32_p8_b2x256_l2_online", (2, 256, 1), 1024, 0)),
-    # half the cols: a 128 KB tile, cached as the forward's
+     ("softmax_backward_axis_f16_f32_p8_b4x64_async_cached_c8_m3", (4, 64, 1), 4096, 65536)),
+    # half the cols: 512 KB of 128 bytes a row, 8 x 64 KB
     (("log_softmax_backward", 64, 2048, 256, "f16", 16),
-     ("log_softmax_backward_axis_f16_f32_p8_b2x512_async_cached", (2, 512, 1), 1024, 131072)),
+     ("log_softmax_backward_axis_f16_f32_p8_b8x32_async_cached_c8_m3", (8, 32, 1), 2048, 65536)),
     (("softmax_backward", 64, 2048, 256, "f32", 16),
-     ("softmax_backward_axis_f32_f32_p4_b2x512_async_cached", (2, 512, 1), 2048, 131072)),
-    # 2-byte packs: 8 rows (the most) of two packs in flight
+     ("softmax_backward_axis_f32_f32_p4_b8x32_async_cached_c8_m3", (8, 32, 1), 4096, 65536)),
+    # 2-byte packs, a warp along inner: a 512 KB tile in clusters of 8; 8 rows
+    # (the most) of two packs in flight
     (("log_softmax_backward", 64, 4096, 256, "bf16", 2),
-     ("log_softmax_backward_axis_bf16_f32_p1_b16x32_l8_online", (16, 32, 1), 1024, 0)),
+     ("log_softmax_backward_axis_bf16_f32_p1_b32x8_l8_cached_c8_m3", (32, 8, 1), 4096, 65536)),
+    # a 1 MB tile of 32 bytes a row: no cluster size brings a block under
+    # 64 KB; 8 blocks of 128 KB fit the cache (one block per SM, 512 threads)
+    # rather than read twice
+    (("softmax_backward", 16, 16384, 256, "f16", 16),
+     ("softmax_backward_axis_f16_f32_p8_b2x256_async_cached_c8", (2, 256, 1), 2048, 131072)),
     # 1024 threads get 32 bytes in flight: one row of two packs
     (("softmax_backward", 4, 100000, 512, "f16", 16),
      ("softmax_backward_axis_f16_f32_p8_b2x512_l1_online", (2, 512, 1), 128, 0)),
     (("softmax_backward", 2, 17, 1025, "f32", 16),
-     ("softmax_backward_axis_f32_f32_p1_b32x16_async_cached", (32, 16, 1), 66, 2 * 17 * 32 * 4)),
+     ("softmax_backward_axis_f32_f32_p1_b32x16_async_cached_m2", (32, 16, 1), 66, 2 * 17 * 32 * 4)),
     (("log_softmax_backward", 7, 333, 97, "f64", 8),
-     ("log_softmax_backward_axis_f64_f64_p1_b4x256_async_cached", (4, 256, 1), 175, 2 * 333 * 4 * 8)),
+     ("log_softmax_backward_axis_f64_f64_p1_b16x64_async_cached", (16, 64, 1), 49, 2 * 333 * 16 * 8)),
+]
+
+# The A100 profile (sm_80: no clusters; 108 SMs, 164 KB of shared memory per SM).
+PLAN_GOLDEN_A100 = [
+    # no tile fits 64 KB alone: the 32-byte tile's 128 KB in one block (one
+    # per SM: 512 threads)
+    (("softmax", 64, 4096, 256, "f16", 16),
+     ("softmax_axis_f16_f32_p8_b2x256_async_cached", (2, 256, 1), 1024, 131072)),
+    # 256 KB: over the cache, read twice; 1024 tiles x 256 threads fill 108 SMs
+    (("softmax_backward", 64, 4096, 256, "f16", 16),
+     ("softmax_backward_axis_f16_f32_p8_b2x128_l2_online", (2, 128, 1), 1024, 0)),
+    (("softmax", 16, 16384, 256, "f16", 16),
+     ("softmax_axis_f16_f32_p8_b2x512_l2_online", (2, 512, 1), 256, 0)),
 ]
 
 
-@pytest.mark.parametrize("args, expected", PLAN_GOLDEN, ids=[str(g[0]) for g in PLAN_GOLDEN])
-def test_plan_golden(args, expected):
+@pytest.mark.parametrize("target, args, expected",
+                         [(H100, *g) for g in PLAN_GOLDEN] + [(A100, *g) for g in PLAN_GOLDEN_A100],
+                         ids=[f"h100-{g[0]}" for g in PLAN_GOLDEN] + [f"a100-{g[0]}" for g in PLAN_GOLDEN_A100])
+def test_plan_golden(target, args, expected):
     op, outer, cols, inner, dtype, align = args
-    p = plan(op, outer, cols, inner, dtype, H100, align)
+    p = plan(op, outer, cols, inner, dtype, target, align)
     assert (p.spec.name, p.block, p.grid[0], p.smem_bytes) == expected
+    assert p.grid[0] % p.spec.cluster_size == 0
 
 
 @pytest.mark.parametrize("shape", [(8, 1000, 3), (4096, 64, 31), (1, 50000, 64), (2, 1000000, 32)])
@@ -170,13 +233,57 @@ def test_rows_path_chosen(shape):
 def test_explain():
     info = plan("softmax", 64, 4096, 256, "f16", H100).explain()
     assert info == {"op": "softmax", "impl": "axis", "outer": 64, "cols": 4096, "inner": 256,
-                    "pack_size": 8, "cached": True, "block": [2, 512, 1], "grid": [1024, 1, 1],
-                    "smem_bytes": 131072, "kernel": "softmax_axis_f16_f32_p8_b2x512_async_cached"}
-    info = plan("softmax_backward", 64, 4096, 256, "f16", H100).explain()
+                    "pack_size": 8, "cached": True, "cluster_size": 8, "block": [8, 32, 1],
+                    "grid": [2048, 1, 1], "smem_bytes": 65536,
+                    "kernel": "softmax_axis_f16_f32_p8_b8x32_async_cached_c8_m3"}
+    info = plan("softmax_backward", 64, 4096, 256, "f16", A100).explain()
     assert info == {"op": "softmax_backward", "impl": "axis", "outer": 64, "cols": 4096,
-                    "inner": 256, "pack_size": 8, "cached": False, "block": [2, 256, 1],
-                    "grid": [1024, 1, 1], "smem_bytes": 0,
-                    "kernel": "softmax_backward_axis_f16_f32_p8_b2x256_l2_online"}
+                    "inner": 256, "pack_size": 8, "cached": False, "cluster_size": 1,
+                    "block": [2, 128, 1], "grid": [1024, 1, 1], "smem_bytes": 0,
+                    "kernel": "softmax_backward_axis_f16_f32_p8_b2x128_l2_online"}
+
+
+KB = 1024
+# (arch, cols, packs of inner, pack bytes, inputs, alone limit) -> (block_x,
+# cluster size) (rule 3); 16-byte packs of a 256-element float16 inner
+TILE_SHAPE_GOLDEN = [
+    (("sm_90", 512, 32, 16, 1, 64 * KB), (8, 1)),       # 128 bytes a row, 64 KB alone
+    (("sm_90", 513, 32, 16, 1, 64 * KB), (4, 1)),       # one row over: 64 bytes a row
+    (("sm_90", 1024, 32, 16, 1, 128 * KB), (8, 1)),     # 128 KB alone where allowed
+    (("sm_90", 1024, 32, 16, 1, 64 * KB), (4, 1)),
+    (("sm_90", 1025, 32, 16, 1, 64 * KB), (8, 4)),      # 2 x 513 rows are over 64 KB: 4 x 257
+    (("sm_90", 4096, 32, 16, 1, 64 * KB), (8, 8)),      # the target: 8 x 64 KB
+    (("sm_90", 4096, 32, 16, 2, 128 * KB), (4, 8)),     # its backward: 64 bytes a row, 8 x 64 KB
+    (("sm_90", 16384, 32, 16, 1, 64 * KB), (2, 8)),     # the 32-byte tile, 8 x 64 KB
+    (("sm_90", 16384, 32, 16, 2, 128 * KB), (2, 8)),    # 8 x 128 KB fit the cache
+    (("sm_90", 32769, 32, 16, 1, 128 * KB), (2, 1)),    # 8 x 4097 rows are over it: read twice
+    (("sm_90", 100, 2, 16, 1, 64 * KB), (2, 1)),        # inner of 2 packs
+    (("sm_90", 4096, 256, 2, 1, 64 * KB), (32, 4)),     # 2-byte packs: a warp along inner
+    (("sm_80", 4096, 32, 16, 1, 64 * KB), (2, 1)),      # no clusters before sm_90
+    (("sm_100", 4096, 32, 16, 1, 64 * KB), (8, 8)),     # newer archs too
+]
+
+
+@pytest.mark.parametrize("args, expected", TILE_SHAPE_GOLDEN, ids=[str(g[0]) for g in TILE_SHAPE_GOLDEN])
+def test_tile_shape(args, expected):
+    assert sa.tile_shape(*args) == expected
+
+
+@pytest.mark.parametrize("profile", ["h100", "h200"])
+@pytest.mark.parametrize("op", ALL_OPS)
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
+def test_clusters_leave_several_blocks_per_sm(profile, op, dtype):
+    """The target shape on Hopper: 8-block clusters of 64 KB shares (128 bytes
+    a row forward, 64 backward) whose blocks reside 3 to an SM, so one's loads
+    overlap another's writes."""
+    target = Target.profile(profile)
+    p = plan(op, 64, 4096, 256, dtype, target)
+    row_bytes = 128 // NUM_INPUTS[op]
+    assert p.spec.cached and p.spec.cluster_size == 8 and p.spec.min_blocks == 3
+    assert p.spec.block_x * p.spec.pack_size * ITEMSIZE[dtype] == row_bytes
+    assert p.smem_bytes == 4096 // 8 * NUM_INPUTS[op] * row_bytes == 64 * KB
+    assert target.max_active_blocks(p.spec, p.spec.threads_per_block, p.smem_bytes, opt_in=True) == 3
+    assert jit.compile_cubin(p.spec, "sm_90").spill_bytes == 0
 
 
 def test_plan_rejects_bad_arguments():
@@ -193,16 +300,19 @@ SHAPE_SWEEP = [(outer, cols, inner) for outer in (1, 3, 64, 4096) for cols in (1
 @pytest.mark.parametrize("op", ("softmax", "softmax_backward", "log_softmax_backward"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("align", (16, 8, 4, 2))
-def test_plan_invariants(op, dtype, align):
+@pytest.mark.parametrize("arch", sorted(TARGETS))
+def test_plan_invariants(arch, op, dtype, align):
     itemsize = ITEMSIZE[dtype]
     if align < itemsize:
         pytest.skip("an array is always aligned to its itemsize")
-    facts = H100.facts
+    target = TARGETS[arch]
+    facts = target.facts
     for outer, cols, inner in SHAPE_SWEEP:
-        p = plan(op, outer, cols, inner, dtype, H100, align)
+        p = plan(op, outer, cols, inner, dtype, target, align)
         if p is None:
             continue
         spec = p.spec
+        cluster = spec.cluster_size
         pack_bytes = spec.pack_size * itemsize
         threads = spec.block_x * spec.block_y
         assert inner % spec.pack_size == 0 and pack_bytes <= min(16, align)
@@ -210,16 +320,38 @@ def test_plan_invariants(op, dtype, align):
             assert size & (size - 1) == 0
         assert threads % 32 == 0 and threads <= sa.AXIS_MAX_BLOCK_THREADS
         assert spec.block_x <= sa.AXIS_MAX_BLOCK_X
-        # block_y never exceeds cols, except to keep whole warps
-        assert spec.block_y <= cols or spec.block_x * spec.block_y == 32
+        # a block caches its rows of a tile (all of them, or its share in a
+        # cluster), a pack of every input per row
+        block_rows = math.ceil(cols / cluster)
+        row_bytes = NUM_INPUTS[op] * spec.block_x * pack_bytes
+        block_bytes = block_rows * row_bytes
+        # block_y never exceeds a block's rows, except to keep whole warps
+        assert spec.block_y <= block_rows or threads == 32
         tiles = outer * math.ceil(inner // spec.pack_size / spec.block_x)
-        assert 1 <= p.grid[0] <= tiles and p.block == (spec.block_x, spec.block_y, 1)
-        # a tile holds a pack of every input per row; cached exactly when it fits
-        # (every tile that fits launches on the H100)
-        tile_bytes = NUM_INPUTS[op] * cols * spec.block_x * pack_bytes
-        assert spec.cached == (tile_bytes <= sa.AXIS_CACHE_MAX_BYTES)
+        assert cluster <= p.grid[0] <= tiles * cluster and p.grid[0] % cluster == 0
+        assert p.block == (spec.block_x, spec.block_y, 1)
+        # the tile of rule 3 (block_x widened only where cols leave threads
+        # over); clusters on sm_90 only, for tiles over a block's limit alone;
+        # only cached
+        alone = (sa.AXIS_ALONE_MAX_BYTES_16BIT_FORWARD if itemsize == 2 and op in OPS
+                 else sa.AXIS_ALONE_MAX_BYTES)
+        planned_x, planned_cluster = sa.tile_shape(arch, cols, inner // spec.pack_size, pack_bytes,
+                                                   NUM_INPUTS[op], alone)
+        assert cluster == planned_cluster and spec.block_x >= planned_x
+        assert spec.block_x == planned_x or spec.block_y >= 1 << (block_rows.bit_length() - 1)
+        assert cluster in (1, *sa.AXIS_CLUSTER_SIZES) and (f"_c{cluster}" in spec.name) == (cluster > 1)
+        if cluster > 1:
+            assert arch == "sm_90" and spec.cached and cols * planned_x * NUM_INPUTS[op] * pack_bytes > alone
+        if spec.block_x * pack_bytes < 64 and spec.block_x < min(inner // spec.pack_size, sa.AXIS_MAX_BLOCK_X):
+            assert spec.block_x * pack_bytes == sa.AXIS_NARROW_ROW_BYTES   # the narrow tile: no wide one fits
+        # a cached kernel is bound to the blocks that fit an SM at the planned registers
+        assert spec.min_blocks == (sa.resident_blocks(facts, block_bytes, threads, sa.AXIS_THREAD_REGISTERS)
+                                   if spec.cached else 1)
+        assert spec.min_blocks * threads * sa.AXIS_THREAD_REGISTERS <= facts.regs_per_sm
+        # cached exactly when a block's rows fit (every tile that fits launches on these profiles)
+        assert spec.cached == (block_bytes <= sa.AXIS_CACHE_MAX_BYTES)
         if spec.cached:
-            assert p.smem_bytes == tile_bytes
+            assert p.smem_bytes == block_bytes
             assert (spec.loads_in_flight == 0) == (pack_bytes >= sa.AXIS_ASYNC_MIN_PACK_BYTES)
         else:
             assert p.smem_bytes == 0 and spec.loads_in_flight >= 1
@@ -227,9 +359,9 @@ def test_plan_invariants(op, dtype, align):
         if spec.loads_in_flight > 1:   # rows of a pack of every input, within the bytes in flight
             in_flight = next(size for most, size in sa.AXIS_BYTES_IN_FLIGHT if threads <= most)
             assert spec.loads_in_flight * NUM_INPUTS[op] * pack_bytes <= in_flight
-        # few tiles: the cols axis is split among more threads (up to 1024)
-        if tiles * threads < facts.sm_count * facts.max_threads_per_sm and threads < 1024:
-            assert spec.block_y == 1 << (cols.bit_length() - 1) or spec.block_x * spec.block_y == 32
+        # few blocks: a block's rows are split among more threads (up to 1024)
+        if tiles * cluster * threads < facts.sm_count * facts.max_threads_per_sm and threads < 1024:
+            assert spec.block_y == 1 << (block_rows.bit_length() - 1) or threads == 32
 
 
 def test_lifted_thresholds_give_axis_plans(axis_everywhere):
@@ -242,23 +374,43 @@ def test_lifted_thresholds_give_axis_plans(axis_everywhere):
 # -- NVRTC compiles -------------------------------------------------------------------
 
 # The brief's shapes and one of each planner branch: the online kernel with
-# 256 threads, cols = 1, short cols widening the tile, odd inner.
+# 256 threads, cols = 1, short cols widening the tile, odd inner; on sm_90
+# clusters of 2, 4 and 8 blocks.
 COMPILE_SHAPES = [(64, 4096, 256), (8, 1000, 3), (2, 17, 1025), (1, 50000, 64),
-                  (4096, 8192, 64), (64, 1, 256), (16, 3, 4096), (7, 333, 97)]
+                  (4096, 8192, 64), (64, 1, 256), (16, 3, 4096), (7, 333, 97), (16, 16384, 256)]
 MISALIGNED_SHAPE = (64, 4096, 256)     # also planned with the pointers only itemsize-aligned
+
+# (shape, axis) the GPU tests run through clusters of every size (force_clusters).
+CLUSTER_CASES = [
+    ((3, 37, 48), 1),       # 37 rows: a multiple of no cluster size, nor of block_y
+    ((4, 3, 40), 1),        # fewer rows than blocks: some blocks hold none
+    ((2, 5, 33), 1),        # odd inner: 1-element packs
+    ((3, 64, 2, 48), 0),    # 3 rows of a wide inner
+    ((2, 2000, 96), 1),     # long slices: several rows for each row of threads
+]
+
+
+def axis_view(shape, axis) -> tuple:
+    """(outer, cols, inner) of `shape` reduced over `axis`."""
+    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
 
 
 def _instantiations(arch: str, dtype: str, monkeypatch) -> set:
-    """Every kernel the shapes plan to, cached where possible and online."""
+    """Every kernel the shapes plan to, cached where possible and online, and
+    on sm_90 the GPU tests' forced clusters."""
     target = TARGETS[arch]
     specs = set()
-    for cache_max in (sa.AXIS_CACHE_MAX_BYTES, 0):
-        monkeypatch.setattr(sa, "AXIS_CACHE_MAX_BYTES", cache_max)
+    for max_bytes in (0, sa.AXIS_CACHE_MAX_BYTES):     # cached last: the forced clusters need it
+        monkeypatch.setattr(sa, "AXIS_CACHE_MAX_BYTES", max_bytes)
         sa.plan.cache_clear()
         for op in ALL_OPS:
             for shape in COMPILE_SHAPES:
                 specs.add(plan(op, *shape, dtype, target).spec)
             specs.add(plan(op, *MISALIGNED_SHAPE, dtype, target, ITEMSIZE[dtype]).spec)
+    if arch == "sm_90":   # each case with one of the sizes (the GPU tests compile the rest)
+        for (shape, axis), size in zip(CLUSTER_CASES, itertools.cycle(CLUSTER_SIZES)):
+            force_clusters(monkeypatch, size)
+            specs.update(plan(op, *axis_view(shape, axis), dtype, target).spec for op in ALL_OPS)
     return specs
 
 
@@ -268,6 +420,8 @@ def test_instantiations_compile(arch, dtype, axis_everywhere, monkeypatch):
     specs = _instantiations(arch, dtype, monkeypatch)
     for op in ALL_OPS:
         assert {spec.cached for spec in specs if spec.op == op} == {True, False}
+        clusters = {spec.cluster_size for spec in specs if spec.op == op}
+        assert clusters == ({1, *CLUSTER_SIZES} if arch == "sm_90" else {1})
     problems = []
     for spec in sorted(specs, key=lambda s: s.name):
         report = jit.compile_cubin(spec, arch)       # raises jit.CompileError on failure
@@ -355,6 +509,12 @@ def test_public_functions_every_axis(op, dtype, rng):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", OPS)
 def test_nan_and_inf_slices(op, dtype, cache, rng):
+    check_nan_and_inf_slices(op, dtype, rng)
+
+
+def check_nan_and_inf_slices(op, dtype, rng):
+    """Slices of a (3, 37, 48) array over axis 1 holding NaN and +-inf, each
+    against the float64 reference."""
     import cupy
 
     outer, cols, inner = 3, 37, 48
@@ -369,6 +529,7 @@ def test_nan_and_inf_slices(op, dtype, cache, rng):
         lambda s: s.__setitem__(slice(0, 36), -numpy.inf),             # one finite left
         lambda s: (s.__setitem__(1, numpy.inf), s.__setitem__(2, -numpy.inf)),
         lambda s: (s.__setitem__(1, numpy.nan), s.__setitem__(2, numpy.inf)),
+        lambda s: (s.__setitem__(slice(0, 19), -numpy.inf), s.__setitem__(30, numpy.inf)),
     ]
     for k, make in enumerate(special):
         make(host[k % outer, :, 4 * k + 1])   # slices of several threads and tiles
@@ -381,11 +542,18 @@ def test_nan_and_inf_slices(op, dtype, cache, rng):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", OPS)
 def test_out_poisoned_and_in_place(op, dtype, rng, axis_everywhere):
-    shape = (5, 123, 72)
+    check_outputs(op, dtype, rng, [((5, 123, 72), 0), ((5, 123, 72), 1)])
+
+
+def check_outputs(op, dtype, rng, cases):
+    """For each (shape, axis): a fresh output, a poisoned `out` and in place (out = x)."""
     numpy_dtype = NUMPY_DTYPES[dtype]
-    for axis in (0, 1):
+    for shape, axis in cases:
         x, exact = random_input(rng, shape, numpy_dtype)
         expected = reference(op, exact, axis)
+        y = run_checked(op, x, axis)
+        assert y.shape == shape and y.dtype == x.dtype and y.flags.c_contiguous
+        assert_close(y.get(), expected, numpy_dtype)
         out = poisoned(shape, numpy_dtype)
         assert run_checked(op, x, axis, out) is out
         assert_close(out.get(), expected, numpy_dtype)
@@ -393,12 +561,18 @@ def test_out_poisoned_and_in_place(op, dtype, rng, axis_everywhere):
         assert_close(x.get(), expected, numpy_dtype)
 
 
+def has_clusters(target) -> bool:
+    return int(target.facts.arch.removeprefix("sm_")) >= sa.AXIS_CLUSTER_MIN_ARCH
+
+
 @pytest.mark.gpu
 def test_target_shape(rng):
-    """(64, 4096, 256) float16 over axis 1 with the default planner: cached tile."""
+    """(64, 4096, 256) float16 over axis 1 with the default planner: cached
+    tile, shared by a cluster on sm_90 and newer."""
     x, exact = random_input(rng, (64, 4096, 256), numpy.float16)
-    p = plan("softmax", 64, 4096, 256, "f16", Target.live(x.device.id))
-    assert p is not None and p.spec.cached
+    target = Target.live(x.device.id)
+    p = plan("softmax", 64, 4096, 256, "f16", target)
+    assert p is not None and p.spec.cached and (p.spec.cluster_size > 1) == has_clusters(target)
     for op in OPS:
         assert_close(run_checked(op, x, 1).get(), reference(op, exact, 1), numpy.float16)
 
@@ -457,19 +631,23 @@ def run_backward_checked(op, dy, y, axis, out=None):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", BACKWARD_OPS)
 def test_backward_every_axis(op, dtype, cache, rng):
-    """A fresh output, a poisoned `out` and in place (out = dy)."""
-    for shape in GPU_SHAPES:
-        for axis in range(len(shape) - 1):
-            dy, y, dy_host, y_host = gradient_inputs(rng, op, shape, dtype, axis)
-            expected = gradient_reference(op, dy_host, y_host, axis)
-            dx = run_backward_checked(op, dy, y, axis)
-            assert dx.shape == shape and dx.dtype == dy.dtype and dx.flags.c_contiguous
-            check_gradient(dx.get(), expected, NUMPY_DTYPES[dtype])
-            out = poisoned(shape, NUMPY_DTYPES[dtype])
-            assert run_backward_checked(op, dy, y, axis, out) is out
-            check_gradient(out.get(), expected, NUMPY_DTYPES[dtype])
-            assert run_backward_checked(op, dy, y, axis, dy) is dy
-            check_gradient(dy.get(), expected, NUMPY_DTYPES[dtype])
+    check_backward_outputs(op, dtype, rng, [(shape, axis) for shape in GPU_SHAPES
+                                            for axis in range(len(shape) - 1)])
+
+
+def check_backward_outputs(op, dtype, rng, cases):
+    """For each (shape, axis): a fresh output, a poisoned `out` and in place (out = dy)."""
+    for shape, axis in cases:
+        dy, y, dy_host, y_host = gradient_inputs(rng, op, shape, dtype, axis)
+        expected = gradient_reference(op, dy_host, y_host, axis)
+        dx = run_backward_checked(op, dy, y, axis)
+        assert dx.shape == shape and dx.dtype == dy.dtype and dx.flags.c_contiguous
+        check_gradient(dx.get(), expected, NUMPY_DTYPES[dtype])
+        out = poisoned(shape, NUMPY_DTYPES[dtype])
+        assert run_backward_checked(op, dy, y, axis, out) is out
+        check_gradient(out.get(), expected, NUMPY_DTYPES[dtype])
+        assert run_backward_checked(op, dy, y, axis, dy) is dy
+        check_gradient(dy.get(), expected, NUMPY_DTYPES[dtype])
 
 
 @pytest.mark.gpu
@@ -498,12 +676,15 @@ def test_backward_public_functions(op, dtype, rng, axis_everywhere, monkeypatch)
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", BACKWARD_OPS)
 def test_backward_target_shape(op, rng):
-    """(64, 4096, 256) float16 over axis 1 with the default planner (read twice),
-    and half its cols (cached)."""
-    for shape, cached in [((64, 4096, 256), False), ((64, 2048, 256), True)]:
+    """(64, 4096, 256) float16 over axis 1 with the default planner (shared by
+    a cluster on sm_90 and newer, else read twice), and half its cols
+    (cached)."""
+    for shape, cached_alone in [((64, 4096, 256), False), ((64, 2048, 256), True)]:
         dy, y, dy_host, y_host = gradient_inputs(rng, op, shape, "f16", 1)
-        p = plan(op, *shape, "f16", Target.live(dy.device.id))
-        assert p is not None and p.spec.cached == cached
+        target = Target.live(dy.device.id)
+        p = plan(op, *shape, "f16", target)
+        assert p is not None and (p.spec.cluster_size > 1) == has_clusters(target)
+        assert p.spec.cached == (cached_alone or has_clusters(target))
         check_gradient(run_backward_checked(op, dy, y, 1).get(),
                        gradient_reference(op, dy_host, y_host, 1), numpy.float16)
 
@@ -539,3 +720,82 @@ def test_backward_not_applicable_returns_none(rng, axis_everywhere):
     poison = overlapping_out.copy()
     assert sa.run_backward("softmax_backward", dy, overlapping_y, 1, overlapping_out) is None
     assert bool((overlapping_out == poison).all())                                # nothing written
+
+
+# -- GPU: thread-block clusters -------------------------------------------------------
+
+@dataclass
+class ClusterRun:
+    size: int
+    launched: list      # the spec of every kernel the axis path launched
+
+
+@pytest.fixture(params=CLUSTER_SIZES)
+def cluster(request, monkeypatch, axis_everywhere):
+    """Every tile shared by a cluster of request.param blocks (sm_90 and newer),
+    each launch of the axis path recorded."""
+    import cupy
+
+    target = Target.live(cupy.cuda.runtime.getDevice())
+    if not has_clusters(target):
+        pytest.skip(f"thread-block clusters need sm_90 or newer, not {target.facts.arch}")
+    force_clusters(monkeypatch, request.param)
+    run = ClusterRun(request.param, [])
+    live_function = sa.live_function
+
+    def recorded_function(spec, device_id, dynamic_smem=0):
+        function = live_function(spec, device_id, dynamic_smem)
+
+        def launch(*args, **kwargs):
+            run.launched.append(spec)
+            return function(*args, **kwargs)
+        return launch
+
+    monkeypatch.setattr(sa, "live_function", recorded_function)
+    return run
+
+
+def assert_cluster_kernels_ran(run: ClusterRun):
+    assert run.launched and {spec.cluster_size for spec in run.launched} == {run.size}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_cluster_forward(op, dtype, cluster, rng):
+    check_outputs(op, dtype, rng, CLUSTER_CASES)
+    check_nan_and_inf_slices(op, dtype, rng)
+    assert_cluster_kernels_ran(cluster)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", BACKWARD_OPS)
+def test_cluster_backward(op, dtype, cluster, rng):
+    check_backward_outputs(op, dtype, rng, CLUSTER_CASES)
+    assert_cluster_kernels_ran(cluster)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_cluster_walks_more_tiles_than_clusters(op, cluster, rng):
+    """One cluster for all the tiles of a (2, 2000, 96) float32 array: its
+    blocks walk them together, the published totals alternating buffers."""
+    shape, axis = (2, 2000, 96), 1
+    if op in OPS:
+        x, exact = random_input(rng, shape, numpy.float32)
+        inputs, expected, check = (x,), reference(op, exact, axis), assert_close
+    else:
+        dy, y, dy_host, y_host = gradient_inputs(rng, op, shape, "f32", axis)
+        inputs, expected, check = (dy, y), gradient_reference(op, dy_host, y_host, axis), check_gradient
+    device_id = inputs[0].device.id
+    outer, cols, inner = axis_view(shape, axis)
+    p = plan(op, outer, cols, inner, "f32", Target.live(device_id))
+    tiles = outer * math.ceil(inner // p.spec.pack_size / p.spec.block_x)
+    assert p.spec.cluster_size == cluster.size and tiles >= 4
+    out = poisoned(shape, numpy.float32)
+    function = sa.live_function(p.spec, device_id, p.smem_bytes)
+    function((cluster.size, 1, 1), p.block,
+             (*inputs, out, numpy.int64(outer), numpy.int64(cols), numpy.int64(inner)), shared_mem=p.smem_bytes)
+    check(out.get(), expected, numpy.float32)
+    assert_cluster_kernels_ran(cluster)

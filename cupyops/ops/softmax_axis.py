@@ -10,24 +10,48 @@ the `cols` axis and combine their partial reductions (forward: (max, sum);
 backward: sum(dy * y) or sum(dy)) through shuffles and shared memory.
 "cached" keeps the tile of every input (x; or dy and y) in shared memory (one
 read of the arrays); "online" reads them again for the outputs (two reads).
+On sm_90 and newer a large cached tile is shared by the cluster_size blocks of
+a thread-block cluster, each caching a share of its cols; they combine their
+reductions through distributed shared memory (kernels/cluster.cuh).
 
-Planner rule (the thresholds below are data: first guesses, not yet measured;
-to be tuned on the GPU):
+Planner rule (tables below, tuned on an H200 with scripts/tune_axis.py):
 1. inner < AXIS_MIN_INNER: the rows path (transpose copy) -> None.
 2. pack = the largest 16-byte-or-smaller vector dividing inner that the
-   pointers' alignment allows; block_x = the packs covering
-   AXIS_TILE_ROW_BYTES of a row (at most the packs of inner).
-3. cached when a tile (inputs x cols x block_x packs: x forward, dy and y
-   backward) fits AXIS_CACHE_MAX_BYTES of shared memory and can launch; then
-   blocks get enough threads that the resident ones fill the SM's thread slots.
-4. threads per block start at AXIS_BLOCK_THREADS and double (up to
-   AXIS_MAX_BLOCK_THREADS) while the tiles' threads do not fill the GPU
-   (SMs x threads per SM): the cols axis is then split among more threads.
-5. block_y = threads / block_x, at most the largest power of two <= cols;
-   threads left over by short cols widen block_x (up to a warp).
-6. tiles too large to cache and fewer than AXIS_MIN_TILES_PER_SM x SMs of
+   pointers' alignment allows.
+3. the tile (tile_shape): block_x packs covering R bytes of each row (at
+   most the packs of inner and AXIS_MAX_BLOCK_X), shared by a cluster of S
+   blocks; a block caches its share, cols / S rows of a pack of every input
+   (x forward, dy and y backward). The first of these whose share fits wins
+   (H200, (64, 4096, 256) float16 forward: 128-byte tiles in clusters of 8,
+   67 % of copy; 32-byte tiles in clusters of 2, 56 %; one block, 47 %):
+   a. R in AXIS_TILE_ROW_BYTES (widest first; whole lines of a row read DRAM
+      best), a block alone, within the alone limit: AXIS_ALONE_MAX_BYTES, or
+      AXIS_ALONE_MAX_BYTES_16BIT_FORWARD for 16-bit forward (two exponentials
+      every 2 bytes want the threads of several blocks an SM);
+   b. on sm_90 and newer (AXIS_CLUSTER_MIN_ARCH), the same R, each with the
+      fewest blocks of AXIS_CLUSTER_SIZES whose shares fit
+      AXIS_CLUSTER_BLOCK_BYTES;
+   c. R = AXIS_NARROW_ROW_BYTES: alone within the alone limit, then the
+      fewest cluster blocks within AXIS_CLUSTER_BLOCK_BYTES, then within
+      AXIS_CACHE_MAX_BYTES; else alone (read twice unless it fits
+      AXIS_CACHE_MAX_BYTES, as where no cluster can form).
+4. cached when a block's share fits AXIS_CACHE_MAX_BYTES of shared memory and
+   can launch. Threads per block start at AXIS_BLOCK_THREADS; blocks caching
+   a tile take the most threads (by powers of two, up to
+   AXIS_CACHED_MAX_BLOCK_THREADS) that keep as many of them resident on an SM
+   as its shared memory, thread slots and registers (at
+   AXIS_THREAD_REGISTERS a thread) allow, and the kernel is bound to that
+   many resident blocks (min_blocks, its __launch_bounds__).
+5. threads double (up to AXIS_MAX_BLOCK_THREADS) while the blocks' threads
+   (tiles x cluster_size blocks) do not fill the GPU (SMs x threads per SM):
+   a block's rows are then split among more threads.
+6. block_y = threads / block_x, at most the largest power of two <= a block's
+   rows; threads left over by short cols widen block_x (up to a warp).
+7. tiles too large to cache and fewer than AXIS_MIN_TILES_PER_SM x SMs of
    them: the rows path -> None (only a block's threads split cols, so a few
    long tiles leave most SMs idle while the rows path spreads the rows).
+8. grid: OneFlow's waves of blocks for the tiles x cluster_size blocks,
+   rounded down to whole clusters.
 """
 from __future__ import annotations
 
@@ -39,7 +63,7 @@ from typing import Optional
 import numpy
 
 from .. import arrays, dtypes, jit
-from ..device import WARP_SIZE
+from ..device import WARP_SIZE, DeviceFacts
 from ..launch import LaunchCache, Target, get_num_blocks, live_function
 from .softmax import INPUTS, vector_pack_size
 
@@ -47,11 +71,14 @@ OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
 
 # Slices narrower than this (elements along inner) take the rows path with a copy.
 AXIS_MIN_INNER = 32
-# Bytes of each row a tile covers at first: one 32-byte sector.
-AXIS_TILE_ROW_BYTES = 32
+# Bytes of each row a tile covers (rule 3): the wide tiles, widest first,
+# then the narrow one (a 32-byte sector) for the longest cols.
+AXIS_TILE_ROW_BYTES = (128, 64)
+AXIS_NARROW_ROW_BYTES = 32
 # Most threads along inner (a warp).
 AXIS_MAX_BLOCK_X = 32
 AXIS_BLOCK_THREADS = 256
+AXIS_CACHED_MAX_BLOCK_THREADS = 512
 AXIS_MAX_BLOCK_THREADS = 1024
 # Loads through registers: bytes a thread loads before using the first of
 # them, by block size (a 1024-thread block gets 64 registers a thread), in at
@@ -61,10 +88,24 @@ AXIS_MAX_BLOCK_THREADS = 1024
 AXIS_BYTES_IN_FLIGHT = ((512, 64), (1024, 32))     # (most threads, bytes)
 AXIS_MAX_LOADS_IN_FLIGHT = 8
 AXIS_ASYNC_MIN_PACK_BYTES = 4
-# Largest tile kept in shared memory for a single read of the array.
+# Registers a thread is planned with when blocks share an SM: the most the
+# kernels take unbounded (32 to 64); bound to 40, some spill.
+AXIS_THREAD_REGISTERS = 64
+# Largest share of a tile a block keeps in shared memory for a single read of
+# the array, and (rule 3) the largest a block caches alone.
 AXIS_CACHE_MAX_BYTES = 128 * 1024
+AXIS_ALONE_MAX_BYTES = 128 * 1024
+AXIS_ALONE_MAX_BYTES_16BIT_FORWARD = 64 * 1024
 # Tiles too large to cache and fewer than this many per SM: the rows path.
 AXIS_MIN_TILES_PER_SM = 0.25
+# Thread-block clusters: from this compute capability (sm_90) on, a tile too
+# large for a block alone is shared by the blocks of a cluster of one of
+# AXIS_CLUSTER_SIZES (the portable sizes, fewest first), each caching at most
+# AXIS_CLUSTER_BLOCK_BYTES, so that several blocks reside on an SM and one's
+# loads overlap another's writes.
+AXIS_CLUSTER_MIN_ARCH = 90
+AXIS_CLUSTER_SIZES = (2, 4, 8)
+AXIS_CLUSTER_BLOCK_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -78,6 +119,8 @@ class SoftmaxAxisSpec(jit.KernelSpec):
     block_y: int            # threads splitting the cols axis
     loads_in_flight: int    # packs loaded through registers before use; 0: cp.async fills the cache
     cached: bool            # tile kept in shared memory (one read) or read twice
+    cluster_size: int = 1   # blocks of a thread-block cluster sharing a tile's cols (cached only)
+    min_blocks: int = 1     # blocks per SM its registers must allow (__launch_bounds__)
 
     @property
     def ftype(self) -> dtypes.FloatType:
@@ -86,8 +129,11 @@ class SoftmaxAxisSpec(jit.KernelSpec):
     @property
     def name(self) -> str:
         loads = f"_l{self.loads_in_flight}" if self.loads_in_flight else "_async"
+        cluster = f"_c{self.cluster_size}" if self.cluster_size > 1 else ""
+        min_blocks = f"_m{self.min_blocks}" if self.min_blocks > 1 else ""
         return (f"{self.op}_axis_{self.dtype}_{self.ftype.compute}_p{self.pack_size}"
-                f"_b{self.block_x}x{self.block_y}{loads}_{'cached' if self.cached else 'online'}")
+                f"_b{self.block_x}x{self.block_y}{loads}_{'cached' if self.cached else 'online'}"
+                f"{cluster}{min_blocks}")
 
     @property
     def threads_per_block(self) -> int:
@@ -107,14 +153,14 @@ class SoftmaxAxisPlan:
     cols: int
     inner: int
     block: tuple
-    grid: tuple
-    smem_bytes: int         # dynamic shared memory: the cached tile of every input
+    grid: tuple             # a multiple of the cluster size
+    smem_bytes: int         # dynamic shared memory: a block's rows of the cached tile of every input
 
     def explain(self) -> dict:
         spec = self.spec
         return {"op": spec.op, "impl": "axis", "outer": self.outer, "cols": self.cols,
                 "inner": self.inner, "pack_size": spec.pack_size, "cached": spec.cached,
-                "block": list(self.block), "grid": list(self.grid),
+                "cluster_size": spec.cluster_size, "block": list(self.block), "grid": list(self.grid),
                 "smem_bytes": self.smem_bytes, "kernel": spec.name}
 
 
@@ -124,6 +170,44 @@ def _next_power_of_two(n: int) -> int:
 
 def _prev_power_of_two(n: int) -> int:
     return 1 << (n.bit_length() - 1)
+
+
+def tile_shape(arch: str, cols: int, inner_packs: int, pack_bytes: int, num_inputs: int,
+               alone_bytes: int) -> tuple:
+    """(block_x, cluster size) of a tile on `arch` (e.g. "sm_90"): the first
+    of rule 3's choices whose share of `cols` rows, block_x packs of
+    `pack_bytes` of each of `num_inputs` inputs a row, fits. `alone_bytes`:
+    the most a block caches alone."""
+    def width(row_bytes: int) -> int:
+        return min(_next_power_of_two(inner_packs), max(1, row_bytes // pack_bytes), AXIS_MAX_BLOCK_X)
+
+    def share(block_x: int, size: int) -> int:
+        return -(-cols // size) * block_x * num_inputs * pack_bytes
+
+    sizes = AXIS_CLUSTER_SIZES if int(arch.removeprefix("sm_")) >= AXIS_CLUSTER_MIN_ARCH else ()
+    alone = min(alone_bytes, AXIS_CACHE_MAX_BYTES)
+    budget = min(AXIS_CLUSTER_BLOCK_BYTES, AXIS_CACHE_MAX_BYTES)
+    wide = [width(row_bytes) for row_bytes in AXIS_TILE_ROW_BYTES]
+    narrow = width(AXIS_NARROW_ROW_BYTES)
+    ladder = ([(block_x, 1, alone) for block_x in wide]
+              + [(block_x, size, budget) for block_x in wide for size in sizes]
+              + [(narrow, 1, alone)] + [(narrow, size, budget) for size in sizes]
+              + [(narrow, size, AXIS_CACHE_MAX_BYTES) for size in sizes])
+    return next(((block_x, size) for block_x, size, limit in ladder if share(block_x, size) <= limit),
+                (narrow, 1))
+
+
+def resident_blocks(facts: DeviceFacts, block_bytes: int, threads: int, registers_per_thread: int) -> int:
+    """Blocks of `threads` caching `block_bytes` each that an SM holds by its
+    shared memory, its thread slots and its registers."""
+    by_smem = facts.smem_per_sm // (block_bytes + facts.smem_reserved_per_block)
+    by_registers = facts.regs_per_sm // (threads * registers_per_thread)
+    return max(1, min(by_smem, facts.max_threads_per_sm // threads, by_registers, facts.max_blocks_per_sm))
+
+
+def grid_size(facts: DeviceFacts, threads: int, num_tiles: int, cluster_size: int) -> int:
+    """OneFlow's waves of blocks for the tiles' blocks, rounded down to whole clusters."""
+    return get_num_blocks(facts, threads, num_tiles * cluster_size) // cluster_size * cluster_size
 
 
 @functools.lru_cache(maxsize=4096)
@@ -146,42 +230,52 @@ def plan(op: str, outer: int, cols: int, inner: int, dtype: str, target: Target,
     pack_bytes = pack_size * itemsize
     row_pack_bytes = len(INPUTS[op]) * pack_bytes   # a pack of every input: a thread's row of a tile
     inner_packs = inner // pack_size
-    block_x = min(_next_power_of_two(inner_packs), max(1, AXIS_TILE_ROW_BYTES // pack_bytes))
+    alone_bytes = AXIS_ALONE_MAX_BYTES
+    if not op.endswith("_backward") and itemsize == 2:
+        alone_bytes = min(alone_bytes, AXIS_ALONE_MAX_BYTES_16BIT_FORWARD)
+    block_x, cluster = tile_shape(facts.arch, cols, inner_packs, pack_bytes, len(INPUTS[op]), alone_bytes)
+    block_rows = -(-cols // cluster)     # the rows of a tile a block caches
 
     threads = AXIS_BLOCK_THREADS
-    tile_bytes = cols * block_x * row_pack_bytes
-    if tile_bytes <= AXIS_CACHE_MAX_BYTES:   # shared memory bounds the resident blocks
-        resident = max(1, facts.smem_per_sm // (tile_bytes + facts.smem_reserved_per_block))
-        while threads < AXIS_MAX_BLOCK_THREADS and threads * resident < facts.max_threads_per_sm:
+    block_bytes = block_rows * block_x * row_pack_bytes
+    if block_bytes <= AXIS_CACHE_MAX_BYTES:   # shared memory bounds the resident blocks
+        def resident(block_threads: int) -> int:
+            return resident_blocks(facts, block_bytes, block_threads, AXIS_THREAD_REGISTERS)
+
+        while threads < AXIS_CACHED_MAX_BLOCK_THREADS and resident(2 * threads) == resident(threads):
             threads *= 2
     gpu_threads = facts.sm_count * facts.max_threads_per_sm
     while (threads < AXIS_MAX_BLOCK_THREADS
-           and outer * -(-inner_packs // block_x) * threads < gpu_threads):
+           and outer * -(-inner_packs // block_x) * cluster * threads < gpu_threads):
         threads *= 2
 
-    block_y = min(threads // block_x, _prev_power_of_two(cols))
+    block_y = min(threads // block_x, _prev_power_of_two(block_rows))
     block_x = min(max(block_x, threads // block_y), _next_power_of_two(inner_packs),
                   AXIS_MAX_BLOCK_X)
     block_y = max(block_y, WARP_SIZE // block_x)
     num_tiles = outer * -(-inner_packs // block_x)
-    tile_bytes = cols * block_x * row_pack_bytes
-    if tile_bytes > AXIS_CACHE_MAX_BYTES and num_tiles < AXIS_MIN_TILES_PER_SM * facts.sm_count:
+    block_bytes = block_rows * block_x * row_pack_bytes
+    if block_bytes > AXIS_CACHE_MAX_BYTES and num_tiles < AXIS_MIN_TILES_PER_SM * facts.sm_count:
         return None
 
     threads = block_x * block_y
     bytes_in_flight = next(size for most, size in AXIS_BYTES_IN_FLIGHT if threads <= most)
     loads_in_flight = min(AXIS_MAX_LOADS_IN_FLIGHT, max(1, bytes_in_flight // row_pack_bytes))
     async_fill = pack_bytes >= AXIS_ASYNC_MIN_PACK_BYTES
-    spec = SoftmaxAxisSpec(op, dtype, pack_size, block_x, block_y,
-                           0 if async_fill else loads_in_flight, cached=True)
-    if not (tile_bytes <= AXIS_CACHE_MAX_BYTES
-            and target.max_active_blocks(spec, threads, tile_bytes, opt_in=True)):
+    min_blocks = resident_blocks(facts, block_bytes, threads, AXIS_THREAD_REGISTERS)
+    spec = SoftmaxAxisSpec(op, dtype, pack_size, block_x, block_y, 0 if async_fill else loads_in_flight,
+                           cached=True, cluster_size=cluster, min_blocks=min_blocks)
+    if not (block_bytes <= AXIS_CACHE_MAX_BYTES
+            and target.max_active_blocks(spec, threads, block_bytes, opt_in=True)):
         spec = SoftmaxAxisSpec(op, dtype, pack_size, block_x, block_y, loads_in_flight,
                                cached=False)
-        tile_bytes = 0
-    grid = get_num_blocks(facts, threads, num_tiles)
+        block_bytes = 0
+    # A cluster's blocks are scheduled together on the SMs of one GPC; what
+    # bounds the blocks resident on an SM is still its registers and shared
+    # memory (the occupancy above, per SM).
+    grid = grid_size(facts, threads, num_tiles, spec.cluster_size)
     return SoftmaxAxisPlan(spec, outer, cols, inner, (block_x, block_y, 1), (grid, 1, 1),
-                           tile_bytes)
+                           block_bytes)
 
 
 # -- launch ------------------------------------------------------------------

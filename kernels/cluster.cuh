@@ -1,0 +1,73 @@
+// Thread-block clusters (sm_90 and newer) in inline PTX: a block's place in
+// its cluster, the cluster barrier, and loads from the shared memory of
+// another block of the cluster (distributed shared memory). Written as PTX so
+// that no cooperative_groups header is needed.
+//
+// A block's shared memory may be read by the other blocks of its cluster only
+// while it runs: a kernel that reads another block's shared memory ends with
+// cluster_sync(), so that no block exits while another may still read it.
+#pragma once
+
+namespace cupyops {
+
+// This block's rank in its cluster, 0 .. cluster size - 1.
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned rank;
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return rank;
+}
+
+// The cluster's index along x in the grid of clusters, and that grid's size.
+__device__ __forceinline__ unsigned cluster_index_x() {
+  unsigned index;
+  asm("mov.u32 %0, %%clusterid.x;" : "=r"(index));
+  return index;
+}
+__device__ __forceinline__ unsigned num_clusters_x() {
+  unsigned count;
+  asm("mov.u32 %0, %%nclusterid.x;" : "=r"(count));
+  return count;
+}
+
+// Every thread of every block of the cluster arrives, then waits for all the
+// others: memory written before the arrive (release) is seen by every thread
+// of the cluster after its wait (acquire). Every thread must call it (aligned:
+// all threads of a warp execute the same barrier).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// `value`, a variable in this block's shared memory, as block `rank` of the
+// cluster holds it: the address mapped into that block's shared memory, read
+// one 32-bit word at a time (the values exchanged are a few words).
+template <typename V>
+__device__ __forceinline__ V load_from_rank(const V& value, unsigned rank) {
+  static_assert(sizeof(V) % 4 == 0, "a value of whole 32-bit words");
+  constexpr int num_words = sizeof(V) / 4;
+  const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(&value));
+  unsigned remote;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  union {
+    V value;
+    unsigned words[num_words];
+  } bits;
+#pragma unroll
+  for (int w = 0; w < num_words; ++w) {
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(bits.words[w]) : "r"(remote + 4 * w) : "memory");
+  }
+  return bits.value;
+}
+
+// `value` (a shared variable) of every block of the cluster, folded with
+// combine(total, next) in rank order: the same order, so the same bits, in
+// every block.
+template <int cluster_size, typename V, typename Combine>
+__device__ __forceinline__ V fold_cluster(const V& value, const Combine& combine) {
+  V total = load_from_rank(value, 0);
+#pragma unroll
+  for (int rank = 1; rank < cluster_size; ++rank) total = combine(total, load_from_rank(value, rank));
+  return total;
+}
+
+}  // namespace cupyops
