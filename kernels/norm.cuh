@@ -648,23 +648,24 @@ struct ParamGradPartials {
   C regs[grads][in_smem ? 1 : num_packs][pack_size];
   Vector* smem;
 
-  __device__ __forceinline__ Vector& slot(int grad, int k, int plane) const {
-    return smem[(grad * planes + plane) * slots + k * block_size + threadIdx.x];
+  // The vector_size sums of plane `plane` of pack k for gradient `grad`.
+  __device__ __forceinline__ C* sums(int grad, int k, int plane) {
+    if constexpr (in_smem) {
+      return smem[(grad * planes + plane) * slots + k * block_size + threadIdx.x].elem;
+    } else {
+      return regs[grad][k] + plane * vector_size;
+    }
   }
   __device__ __forceinline__ explicit ParamGradPartials(void* shared) : smem(static_cast<Vector*>(shared)) {
 #pragma unroll
     for (int g = 0; g < grads; ++g) {
 #pragma unroll
       for (int k = 0; k < num_packs; ++k) {
-        if constexpr (in_smem) {
 #pragma unroll
-          for (int v = 0; v < planes; ++v) {
+        for (int v = 0; v < planes; ++v) {
+          C* const sum = sums(g, k, v);
 #pragma unroll
-            for (int i = 0; i < vector_size; ++i) slot(g, k, v).elem[i] = C(0);
-          }
-        } else {
-#pragma unroll
-          for (int i = 0; i < pack_size; ++i) regs[g][k][i] = C(0);
+          for (int i = 0; i < vector_size; ++i) sum[i] = C(0);
         }
       }
     }
@@ -675,7 +676,7 @@ struct ParamGradPartials {
     for (int g = 0; g < grads; ++g) {
 #pragma unroll
       for (int v = 0; v < planes; ++v) {
-        C* sum = in_smem ? slot(g, k, v).elem : regs[g][in_smem ? 0 : k] + v * vector_size;
+        C* const sum = sums(g, k, v);
 #pragma unroll
         for (int i = 0; i < vector_size; ++i) {
           const int e = v * vector_size + i;
@@ -688,14 +689,13 @@ struct ParamGradPartials {
   // partials[blockIdx.x][col, col + pack_size); aligned = false: col is off the
   // vector grid (a peeled row's packs), element by element.
   template <bool aligned>
-  __device__ __forceinline__ void store(C* partials, int grad, int k, int64 cols, int64 col) const {
+  __device__ __forceinline__ void store(C* partials, int grad, int k, int64 cols, int64 col) {
     C values[pack_size];
 #pragma unroll
     for (int v = 0; v < planes; ++v) {
+      const C* const sum = sums(grad, k, v);
 #pragma unroll
-      for (int i = 0; i < vector_size; ++i) {
-        values[v * vector_size + i] = in_smem ? slot(grad, k, v).elem[i] : regs[grad][in_smem ? 0 : k][v * vector_size + i];
-      }
+      for (int i = 0; i < vector_size; ++i) values[v * vector_size + i] = sum[i];
     }
     if constexpr (aligned) {
       DirectStore<C, C>{partials, cols}.template store<pack_size>(values, blockIdx.x, col);
@@ -761,12 +761,24 @@ __device__ __forceinline__ void norm_grad_block_regs(const IO& global_io, int64 
   // dy, xhat and the weights of pack k (in the row or not) of `row`, from the
   // held packs or loaded again; g = dy * weight and g * xhat added to sums.
   Fetched packs[held ? packs_per_thread : 1];
+  const auto owned_weight = [&](int k) {
+    if constexpr (hoist_weight) {
+      return weight[k];
+    } else {
+      return io.template weight_pack<pack_size>(pack_col(k));
+    }
+  };
+  const auto row_pack = [&](int k, int64 row) {
+    if constexpr (held) {
+      return packs[k];
+    } else {
+      return io.template fetch<pack_size>(row, pack_col(k));
+    }
+  };
   const auto pack_values = [&](int k, int64 row, const RowMoments<C>& m, C* dy, C* xhat, C* w,
                                SumPairState<C>& sums) {
-    io.template weights_of<pack_size>(hoist_weight ? weight[hoist_weight ? k : 0]
-                                                   : io.template weight_pack<pack_size>(pack_col(k)), w);
-    io.template convert<pack_size>(held ? packs[held ? k : 0] : io.template fetch<pack_size>(row, pack_col(k)), w,
-                                   dy, xhat, sums, m);
+    io.template weights_of<pack_size>(owned_weight(k), w);
+    io.template convert<pack_size>(row_pack(k, row), w, dy, xhat, sums, m);
   };
   int parity = 0;
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x, parity ^= 1) {

@@ -76,6 +76,7 @@ WARP_BLOCK_THREADS = 128
 UNCACHED_BLOCK_SIZE = 1024
 PARAM_GRAD_BLOCK = (32, 32)          # kParamGradRows in kernels/norm.cuh
 PARAM_GRADS = {"layer_norm": 2, "rms_norm": 1}   # dweight (and dbias)
+
 # Threads per SM each kernel is compiled to leave room for (the second
 # argument of __launch_bounds__): 64 registers a thread forward, 128 backward
 # (dy, x and partial sums live in registers), 64 backward with the partial
@@ -160,6 +161,11 @@ AUTO_GRAD_BLOCK_LADDER = {"layer_norm": _GRAD_LADDER,
                           "rms_norm": _GRAD_LADDER[:4] + ((512, 64, "cached", "smem"),) + _GRAD_LADDER[4:]}
 # unfused column reduction: aim for this many 1024-thread blocks per SM.
 PARAM_GRAD_BLOCKS_PER_SM = 8
+
+
+def family_of(op: str) -> str:
+    """The norm family of a kernel op: "layer_norm_grad" -> "layer_norm"."""
+    return op.removesuffix("_grad")
 
 
 def _affine_suffix(weight: bool, bias: bool) -> str:
@@ -568,7 +574,7 @@ def _auto_backward_fused(spec_fields, rows, cols, align, same_phase, target) -> 
 
     def first_rung(pack_size: int, peel: bool) -> Optional[KernelLaunch]:
         num_packs = cols // pack_size
-        for block_size, max_bytes, held, partials in AUTO_GRAD_BLOCK_LADDER[spec_fields["op"][:-5]]:
+        for block_size, max_bytes, held, partials in AUTO_GRAD_BLOCK_LADDER[family_of(spec_fields["op"])]:
             packs_per_thread = -(-num_packs // block_size)
             if packs_per_thread * pack_size * ftype.itemsize > max_bytes:
                 continue
@@ -592,7 +598,7 @@ def _grad_smem_bytes(spec: NormSpec, cols: int) -> int:
     kept there, then, for peeled rows, the shifted copy of the weight."""
     smem = 0
     if spec.smem_partials:
-        grads = PARAM_GRADS[spec.op.replace("_grad", "")]
+        grads = PARAM_GRADS[family_of(spec.op)]
         compute_itemsize = dtypes.BY_SHORT[spec.ftype.compute].itemsize
         smem = grads * spec.packs_per_thread * spec.block_size * spec.pack_size * compute_itemsize
     if spec.peel:
@@ -682,7 +688,7 @@ def _auto_backward_dx(fields, rows, cols, align, target) -> KernelLaunch:
     # the ladder counts bytes as stored, _auto_registers in the compute type
     widening = compute_itemsize // ftype.itemsize
     block_ladder = [(block_size, max_bytes * widening, _grad_holding(held), True)
-                    for block_size, max_bytes, held, _ in AUTO_GRAD_BLOCK_LADDER[fields["op"][:-5]]]
+                    for block_size, max_bytes, held, _ in AUTO_GRAD_BLOCK_LADDER[family_of(fields["op"])]]
     launch, pack = _auto_registers(fields, rows, cols, align, target, "backward", block_ladder)
     if launch is not None:
         return launch
