@@ -359,9 +359,14 @@ def test_plan_invariants(arch, op, dtype, align):
         if spec.loads_in_flight > 1:   # rows of a pack of every input, within the bytes in flight
             in_flight = next(size for most, size in sa.AXIS_BYTES_IN_FLIGHT if threads <= most)
             assert spec.loads_in_flight * NUM_INPUTS[op] * pack_bytes <= in_flight
-        # few blocks: a block's rows are split among more threads (up to 1024)
-        if tiles * cluster * threads < facts.sm_count * facts.max_threads_per_sm and threads < 1024:
+        # few blocks: a block's rows are split among more threads (up to
+        # 1024); blocks caching only while fewer than the SMs
+        few = (tiles * cluster < facts.sm_count if spec.cached
+               else tiles * threads < facts.sm_count * facts.max_threads_per_sm)
+        if few and threads < 1024:
             assert spec.block_y == 1 << (block_rows.bit_length() - 1) or threads == 32
+        if spec.cached and not few:
+            assert threads <= sa.AXIS_CACHED_MAX_BLOCK_THREADS
 
 
 def test_lifted_thresholds_give_axis_plans(axis_everywhere):
