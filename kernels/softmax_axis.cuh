@@ -275,7 +275,8 @@ __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_in
     // combined through column_all_reduce. Forward online: one pass keeping a
     // running (max, sum) per thread; the block's sum is every thread's sum
     // rescaled to the block's maximum (0 where the thread saw only -inf).
-    // Otherwise a max pass (forward) then a pass summing Op's terms.
+    // Otherwise a max pass (forward; in the storage type, pack_max) then a
+    // pass summing Op's terms.
     Op ops[pack_size];
     C slice_max[pack_size];   // forward: the block's maxima
     C slice_sum[pack_size];
@@ -299,16 +300,14 @@ __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_in
       }
     } else {
       if constexpr (Op::needs_max) {
+        P running;   // the maxima in the storage type (pack_max)
 #pragma unroll
-        for (int i = 0; i < pack_size; ++i) slice_max[i] = -infinity<C>();
+        for (int i = 0; i < pack_size; ++i) running.elem[i] = cast<T>(-infinity<C>());
         if (active) {
-          for_each_row([&](int64, const Packs& packs) {
-#pragma unroll
-            for (int i = 0; i < pack_size; ++i) {
-              slice_max[i] = MaxOp<C>()(slice_max[i], cast<C>(packs.input[0].elem[i]));
-            }
-          });
+          for_each_row([&](int64, const Packs& packs) { running = pack_max<C>(running, packs.input[0]); });
         }
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) slice_max[i] = cast<C>(running.elem[i]);
         if (block_y > 1) column_all_reduce<MaxOp, C, pack_size, block_x, block_y>(slice_max);
 #pragma unroll
         for (int i = 0; i < pack_size; ++i) ops[i].set_max(slice_max[i]);

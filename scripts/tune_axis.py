@@ -16,7 +16,8 @@ forward, 3 x size x itemsize backward. Each candidate is checked against a
 float64 reference of the whole output before it is timed (a fast
 wrong kernel cannot win). Usage: python scripts/tune_axis.py
 [--shapes 64x4096x256,...] [--dtypes float16,float32]
-[--ops softmax,softmax_backward] [--top 8]
+[--ops softmax,softmax_backward] [--top 8] [--row-bytes 32,64,128]
+[--pack-bytes 16,8]
 """
 from __future__ import annotations
 
@@ -48,22 +49,16 @@ def variant(op, dtype, pack, block_x, block_y, cluster, cached, block_bytes, fac
     shared memory and thread slots allow."""
     threads = block_x * block_y
     pack_bytes = pack * dtypes.BY_SHORT[dtype].itemsize
-    row_pack_bytes = len(INPUTS[op]) * pack_bytes
-    bytes_in_flight = next(size for most, size in sa.AXIS_BYTES_IN_FLIGHT if threads <= most)
-    loads = max(1, min(sa.AXIS_MAX_LOADS_IN_FLIGHT, bytes_in_flight // row_pack_bytes))
-    if cached and pack_bytes >= sa.AXIS_ASYNC_MIN_PACK_BYTES:
-        loads = 0     # cp.async fills the cache
+    loads = sa.loads_in_flight(threads, len(INPUTS[op]) * pack_bytes, pack_bytes, cached)
     min_blocks = sa.resident_blocks(facts, block_bytes, threads, UNBOUND_REGISTERS) if cached else 1
     return sa.SoftmaxAxisSpec(op, dtype, pack, block_x, block_y, loads, cached, cluster, min_blocks)
 
 
-def candidates(op, outer, cols, inner, dtype, target):
+def candidates(op, outer, cols, inner, dtype, target, row_bytes_list=ROW_BYTES, pack_bytes_list=(16,)):
     """(label, spec, grid, smem) for the planner's choice and the variants:
     each cached where it can launch, else (without a cluster) read twice."""
     facts = target.facts
     itemsize = dtypes.BY_SHORT[dtype].itemsize
-    pack = vector_pack_size(inner, itemsize, 16)
-    row_pack_bytes = len(INPUTS[op]) * pack * itemsize
     found = []
     chosen = sa.plan(op, outer, cols, inner, dtype, target)
     if chosen is not None:
@@ -71,9 +66,12 @@ def candidates(op, outer, cols, inner, dtype, target):
     clusters = (1,)
     if int(facts.arch.removeprefix("sm_")) >= sa.AXIS_CLUSTER_MIN_ARCH:
         clusters += sa.AXIS_CLUSTER_SIZES
-    variants = [(f"r{row_bytes}" + (f" c{size}" if size > 1 else ""), max(1, row_bytes // (pack * itemsize)), size)
-                for row_bytes in ROW_BYTES for size in clusters]
-    for name, block_x, cluster in variants:
+    packs = sorted({vector_pack_size(inner, itemsize, pack_bytes) for pack_bytes in pack_bytes_list}, reverse=True)
+    variants = [(f"r{row_bytes}" + (f" c{size}" if size > 1 else "") + (f" p{pack}" if pack != packs[0] else ""),
+                 pack, max(1, row_bytes // (pack * itemsize)), size)
+                for pack in packs for row_bytes in row_bytes_list for size in clusters]
+    for name, pack, block_x, cluster in variants:
+        row_pack_bytes = len(INPUTS[op]) * pack * itemsize
         block_rows = -(-cols // cluster)
         block_bytes = block_rows * block_x * row_pack_bytes
         tiles = outer * -(-(inner // pack) // block_x)
@@ -119,6 +117,9 @@ def main():
     parser.add_argument("--dtypes", default="float16,float32")
     parser.add_argument("--ops", default="softmax,softmax_backward")
     parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--row-bytes", default=",".join(map(str, ROW_BYTES)),
+                        help="bytes of each row a candidate's tile covers")
+    parser.add_argument("--pack-bytes", default="16", help="largest bytes of a pack, e.g. 16,8")
     args = parser.parse_args()
     tuning = Tuning(budget_s=0.1)
     device_id, target = tuning.device_id, tuning.target
@@ -133,7 +134,9 @@ def main():
                 scale = float(cupy.abs(expect).max())
                 num_bytes = (len(inputs) + 1) * math.prod((outer, cols, inner)) * dtype.itemsize
                 results = []
-                for label, spec, grid, smem in candidates(op, outer, cols, inner, short, target):
+                for label, spec, grid, smem in candidates(
+                        op, outer, cols, inner, short, target, tuple(map(int, args.row_bytes.split(","))),
+                        tuple(map(int, args.pack_bytes.split(",")))):
                     function = live_function(spec, device_id, smem)
                     arguments = (*inputs, out, numpy.int64(outer), numpy.int64(cols), numpy.int64(inner))
                     block = (spec.block_x, spec.block_y, 1)

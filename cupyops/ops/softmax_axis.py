@@ -209,6 +209,17 @@ def resident_blocks(facts: DeviceFacts, block_bytes: int, threads: int, register
     return max(1, min(by_smem, facts.max_threads_per_sm // threads, by_registers, facts.max_blocks_per_sm))
 
 
+def loads_in_flight(threads: int, row_pack_bytes: int, pack_bytes: int, cached: bool) -> int:
+    """The spec's loads_in_flight for blocks of `threads` loading `row_pack_bytes`
+    a row (a pack of every input): 0 where cp.async fills a cached tile (packs
+    of AXIS_ASYNC_MIN_PACK_BYTES or more), else AXIS_BYTES_IN_FLIGHT's bytes
+    in whole rows, 1 to AXIS_MAX_LOADS_IN_FLIGHT."""
+    if cached and pack_bytes >= AXIS_ASYNC_MIN_PACK_BYTES:
+        return 0
+    bytes_in_flight = next(size for most, size in AXIS_BYTES_IN_FLIGHT if threads <= most)
+    return min(AXIS_MAX_LOADS_IN_FLIGHT, max(1, bytes_in_flight // row_pack_bytes))
+
+
 def grid_size(facts: DeviceFacts, threads: int, num_tiles: int, cluster_size: int) -> int:
     """OneFlow's waves of blocks for the tiles' blocks, rounded down to whole clusters."""
     return get_num_blocks(facts, threads, num_tiles * cluster_size) // cluster_size * cluster_size
@@ -240,17 +251,19 @@ def plan(op: str, outer: int, cols: int, inner: int, dtype: str, target: Target,
     block_x, cluster = tile_shape(facts.arch, cols, inner_packs, pack_bytes, len(INPUTS[op]), alone_bytes)
     block_rows = -(-cols // cluster)     # the rows of a tile a block caches
 
+    # Threads per block (rules 4 and 5), from the tile's share before short
+    # cols widen block_x (below, which then recomputes the share).
     threads = AXIS_BLOCK_THREADS
-    block_bytes = block_rows * block_x * row_pack_bytes
-    if block_bytes <= AXIS_CACHE_MAX_BYTES:   # shared memory bounds the resident blocks
+    share_bytes = block_rows * block_x * row_pack_bytes
+    if share_bytes <= AXIS_CACHE_MAX_BYTES:   # shared memory bounds the resident blocks
         def resident(block_threads: int) -> int:
-            return resident_blocks(facts, block_bytes, block_threads, AXIS_THREAD_REGISTERS)
+            return resident_blocks(facts, share_bytes, block_threads, AXIS_THREAD_REGISTERS)
 
         while threads < AXIS_CACHED_MAX_BLOCK_THREADS and resident(2 * threads) == resident(threads):
             threads *= 2
     num_blocks = outer * -(-inner_packs // block_x) * cluster
     gpu_threads = facts.sm_count * facts.max_threads_per_sm
-    while threads < AXIS_MAX_BLOCK_THREADS and (num_blocks < facts.sm_count if block_bytes <= AXIS_CACHE_MAX_BYTES
+    while threads < AXIS_MAX_BLOCK_THREADS and (num_blocks < facts.sm_count if share_bytes <= AXIS_CACHE_MAX_BYTES
                                                 else num_blocks * threads < gpu_threads):
         threads *= 2
 
@@ -264,15 +277,14 @@ def plan(op: str, outer: int, cols: int, inner: int, dtype: str, target: Target,
         return None
 
     threads = block_x * block_y
-    bytes_in_flight = next(size for most, size in AXIS_BYTES_IN_FLIGHT if threads <= most)
-    loads_in_flight = min(AXIS_MAX_LOADS_IN_FLIGHT, max(1, bytes_in_flight // row_pack_bytes))
-    async_fill = pack_bytes >= AXIS_ASYNC_MIN_PACK_BYTES
     min_blocks = resident_blocks(facts, block_bytes, threads, AXIS_THREAD_REGISTERS)
-    spec = SoftmaxAxisSpec(op, dtype, pack_size, block_x, block_y, 0 if async_fill else loads_in_flight,
+    spec = SoftmaxAxisSpec(op, dtype, pack_size, block_x, block_y,
+                           loads_in_flight(threads, row_pack_bytes, pack_bytes, cached=True),
                            cached=True, cluster_size=cluster, min_blocks=min_blocks)
     if not (block_bytes <= AXIS_CACHE_MAX_BYTES
             and target.max_active_blocks(spec, threads, block_bytes, opt_in=True)):
-        spec = SoftmaxAxisSpec(op, dtype, pack_size, block_x, block_y, loads_in_flight,
+        spec = SoftmaxAxisSpec(op, dtype, pack_size, block_x, block_y,
+                               loads_in_flight(threads, row_pack_bytes, pack_bytes, cached=False),
                                cached=False)
         block_bytes = 0
     # A cluster's blocks are scheduled together on the SMs of one GPC; what
