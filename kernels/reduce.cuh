@@ -24,43 +24,32 @@ struct MaxOp<float> {
   }
 };
 
-// NaN-propagating maximum of 16-bit pairs in one instruction (sm_80+);
-// exists = false for the other storage types.
-template <typename T>
-struct PairMax {
-  static constexpr bool exists = false;
-};
-template <>
-struct PairMax<half_t> {
-  static constexpr bool exists = true;
-  static __device__ __forceinline__ unsigned apply(unsigned a, unsigned b) {
-    unsigned result;
-    asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(result) : "r"(a), "r"(b));
-    return result;
-  }
-};
-template <>
-struct PairMax<bfloat16_t> {
-  static constexpr bool exists = true;
-  static __device__ __forceinline__ unsigned apply(unsigned a, unsigned b) {
-    unsigned result;
-    asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(result) : "r"(a), "r"(b));
-    return result;
-  }
-};
+// NaN-propagating maximum of two pairs of 16-bit values, one instruction each
+// (sm_80+); the storage type picks the overload.
+__device__ __forceinline__ unsigned pair_max(half_t, unsigned a, unsigned b) {
+  unsigned result;
+  asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(result) : "r"(a), "r"(b));
+  return result;
+}
+__device__ __forceinline__ unsigned pair_max(bfloat16_t, unsigned a, unsigned b) {
+  unsigned result;
+  asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(result) : "r"(a), "r"(b));
+  return result;
+}
 
 // Elementwise NaN-propagating maximum of two packs, kept in the storage type
-// T (exact: the maximum is one of the values): 16-bit pairs through PairMax,
-// two elements an instruction and no conversion; else through MaxOp<C>.
+// T (exact: the maximum is one of the values): 16-bit pairs (half_t,
+// bfloat16_t) through pair_max, two elements an instruction and no
+// conversion; else through MaxOp<C>.
 template <typename C, typename T, int N>
 __device__ __forceinline__ Pack<T, N> pack_max(const Pack<T, N>& a, const Pack<T, N>& b) {
   Pack<T, N> result;
-  if constexpr (PairMax<T>::exists && N % 2 == 0) {
+  if constexpr (sizeof(T) == 2 && N % 2 == 0) {
     const unsigned* const a_pairs = reinterpret_cast<const unsigned*>(a.elem);
     const unsigned* const b_pairs = reinterpret_cast<const unsigned*>(b.elem);
     unsigned* const pairs = reinterpret_cast<unsigned*>(result.elem);
 #pragma unroll
-    for (int i = 0; i < N / 2; ++i) pairs[i] = PairMax<T>::apply(a_pairs[i], b_pairs[i]);
+    for (int i = 0; i < N / 2; ++i) pairs[i] = pair_max(T(), a_pairs[i], b_pairs[i]);
   } else {
 #pragma unroll
     for (int i = 0; i < N; ++i) result.elem[i] = cast<T>(MaxOp<C>()(cast<C>(a.elem[i]), cast<C>(b.elem[i])));
