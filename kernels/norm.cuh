@@ -714,7 +714,8 @@ struct ParamGradPartials {
 // (ParamGradPartials, in registers or shared memory) are written to the
 // block's workspace row at the end. The weight of the owned columns is held
 // in registers beside held rows with partials in registers, else read at
-// each use (L1 or shared-memory hits).
+// each use (L1 or shared-memory hits). Held rows are loaded rows_per_access
+// at a time, their sums reduced together: more loads in flight, one barrier.
 // peel: rows off the 16-byte grid, dy, x and dx at the same phase. Every row
 // of a block must start at the same phase (one row per block, or a grid that
 // is a multiple of the rows' phase period), so the block's first row gives
@@ -723,14 +724,15 @@ struct ParamGradPartials {
 // head and the last partial pack, threads 0, 1, ...). The weight is then
 // copied once to shared memory at the rows' phase (Affine::shifted_copy,
 // after the partials), for 16-byte reads.
-template <typename IO, typename C, int pack_size, int packs_per_thread, int block_size, bool held,
-          bool fuse_param_grad, bool smem_partials, bool peel, typename RowHead>
+template <typename IO, typename C, int pack_size, int packs_per_thread, int block_size, int rows_per_access,
+          bool held, bool fuse_param_grad, bool smem_partials, bool peel, typename RowHead>
 __device__ __forceinline__ void norm_grad_block_regs(const IO& global_io, int64 rows, int64 cols,
                                                      const RowHead& row_head) {
   typedef typename IO::Storage T;
   typedef typename IO::template Fetched<pack_size> Fetched;
   typedef ParamGradPartials<C, pack_size, fuse_param_grad ? packs_per_thread : 1, block_size, IO::centered,
                             smem_partials> Partials;
+  static_assert(held || rows_per_access == 1, "rows in flight together are held");
   const int head = peel && blockIdx.x < rows ? row_head(blockIdx.x) : 0;
   const int64 num_packs = (cols - head) / pack_size;
   const auto in_row = [&](int k) { return static_cast<int64>(k) * block_size + threadIdx.x < num_packs; };
@@ -758,9 +760,10 @@ __device__ __forceinline__ void norm_grad_block_regs(const IO& global_io, int64 
 #pragma unroll
     for (int k = 0; k < packs_per_thread; ++k) weight[k] = io.template weight_pack<pack_size>(pack_col(k));
   }
-  // dy, xhat and the weights of pack k (in the row or not) of `row`, from the
-  // held packs or loaded again; g = dy * weight and g * xhat added to sums.
-  Fetched packs[held ? packs_per_thread : 1];
+  // dy, xhat and the weights of pack k (in the row or not) of the block's
+  // row r in flight, `row`, from the held packs or loaded again; g = dy *
+  // weight and g * xhat added to sums.
+  Fetched packs[rows_per_access][held ? packs_per_thread : 1];
   const auto owned_weight = [&](int k) {
     if constexpr (hoist_weight) {
       return weight[k];
@@ -768,56 +771,78 @@ __device__ __forceinline__ void norm_grad_block_regs(const IO& global_io, int64 
       return io.template weight_pack<pack_size>(pack_col(k));
     }
   };
-  const auto row_pack = [&](int k, int64 row) {
+  const auto row_pack = [&](int r, int k, int64 row) {
     if constexpr (held) {
-      return packs[k];
+      return packs[r][k];
     } else {
       return io.template fetch<pack_size>(row, pack_col(k));
     }
   };
-  const auto pack_values = [&](int k, int64 row, const RowMoments<C>& m, C* dy, C* xhat, C* w,
+  const auto pack_values = [&](int r, int k, int64 row, const RowMoments<C>& m, C* dy, C* xhat, C* w,
                                SumPairState<C>& sums) {
     io.template weights_of<pack_size>(owned_weight(k), w);
-    io.template convert<pack_size>(row_pack(k, row), w, dy, xhat, sums, m);
+    io.template convert<pack_size>(row_pack(r, k, row), w, dy, xhat, sums, m);
   };
+  // The block's rows are blockIdx.x, + gridDim.x, ...; rows_per_access of
+  // them are loaded before their sums share one block reduction.
   int parity = 0;
-  for (int64 row = blockIdx.x; row < rows; row += gridDim.x, parity ^= 1) {
-    if constexpr (held) {
+  for (int64 first = blockIdx.x; first < rows; first += static_cast<int64>(gridDim.x) * rows_per_access,
+             parity ^= 1) {
+    const auto row_of = [&](int r) { return first + static_cast<int64>(r) * gridDim.x; };
+    RowMoments<C> m[rows_per_access];
+    typename IO::template Fetched<1> edge[rows_per_access]{};
 #pragma unroll
-      for (int k = 0; k < packs_per_thread; ++k) packs[k] = io.template fetch<pack_size>(row, pack_col(k));
-    }
-    typename IO::template Fetched<1> edge{};
-    if constexpr (peel) edge = io.template fetch<1>(row, edge_col);
-    const RowMoments<C> m = io.moments(row);
-    SumPairState<C> sums = SumPairState<C>::empty();
+    for (int r = 0; r < rows_per_access; ++r) {
+      const int64 row = row_of(r);
+      if (row >= rows) continue;
+      if constexpr (held) {
 #pragma unroll
-    for (int k = 0; k < packs_per_thread; ++k) {
-      C dy[pack_size], xhat[pack_size], w[pack_size];
-      SumPairState<C> pack_sums = SumPairState<C>::empty();
-      pack_values(k, row, m, dy, xhat, w, pack_sums);
-      if (in_row(k)) sums.combine(pack_sums);
+        for (int k = 0; k < packs_per_thread; ++k) packs[r][k] = io.template fetch<pack_size>(row, pack_col(k));
+      }
+      if constexpr (peel) edge[r] = io.template fetch<1>(row, edge_col);
+      m[r] = io.moments(row);
     }
-    C edge_dy, edge_xhat, edge_w;
-    if constexpr (peel) {
-      SumPairState<C> edge_sums = SumPairState<C>::empty();
-      io.template weights_of<1>(io.template weight_pack<1>(edge_col), &edge_w);
-      io.template convert<1>(edge, &edge_w, &edge_dy, &edge_xhat, edge_sums, m);
-      if (has_edge) sums.combine(edge_sums);
-    }
-    const RowGradSums<C> row_sums(block_all_reduce_state<block_size>(sums, parity), cols);
+    StateArray<SumPairState<C>, rows_per_access> sums = StateArray<SumPairState<C>, rows_per_access>::empty();
+    C edge_dy[rows_per_access], edge_xhat[rows_per_access], edge_w[rows_per_access];
 #pragma unroll
-    for (int k = 0; k < packs_per_thread; ++k) {
-      if (!in_row(k)) continue;
-      C dy[pack_size], xhat[pack_size], w[pack_size];
-      SumPairState<C> unused = SumPairState<C>::empty();
-      pack_values(k, row, m, dy, xhat, w, unused);
-      io.template store_with<pack_size>(w, dy, xhat, row_sums.mean_g, row_sums.mean_gx, m.rstd, row, pack_col(k));
-      if constexpr (fuse_param_grad) partials.add(k, dy, xhat);
+    for (int r = 0; r < rows_per_access; ++r) {
+      const int64 row = row_of(r);
+      if (row >= rows) continue;
+#pragma unroll
+      for (int k = 0; k < packs_per_thread; ++k) {
+        C dy[pack_size], xhat[pack_size], w[pack_size];
+        SumPairState<C> pack_sums = SumPairState<C>::empty();
+        pack_values(r, k, row, m[r], dy, xhat, w, pack_sums);
+        if (in_row(k)) sums.part[r].combine(pack_sums);
+      }
+      if constexpr (peel) {
+        SumPairState<C> edge_sums = SumPairState<C>::empty();
+        io.template weights_of<1>(io.template weight_pack<1>(edge_col), &edge_w[r]);
+        io.template convert<1>(edge[r], &edge_w[r], &edge_dy[r], &edge_xhat[r], edge_sums, m[r]);
+        if (has_edge) sums.part[r].combine(edge_sums);
+      }
     }
-    if (has_edge) {
-      io.template store_with<1>(&edge_w, &edge_dy, &edge_xhat, row_sums.mean_g, row_sums.mean_gx, m.rstd, row,
-                                edge_col);
-      if constexpr (fuse_param_grad) edge_partials.add(0, &edge_dy, &edge_xhat);
+    const auto totals = block_all_reduce_state<block_size>(sums, parity);
+#pragma unroll
+    for (int r = 0; r < rows_per_access; ++r) {
+      const int64 row = row_of(r);
+      if (row >= rows) continue;
+      const RowGradSums<C> row_sums(totals.part[r], cols);
+#pragma unroll
+      for (int k = 0; k < packs_per_thread; ++k) {
+        if (!in_row(k)) continue;
+        C dy[pack_size], xhat[pack_size], w[pack_size];
+        SumPairState<C> unused = SumPairState<C>::empty();
+        pack_values(r, k, row, m[r], dy, xhat, w, unused);
+        io.template store_with<pack_size>(w, dy, xhat, row_sums.mean_g, row_sums.mean_gx, m[r].rstd, row,
+                                          pack_col(k));
+        if constexpr (fuse_param_grad) partials.add(k, dy, xhat);
+      }
+      if (has_edge) {
+        io.template store_with<1>(&edge_w[r], &edge_dy[r], &edge_xhat[r], row_sums.mean_g, row_sums.mean_gx,
+                                  m[r].rstd, row, edge_col);
+        if constexpr (fuse_param_grad) edge_partials.add(0, &edge_dy[r], &edge_xhat[r]);
+      }
     }
   }
   if constexpr (fuse_param_grad) {

@@ -184,6 +184,41 @@ struct SumPairState {
   }
 };
 
+// `count` states reduced together: the sums of several rows share one block
+// reduction (one barrier).
+template <typename State, int count>
+struct StateArray {
+  State part[count];
+
+  static __device__ __forceinline__ StateArray empty() {
+    StateArray a;
+#pragma unroll
+    for (int i = 0; i < count; ++i) a.part[i] = State::empty();
+    return a;
+  }
+  __device__ __forceinline__ void combine(const StateArray& b) {
+#pragma unroll
+    for (int i = 0; i < count; ++i) part[i].combine(b.part[i]);
+  }
+  template <int width>
+  __device__ __forceinline__ StateArray shfl_down(int delta) const {
+    return map([&](const State& s) { return s.template shfl_down<width>(delta); });
+  }
+  template <int width>
+  __device__ __forceinline__ StateArray shfl(int src_lane) const {
+    return map([&](const State& s) { return s.template shfl<width>(src_lane); });
+  }
+
+ private:
+  template <typename F>
+  __device__ __forceinline__ StateArray map(const F& f) const {
+    StateArray a;
+#pragma unroll
+    for (int i = 0; i < count; ++i) a.part[i] = f(part[i]);
+    return a;
+  }
+};
+
 // Combines the states of lanes [0, span) of each group of `width` consecutive
 // lanes into the group's lane 0, in a fixed tree (as OneFlow's
 // WelfordWarpReduce); the other lanes hold partial states.

@@ -1,22 +1,25 @@
 """Times LayerNorm / RMSNorm plans against each other to choose the auto planner's tables.
 
-For each op, dtype and cols it times the auto plan, the oneflow plan and a
-few hand-built variants (block sizes, packs per thread, warp widths, register
-vs shared-memory caches, peeled rows, fused vs separate dweight / dbias),
-at most 8 per shape, with cupyops.bench.Timer (L2 flushed, median).
+For each op, dtype and cols it times the auto plan, the oneflow plan and
+hand-built variants (block sizes, and the fewest warps that hold a row at the
+same packs a thread; packs per thread, warp widths, register vs shared-memory
+caches, peeled rows, rows loaded together, fused vs separate dweight / dbias),
+at most MAX_CANDIDATES per shape, with cupyops.bench.Timer (L2 flushed,
+median).
 
 Bytes counted: forward 2 * rows * cols * itemsize (x read, y written);
 backward 3 * rows * cols * itemsize (dy and x read, dx written; the weight,
 the statistics and the dweight / dbias workspace are not counted). Forward
 runs with weight (and bias for LayerNorm), backward with weight, dweight (and
-dbias), as a training step calls them.
+dbias), as a training step calls them, or with --no-param-grad dx alone.
 
 Each candidate is checked against a float64 reference (y or dx on the first
 rows; dweight / dbias over all rows), so a fast wrong kernel cannot win:
 its line ends in WRONG.
 
 Usage on a GPU:  python scripts/tune_norm.py [--dtypes float16,bfloat16,float32]
-                 [--ops layer_norm,...] [--cols 1024,...] [--rows 49152] > table
+                 [--ops layer_norm,...] [--cols 1024,...] [--rows 49152]
+                 [--no-param-grad] > table
 Without a GPU:   python scripts/tune_norm.py --dry-run [--profile h200]
 (builds every candidate for the profile, compiling through NVRTC, and prints
 their kernels' names, registers and spills).
@@ -24,15 +27,17 @@ their kernels' names, registers and spills).
 from __future__ import annotations
 
 import argparse
+import itertools
 from dataclasses import replace
 
 from cupyops import dtypes
+from cupyops.device import WARP_SIZE
 from cupyops.launch import Target
 from cupyops.ops import norm
 
 DEFAULT_COLS = "1024,2048,4096,8192,12345,16384,32768"
 CHECK_ROWS = 64
-MAX_CANDIDATES = 32
+MAX_CANDIDATES = 48
 # max |error| / max |reference| a correct kernel stays within (storage rounding)
 TOLERANCE = {"f16": 4e-3, "bf16": 3e-2, "f32": 1e-4, "f64": 1e-9}
 # register-block variants: (block_size, most bytes of compute values a thread holds)
@@ -44,9 +49,24 @@ PACKED_BLOCK_SIZES = (64, 128, 256, 512, 1024)
 # backward register-block variants: block sizes, at most GRAD_MAX_BYTES of
 # each input a thread, each way of holding the row between the passes,
 # with the dweight / dbias partials in registers or shared memory
-GRAD_BLOCK_SIZES = (128, 256, 512, 1024)
+GRAD_BLOCK_SIZES = (64, 128, 256, 512, 1024)
 GRAD_MAX_BYTES = 64
 GRAD_HOLDINGS = (("cached", "regs"), ("reread", "regs"), ("cached", "smem"), ("reread", "smem"))
+# held rows loaded together (one block reduction for all of them)
+GRAD_ROWS_PER_ACCESS = (1, 2)
+
+
+def _with_fitted(block_sizes, num_packs):
+    """The block sizes, each followed by the fewest threads, in whole warps,
+    that hold the row's packs at its packs a thread, where that is fewer."""
+    found = []
+    for block_size in block_sizes:
+        found.append(block_size)
+        per_thread = -(-num_packs // block_size)
+        fitted = -(-num_packs // (per_thread * WARP_SIZE)) * WARP_SIZE
+        if fitted < block_size:
+            found.append(fitted)
+    return found
 
 
 def _forward_variants(op, dtype, rows, cols, target):
@@ -58,9 +78,11 @@ def _forward_variants(op, dtype, rows, cols, target):
     regs_pack = 16 // ftype.itemsize if peel else pack
     num_packs = cols // regs_pack
     found = []
-    shapes = [(block_size, False, max_bytes // (regs_pack * compute_itemsize)) for block_size, max_bytes in REGS_VARIANTS]
+    shapes = [(block_size, False, max_bytes // (regs_pack * compute_itemsize))
+              for most, max_bytes in REGS_VARIANTS for block_size in _with_fitted((most,), num_packs)]
     if ftype.itemsize == 2:   # held as loaded: up to 128 bytes a thread
-        shapes += [(block_size, True, 128 // (regs_pack * ftype.itemsize)) for block_size in PACKED_BLOCK_SIZES]
+        shapes += [(block_size, True, 128 // (regs_pack * ftype.itemsize))
+                   for block_size in _with_fitted(PACKED_BLOCK_SIZES, num_packs)]
     for block_size, packed, max_packs in shapes:
         per_thread = -(-num_packs // block_size)
         if per_thread > max_packs or num_packs < block_size // 2:
@@ -96,40 +118,57 @@ def _forward_variants(op, dtype, rows, cols, target):
     return found
 
 
-def _backward_variants(op, dtype, rows, cols, target):
+def _backward_variants(op, dtype, rows, cols, target, param_grad):
     family = op.replace("_backward", "")
     ftype = dtypes.BY_SHORT[dtype]
     fields = dict(op=f"{family}_grad", dtype=dtype, weight=True)
     pack = norm.vector_pack_size(cols, ftype.itemsize, 16)
     peel = pack * ftype.itemsize < 16
-    finish = norm._finish_launch(family, dtype, cols)
+    finish = norm._finish_launch(family, dtype, cols) if param_grad else None
+    # without dweight / dbias: no partial sums to place
+    holdings = GRAD_HOLDINGS if param_grad else GRAD_HOLDINGS[:2]
     found = []
     for pack_size, peeled in ((pack, False),) + (((16 // ftype.itemsize, True),) if peel else ()):
         num_packs = cols // pack_size
-        for block_size in GRAD_BLOCK_SIZES:
+        for block_size in _with_fitted(GRAD_BLOCK_SIZES, num_packs):
             per_thread = -(-num_packs // block_size)
             if per_thread * pack_size * ftype.itemsize > GRAD_MAX_BYTES or num_packs < block_size // 2:
                 continue
-            for held, partials in GRAD_HOLDINGS:
+            for (held, partials), rows_per_access in itertools.product(holdings, GRAD_ROWS_PER_ACCESS):
+                if held != "cached" and rows_per_access > 1 or peeled and not param_grad:
+                    continue
                 spec = norm.NormSpec(impl="block_regs", pack_size=pack_size, block_size=block_size,
-                                     packs_per_thread=per_thread, peel=peeled, fuse_param_grad=True,
-                                     **norm._grad_holding(held, partials), **fields)
+                                     packs_per_thread=per_thread, peel=peeled, fuse_param_grad=param_grad,
+                                     **norm._grad_holding(held, partials, rows_per_access), **fields)
+                if target.resources(spec)["local_bytes"]:
+                    continue
+                label = f"b{block_size} k{per_thread} r{rows_per_access} {held}"
+                if not param_grad:
+                    main = norm._block_launch(spec, rows, 0, target, "auto", False)
+                    found.append((label, norm.NormGradPlan(main, None, None, 0, 0)))
+                    continue
                 main = norm.fused_grad_launch(spec, rows, cols, target)
                 if main is not None:
-                    label = f"b{block_size} k{per_thread} {held} {partials}"
-                    found.append((label, norm.NormGradPlan(main, None, finish, main.grid[0], 0)))
+                    found.append((f"{label} {partials}", norm.NormGradPlan(main, None, finish, main.grid[0], 0)))
+    if not param_grad:
+        return found
     dx = norm._auto_backward_dx(fields, rows, cols, 16, target)
     column_reduction, chunks, rows_per_chunk = norm._param_grad_launches(family, dtype, rows, cols, target)
     found.append(("dx + column reduction", norm.NormGradPlan(dx, column_reduction, finish, chunks, rows_per_chunk)))
     return found
 
 
-def candidates(op, dtype, rows, cols, target):
+def candidates(op, dtype, rows, cols, target, param_grad=True):
     """(label, plan) for each variant worth timing at this shape: the
-    policies first, then at most MAX_CANDIDATES kernels in all."""
-    found = [(policy, norm.plan(op, rows, cols, dtype, policy, target)) for policy in ("auto", "oneflow")]
-    variants = _forward_variants if op in norm.FORWARD_OPS else _backward_variants
-    found += variants(op, dtype, rows, cols, target)
+    policies first, then at most MAX_CANDIDATES kernels in all. param_grad
+    (backward): dweight / dbias wanted."""
+    if op in norm.FORWARD_OPS:
+        found = [(policy, norm.plan(op, rows, cols, dtype, policy, target)) for policy in ("auto", "oneflow")]
+        found += _forward_variants(op, dtype, rows, cols, target)
+    else:
+        found = [(policy, norm.plan(op, rows, cols, dtype, policy, target, param_grad=param_grad))
+                 for policy in ("auto", "oneflow")]
+        found += _backward_variants(op, dtype, rows, cols, target, param_grad)
     unique = {}
     for label, chosen in found:    # the first label of each set of launches (the policies come first)
         unique.setdefault(tuple((launch.spec.name, launch.grid) for launch in chosen.launches), (label, chosen))
@@ -149,7 +188,7 @@ def dry_run(args) -> None:
             short = dtypes.float_type(dtypes.parse_dtype(dtype_name)).short
             for cols in map(int, args.cols.split(",")):
                 rows = _rows(args.rows, cols, dtypes.BY_SHORT[short].itemsize)
-                for label, chosen in candidates(op, short, rows, cols, target):
+                for label, chosen in candidates(op, short, rows, cols, target, args.param_grad):
                     reports = [jit.compile_cubin(launch.spec, target.facts.arch) for launch in chosen.launches]
                     registers = "/".join(str(r.registers) for r in reports)
                     spills = sum(r.spill_bytes for r in reports)
@@ -172,7 +211,7 @@ class Shape:
     """Inputs of one (op, dtype, rows, cols), the float64 references, and a
     runner per plan that leaves its outputs where check() reads them."""
 
-    def __init__(self, op, dtype, rows, cols):
+    def __init__(self, op, dtype, rows, cols, param_grad=True):
         import cupy
 
         from cupyops.rowwise import Operand
@@ -180,6 +219,7 @@ class Shape:
         self.op, self.rows, self.cols = op, rows, cols
         self.centered = op.startswith("layer_norm")
         self.backward = op in norm.BACKWARD_OPS
+        self.param_grad = param_grad
         self.device_id = cupy.cuda.runtime.getDevice()
         generator = cupy.random.default_rng(0)
 
@@ -240,16 +280,19 @@ class Shape:
                 head = xhat[:CHECK_ROWS]
                 mean_g = g.mean(axis=1, keepdims=True) if self.centered else 0
                 dx = rstd[:CHECK_ROWS, None] * (g - mean_g - head * (g * head).mean(axis=1, keepdims=True))
-        expected = {"dx": dx, "dweight": dweight}
-        if self.centered:
-            expected["dbias"] = dbias
+        expected = {"dx": dx}
+        if self.param_grad:
+            expected["dweight"] = dweight
+            if self.centered:
+                expected["dbias"] = dbias
         return expected
 
     def runner(self, chosen):
         if self.backward:
             return lambda: norm.launch_backward(
                 chosen, self.device_id, self.rows, self.cols, self.dy_op, self.x_op, self.out_op, self.rstd,
-                mean=self.mean, weight=self.weight, dweight=self.dweight, dbias=self.dbias)
+                mean=self.mean, weight=self.weight, dweight=self.dweight if self.param_grad else None,
+                dbias=self.dbias if self.param_grad else None)
         return lambda: norm.launch_forward(chosen, self.device_id, self.rows, self.cols, self.x_op, self.out_op,
                                            1e-5, weight=self.weight, bias=self.bias)
 
@@ -266,6 +309,8 @@ def main():
     parser.add_argument("--dtypes", default="float16")
     parser.add_argument("--ops", default=",".join(norm.OPS))
     parser.add_argument("--cols", default=DEFAULT_COLS)
+    parser.add_argument("--no-param-grad", dest="param_grad", action="store_false",
+                        help="backward: dx alone, no dweight / dbias")
     parser.add_argument("--dry-run", action="store_true", help="build and compile the candidates, no GPU")
     parser.add_argument("--profile", default="h200", help="device profile of --dry-run")
     args = parser.parse_args()
@@ -286,9 +331,9 @@ def main():
             short = dtypes.float_type(dtype).short
             for cols in map(int, args.cols.split(",")):
                 rows = _rows(args.rows, cols, dtype.itemsize)
-                shape = Shape(op, dtype, rows, cols)
+                shape = Shape(op, dtype, rows, cols, args.param_grad)
                 num_bytes = arrays_counted * rows * cols * dtype.itemsize
-                for label, chosen in candidates(op, short, rows, cols, target):
+                for label, chosen in candidates(op, short, rows, cols, target, args.param_grad):
                     median_us, gbs, fraction, error = tuning.measure(
                         shape.runner(chosen), shape.out, shape.check, num_bytes)
                     verdict = "" if error <= TOLERANCE[short] else "  WRONG"

@@ -256,6 +256,26 @@ def test_auto_backward_keeps_partial_sums_in_shared_memory():
     assert (wide["rms_norm_backward"].block_size, wide["rms_norm_backward"].packs_per_thread) == (512, 4)
 
 
+def test_auto_backward_loads_two_rows_of_short_16_bit_rows():
+    """16-bit rows of 513-1024 cols: 64 threads, two 16-byte packs of each
+    input a thread, two rows loaded before one block reduction; the dx-only
+    kernel too. Peeled rows (1023 cols, fused partials) the same; float32
+    and longer rows a row at a time."""
+    for op in ("layer_norm_backward", "rms_norm_backward"):
+        for dtype in ("f16", "bf16"):
+            for cols, align, param_grad in ((1024, 16, True), (1024, 16, False), (1000, 16, True), (1023, 2, True)):
+                spec = norm.plan(op, ROWS, cols, dtype, "auto", H100, align=align, param_grad=param_grad).spec
+                assert (spec.impl, spec.block_size, spec.pack_size, spec.packs_per_thread) == (
+                    "block_regs", 64, 8, 2), spec.name
+                assert (spec.rows_per_access, spec.cached, spec.peel, spec.fuse_param_grad) == (
+                    2, True, cols == 1023, param_grad), spec.name
+            assert norm.plan(op, ROWS, 2048, dtype, "auto", H100).spec.rows_per_access == 1
+            assert norm.plan(op, ROWS, 512, dtype, "auto", H100).spec.impl == "warp"
+        assert norm.plan(op, ROWS, 1024, "f32", "auto", H100).spec.rows_per_access == 1
+    assert (norm.plan("layer_norm_backward", ROWS, 1024, "f16", "auto", H100).spec.name
+            == "layer_norm_grad_block_regs_f16_f32_p8_k2_b64_cached_r2_weight_pgrad")
+
+
 def test_golden_names():
     spec = norm.NormSpec("layer_norm", "warp", "f16", pack_size=8, cols_per_thread=32,
                          min_cols_per_thread=32, thread_group_width=32, weight=True, bias=True,
