@@ -64,7 +64,7 @@ def candidates(op, outer, cols, inner, dtype, target, row_bytes_list=ROW_BYTES, 
     if chosen is not None:
         found.append(("auto", chosen.spec, chosen.grid[0], chosen.smem_bytes))
     clusters = (1,)
-    if int(facts.arch.removeprefix("sm_")) >= sa.AXIS_CLUSTER_MIN_ARCH:
+    if sa.has_clusters(facts.arch):
         clusters += sa.AXIS_CLUSTER_SIZES
     packs = sorted({vector_pack_size(inner, itemsize, pack_bytes) for pack_bytes in pack_bytes_list}, reverse=True)
     variants = [(f"r{row_bytes}" + (f" c{size}" if size > 1 else "") + (f" p{pack}" if pack != packs[0] else ""),

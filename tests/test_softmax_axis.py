@@ -64,10 +64,12 @@ def cache(request, monkeypatch, axis_everywhere):
 def force_clusters(monkeypatch, size: int) -> None:
     """Every 32-byte tile whose share fits the cache shared by a cluster of
     `size` blocks (on sm_90+): no block caches alone, no share fits the
-    cluster budget, so rule 3 falls to its last choice."""
+    cluster budget, and backward never reads twice instead (rule 3d), so
+    rule 3 falls to its last choice."""
     monkeypatch.setattr(sa, "AXIS_CLUSTER_SIZES", (size,))
     monkeypatch.setattr(sa, "AXIS_CLUSTER_BLOCK_BYTES", 0)
     monkeypatch.setattr(sa, "AXIS_ALONE_MAX_BYTES", 0)
+    monkeypatch.setattr(sa, "AXIS_TWICE_MIN_TILES_PER_SM", math.inf)
     sa.plan.cache_clear()
 
 
@@ -185,10 +187,14 @@ PLAN_GOLDEN = [
     (("log_softmax_backward", 64, 4096, 256, "bf16", 2),
      ("log_softmax_backward_axis_bf16_f32_p1_b32x8_l8_cached_c8_m3", (32, 8, 1), 4096, 65536)),
     # a 1 MB tile of 32 bytes a row: no cluster size brings a block under
-    # 64 KB; 8 blocks of 128 KB fit the cache (one block per SM, 512 threads)
-    # rather than read twice
+    # 64 KB; 128 tiles of 64 bytes a row are about one an SM, so they are read
+    # twice (rule 3d) by 1024 threads: one row of two packs in flight
     (("softmax_backward", 16, 16384, 256, "f16", 16),
-     ("softmax_backward_axis_f16_f32_p8_b2x256_async_cached_c8", (2, 256, 1), 2048, 131072)),
+     ("softmax_backward_axis_f16_f32_p8_b4x256_l1_online", (4, 256, 1), 128, 0)),
+    # two outer indices leave 32 tiles of 32 bytes a row: 8 blocks of 128 KB
+    # fit the cache (one block per SM, 512 threads) rather than read twice
+    (("softmax_backward", 2, 16384, 256, "f16", 16),
+     ("softmax_backward_axis_f16_f32_p8_b2x256_async_cached_c8", (2, 256, 1), 256, 131072)),
     # 1024 threads get 32 bytes in flight: one row of two packs
     (("softmax_backward", 4, 100000, 512, "f16", 16),
      ("softmax_backward_axis_f16_f32_p8_b2x512_l1_online", (2, 512, 1), 128, 0)),
@@ -256,6 +262,7 @@ TILE_SHAPE_GOLDEN = [
     (("sm_90", 4096, 32, 16, 2, 128 * KB), (4, 8)),     # its backward: 64 bytes a row, 8 x 64 KB
     (("sm_90", 16384, 32, 16, 1, 64 * KB), (2, 8)),     # the 32-byte tile, 8 x 64 KB
     (("sm_90", 16384, 32, 16, 2, 128 * KB), (2, 8)),    # 8 x 128 KB fit the cache
+    (("sm_90", 16384, 32, 16, 2, 128 * KB, False), (2, 1)),  # unless full shares are off: read twice
     (("sm_90", 32769, 32, 16, 1, 128 * KB), (2, 1)),    # 8 x 4097 rows are over it: read twice
     (("sm_90", 100, 2, 16, 1, 64 * KB), (2, 1)),        # inner of 2 packs
     (("sm_90", 4096, 256, 2, 1, 64 * KB), (32, 4)),     # 2-byte packs: a warp along inner
@@ -267,6 +274,24 @@ TILE_SHAPE_GOLDEN = [
 @pytest.mark.parametrize("args, expected", TILE_SHAPE_GOLDEN, ids=[str(g[0]) for g in TILE_SHAPE_GOLDEN])
 def test_tile_shape(args, expected):
     assert sa.tile_shape(*args) == expected
+
+
+def test_backward_long_cols_read_twice_in_wide_tiles():
+    """Rule 3d (sm_90+): backward tiles past the 64 KB cluster shares are
+    read twice, in the widest tiles of which there are about as many as SMs,
+    instead of 128 KB shares in 8-block clusters; forward keeps the clusters,
+    and so do arrays of too few tiles and archs without clusters."""
+    h200 = Target.profile("h200")
+    for (outer, cols, inner), dtype, row_bytes in (((16, 16384, 256), "f16", 64), ((8, 16384, 512), "f32", 128),
+                                                   ((64, 32768, 256), "f16", 128)):
+        spec = plan("softmax_backward", outer, cols, inner, dtype, h200).spec
+        assert not spec.cached and spec.cluster_size == 1, spec.name
+        assert spec.block_x * spec.pack_size * ITEMSIZE[dtype] == row_bytes, spec.name
+        assert spec.block_x * spec.block_y == sa.AXIS_MAX_BLOCK_THREADS, spec.name
+    assert sa.twice_tile_width(16, 32, 16, 132) == 4 and sa.twice_tile_width(4, 32, 16, 132) is None
+    assert plan("softmax", 16, 16384, 256, "f16", h200).spec.cluster_size == 8
+    assert plan("softmax_backward", 2, 16384, 256, "f16", h200).spec.cluster_size == 8
+    assert plan("softmax_backward", 16, 16384, 256, "f16", A100).spec.block_x == 2
 
 
 @pytest.mark.parametrize("profile", ["h100", "h200"])
@@ -331,12 +356,17 @@ def test_plan_invariants(arch, op, dtype, align):
         assert cluster <= p.grid[0] <= tiles * cluster and p.grid[0] % cluster == 0
         assert p.block == (spec.block_x, spec.block_y, 1)
         # the tile of rule 3 (block_x widened only where cols leave threads
-        # over); clusters on sm_90 only, for tiles over a block's limit alone;
-        # only cached
+        # over; backward tiles read twice on sm_90 the widest of about one an
+        # SM, rule 3d); clusters on sm_90 only, for tiles over a block's limit
+        # alone; only cached
         alone = (sa.AXIS_ALONE_MAX_BYTES_16BIT_FORWARD if itemsize == 2 and op in OPS
                  else sa.AXIS_ALONE_MAX_BYTES)
+        twice_x = (sa.twice_tile_width(outer, inner // spec.pack_size, pack_bytes, facts.sm_count)
+                   if op not in OPS and arch == "sm_90" else None)
         planned_x, planned_cluster = sa.tile_shape(arch, cols, inner // spec.pack_size, pack_bytes,
-                                                   NUM_INPUTS[op], alone)
+                                                   NUM_INPUTS[op], alone, full_shares=twice_x is None)
+        if twice_x is not None and not spec.cached:
+            planned_x = twice_x
         assert cluster == planned_cluster and spec.block_x >= planned_x
         assert spec.block_x == planned_x or spec.block_y >= 1 << (block_rows.bit_length() - 1)
         assert cluster in (1, *sa.AXIS_CLUSTER_SIZES) and (f"_c{cluster}" in spec.name) == (cluster > 1)

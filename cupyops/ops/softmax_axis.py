@@ -32,9 +32,12 @@ Planner rule (tables below, tuned on an H200 with scripts/tune_axis.py):
       fewest blocks of AXIS_CLUSTER_SIZES whose shares fit
       AXIS_CLUSTER_BLOCK_BYTES;
    c. R = AXIS_NARROW_ROW_BYTES: alone within the alone limit, then the
-      fewest cluster blocks within AXIS_CLUSTER_BLOCK_BYTES, then within
-      AXIS_CACHE_MAX_BYTES; else alone (read twice unless it fits
-      AXIS_CACHE_MAX_BYTES, as where no cluster can form).
+      fewest cluster blocks within AXIS_CLUSTER_BLOCK_BYTES, then (forward)
+      within AXIS_CACHE_MAX_BYTES; else alone (read twice unless it fits
+      AXIS_CACHE_MAX_BYTES, as where no cluster can form);
+   d. backward on sm_90 and newer, when some R of a and c gives at least
+      AXIS_TWICE_MIN_TILES_PER_SM x SMs tiles (twice_tile_width): c without
+      its last step, and a tile a-c leave read twice takes the widest such R.
 4. cached when a block's share fits AXIS_CACHE_MAX_BYTES of shared memory and
    can launch. Threads per block start at AXIS_BLOCK_THREADS; blocks caching
    a tile take the most threads (by powers of two, up to
@@ -110,6 +113,16 @@ AXIS_MIN_TILES_PER_SM = 0.25
 AXIS_CLUSTER_MIN_ARCH = 90
 AXIS_CLUSTER_SIZES = (2, 4, 8)
 AXIS_CLUSTER_BLOCK_BYTES = 64 * 1024
+# Backward tiles too large for AXIS_CLUSTER_BLOCK_BYTES shares are read twice
+# (rule 3d) rather than cached in 8-block clusters of AXIS_CACHE_MAX_BYTES
+# shares (one block an SM), in the widest tiles that still number this many
+# an SM. H200, % of copy, read twice against the clusters: (16, 16384, 256)
+# f16 50.7 against 48.3, f32 57.1 against 50.5; (8, 16384, 512) f16 53.5
+# against 47.3, f32 57.9 against 49.8. Past them, wide tiles read twice beat
+# the 32-byte tile: (64, 32768, 256) f16 57.9 in 128-byte tiles, at most
+# 42.0 in 32-byte ones. Forward keeps the clusters: (16, 16384, 256) f16 52.9
+# against 46.9 read twice in 64-byte tiles.
+AXIS_TWICE_MIN_TILES_PER_SM = 0.9
 
 
 @dataclass(frozen=True)
@@ -176,29 +189,47 @@ def _prev_power_of_two(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+def _tile_width(row_bytes: int, inner_packs: int, pack_bytes: int) -> int:
+    """block_x of a tile covering `row_bytes` of each row (fewer where inner is narrower)."""
+    return min(_next_power_of_two(inner_packs), max(1, row_bytes // pack_bytes), AXIS_MAX_BLOCK_X)
+
+
+def has_clusters(arch: str) -> bool:
+    """Whether `arch` (e.g. "sm_90") has thread-block clusters."""
+    return int(arch.removeprefix("sm_")) >= AXIS_CLUSTER_MIN_ARCH
+
+
 def tile_shape(arch: str, cols: int, inner_packs: int, pack_bytes: int, num_inputs: int,
-               alone_bytes: int) -> tuple:
+               alone_bytes: int, full_shares: bool = True) -> tuple:
     """(block_x, cluster size) of a tile on `arch` (e.g. "sm_90"): the first
     of rule 3's choices whose share of `cols` rows, block_x packs of
     `pack_bytes` of each of `num_inputs` inputs a row, fits. `alone_bytes`:
-    the most a block caches alone."""
-    def width(row_bytes: int) -> int:
-        return min(_next_power_of_two(inner_packs), max(1, row_bytes // pack_bytes), AXIS_MAX_BLOCK_X)
-
+    the most a block caches alone; full_shares: clusters may take shares up
+    to AXIS_CACHE_MAX_BYTES (rule 3c's last step)."""
     def share(block_x: int, size: int) -> int:
         return -(-cols // size) * block_x * num_inputs * pack_bytes
 
-    sizes = AXIS_CLUSTER_SIZES if int(arch.removeprefix("sm_")) >= AXIS_CLUSTER_MIN_ARCH else ()
+    sizes = AXIS_CLUSTER_SIZES if has_clusters(arch) else ()
     alone = min(alone_bytes, AXIS_CACHE_MAX_BYTES)
     budget = min(AXIS_CLUSTER_BLOCK_BYTES, AXIS_CACHE_MAX_BYTES)
-    wide = [width(row_bytes) for row_bytes in AXIS_TILE_ROW_BYTES]
-    narrow = width(AXIS_NARROW_ROW_BYTES)
+    wide = [_tile_width(row_bytes, inner_packs, pack_bytes) for row_bytes in AXIS_TILE_ROW_BYTES]
+    narrow = _tile_width(AXIS_NARROW_ROW_BYTES, inner_packs, pack_bytes)
     ladder = ([(block_x, 1, alone) for block_x in wide]
               + [(block_x, size, budget) for block_x in wide for size in sizes]
               + [(narrow, 1, alone)] + [(narrow, size, budget) for size in sizes]
-              + [(narrow, size, AXIS_CACHE_MAX_BYTES) for size in sizes])
+              + [(narrow, size, AXIS_CACHE_MAX_BYTES) for size in sizes if full_shares])
     return next(((block_x, size) for block_x, size, limit in ladder if share(block_x, size) <= limit),
                 (narrow, 1))
+
+
+def twice_tile_width(outer: int, inner_packs: int, pack_bytes: int, sm_count: int) -> Optional[int]:
+    """block_x of a backward tile read twice (rule 3d): the widest of
+    AXIS_TILE_ROW_BYTES and AXIS_NARROW_ROW_BYTES of which the array has at
+    least AXIS_TWICE_MIN_TILES_PER_SM x SMs tiles; None where none has."""
+    widths = [_tile_width(row_bytes, inner_packs, pack_bytes)
+              for row_bytes in AXIS_TILE_ROW_BYTES + (AXIS_NARROW_ROW_BYTES,)]
+    return next((block_x for block_x in widths
+                 if outer * -(-inner_packs // block_x) >= AXIS_TWICE_MIN_TILES_PER_SM * sm_count), None)
 
 
 def resident_blocks(facts: DeviceFacts, block_bytes: int, threads: int, registers_per_thread: int) -> int:
@@ -245,11 +276,17 @@ def plan(op: str, outer: int, cols: int, inner: int, dtype: str, target: Target,
     pack_bytes = pack_size * itemsize
     row_pack_bytes = len(INPUTS[op]) * pack_bytes   # a pack of every input: a thread's row of a tile
     inner_packs = inner // pack_size
+    backward = op.endswith("_backward")
     alone_bytes = AXIS_ALONE_MAX_BYTES
-    if not op.endswith("_backward") and itemsize == 2:
+    if not backward and itemsize == 2:
         alone_bytes = min(alone_bytes, AXIS_ALONE_MAX_BYTES_16BIT_FORWARD)
-    block_x, cluster = tile_shape(facts.arch, cols, inner_packs, pack_bytes, len(INPUTS[op]), alone_bytes)
+    twice_x = (twice_tile_width(outer, inner_packs, pack_bytes, facts.sm_count)
+               if backward and has_clusters(facts.arch) else None)
+    block_x, cluster = tile_shape(facts.arch, cols, inner_packs, pack_bytes, len(INPUTS[op]), alone_bytes,
+                                  full_shares=twice_x is None)
     block_rows = -(-cols // cluster)     # the rows of a tile a block caches
+    if twice_x is not None and block_rows * block_x * row_pack_bytes > AXIS_CACHE_MAX_BYTES:
+        block_x = twice_x
 
     # Threads per block (rules 4 and 5), from the tile's share before short
     # cols widen block_x (below, which then recomputes the share).
