@@ -262,7 +262,7 @@ TILE_SHAPE_GOLDEN = [
     (("sm_90", 4096, 32, 16, 2, 128 * KB), (4, 8)),     # its backward: 64 bytes a row, 8 x 64 KB
     (("sm_90", 16384, 32, 16, 1, 64 * KB), (2, 8)),     # the 32-byte tile, 8 x 64 KB
     (("sm_90", 16384, 32, 16, 2, 128 * KB), (2, 8)),    # 8 x 128 KB fit the cache
-    (("sm_90", 16384, 32, 16, 2, 128 * KB, False), (2, 1)),  # unless full shares are off: read twice
+    (("sm_90", 16384, 32, 16, 2, 128 * KB, 4), (4, 1)),  # rule 3d: no full shares, read twice 64 B a row
     (("sm_90", 32769, 32, 16, 1, 128 * KB), (2, 1)),    # 8 x 4097 rows are over it: read twice
     (("sm_90", 100, 2, 16, 1, 64 * KB), (2, 1)),        # inner of 2 packs
     (("sm_90", 4096, 256, 2, 1, 64 * KB), (32, 4)),     # 2-byte packs: a warp along inner
@@ -361,12 +361,10 @@ def test_plan_invariants(arch, op, dtype, align):
         # alone; only cached
         alone = (sa.AXIS_ALONE_MAX_BYTES_16BIT_FORWARD if itemsize == 2 and op in OPS
                  else sa.AXIS_ALONE_MAX_BYTES)
-        twice_x = (sa.twice_tile_width(outer, inner // spec.pack_size, pack_bytes, facts.sm_count)
-                   if op not in OPS and arch == "sm_90" else None)
+        twice_width = (sa.twice_tile_width(outer, inner // spec.pack_size, pack_bytes, facts.sm_count)
+                       if op not in OPS and arch == "sm_90" else None)
         planned_x, planned_cluster = sa.tile_shape(arch, cols, inner // spec.pack_size, pack_bytes,
-                                                   NUM_INPUTS[op], alone, full_shares=twice_x is None)
-        if twice_x is not None and not spec.cached:
-            planned_x = twice_x
+                                                   NUM_INPUTS[op], alone, twice_width)
         assert cluster == planned_cluster and spec.block_x >= planned_x
         assert spec.block_x == planned_x or spec.block_y >= 1 << (block_rows.bit_length() - 1)
         assert cluster in (1, *sa.AXIS_CLUSTER_SIZES) and (f"_c{cluster}" in spec.name) == (cluster > 1)

@@ -76,7 +76,6 @@ WARP_BLOCK_THREADS = 128
 UNCACHED_BLOCK_SIZE = 1024
 PARAM_GRAD_BLOCK = (32, 32)          # kParamGradRows in kernels/norm.cuh
 PARAM_GRADS = {"layer_norm": 2, "rms_norm": 1}   # dweight (and dbias)
-
 # Threads per SM each kernel is compiled to leave room for (the second
 # argument of __launch_bounds__): 64 registers a thread forward, 128 backward
 # (dy, x and partial sums live in registers), 64 backward with the partial
@@ -692,8 +691,9 @@ def _auto_backward_dx(fields, rows, cols, align, target) -> KernelLaunch:
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     # the ladder counts bytes as stored, _auto_registers in the compute type
     widening = compute_itemsize // ftype.itemsize
+    ladder = AUTO_GRAD_BLOCK_LADDER[family_of(fields["op"])]
     block_ladder = [(block_size, max_bytes * widening, _grad_holding(held, "regs", rows_per_access), True)
-                    for block_size, max_bytes, held, _, rows_per_access in AUTO_GRAD_BLOCK_LADDER[family_of(fields["op"])]]
+                    for block_size, max_bytes, held, _, rows_per_access in ladder]
     launch, pack = _auto_registers(fields, rows, cols, align, target, "backward", block_ladder)
     if launch is not None:
         return launch

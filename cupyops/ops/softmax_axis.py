@@ -200,12 +200,13 @@ def has_clusters(arch: str) -> bool:
 
 
 def tile_shape(arch: str, cols: int, inner_packs: int, pack_bytes: int, num_inputs: int,
-               alone_bytes: int, full_shares: bool = True) -> tuple:
+               alone_bytes: int, twice_width: Optional[int] = None) -> tuple:
     """(block_x, cluster size) of a tile on `arch` (e.g. "sm_90"): the first
     of rule 3's choices whose share of `cols` rows, block_x packs of
     `pack_bytes` of each of `num_inputs` inputs a row, fits. `alone_bytes`:
-    the most a block caches alone; full_shares: clusters may take shares up
-    to AXIS_CACHE_MAX_BYTES (rule 3c's last step)."""
+    the most a block caches alone; twice_width (rule 3d, twice_tile_width):
+    clusters take no shares over AXIS_CLUSTER_BLOCK_BYTES, and a tile none
+    of the choices fits is this wide (else the narrow tile)."""
     def share(block_x: int, size: int) -> int:
         return -(-cols // size) * block_x * num_inputs * pack_bytes
 
@@ -217,9 +218,9 @@ def tile_shape(arch: str, cols: int, inner_packs: int, pack_bytes: int, num_inpu
     ladder = ([(block_x, 1, alone) for block_x in wide]
               + [(block_x, size, budget) for block_x in wide for size in sizes]
               + [(narrow, 1, alone)] + [(narrow, size, budget) for size in sizes]
-              + [(narrow, size, AXIS_CACHE_MAX_BYTES) for size in sizes if full_shares])
+              + [(narrow, size, AXIS_CACHE_MAX_BYTES) for size in sizes if twice_width is None])
     return next(((block_x, size) for block_x, size, limit in ladder if share(block_x, size) <= limit),
-                (narrow, 1))
+                (twice_width or narrow, 1))
 
 
 def twice_tile_width(outer: int, inner_packs: int, pack_bytes: int, sm_count: int) -> Optional[int]:
@@ -280,13 +281,11 @@ def plan(op: str, outer: int, cols: int, inner: int, dtype: str, target: Target,
     alone_bytes = AXIS_ALONE_MAX_BYTES
     if not backward and itemsize == 2:
         alone_bytes = min(alone_bytes, AXIS_ALONE_MAX_BYTES_16BIT_FORWARD)
-    twice_x = (twice_tile_width(outer, inner_packs, pack_bytes, facts.sm_count)
-               if backward and has_clusters(facts.arch) else None)
+    twice_width = (twice_tile_width(outer, inner_packs, pack_bytes, facts.sm_count)
+                   if backward and has_clusters(facts.arch) else None)
     block_x, cluster = tile_shape(facts.arch, cols, inner_packs, pack_bytes, len(INPUTS[op]), alone_bytes,
-                                  full_shares=twice_x is None)
+                                  twice_width)
     block_rows = -(-cols // cluster)     # the rows of a tile a block caches
-    if twice_x is not None and block_rows * block_x * row_pack_bytes > AXIS_CACHE_MAX_BYTES:
-        block_x = twice_x
 
     # Threads per block (rules 4 and 5), from the tile's share before short
     # cols widen block_x (below, which then recomputes the share).
