@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 WARP_SIZE = 32
 STATIC_SMEM_LIMIT = 48 * 1024   # shared memory a block gets without opting in
+CLUSTER_MIN_ARCH = 90           # thread-block clusters from sm_90 on
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,11 @@ PROFILES = {
                         167936, 166912, 1024, 40 * 1024 * 1024),
 }
 ARCH_PROFILES = {"sm_90": "h100", "sm_80": "a100"}
+
+
+def has_clusters(arch: str) -> bool:
+    """Whether `arch` (e.g. "sm_90") has thread-block clusters."""
+    return int(arch.removeprefix("sm_")) >= CLUSTER_MIN_ARCH
 
 
 def profile(name: str) -> DeviceFacts:

@@ -70,4 +70,19 @@ __device__ __forceinline__ V fold_cluster(const V& value, const Combine& combine
   return total;
 }
 
+// `value` (the same in every thread of the block) combined over the blocks of
+// the cluster in rank order (fold_cluster): each block publishes its value in
+// its shared memory, all arrive at the cluster barrier, then every thread
+// folds. Published values alternate between two slots by `parity` (a count of
+// the calls, mod 2): a block publishing call n + 2 has passed call n + 1's
+// barrier, which every block reaches only after reading call n's. Every thread
+// of every block must call it.
+template <int cluster_size, typename V, typename Combine>
+__device__ __forceinline__ V cluster_all_reduce(const V& value, unsigned parity, const Combine& combine) {
+  __shared__ V published[2];
+  if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) published[parity] = value;
+  cluster_sync();
+  return fold_cluster<cluster_size>(published[parity], combine);
+}
+
 }  // namespace cupyops

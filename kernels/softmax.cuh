@@ -10,6 +10,7 @@
 // rows holding NaN or +-inf.
 #pragma once
 #include "common.cuh"
+#include "cluster.cuh"
 #include "reduce.cuh"
 
 namespace cupyops {
@@ -65,6 +66,11 @@ struct OnlineSoftmaxState {
       for (int i = 0; i < pack_size; ++i) pack_sum += exp_(values[i] - pack_max);
     }
     add(pack_max, pack_sum);
+  }
+  // a with b added (a fold's combine).
+  static __device__ __forceinline__ OnlineSoftmaxState combined(OnlineSoftmaxState a, const OnlineSoftmaxState& b) {
+    a.add(b.max, b.sum);
+    return a;
   }
   // The state of the whole block (deterministic: the block reductions' order).
   template <int block_size>
@@ -294,33 +300,50 @@ __device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_i
 // computed. A thread only ever reads the packs it copied itself, so the data
 // needs no barrier between copy and use. Loads are DirectLoads (raw pointers).
 // online (forward): the maximum and the sum in one pass over the cache.
+//
+// cluster_size > 1 (sm_90 and newer): a thread-block cluster owns a row, block
+// `rank` caching the packs [rank * share, (rank + 1) * share) of it (share =
+// ceil(packs / cluster_size)); the blocks' (max, sum) or sums are combined
+// through distributed shared memory (cluster_all_reduce), so a row longer than
+// one block's shared memory is still read once. Forward needs online.
 template <typename Op, typename T, typename Load, typename Store, typename C, int pack_size,
-          int block_size, int stages, bool online>
+          int block_size, int stages, bool online, int cluster_size>
 __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_inputs], const Store& store,
                                                     int64 rows, int64 cols) {
   static_assert(pack_size * sizeof(T) == 16, "cp.async moves 16-byte packs");
+  static_assert(cluster_size == 1 || online || !Op::needs_max, "a cluster combines one (max, sum) pass");
   constexpr int N = Op::num_inputs;
   extern __shared__ __align__(16) unsigned char shared_buf[];
   typedef Pack<T, pack_size> P;
-  const int num_packs = static_cast<int>(cols / pack_size);
-  P* const buffers = reinterpret_cast<P*>(shared_buf);   // [stage][input][pack]
+  const int row_packs = static_cast<int>(cols / pack_size);
+  const int share_packs = (row_packs + cluster_size - 1) / cluster_size;
+  int first_pack = 0;
+  int64 first_row = blockIdx.x, row_step = gridDim.x;
+  if constexpr (cluster_size > 1) {
+    first_pack = static_cast<int>(cluster_rank()) * share_packs;
+    first_row = cluster_index_x();
+    row_step = num_clusters_x();
+  }
+  const int num_packs = max(0, min(share_packs, row_packs - first_pack));   // this block's
+  P* const buffers = reinterpret_cast<P*>(shared_buf);   // [stage][input][pack of the share]
   auto fetch = [&](int64 row, int stage) {
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      const P* source = reinterpret_cast<const P*>(loads[j].src + row * loads[j].row_stride);
-      P* buffer = buffers + (stage * N + j) * num_packs;
+      const P* source = reinterpret_cast<const P*>(loads[j].src + row * loads[j].row_stride) + first_pack;
+      P* buffer = buffers + (stage * N + j) * share_packs;
       for (int p = threadIdx.x; p < num_packs; p += block_size) cp_async_pack<16>(buffer + p, source + p);
     }
     cp_async_commit();
   };
   auto element = [&](int stage, int p, int i, C (&v)[N]) {
 #pragma unroll
-    for (int j = 0; j < N; ++j) v[j] = cast<C>(buffers[(stage * N + j) * num_packs + p].elem[i]);
+    for (int j = 0; j < N; ++j) v[j] = cast<C>(buffers[(stage * N + j) * share_packs + p].elem[i]);
   };
   int stage = 0;
-  if (blockIdx.x < rows) fetch(blockIdx.x, 0);
-  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    const int64 next = row + gridDim.x;
+  unsigned parity = 0;   // the cluster's published partials alternate by row
+  if (first_row < rows) fetch(first_row, 0);
+  for (int64 row = first_row; row < rows; row += row_step, parity ^= 1) {
+    const int64 next = row + row_step;
     if (stages == 2 && next < rows) {
       fetch(next, stage ^ 1);
       cp_async_wait<1>();
@@ -341,7 +364,10 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
         }
         state.add_pack(values);
       }
-      const OnlineSoftmaxState<C> row_state = state.template block_all_reduce<block_size>();
+      OnlineSoftmaxState<C> row_state = state.template block_all_reduce<block_size>();
+      if constexpr (cluster_size > 1) {
+        row_state = cluster_all_reduce<cluster_size>(row_state, parity, OnlineSoftmaxState<C>::combined);
+      }
       op.set_max(row_state.max);
       op.set_sum(row_state.sum);
     } else {
@@ -364,7 +390,9 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
           thread_sum += op.template term<false>(v);
         }
       }
-      op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
+      C row_sum = block_all_reduce<SumOp, C, block_size>(thread_sum);
+      if constexpr (cluster_size > 1) row_sum = cluster_all_reduce<cluster_size>(row_sum, parity, SumOp<C>());
+      op.set_sum(row_sum);
     }
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
       C values[pack_size];
@@ -373,7 +401,7 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
         element(stage, p, i, v);
         values[i] = op.template out<false>(v);
       }
-      store.template store<pack_size>(values, row, static_cast<int64>(p) * pack_size);
+      store.template store<pack_size>(values, row, static_cast<int64>(first_pack + p) * pack_size);
     }
     if (stages == 2) {
       stage ^= 1;
@@ -381,6 +409,8 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
       fetch(next, 0);
     }
   }
+  // No block leaves while another of its cluster may still read its published partials.
+  if constexpr (cluster_size > 1) cluster_sync();
 }
 
 // ---------------------------------------------------------------------------

@@ -142,11 +142,7 @@ __device__ __forceinline__ void cluster_slice_reduce(Op (&ops)[pack_size], const
     for (int i = 0; i < pack_size; ++i) {
       state[i] = {block_max[i], block_max[i] == -infinity<C>() ? C(0) : slice_sum[i]};
     }
-    cluster_column_reduce<State, pack_size, block_x, block_y, cluster_size>(
-        state, parity, [](State total, const State& next) {
-          total.add(next.max, next.sum);
-          return total;
-        });
+    cluster_column_reduce<State, pack_size, block_x, block_y, cluster_size>(state, parity, State::combined);
 #pragma unroll
     for (int i = 0; i < pack_size; ++i) {
       ops[i].set_max(state[i].max);

@@ -3,7 +3,8 @@
 
 Each shape is chosen to reach one path of the auto or OneFlow plans (printed
 with the kernel name), forward and backward, softmax and the norms, and the
-non-last-axis kernels (thread-block clusters on sm_90 and newer)."""
+non-last-axis kernels and the long forward rows (thread-block clusters on
+sm_90 and newer)."""
 from __future__ import annotations
 
 import cupy
@@ -45,6 +46,18 @@ def main():
                 cupyops.layer_norm_backward(dy, x, mean, rstd, weight, policy=policy)
                 y, rstd = cupyops.rms_norm(x, weight, return_stats=True, policy=policy)
                 cupyops.rms_norm_backward(dy, x, rstd, weight, policy=policy)
+        # forward rows no block holds, a thread-block cluster per row (sm_90+;
+        # as many rows as SMs, else they are split): 4 blocks of 64 KB, and 8
+        # blocks whose last share is shorter
+        itemsize = cupy.dtype(dtype).itemsize
+        rows = target.facts.sm_count
+        for cols in (4 * 65536 // itemsize, 4 * 65536 // itemsize + 16 // itemsize):
+            x = rng.standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
+            for op in ("softmax", "log_softmax"):
+                chosen = softmax_split.plan(op, rows, cols, short, target) or \
+                    softmax_ops.plan(op, rows, cols, short, "auto", target)
+                print(f"{op:<21} auto     {rows}x{cols:<7} {chosen.spec.name}", flush=True)
+                getattr(cupyops, op)(x, axis=-1)
         x = rng.standard_normal((4, 4096, 64), dtype=cupy.float32).astype(dtype)
         dy = rng.standard_normal(x.shape, dtype=cupy.float32).astype(dtype)
         for axis in (0, 1):

@@ -28,6 +28,7 @@ import cupy
 import numpy
 
 from cupyops import dtypes
+from cupyops.device import has_clusters
 from cupyops.launch import live_function
 from cupyops.ops import softmax_axis as sa
 from cupyops.ops.softmax import INPUTS, vector_pack_size
@@ -64,7 +65,7 @@ def candidates(op, outer, cols, inner, dtype, target, row_bytes_list=ROW_BYTES, 
     if chosen is not None:
         found.append(("auto", chosen.spec, chosen.grid[0], chosen.smem_bytes))
     clusters = (1,)
-    if sa.has_clusters(facts.arch):
+    if has_clusters(facts.arch):
         clusters += sa.AXIS_CLUSTER_SIZES
     packs = sorted({vector_pack_size(inner, itemsize, pack_bytes) for pack_bytes in pack_bytes_list}, reverse=True)
     variants = [(f"r{row_bytes}" + (f" c{size}" if size > 1 else "") + (f" p{pack}" if pack != packs[0] else ""),

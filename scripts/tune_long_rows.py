@@ -1,12 +1,13 @@
 """Times the plans for long rows against each other to choose softmax_split's
-tables: the ordinary row plan (auto), the two-launch split and the
-cooperative split holding each of COOP_SIZES bytes a thread.
+tables: the ordinary row plan (auto), the two-launch split, the
+cooperative split holding each of COOP_SIZES bytes a thread, and the async
+row kernel with a row shared by the blocks of a thread-block cluster.
 
 Bytes counted: (inputs + 1) * rows * cols * itemsize (forward: x read, y
 written; backward: dy and y read, dx written). Each candidate is checked
 against a float64 CuPy reference on its first rows (a fast wrong kernel
 cannot win). Usage: python scripts/tune_long_rows.py [--dtypes float16,float32]
-[--ops softmax,softmax_backward] [--shapes 8x1048576,8192x131072]
+[--ops softmax,softmax_backward] [--shapes 8x1048576,8192x131072] [--clusters-only]
 """
 from __future__ import annotations
 
@@ -23,17 +24,49 @@ from tune_softmax import reference
 from tuning import Tuning
 
 COOP_SIZES = (32, 64, 96, 128)     # bytes of each input a coop thread holds
+CLUSTER_SIZES = (1, 2, 4, 8)
+CLUSTER_BLOCK_SIZES = (256, 512, 1024)
 SHAPES = "16384x32768,16384x65536,8192x131072,4096x262144,8x1048576,64x1048576,1x16777216,49152x32768"
 
 
-def candidates(op, rows, cols, dtype, target):
+def cluster_candidates(op, rows, cols, dtype, target):
+    """(label, plan) for the async row kernel with a row shared by a cluster of
+    each of CLUSTER_SIZES blocks, each stage count and block size: its grid
+    persistent (the resident clusters) or a cluster per row."""
+    itemsize = dtypes.BY_SHORT[dtype].itemsize
+    pack = 16 // itemsize
+    if cols % pack:
+        return []
+    found = []
+    for cluster in CLUSTER_SIZES:
+        share_bytes = -(-cols // pack // cluster) * 16 * len(softmax.INPUTS[op])
+        for stages in (1, 2):
+            for block in CLUSTER_BLOCK_SIZES:
+                spec = softmax.SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=stages,
+                                           online=not op.endswith("_backward"), cluster_size=cluster)
+                smem = stages * share_bytes
+                active = target.max_active_blocks(spec, block, smem, True)
+                if not active:
+                    continue
+                resident = active * target.facts.sm_count // cluster
+                for grid_name, clusters in (("persistent", min(rows, resident)), ("per-row", rows)):
+                    if grid_name == "per-row" and (clusters == resident or stages == 2):
+                        continue
+                    found.append((f"c{cluster} s{stages} b{block} a{active} {grid_name}",
+                                  softmax.SoftmaxPlan(spec, (block, 1, 1), (clusters * cluster, 1, 1), smem)))
+    return found
+
+
+def candidates(op, rows, cols, dtype, target, clusters_only=False):
     """(label, plan) for each plan worth timing at this shape."""
     found = [("auto", softmax_split.plan(op, rows, cols, dtype, target)
               or softmax.plan(op, rows, cols, dtype, "auto", target))]
-    found.append(("rows", softmax.plan(op, rows, cols, dtype, "auto", target)))
-    found.append(("two-launch", softmax_split.two_launch_plan(op, rows, cols, dtype, target)))
-    for size in COOP_SIZES:
-        found.append((f"coop {size}B", softmax_split.coop_candidate(op, rows, cols, dtype, target, 16, size)))
+    if not clusters_only:
+        found.append(("rows", softmax.plan(op, rows, cols, dtype, "auto", target)))
+        found.append(("two-launch", softmax_split.two_launch_plan(op, rows, cols, dtype, target)))
+        for size in COOP_SIZES:
+            found.append((f"coop {size}B", softmax_split.coop_candidate(op, rows, cols, dtype, target, 16, size)))
+    found += cluster_candidates(op, rows, cols, dtype, target)
     return [(label, chosen) for label, chosen in found if chosen is not None]
 
 
@@ -53,6 +86,8 @@ def main():
     parser.add_argument("--dtypes", default="float16,float32")
     parser.add_argument("--ops", default="softmax,softmax_backward")
     parser.add_argument("--shapes", default=SHAPES)
+    parser.add_argument("--clusters-only", action="store_true",
+                        help="auto and the cluster candidates alone")
     args = parser.parse_args()
     tuning = Tuning(budget_s=0.15)
     device_id, target = tuning.device_id, tuning.target
@@ -70,7 +105,7 @@ def main():
                 checked = min(rows, 4)
                 expect = reference(op, [a[:checked] for a in inputs])
                 num_bytes = (len(inputs) + 1) * rows * cols * dtype.itemsize
-                for label, chosen in candidates(op, rows, cols, short, target):
+                for label, chosen in candidates(op, rows, cols, short, target, args.clusters_only):
                     median_us, gbs, fraction, error = tuning.measure(
                         launcher(chosen, inputs, out, device_id), out,
                         lambda result: float(cupy.abs(result[:checked].astype(cupy.float64) - expect).max()), num_bytes)

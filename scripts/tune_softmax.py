@@ -61,10 +61,12 @@ def candidates(op, dtype, rows, cols, target):
                     spec = SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=stages,
                                        online=online)
                     active = target.max_active_blocks(spec, block, smem, True)
-                    if active:
+                    if active:   # persistent (each resident block walks rows), or a block per row
                         grid = (min(rows, active * target.facts.sm_count), 1, 1)
                         label = f"async b{block} s{stages}{' online' if online else ''}"
                         found.append((label, spec, grid, (block, 1, 1), smem))
+                        if stages == 1:
+                            found.append((f"{label} per-row", spec, (rows, 1, 1), (block, 1, 1), smem))
     smem = num_inputs * cols * ftype.itemsize
     if cols >= 8192 and smem <= target.facts.smem_per_block_optin:
         for block in (256, 512, 1024):
@@ -78,8 +80,8 @@ def candidates(op, dtype, rows, cols, target):
             grid = (get_num_blocks(target.facts, 1024, rows), 1, 1)
             found.append((f"uncached {'online' if online else 'passes'}", spec, grid, (1024, 1, 1), 0))
     unique = {}
-    for candidate in found:    # the first label of each kernel (the policies come first)
-        unique.setdefault(candidate[1].name, candidate)
+    for candidate in found:    # the first label of each launch (the policies come first)
+        unique.setdefault((candidate[1].name, candidate[2]), candidate)
     return list(unique.values())
 
 

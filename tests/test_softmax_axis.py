@@ -22,7 +22,7 @@ from conftest import assert_close
 from test_softmax_backward_gpu import check as check_gradient
 from test_softmax_backward_gpu import make_inputs, reference as gradient_reference
 
-from cupyops import jit
+from cupyops import device, jit
 from cupyops.dtypes import BFLOAT16
 from cupyops.launch import LaunchCache, Target
 from cupyops.ops import softmax_axis as sa
@@ -595,7 +595,7 @@ def check_outputs(op, dtype, rng, cases):
 
 
 def has_clusters(target) -> bool:
-    return int(target.facts.arch.removeprefix("sm_")) >= sa.AXIS_CLUSTER_MIN_ARCH
+    return device.has_clusters(target.facts.arch)
 
 
 @pytest.mark.gpu

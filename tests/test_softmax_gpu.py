@@ -16,7 +16,7 @@ from numpy.exceptions import AxisError
 import cupyops
 from cupyops import arrays, device, dtypes, jit
 from cupyops.dtypes import BFLOAT16
-from cupyops.launch import Target
+from cupyops.launch import Target, live_function
 from cupyops.ops import softmax as sm
 
 pytestmark = pytest.mark.gpu
@@ -191,16 +191,70 @@ def test_single_row(policy, dtype, cols, rng):
         check(op, policy, dtype, 1, cols, rng)
 
 
+def run_plan(chosen, x, out):
+    """Launches a row plan's kernel on x (rows x cols, contiguous) into out."""
+    rows, cols = x.shape
+    function = live_function(chosen.spec, x.device.id, chosen.smem_bytes)
+    strides = (numpy.int64(cols),) * 2
+    function(chosen.grid, chosen.block, (x, out, numpy.int64(rows), numpy.int64(cols), *strides),
+             shared_mem=chosen.smem_bytes)
+
+
+@pytest.mark.parametrize("stages, cluster_size", [(1, 1), (2, 1), (1, 2), (2, 4)])
 @pytest.mark.parametrize("op", sorted(FUNCTIONS))
-def test_persistent_grid_walks_its_rows(op, rng):
-    """block_async runs one resident block per slot; more rows than blocks loop."""
+def test_async_grid_walks_its_rows(op, stages, cluster_size, rng):
+    """The async row kernel on fewer blocks (clusters) than rows: each walks
+    rows grid-stride, two stages prefetching the next row, clusters publishing
+    their partials in alternate slots."""
+    import cupy
+
     target = live_target()
-    dtype = numpy.dtype(numpy.float64)
-    cols = boundary_groups("auto", dtype, target.facts)["past-regs"][0]   # 16-byte packs
-    chosen = sm.plan(op, 1 << 20, cols, "f64", "auto", target)
-    assert chosen.spec.impl == "block_async", chosen.spec.name
-    rows = 2 * chosen.grid[0] + 3
-    check(op, "auto", dtype, rows, cols, rng)
+    if cluster_size > 1 and not device.has_clusters(target.facts.arch):
+        pytest.skip("no thread-block clusters before sm_90")
+    dtype = numpy.dtype(numpy.float32)
+    cols, blocks = 8 * 1000 + 4 * 3, 5              # 16-byte packs; shares end mid-row
+    share_bytes = -(-cols // 4 // cluster_size) * 16
+    spec = sm.SoftmaxSpec(op, "block_async", "f32", 4, block_size=256, stages=stages, online=True,
+                          cluster_size=cluster_size)
+    chosen = sm.SoftmaxPlan(spec, (256, 1, 1), (blocks * cluster_size, 1, 1), stages * share_bytes)
+    rows = 2 * blocks + 3
+    host, exact = special_rows(rng, cols, dtype)
+    host = numpy.concatenate([host, random_input(rng, (rows - len(host), cols), dtype)[0]])
+    x = cupy.asarray(host)
+    out = poisoned(host.shape, dtype)
+    run_plan(chosen, x, out)
+    assert_close(to_host(out), REFERENCES[op](host.astype(numpy.float64), axis=-1), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("op", sorted(FUNCTIONS))
+def test_cluster_rows(op, dtype, rng):
+    """Rows no block's shared memory holds, shared by a thread-block cluster
+    (sm_90+), at each cluster size's limits: just past one block, 4 and 8
+    shares of AUTO_CLUSTER_SHARE_BYTES and one pack more, in place too, with
+    NaN and inf rows; rows >= SMs, so that the rows are not split instead."""
+    import cupy
+
+    target = live_target()
+    if not device.has_clusters(target.facts.arch):
+        pytest.skip("no thread-block clusters before sm_90")
+    vec = 16 // dtype.itemsize
+    share_cols = sm.AUTO_CLUSTER_SHARE_BYTES // dtype.itemsize
+    one_block = boundary_groups("auto", dtype, target.facts)["optin-limit"][2] + vec
+    rows = target.facts.sm_count + 1
+    for cols, cluster_size in ((one_block, 4), (4 * share_cols, 4), (4 * share_cols + vec, 8),
+                               (8 * share_cols, 8)):
+        chosen = sm.plan(op, rows, cols, short(dtype), "auto", target)
+        assert (chosen.spec.impl, chosen.spec.cluster_size) == ("block_async", cluster_size), chosen
+        host = random_input(rng, (rows, cols), dtype)[0]
+        host[:9] = special_rows(rng, cols, dtype)[0]
+        expected = REFERENCES[op](host.astype(numpy.float64), axis=-1)
+        x = cupy.asarray(host)
+        y = FUNCTIONS[op](x, axis=-1, out=poisoned(host.shape, dtype))
+        assert_close(to_host(y), expected, dtype)
+        assert FUNCTIONS[op](x, axis=-1, out=x) is x
+        assert_close(to_host(x), expected, dtype)
+    assert sm.plan(op, rows, 8 * share_cols + vec, short(dtype), "auto", target).spec.impl != "block_async"
 
 
 # -- special values -----------------------------------------------------------------

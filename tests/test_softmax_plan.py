@@ -22,6 +22,7 @@ from cupyops.ops.softmax import SoftmaxSpec, plan, vector_pack_size
 
 TARGETS = {"h100": Target.profile("h100"), "a100": Target.profile("a100")}
 H100 = TARGETS["h100"]
+A100 = TARGETS["a100"]
 OPS = ("softmax", "log_softmax")
 ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
 COMPUTE_ITEMSIZE = {"f16": 4, "bf16": 4, "f32": 4, "f64": 8}
@@ -334,16 +335,20 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
                 return {"impl": "block_regs", "spec": spec, "smem_bytes": 0,
                         "grid": get_num_blocks(facts, block_size, rows)}
     row_bytes = cols * itemsize
-    # 3. cp.async into shared memory (16-byte packs only), a persistent grid, two
-    # rows in flight when they fit, the forward maximum and sum in one pass
+    # 3. cp.async into shared memory (16-byte packs only), the maximum and sum in
+    # one pass, a block per row; on sm_90+, a row no block holds is shared by the
+    # fewest blocks of a 2-, 4- or 8-block cluster with shares of at most 64 KB,
+    # a cluster per row
     if pack * itemsize == 16:
-        for stages in sm.AUTO_ASYNC_STAGES:
-            spec = SoftmaxSpec(op, "block_async", dtype, pack, block_size=sm.AUTO_ASYNC_BLOCK_SIZE,
-                               stages=stages, online=True)
-            active = occupancy(target, spec, stages * row_bytes, True)
-            if active:
-                return {"impl": "block_async", "spec": spec, "smem_bytes": stages * row_bytes,
-                        "grid": min(rows, active * facts.sm_count)}
+        clusters = (1, 2, 4, 8) if device.has_clusters(facts.arch) else (1,)
+        for cluster in clusters:
+            share = ceil_div(cols // pack, cluster) * 16
+            if cluster > 1 and share > 64 * 1024:
+                continue
+            spec = SoftmaxSpec(op, "block_async", dtype, pack, block_size=sm.AUTO_ASYNC_BLOCK_SIZES[1],
+                               stages=1, online=True, cluster_size=cluster)
+            if occupancy(target, spec, share, True):
+                return {"impl": "block_async", "spec": spec, "smem_bytes": share, "grid": rows * cluster}
     # 4. shared memory filled through registers, the input's own type cached
     spec = SoftmaxSpec(op, "block_smem", dtype, pack, block_size=sm.AUTO_SMEM_BLOCK_SIZE,
                        storage_cache=True)
@@ -460,7 +465,11 @@ def test_auto_plans_fit_the_device(profile, dtype):
             elif spec.impl == "block_regs":
                 assert spec.packs_per_thread * spec.block_size * spec.pack_size >= cols - 2 * spec.pack_size
                 assert spec.packs_per_thread * spec.block_size >= cols // spec.pack_size
-            elif spec.impl in ("block_async", "block_smem"):
+            elif spec.impl == "block_async":
+                assert p.smem_bytes * spec.cluster_size >= cols * ITEMSIZE[dtype]
+                assert p.grid[0] == 49152 * spec.cluster_size
+                assert target.max_active_blocks(spec, spec.block_size, p.smem_bytes, True) > 0
+            elif spec.impl == "block_smem":
                 assert p.smem_bytes >= cols * ITEMSIZE[dtype]
                 assert target.max_active_blocks(spec, spec.block_size, p.smem_bytes, True) > 0
             else:
@@ -472,8 +481,31 @@ def test_auto_paths_in_order_along_the_sweep():
     seen = [plan("softmax", 49152, cols, "f16", "auto", H100).spec.impl
             for cols in (256, 1024, 2048, 16384, 32768, 65536, 131072, 262144)]
     assert seen == ["warp", "warp", "block_regs", "block_regs", "block_async", "block_async",
-                    "block_uncached", "block_uncached"]
+                    "block_async", "block_async"]     # the last two shared by clusters
     assert sorted(seen, key=order.index) == seen
+    no_clusters = [plan("softmax", 49152, cols, "f16", "auto", A100).spec.impl for cols in (131072, 262144)]
+    assert no_clusters == ["block_uncached", "block_uncached"]
+
+
+@pytest.mark.parametrize("op, dtype, cols, cluster_size", [
+    ("softmax", "f32", 65536, 4), ("log_softmax", "f32", 65536, 4),     # 256 KB: 4 x 64 KB
+    ("softmax", "f32", 65540, 8), ("softmax", "f16", 131072, 4), ("softmax", "f32", 131072, 8),
+    ("log_softmax", "bf16", 262144, 8), ("softmax", "f64", 16384, 1),   # 128 KB: one block
+    ("softmax", "f32", 131076, None), ("softmax", "f16", 262152, None),  # shares over 64 KB
+    ("softmax_backward", "f32", 32768, None), ("softmax_backward", "f16", 65536, None),
+])
+def test_auto_cluster_per_long_forward_row(op, dtype, cols, cluster_size):
+    """Forward rows one block cannot hold: a cluster per row, the fewest blocks
+    with shares within 64 KB (sm_90+ only); None: no async plan."""
+    p = plan(op, 49152, cols, dtype, "auto", H100)
+    if cluster_size is None:
+        assert p.spec.impl != "block_async", p.spec.name
+    else:
+        share = ceil_div(cols * ITEMSIZE[dtype] // 16, cluster_size) * 16   # whole 16-byte packs
+        assert (p.spec.impl, p.spec.cluster_size, p.spec.stages, p.smem_bytes) == \
+            ("block_async", cluster_size, 1, share)
+        assert p.grid == (49152 * cluster_size, 1, 1) and p.block == (512, 1, 1)
+        assert plan(op, 49152, cols, dtype, "auto", A100).spec.cluster_size == 1
 
 
 def test_bad_plan_arguments():
@@ -502,6 +534,8 @@ GOLDEN_NAMES = [
      "softmax_block_regs_f16_f32_p8_k3_b512_peel"),
     (SoftmaxSpec("softmax", "block_async", "f16", 8, block_size=512, stages=1),
      "softmax_block_async_f16_f32_p8_b512_s1"),
+    (SoftmaxSpec("log_softmax", "block_async", "f32", 4, block_size=512, stages=1, online=True,
+                 cluster_size=4), "log_softmax_block_async_f32_f32_p4_b512_s1_online_c4"),
     (SoftmaxSpec("softmax", "block_smem", "f32", 2, block_size=512),
      "softmax_block_smem_f32_f32_p2_b512_strided"),
     (SoftmaxSpec("log_softmax", "block_smem", "f64", 1, block_size=256, storage_cache=True),
@@ -560,10 +594,12 @@ RENDER_SPECS = [spec for spec, _ in GOLDEN_NAMES]
 @pytest.mark.parametrize("spec", RENDER_SPECS, ids=GOLDEN_IDS)
 def test_render_names_the_kernel_and_fingerprints_the_headers(spec):
     source = jit.render(spec)
-    symbol = re.search(r'extern "C" __global__ void __launch_bounds__\((\d+)\)\s*(\w+)\(', source)
+    symbol = re.search(r'extern "C" __global__ void __launch_bounds__\((\d+)\)'
+                       r'(?: __cluster_dims__\((\d+), 1, 1\))?\s*(\w+)\(', source)
     assert symbol, source[:400]
-    assert symbol.group(2) == spec.name
+    assert symbol.group(3) == spec.name
     assert int(symbol.group(1)) == spec.threads_per_block
+    assert int(symbol.group(2) or 1) == getattr(spec, "cluster_size", 1)
     assert jit.headers_fingerprint() in source
     assert jit.render(spec) == source          # deterministic: CuPy's cache key is the source
 

@@ -28,6 +28,7 @@ from cupyops.ops.softmax_split import SoftmaxSplitSpec, plan
 
 H100 = Target.profile("h100")
 TARGETS = {"sm_80": Target.profile("a100"), "sm_90": H100}
+A100 = TARGETS["sm_80"]
 OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
 DTYPES = ("f16", "bf16", "f32", "f64")
 ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
@@ -156,7 +157,7 @@ def test_ordinary_path_chosen(shape, ops):
 
 
 @pytest.mark.parametrize("op, rows, cols", [
-    ("softmax", 4096, 262144),           # many rows of 512 KB
+    ("softmax", 4096, 2**19),            # many rows of 1 MB: cluster shares over 64 KB
     ("softmax", 132, 2**20),             # rows = SMs
     ("softmax_backward", 16384, 65536),  # 2 x 128 KB of inputs per row
     ("softmax", 8, 2**20),
@@ -164,6 +165,18 @@ def test_ordinary_path_chosen(shape, ops):
 def test_long_rows_take_coop(op, rows, cols):
     p = plan(op, rows, cols, "f16", H100)
     assert isinstance(p, ss.CoopPlan) and p.spec.stage == "coop"
+
+
+def test_rows_a_cluster_holds_are_not_split():
+    """Many forward rows of 256-512 KB: a thread-block cluster of the async row
+    path holds each (sm_90+), so they are not split; the backward, rows without
+    clusters (sm_80) and few rows still are."""
+    for dtype, cols in (("f32", 65536), ("f16", 131072), ("f32", 131072), ("f16", 262144)):
+        assert plan("softmax", 4096, cols, dtype, H100) is None
+        assert plan("log_softmax", 4096, cols, dtype, H100) is None
+        assert isinstance(plan("softmax", 4096, cols, dtype, A100), ss.CoopPlan)
+        assert isinstance(plan("softmax", 64, cols, dtype, H100), ss.CoopPlan)
+    assert isinstance(plan("softmax_backward", 4096, 65536, "f16", H100), ss.CoopPlan)
 
 
 def test_rows_need_two_chunks(split_everywhere, monkeypatch):
@@ -439,9 +452,13 @@ def test_coop_rounds(op, dtype, rng):
     shape = (300, 2**17)
     host = host_inputs(rng, op, shape, NUMPY_DTYPES[dtype])
     inputs = [cupy.asarray(a) for a in host]
-    chosen = plan(op, *shape, dtype, Target.live(inputs[0].device.id))
+    device_id = inputs[0].device.id
+    chosen = ss.coop_plan(op, *shape, dtype, Target.live(device_id))   # forward: clusters planned
     assert isinstance(chosen, ss.CoopPlan) and chosen.slots < shape[0] // 2
-    out = run_split(op, inputs, poisoned_like(inputs[0]), "coop")
+    out = poisoned_like(inputs[0])
+    ss.launch(chosen, ss.functions_of(chosen, device_id), [operand(a) for a in inputs], operand(out),
+              *shape)
+    assert all(int(counters.max()) == 0 for counters in ss._counters.values())
     check(op, out.get(), reference(op, host), NUMPY_DTYPES[dtype])
 
 

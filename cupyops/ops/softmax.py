@@ -2,8 +2,8 @@
 plan -> launch -> public functions.
 
 Paths (SPEC §5): "warp" (a row per group of lanes, registers), "block_regs"
-(a row per block, registers; auto only), "block_async" (a row per block in
-shared memory filled by cp.async; auto only), "block_smem" (a row per block,
+(a row per block, registers; auto only), "block_async" (a row per block, or
+per thread-block cluster, in shared memory filled by cp.async; auto only), "block_smem" (a row per block,
 shared memory filled through registers) and "block_uncached" (a row per
 block, re-read from global memory). policy="oneflow" reproduces OneFlow's
 dispatch exactly; "auto" uses 16-byte accesses, the register and async block
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy
 
 from .. import arrays, dtypes, jit, rowwise
+from ..device import has_clusters
 from ..launch import KernelLaunch, LaunchCache, Target, choose_block_size, get_num_blocks, live_function
 
 OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
@@ -59,12 +60,29 @@ AUTO_BLOCK_REGS_MAX_PACKS = {(2, 1): 4, (4, 1): 16, (8, 1): 4}   # (itemsize, in
 AUTO_PEELED_MAX_PACKS = {(2, 1): 8, (4, 1): 16, (8, 1): 8}       # else 8
 AUTO_BLOCK_REGS_MAX_BYTES = 64 * 1024
 AUTO_BLOCK_REGS_MIN_RESIDENT = 384
-# then cp.async into shared memory (16-byte packs), the next row fetched while
-# this one is computed when two fit, the forward maximum and sum in one pass
-# over the cache (f16 32768 cols: 92.6 % against 87.7 % with one stage and
-# two passes);
-AUTO_ASYNC_BLOCK_SIZE = 512
-AUTO_ASYNC_STAGES = (2, 1)
+# then cp.async into shared memory (16-byte packs), a block per row (the
+# GPU's scheduler starts the next row's block as one leaves, rather than a
+# persistent block fetching its next row), the forward maximum and sum in one
+# pass over the cache. H200, rows 49152, % of copy, against a persistent grid
+# prefetching the next row where two fit: f16 20480 / 32768 / 40960 cols
+# 97.5 / 97.6 / 98.2 against 89.5 / 91.5 / 92.3; f32 20480 / 32768 98.1 /
+# 98.7 against 93.2 / 93.3; backward 101-103 against 95.7-97.6 (reading
+# twice as much as it writes beats the copy). Threads a block, by the number
+# of inputs (backward f16 32768 cols: 103.0 at 256, 102.1 at 512);
+AUTO_ASYNC_BLOCK_SIZES = {1: 512, 2: 256}
+# on sm_90 and newer, a forward row too long for one block's shared memory
+# is shared by the fewest blocks of a thread-block cluster of one of
+# AUTO_CLUSTER_SIZES whose shares fit AUTO_CLUSTER_SHARE_BYTES, a cluster per
+# row: f32 16384 x 65536 86.7 % (softmax) / 87.9 % (log-softmax) against
+# 80.8 / 67.0 % split across cooperative blocks; 8192 x 131072 f16 82.5 /
+# 84.1 % (clusters of 4) against 80.1 / 79.7 %, f32 82.3 / 82.3 % (of 8)
+# against 77.1 / 62.6 %. Shares of 128 KB lose (f32 4096 x 262144: 61 %
+# against 74 %), as does the backward (f16 16384 x 65536: 79 % in clusters
+# of 4 against 87.5 % split).
+AUTO_CLUSTER_SIZES = (2, 4, 8)
+AUTO_CLUSTER_SHARE_BYTES = 64 * 1024
+# Largest grid.x a launch takes.
+MAX_GRID_X = 2**31 - 1
 # rows that allow no 16-byte pack: shared memory filled through registers.
 AUTO_SMEM_BLOCK_SIZE = 256
 # float32 forward rows of these cols, 16-byte aligned, take OneFlow's plan
@@ -96,6 +114,7 @@ class SoftmaxSpec(jit.KernelSpec):
     storage_cache: bool = False   # block_smem, block_regs: cache packs of the input's type
     stages: int = 0               # block_async: rows in flight per block
     online: bool = False          # block_uncached, block_async: max and sum in one pass
+    cluster_size: int = 1         # block_async: blocks of a thread-block cluster sharing a row
 
     @property
     def ftype(self) -> dtypes.FloatType:
@@ -119,13 +138,19 @@ class SoftmaxSpec(jit.KernelSpec):
         if self.impl == "block_smem":
             return f"{head}_b{self.block_size}_{'packed' if self.storage_cache else 'strided'}"
         if self.impl == "block_async":
-            return f"{head}_b{self.block_size}_s{self.stages}{'_online' if self.online else ''}"
+            cluster = f"_c{self.cluster_size}" if self.cluster_size > 1 else ""
+            return f"{head}_b{self.block_size}_s{self.stages}{'_online' if self.online else ''}{cluster}"
         passes = "online" if self.online else ("2pass" if self.op.endswith("_backward") else "3pass")
         return f"{head}_b{self.block_size}_{passes}"
 
     @property
     def threads_per_block(self) -> int:
         return WARP_BLOCK_THREADS if self.impl == "warp" else self.block_size
+
+    def explain_extra(self) -> dict:
+        if self.impl != "block_async":
+            return {}
+        return {"stages": self.stages, "online": self.online, "cluster_size": self.cluster_size}
 
     def template_args(self) -> dict:
         ftype = self.ftype
@@ -212,6 +237,28 @@ def vector_pack_size(cols: int, itemsize: int, align: int) -> int:
     return pack
 
 
+def _async_plan(op, dtype, rows, cols, pack_size, target):
+    """cp.async into shared memory: a block per row where one block's shared
+    memory holds it, else (forward, sm_90 and newer) a cluster per row; None
+    when neither fits."""
+    num_inputs = len(INPUTS[op])
+    block_size = AUTO_ASYNC_BLOCK_SIZES[num_inputs]
+    row_packs = cols // pack_size
+    cluster_sizes = (1,)
+    if num_inputs == 1 and has_clusters(target.facts.arch):
+        cluster_sizes += AUTO_CLUSTER_SIZES
+    for cluster_size in cluster_sizes:
+        share_bytes = num_inputs * -(-row_packs // cluster_size) * pack_size * dtypes.BY_SHORT[dtype].itemsize
+        if cluster_size > 1 and share_bytes > AUTO_CLUSTER_SHARE_BYTES:
+            continue
+        spec = SoftmaxSpec(op, "block_async", dtype, pack_size, block_size=block_size, stages=1,
+                           online=num_inputs == 1, cluster_size=cluster_size)
+        if target.max_active_blocks(spec, block_size, share_bytes, True):
+            clusters = min(rows, MAX_GRID_X // cluster_size)
+            return SoftmaxPlan(spec, (block_size, 1, 1), (clusters * cluster_size, 1, 1), share_bytes)
+    return None
+
+
 def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
     ftype = dtypes.BY_SHORT[dtype]
     num_inputs = len(INPUTS[op])
@@ -246,16 +293,11 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
             resident = target.max_active_blocks(spec, block_size, 0, False) * block_size
             if resident >= AUTO_BLOCK_REGS_MIN_RESIDENT:
                 return _block_plan(spec, rows, 0, target)
-    row_bytes = num_inputs * cols * ftype.itemsize
     if pack_size * ftype.itemsize == 16:
-        for stages in AUTO_ASYNC_STAGES:
-            spec = SoftmaxSpec(op, "block_async", dtype, pack_size, block_size=AUTO_ASYNC_BLOCK_SIZE,
-                               stages=stages, online=num_inputs == 1)
-            smem = stages * row_bytes
-            active = target.max_active_blocks(spec, spec.block_size, smem, True)
-            if active:   # a persistent grid: every block resident, each walking its rows
-                grid = min(rows, active * target.facts.sm_count)
-                return SoftmaxPlan(spec, (spec.block_size, 1, 1), (grid, 1, 1), smem)
+        async_plan = _async_plan(op, dtype, rows, cols, pack_size, target)
+        if async_plan is not None:
+            return async_plan
+    row_bytes = num_inputs * cols * ftype.itemsize
     spec = SoftmaxSpec(op, "block_smem", dtype, pack_size, block_size=AUTO_SMEM_BLOCK_SIZE,
                        storage_cache=True)
     if target.max_active_blocks(spec, spec.block_size, row_bytes, True):

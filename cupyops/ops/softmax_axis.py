@@ -28,7 +28,7 @@ Planner rule (tables below, tuned on an H200 with scripts/tune_axis.py):
       best), a block alone, within the alone limit: AXIS_ALONE_MAX_BYTES, or
       AXIS_ALONE_MAX_BYTES_16BIT_FORWARD for 16-bit forward (two exponentials
       every 2 bytes want the threads of several blocks an SM);
-   b. on sm_90 and newer (AXIS_CLUSTER_MIN_ARCH), the same R, each with the
+   b. on sm_90 and newer (device.has_clusters), the same R, each with the
       fewest blocks of AXIS_CLUSTER_SIZES whose shares fit
       AXIS_CLUSTER_BLOCK_BYTES;
    c. R = AXIS_NARROW_ROW_BYTES: alone within the alone limit, then the
@@ -70,7 +70,7 @@ from typing import Optional
 import numpy
 
 from .. import arrays, dtypes, jit
-from ..device import WARP_SIZE, DeviceFacts
+from ..device import WARP_SIZE, DeviceFacts, has_clusters
 from ..launch import LaunchCache, Target, get_num_blocks, live_function
 from .softmax import INPUTS, vector_pack_size
 
@@ -105,12 +105,11 @@ AXIS_ALONE_MAX_BYTES = 128 * 1024
 AXIS_ALONE_MAX_BYTES_16BIT_FORWARD = 64 * 1024
 # Tiles too large to cache and fewer than this many per SM: the rows path.
 AXIS_MIN_TILES_PER_SM = 0.25
-# Thread-block clusters: from this compute capability (sm_90) on, a tile too
+# Thread-block clusters (sm_90 and newer, device.has_clusters): a tile too
 # large for a block alone is shared by the blocks of a cluster of one of
 # AXIS_CLUSTER_SIZES (the portable sizes, fewest first), each caching at most
 # AXIS_CLUSTER_BLOCK_BYTES, so that several blocks reside on an SM and one's
 # loads overlap another's writes.
-AXIS_CLUSTER_MIN_ARCH = 90
 AXIS_CLUSTER_SIZES = (2, 4, 8)
 AXIS_CLUSTER_BLOCK_BYTES = 64 * 1024
 # Backward tiles too large for AXIS_CLUSTER_BLOCK_BYTES shares are read twice
@@ -192,11 +191,6 @@ def _prev_power_of_two(n: int) -> int:
 def _tile_width(row_bytes: int, inner_packs: int, pack_bytes: int) -> int:
     """block_x of a tile covering `row_bytes` of each row (fewer where inner is narrower)."""
     return min(_next_power_of_two(inner_packs), max(1, row_bytes // pack_bytes), AXIS_MAX_BLOCK_X)
-
-
-def has_clusters(arch: str) -> bool:
-    """Whether `arch` (e.g. "sm_90") has thread-block clusters."""
-    return int(arch.removeprefix("sm_")) >= AXIS_CLUSTER_MIN_ARCH
 
 
 def tile_shape(arch: str, cols: int, inner_packs: int, pack_bytes: int, num_inputs: int,

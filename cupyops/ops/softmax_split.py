@@ -25,7 +25,9 @@ Planner rule (thresholds are data, tuned on an H200 with scripts/tune_long_rows.
 1. A row is split when it is long and either few rows exist (rows <
    SPLIT_MAX_ROWS_PER_SM x SMs and at least SPLIT_MIN_ROW_BYTES of each
    input) or it is longer than the ordinary paths keep on chip (at least
-   COOP_MIN_ROW_BYTES of all inputs together); otherwise -> None.
+   COOP_MIN_ROW_BYTES of all inputs together, and no thread-block cluster
+   of the async row path holds it: softmax.AUTO_CLUSTER_SIZES); otherwise
+   -> None.
 2. pack = the largest 16-byte-or-smaller vector dividing cols that every
    operand's address and row stride allow (softmax.vector_pack_size).
 3. coop: blocks of COOP_BLOCK_SIZE threads holding packs_per_thread packs of
@@ -52,6 +54,7 @@ import numpy
 
 from .. import arrays, dtypes, jit
 from ..launch import LaunchCache, Target, live_function
+from . import softmax
 from .softmax import INPUTS, OPS, vector_pack_size
 
 STAGES = ("partials", "finish", "coop")
@@ -234,8 +237,11 @@ def plan(op: str, rows: int, cols: int, dtype: str, target: Target, align: int =
     itemsize = dtypes.BY_SHORT[dtype].itemsize
     few_long_rows = (rows < SPLIT_MAX_ROWS_PER_SM * target.facts.sm_count
                      and cols * itemsize >= SPLIT_MIN_ROW_BYTES)
-    if not (few_long_rows or cols * itemsize * len(INPUTS[op]) >= COOP_MIN_ROW_BYTES):
-        return None
+    if not few_long_rows:
+        if cols * itemsize * len(INPUTS[op]) < COOP_MIN_ROW_BYTES:
+            return None
+        if softmax.plan(op, rows, cols, dtype, "auto", target, align).spec.impl == "block_async":
+            return None   # a cluster keeps the row in shared memory
     return coop_plan(op, rows, cols, dtype, target, align) or \
         two_launch_plan(op, rows, cols, dtype, target, align)
 
