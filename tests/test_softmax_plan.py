@@ -314,7 +314,27 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
     # 1. warp: while a lane holds at most 128 bytes of compute values
     if cols <= 32 * pack or pack * ceil_div(cols, 32 * pack) * compute <= sm.AUTO_WARP_MAX_BYTES_PER_LANE:
         return {"impl": "warp", "pack_size": pack}
-    # 2. register block: 16-byte packs (peeling the row's edges when the row is
+    # 2. cp.async into shared memory (16-byte packs only), the maximum and sum in
+    # one pass, a block per row; on sm_90+, a row no block holds is shared by the
+    # fewest blocks of a 2-, 4- or 8-block cluster with shares of at most 64 KB,
+    # a cluster per row. Rows of 24 KB and more try it before the register path.
+    def async_plan():
+        if pack * itemsize != 16:
+            return None
+        clusters = (1, 2, 4, 8) if device.has_clusters(facts.arch) else (1,)
+        for cluster in clusters:
+            share = ceil_div(cols // pack, cluster) * 16
+            if cluster > 1 and share > 64 * 1024:
+                continue
+            spec = SoftmaxSpec(op, "block_async", dtype, pack, block_size=sm.AUTO_ASYNC_BLOCK_SIZES[1],
+                               stages=1, online=True, cluster_size=cluster)
+            if occupancy(target, spec, share, True):
+                return {"impl": "block_async", "spec": spec, "smem_bytes": share, "grid": rows * cluster}
+        return None
+
+    if cols * itemsize >= 24 * 1024 and async_plan() is not None:
+        return async_plan()
+    # 3. register block: 16-byte packs (peeling the row's edges when the row is
     # off the 16-byte grid the same way for input and output), the smallest block
     # giving a thread at most MAX_PACKS packs (PEELED_MAX_PACKS when peeled; by
     # itemsize and inputs) within MAX_BYTES a block, with MIN_RESIDENT threads of
@@ -334,21 +354,10 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
             if occupancy(target, spec, 0, False) * block_size >= sm.AUTO_BLOCK_REGS_MIN_RESIDENT:
                 return {"impl": "block_regs", "spec": spec, "smem_bytes": 0,
                         "grid": get_num_blocks(facts, block_size, rows)}
+    # then cp.async for the shorter rows the register path leaves
+    if async_plan() is not None:
+        return async_plan()
     row_bytes = cols * itemsize
-    # 3. cp.async into shared memory (16-byte packs only), the maximum and sum in
-    # one pass, a block per row; on sm_90+, a row no block holds is shared by the
-    # fewest blocks of a 2-, 4- or 8-block cluster with shares of at most 64 KB,
-    # a cluster per row
-    if pack * itemsize == 16:
-        clusters = (1, 2, 4, 8) if device.has_clusters(facts.arch) else (1,)
-        for cluster in clusters:
-            share = ceil_div(cols // pack, cluster) * 16
-            if cluster > 1 and share > 64 * 1024:
-                continue
-            spec = SoftmaxSpec(op, "block_async", dtype, pack, block_size=sm.AUTO_ASYNC_BLOCK_SIZES[1],
-                               stages=1, online=True, cluster_size=cluster)
-            if occupancy(target, spec, share, True):
-                return {"impl": "block_async", "spec": spec, "smem_bytes": share, "grid": rows * cluster}
     # 4. shared memory filled through registers, the input's own type cached
     spec = SoftmaxSpec(op, "block_smem", dtype, pack, block_size=sm.AUTO_SMEM_BLOCK_SIZE,
                        storage_cache=True)
@@ -480,7 +489,7 @@ def test_auto_paths_in_order_along_the_sweep():
     order = ["warp", "block_regs", "block_async", "block_uncached"]
     seen = [plan("softmax", 49152, cols, "f16", "auto", H100).spec.impl
             for cols in (256, 1024, 2048, 16384, 32768, 65536, 131072, 262144)]
-    assert seen == ["warp", "warp", "block_regs", "block_regs", "block_async", "block_async",
+    assert seen == ["warp", "warp", "block_regs", "block_async", "block_async", "block_async",
                     "block_async", "block_async"]     # the last two shared by clusters
     assert sorted(seen, key=order.index) == seen
     no_clusters = [plan("softmax", 49152, cols, "f16", "auto", A100).spec.impl for cols in (131072, 262144)]

@@ -70,6 +70,12 @@ AUTO_BLOCK_REGS_MIN_RESIDENT = 384
 # twice as much as it writes beats the copy). Threads a block, by the number
 # of inputs (backward f16 32768 cols: 103.0 at 256, 102.1 at 512);
 AUTO_ASYNC_BLOCK_SIZES = {1: 512, 2: 256}
+# Rows of at least this many bytes of each input take that path before the
+# register path (H200, % of copy, async against registers: f16 12288 cols
+# 98.7 / 96.7, f32 12288 100.0 / 97.5, log-softmax backward bf16 16384 102.0
+# / 95.6; at 8192 cols the register path is as fast or faster: f16 97.3 / 96.4
+# for regs, backward bf16 102.2 / 101.2);
+AUTO_ASYNC_MIN_ROW_BYTES = 24 * 1024
 # on sm_90 and newer, a forward row too long for one block's shared memory
 # is shared by the fewest blocks of a thread-block cluster of one of
 # AUTO_CLUSTER_SIZES whose shares fit AUTO_CLUSTER_SHARE_BYTES, a cluster per
@@ -237,6 +243,32 @@ def vector_pack_size(cols: int, itemsize: int, align: int) -> int:
     return pack
 
 
+def _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target):
+    """A block per row cached in registers, or None where no block size fits."""
+    ftype = dtypes.BY_SHORT[dtype]
+    num_inputs = len(INPUTS[op])
+    compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
+    # Rows off the 16-byte grid still take 16-byte packs when input and output
+    # are off by the same amount: the register path peels each row's edges.
+    peel = pack_size * ftype.itemsize < 16 and same_phase
+    regs_pack = 16 // ftype.itemsize if peel else pack_size
+    num_packs = cols // regs_pack
+    max_packs = (AUTO_PEELED_MAX_PACKS.get((ftype.itemsize, num_inputs), 8) if peel
+                 else AUTO_BLOCK_REGS_MAX_PACKS.get((ftype.itemsize, num_inputs), 4))
+    largest = AUTO_BLOCK_REGS_LARGEST.get(op, AUTO_BLOCK_REGS_SIZES[-1])
+    for block_size in (size for size in AUTO_BLOCK_REGS_SIZES if size <= largest):
+        packs_per_thread = -(-num_packs // block_size)
+        if (packs_per_thread <= max_packs and
+                packs_per_thread * regs_pack * compute_itemsize * block_size <= AUTO_BLOCK_REGS_MAX_BYTES):
+            spec = SoftmaxSpec(op, "block_regs", dtype, regs_pack, block_size=block_size,
+                               packs_per_thread=packs_per_thread, peel=peel,
+                               storage_cache=ftype.itemsize < compute_itemsize)
+            resident = target.max_active_blocks(spec, block_size, 0, False) * block_size
+            if resident >= AUTO_BLOCK_REGS_MIN_RESIDENT:
+                return _block_plan(spec, rows, 0, target)
+    return None
+
+
 def _async_plan(op, dtype, rows, cols, pack_size, target):
     """cp.async into shared memory: a block per row where one block's shared
     memory holds it, else (forward, sm_90 and newer) a cluster per row; None
@@ -275,25 +307,12 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
         rows_per_access = AUTO_WARP_ROWS_PER_ACCESS.get(ftype.itemsize, rows_per_access)
         return _warp_plan(op, dtype, rows, cols, pack_size, (cols_per_thread, width, rows_per_access),
                           target)
-    # Rows off the 16-byte grid still take 16-byte packs when input and output
-    # are off by the same amount: the register path peels each row's edges.
-    peel = pack_size * ftype.itemsize < 16 and same_phase
-    regs_pack = 16 // ftype.itemsize if peel else pack_size
-    num_packs = cols // regs_pack
-    max_packs = (AUTO_PEELED_MAX_PACKS.get((ftype.itemsize, num_inputs), 8) if peel
-                 else AUTO_BLOCK_REGS_MAX_PACKS.get((ftype.itemsize, num_inputs), 4))
-    largest = AUTO_BLOCK_REGS_LARGEST.get(op, AUTO_BLOCK_REGS_SIZES[-1])
-    for block_size in (size for size in AUTO_BLOCK_REGS_SIZES if size <= largest):
-        packs_per_thread = -(-num_packs // block_size)
-        if (packs_per_thread <= max_packs and
-                packs_per_thread * regs_pack * compute_itemsize * block_size <= AUTO_BLOCK_REGS_MAX_BYTES):
-            spec = SoftmaxSpec(op, "block_regs", dtype, regs_pack, block_size=block_size,
-                               packs_per_thread=packs_per_thread, peel=peel,
-                               storage_cache=ftype.itemsize < compute_itemsize)
-            resident = target.max_active_blocks(spec, block_size, 0, False) * block_size
-            if resident >= AUTO_BLOCK_REGS_MIN_RESIDENT:
-                return _block_plan(spec, rows, 0, target)
-    if pack_size * ftype.itemsize == 16:
+    aligned = pack_size * ftype.itemsize == 16   # cp.async's 16-byte packs
+    if not (aligned and cols * ftype.itemsize >= AUTO_ASYNC_MIN_ROW_BYTES):
+        regs_plan = _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target)
+        if regs_plan is not None:
+            return regs_plan
+    if aligned:
         async_plan = _async_plan(op, dtype, rows, cols, pack_size, target)
         if async_plan is not None:
             return async_plan
