@@ -3,12 +3,13 @@ plan -> launch -> public functions.
 
 Paths (SPEC §5): "warp" (a row per group of lanes, registers), "block_regs"
 (a row per block, registers; auto only), "block_async" (a row per block, or
-per thread-block cluster, in shared memory filled by cp.async; auto only), "block_smem" (a row per block,
-shared memory filled through registers) and "block_uncached" (a row per
-block, re-read from global memory). policy="oneflow" reproduces OneFlow's
-dispatch exactly; "auto" uses 16-byte accesses, the register and async block
-paths, shared memory beyond 48 KB and a two-pass online fallback; its
-thresholds are the measured winners of scripts/tune_softmax.py on an H200.
+per thread-block cluster, in shared memory filled by cp.async; auto only),
+"block_smem" (a row per block, shared memory filled through registers) and
+"block_uncached" (a row per block, re-read from global memory).
+policy="oneflow" reproduces OneFlow's dispatch exactly; "auto" uses 16-byte
+accesses, the register and async block paths, shared memory beyond 48 KB and
+a two-pass online fallback; its thresholds are the measured winners of
+scripts/tune_softmax.py on an H200.
 """
 from __future__ import annotations
 
@@ -280,7 +281,7 @@ def _async_plan(op, dtype, rows, cols, pack_size, target):
     if num_inputs == 1 and has_clusters(target.facts.arch):
         cluster_sizes += AUTO_CLUSTER_SIZES
     for cluster_size in cluster_sizes:
-        share_bytes = num_inputs * -(-row_packs // cluster_size) * pack_size * dtypes.BY_SHORT[dtype].itemsize
+        share_bytes = num_inputs * -(-row_packs // cluster_size) * 16   # whole 16-byte packs
         if cluster_size > 1 and share_bytes > AUTO_CLUSTER_SHARE_BYTES:
             continue
         spec = SoftmaxSpec(op, "block_async", dtype, pack_size, block_size=block_size, stages=1,
