@@ -73,9 +73,9 @@ AUTO_BLOCK_REGS_MIN_RESIDENT = 384
 AUTO_ASYNC_BLOCK_SIZES = {1: 512, 2: 256}
 # Rows of at least this many bytes of each input take that path before the
 # register path (H200, % of copy, async against registers: f16 12288 cols
-# 98.7 / 96.7, f32 12288 100.0 / 97.5, log-softmax backward bf16 16384 102.0
-# / 95.6; at 8192 cols the register path is as fast or faster: f16 97.3 / 96.4
-# for regs, backward bf16 102.2 / 101.2);
+# 98.7 / 96.7, f32 16384 97.5 / 96.9, log-softmax backward bf16 16384 102.0
+# / 95.6; f32 12288 97.0 / 97.5; at 8192 cols the register path is as fast or
+# faster: f16 97.3 / 96.4 for regs, backward bf16 102.2 / 101.2);
 AUTO_ASYNC_MIN_ROW_BYTES = 24 * 1024
 # on sm_90 and newer, a forward row too long for one block's shared memory
 # is shared by the fewest blocks of a thread-block cluster of one of
