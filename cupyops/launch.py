@@ -9,6 +9,7 @@ from . import device, jit
 
 BLOCK_SIZE_LADDER = (1024, 512, 256)   # tried after 128, largest first
 WAVES = 32
+MAX_GRID_X = 2**31 - 1                 # the most blocks a launch's grid.x takes
 
 
 def get_num_blocks(facts: device.DeviceFacts, block_size: int, max_blocks: int,

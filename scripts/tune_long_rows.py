@@ -39,7 +39,7 @@ def cluster_candidates(op, rows, cols, dtype, target):
         return []
     found = []
     for cluster in CLUSTER_SIZES:
-        share_bytes = -(-cols // pack // cluster) * 16 * len(softmax.INPUTS[op])
+        share_bytes = softmax.async_share_bytes(op, dtype, cols, cluster)
         for stages in (1, 2):
             for block in CLUSTER_BLOCK_SIZES:
                 spec = softmax.SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=stages,

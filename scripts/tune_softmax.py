@@ -15,7 +15,8 @@ import numpy
 
 from cupyops import dtypes, jit
 from cupyops.launch import get_num_blocks
-from cupyops.ops.softmax import INPUTS, SoftmaxSpec, _warp_plan, plan, vector_pack_size, warp_ladder
+from cupyops.ops.softmax import (INPUTS, SoftmaxSpec, _warp_plan, async_share_bytes, plan, vector_pack_size,
+                                 warp_ladder)
 from tuning import Tuning
 
 
@@ -53,7 +54,7 @@ def candidates(op, dtype, rows, cols, target):
     num_packs = cols // pack
     if pack * ftype.itemsize == 16 and cols >= 2048:
         for stages in (1, 2):
-            smem = stages * num_inputs * cols * ftype.itemsize
+            smem = stages * async_share_bytes(op, dtype, cols)
             for block in (128, 256, 512, 1024):
                 if num_packs < block or smem > target.facts.smem_per_block_optin:
                     continue

@@ -20,7 +20,8 @@ import numpy
 
 from .. import arrays, dtypes, jit, rowwise
 from ..device import has_clusters
-from ..launch import KernelLaunch, LaunchCache, Target, choose_block_size, get_num_blocks, live_function
+from ..launch import (MAX_GRID_X, KernelLaunch, LaunchCache, Target, choose_block_size, get_num_blocks,
+                      live_function)
 
 OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
 # Arrays each op reads (the kernel's parameters, in order).
@@ -88,8 +89,6 @@ AUTO_ASYNC_MIN_ROW_BYTES = 24 * 1024
 # of 4 against 87.5 % split).
 AUTO_CLUSTER_SIZES = (2, 4, 8)
 AUTO_CLUSTER_SHARE_BYTES = 64 * 1024
-# Largest grid.x a launch takes.
-MAX_GRID_X = 2**31 - 1
 # rows that allow no 16-byte pack: shared memory filled through registers.
 AUTO_SMEM_BLOCK_SIZE = 256
 # float32 forward rows of these cols, 16-byte aligned, take OneFlow's plan
@@ -270,18 +269,24 @@ def _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target):
     return None
 
 
+def async_share_bytes(op: str, dtype: str, cols: int, cluster_size: int = 1) -> int:
+    """Shared memory an async block caches a stage: its share of the row's
+    16-byte packs (a cluster_size-th, rounded up), of every input."""
+    row_packs = cols * dtypes.BY_SHORT[dtype].itemsize // 16
+    return len(INPUTS[op]) * -(-row_packs // cluster_size) * 16
+
+
 def _async_plan(op, dtype, rows, cols, pack_size, target):
     """cp.async into shared memory: a block per row where one block's shared
     memory holds it, else (forward, sm_90 and newer) a cluster per row; None
     when neither fits."""
     num_inputs = len(INPUTS[op])
     block_size = AUTO_ASYNC_BLOCK_SIZES[num_inputs]
-    row_packs = cols // pack_size
     cluster_sizes = (1,)
     if num_inputs == 1 and has_clusters(target.facts.arch):
         cluster_sizes += AUTO_CLUSTER_SIZES
     for cluster_size in cluster_sizes:
-        share_bytes = num_inputs * -(-row_packs // cluster_size) * 16   # whole 16-byte packs
+        share_bytes = async_share_bytes(op, dtype, cols, cluster_size)
         if cluster_size > 1 and share_bytes > AUTO_CLUSTER_SHARE_BYTES:
             continue
         spec = SoftmaxSpec(op, "block_async", dtype, pack_size, block_size=block_size, stages=1,

@@ -53,7 +53,7 @@ from typing import Optional
 import numpy
 
 from .. import arrays, dtypes, jit
-from ..launch import LaunchCache, Target, live_function
+from ..launch import MAX_GRID_X, LaunchCache, Target, live_function
 from . import softmax
 from .softmax import INPUTS, OPS, vector_pack_size
 
@@ -206,7 +206,7 @@ def coop_candidate(op: str, rows: int, cols: int, dtype: str, target: Target, al
     resident = facts.sm_count * target.max_active_blocks(spec, COOP_BLOCK_SIZE, 0, opt_in=False)
     chunk_cols = COOP_BLOCK_SIZE * packs_per_thread * pack_size
     splits = -(-cols // chunk_cols)
-    if not 2 <= splits <= resident or rows * splits >= 2**31:
+    if not 2 <= splits <= resident or rows * splits > MAX_GRID_X:
         return None
     slots = min(rows, resident // splits)
     return CoopPlan(spec, splits, chunk_cols, slots, (COOP_BLOCK_SIZE, 1, 1), (slots * splits, 1, 1))
