@@ -75,6 +75,63 @@ __device__ __forceinline__ Pack<T, N> load_pack(const T* address) {
   for (int i = 0; i < Bits::count; ++i) bits.vectors[i] = reinterpret_cast<const typename Bits::V*>(address)[i];
   return bits.pack;
 }
+// A 16-byte pack at an address off the 16-byte grid (a per-column vector read
+// at a peeled row's columns), `word_shift` = (address % 16) / 4 known at
+// compile time: the aligned 16 bytes holding its first element, and the next
+// 16 unless the address is aligned (both hold elements of the pack, so
+// neither leaves the array's 16-byte extent), the words picked at compile
+// time and, for elements under 4 bytes, funnel-shifted by the rest. Two
+// vector loads and at most 6 instructions, in place of N element loads.
+template <typename T, int N, int word_shift>
+__device__ __forceinline__ Pack<T, N> load_pack_realigned(const T* address) {
+  static_assert(sizeof(T) * N == 16 && word_shift >= 0 && word_shift < 4, "16-byte packs, 4 words");
+  const unsigned long long bits = reinterpret_cast<unsigned long long>(address);
+  const uint4* const aligned = reinterpret_cast<const uint4*>(bits & ~15ull);
+  const unsigned bit_shift = sizeof(T) < 4 ? static_cast<unsigned>(bits & 3u) * 8u : 0u;
+  const uint4 low = aligned[0];
+  const uint4 high = word_shift != 0 || bit_shift != 0 ? aligned[1] : low;
+  const unsigned words[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
+  unsigned picked[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    picked[i] = sizeof(T) < 4 ? __funnelshift_r(words[i + word_shift], words[i + word_shift + 1], bit_shift)
+                              : words[i + word_shift];
+  }
+  PackVectors<T, N> out;
+  out.vectors[0] = make_uint4(picked[0], picked[1], picked[2], picked[3]);
+  return out.pack;
+}
+
+// Calls body(Constant<word_shift>()) for the word shift of `offset` (bytes
+// past a 16-byte boundary): a branch, the same for a whole row, instead of
+// selecting words at run time in every pack.
+template <int value>
+struct Constant {
+  static constexpr int get = value;
+};
+template <typename Body>
+__device__ __forceinline__ void with_word_shift(unsigned offset, const Body& body) {
+  switch ((offset & 15u) / 4u) {
+    case 0: body(Constant<0>()); break;
+    case 1: body(Constant<1>()); break;
+    case 2: body(Constant<2>()); break;
+    default: body(Constant<3>()); break;
+  }
+}
+
+__device__ __forceinline__ unsigned byte_offset(const void* address) {
+  return static_cast<unsigned>(reinterpret_cast<unsigned long long>(address) & 15u);
+}
+
+// load_pack_realigned with the word shift found at run time (a branch a call).
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> load_pack_unaligned(const T* address) {
+  Pack<T, N> pack;
+  with_word_shift(byte_offset(address),
+                  [&](auto shift) { pack = load_pack_realigned<T, N, decltype(shift)::get>(address); });
+  return pack;
+}
+
 template <typename T, int N>
 __device__ __forceinline__ void store_pack(T* address, const Pack<T, N>& pack) {
   typedef PackVectors<T, N> Bits;

@@ -7,9 +7,11 @@
 //   norm_block_regs      a row per block, in registers
 //   norm_block_smem      a row per block, cached in dynamic shared memory
 //   norm_block_uncached  a row per block, read twice from global memory
-// `Stats` is WelfordState (LayerNorm) or SquareSumState (RMSNorm): each thread
-// takes the state of the values it holds without a division per value
-// (of_packs), Chan's combine joins the threads. LayerNorm's statistics are
+// `Stats` is WelfordState (LayerNorm) or SquareSumState (RMSNorm). Rows held
+// in registers (warp, block_regs) take two exact row-wide passes, the sum for
+// the mean, then the squared deviations from it (of_held_row); the streaming
+// paths take each thread's state without a division per value (of_packs) and
+// join the threads by Chan's combine. LayerNorm's statistics are
 // taken of x - K, K the row's first value (row_shift): every thread of the row
 // loads the same K, so a float32 mean never has to resolve a small variance
 // under a large mean. Inputs come through NormInput (optionally
@@ -83,37 +85,68 @@ struct NormInput {
   }
 };
 
+// How Affine reads a pack: on the vectors' 16-byte grid (ALIGNED), off it by
+// a word shift known at compile time (0 .. 3, load_pack_realigned), or at
+// run time (ANY_WORD_SHIFT, load_pack_unaligned).
+constexpr int ALIGNED = -1;
+constexpr int ANY_WORD_SHIFT = 4;
+
 // Per-column weight / bias vectors, read in compute type (1 / 0 when absent).
-// aligned = false: col need not be a multiple of N (a peeled row's packs sit
-// at the row's phase, the vectors at theirs), so element by element (L1 hits).
-template <typename T, typename C, bool has_weight, bool has_bias>
+template <typename T, typename C, bool has_weight, bool has_bias, int word_shift = ALIGNED>
 struct Affine {
   const T* weight;
   const T* bias;
 
-  template <int N, bool aligned = true>
+  template <int N>
   static __device__ __forceinline__ void load_vector(const T* vector, C* dst, int64 col) {
-    if constexpr (aligned) {
-      DirectLoad<T, C>{vector, 0}.template load<N>(dst, 0, col);
+    Pack<T, N> pack;
+    if constexpr (word_shift == ALIGNED || N == 1) {
+      pack = load_pack<T, N>(vector + col);
+    } else if constexpr (word_shift == ANY_WORD_SHIFT) {
+      pack = load_pack_unaligned<T, N>(vector + col);
     } else {
-#pragma unroll
-      for (int i = 0; i < N; ++i) dst[i] = cast<C>(vector[col + i]);
+      pack = load_pack_realigned<T, N, word_shift>(vector + col);
     }
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = cast<C>(pack.elem[i]);
   }
 
-  template <int N, bool aligned = true>
+  template <int N>
   __device__ __forceinline__ void load(C* w, C* b, int64 col) const {
     if constexpr (has_weight) {
-      load_vector<N, aligned>(weight, w, col);
+      load_vector<N>(weight, w, col);
     } else {
 #pragma unroll
       for (int i = 0; i < N; ++i) w[i] = C(1);
     }
     if constexpr (has_bias) {
-      load_vector<N, aligned>(bias, b, col);
+      load_vector<N>(bias, b, col);
     } else {
 #pragma unroll
       for (int i = 0; i < N; ++i) b[i] = C(0);
+    }
+  }
+
+  // Calls body(affine) with the reader of a peeled row's packs (columns
+  // head + N * j, off the vectors' 16-byte grid): weight and bias by
+  // load_pack_realigned at their word shift, the same for every pack of the
+  // row (one branch a row), or by load_pack_unaligned where weight and bias
+  // sit at different offsets. ncu, LayerNorm f16 12345 cols, 256 x 7 packs:
+  // words selected at run time in every pack cost 89 instructions a pack.
+  template <typename Body>
+  __device__ __forceinline__ void realigned(int64 head, const Body& body) const {
+    if constexpr (!has_weight && !has_bias) {
+      body(*this);
+    } else {
+      const unsigned weight_offset = has_weight ? byte_offset(weight + head) : 0u;
+      const unsigned bias_offset = has_bias ? byte_offset(bias + head) : weight_offset;
+      if (has_weight && has_bias && weight_offset != bias_offset) {
+        body(Affine<T, C, has_weight, has_bias, ANY_WORD_SHIFT>{weight, bias});
+        return;
+      }
+      with_word_shift(has_weight ? weight_offset : bias_offset, [&](auto shift) {
+        body(Affine<T, C, has_weight, has_bias, decltype(shift)::get>{weight, bias});
+      });
     }
   }
 
@@ -137,22 +170,25 @@ struct Affine {
 };
 
 // y = normalized * weight + bias, computed in C, stored as T.
-template <typename T, typename C, bool has_weight, bool has_bias>
+template <typename T, typename C, bool has_weight, bool has_bias, int word_shift = ALIGNED>
 struct NormOutput {
   T* y;
   int64 y_stride;
-  Affine<T, C, has_weight, has_bias> affine;
+  Affine<T, C, has_weight, has_bias, word_shift> affine;
 
-  template <int N, bool aligned = true>
+  template <int N>
   __device__ __forceinline__ void store(const C* normalized, int64 row, int64 col) const {
     C w[N], b[N], out[N];
-    affine.template load<N, aligned>(w, b, col);
+    affine.template load<N>(w, b, col);
 #pragma unroll
     for (int i = 0; i < N; ++i) out[i] = normalized[i] * w[i] + b[i];
     DirectStore<C, T>{y, y_stride}.template store<N>(out, row, col);
   }
-  // The same output with weight and bias read from `source` (a shifted copy).
-  __device__ __forceinline__ NormOutput with_affine(const Affine<T, C, has_weight, has_bias>& source) const {
+  // The same output with weight and bias read through `source` (a realigned
+  // reader, Affine::realigned).
+  template <int source_shift>
+  __device__ __forceinline__ NormOutput<T, C, has_weight, has_bias, source_shift> with_affine(
+      const Affine<T, C, has_weight, has_bias, source_shift>& source) const {
     return {y, y_stride, source};
   }
 };
@@ -264,7 +300,6 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
   for (int64 base = warp_rows.first; base < rows; base += warp_rows.step) {
     const int64 row = base + WarpRows::group_offset<width, rows_per_access>();
     const auto inside = [&](int r, int p) { return row + r < rows && pack_in_row<padding, min_packs>(p, pack_col(p), cols); };
-    Stats stats[rows_per_access];
     C shift[rows_per_access];
 #pragma unroll
     for (int r = 0; r < rows_per_access; ++r) {
@@ -273,15 +308,17 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
                                                   [&](int p) { return inside(r, p); }, rows - 1, 0);
 #pragma unroll
       for (int i = 0; i < max_cols_per_thread; ++i) buf[r][i] -= shift[r];   // buf holds x - K from here on
-      stats[r] = Stats::template of_packs<max_packs, pack_size>(buf[r], [&](int p) { return inside(r, p); });
     }
+    const auto group_sum = [](C value) { return warp_all_reduce_state<width>(SumState<C>{value}).sum; };
 #pragma unroll
     for (int r = 0; r < rows_per_access; ++r) {
-      const RowMoments<C> m = warp_all_reduce_state<width>(stats[r]).moments(cols, eps);
+      const RowMoments<C> m = Stats::template of_held_row<max_packs, pack_size>(
+          buf[r], [&](int p) { return inside(r, p); }, NoExtraValue(), cols, eps, group_sum);
       if (row + r >= rows) continue;
       if (lane == 0) moments_out.store(row + r, m, shift[r]);
+      const C offset = m.offset();
 #pragma unroll
-      for (int i = 0; i < max_cols_per_thread; ++i) buf[r][i] = (buf[r][i] - m.mean) * m.rstd;
+      for (int i = 0; i < max_cols_per_thread; ++i) buf[r][i] = m.normalize(buf[r][i], offset);
 #pragma unroll
       for (int p = 0; p < max_packs; ++p) {
         if (inside(r, p)) out.template store<pack_size>(buf[r] + p * pack_size, row + r, pack_col(p));
@@ -300,29 +337,22 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
 // to its first 16-byte boundary, RowHead) and its last partial pack are
 // single elements ("edges") held by threads 0, 1, ...; the packs in between
 // are aligned. The edges are loaded after the packs, so the packs' loads are
-// all in flight first. Weight and bias are read element by element then,
-// unless shifted_affine: the planner's grid then has every row of a block at
-// the phase of its first row (a row a block, or a whole number of phase
-// periods), and the block copies weight and bias once to shared memory,
-// shifted to that phase (Affine::shifted_copy), for 16-byte reads. Rows of
-// 16-byte packs (head 0) may take the copy too, unshifted.
+// all in flight first. Weight and bias, at their own phase, are read as
+// realigned 16-byte packs (Affine::realigned: one branch a row picks the
+// word shift).
 template <typename Stats, typename Input, typename Output, typename C, int pack_size, int packs_per_thread,
-          int block_size, bool peel, bool shifted_affine, bool packed, typename RowHead>
-__device__ __forceinline__ void norm_block_regs(const Input& in, const Output& global_out,
+          int block_size, bool peel, bool packed, typename RowHead>
+__device__ __forceinline__ void norm_block_regs(const Input& in, const Output& out,
                                                 const MomentsOutput<C>& moments_out, int64 rows, int64 cols,
                                                 C eps, const RowHead& row_head) {
   typedef typename Input::Storage T;
-  extern __shared__ __align__(16) unsigned char shared_buf[];
-  const auto out = [&] {
-    if constexpr (shifted_affine) {
-      const int head = blockIdx.x < rows ? row_head(blockIdx.x) : 0;
-      return global_out.with_affine(
-          global_out.affine.template shifted_copy<pack_size>(reinterpret_cast<T*>(shared_buf), cols, head));
-    } else {
-      return global_out;
-    }
-  }();
   RegisterRow<T, C, 1, packs_per_thread, pack_size, packed> buf;
+  // One barrier a sum: consecutive sums alternate halves of the partials.
+  int parity = 0;
+  const auto block_sum = [&](C value) {
+    parity ^= 1;
+    return block_all_reduce_state<block_size>(SumState<C>{value}, parity).sum;
+  };
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
     const int head = peel ? row_head(row) : 0;
     const int64 num_packs = (cols - head) / pack_size;
@@ -343,20 +373,27 @@ __device__ __forceinline__ void norm_block_regs(const Input& in, const Output& g
 #pragma unroll
     for (int i = 0; i < packs_per_thread * pack_size; ++i) buf.set(0, i, buf.get(0, i) - shift);
     const ShiftedValues<decltype(buf), C> shifted{buf, packed ? shift : C(0)};
-    Stats stats = Stats::template of_packs<packs_per_thread, pack_size>(shifted, in_row);
-    if (has_edge) stats.add(edge);
-    const RowMoments<C> m = block_all_reduce_state<block_size>(stats).moments(cols, eps);
+    const RowMoments<C> m = Stats::template of_held_row<packs_per_thread, pack_size>(
+        shifted, in_row, ExtraValue<C>{edge, has_edge}, cols, eps, block_sum);
     if (threadIdx.x == 0) moments_out.store(row, m, shift);
+    const C offset = m.offset();
     if (has_edge) {
-      edge = (edge - m.mean) * m.rstd;
+      edge = m.normalize(edge, offset);
       out.template store<1>(&edge, row, edge_col);
     }
+    const auto store_packs = [&](const auto& row_out) {
 #pragma unroll
-    for (int k = 0; k < packs_per_thread; ++k) {
-      C values[pack_size];
+      for (int k = 0; k < packs_per_thread; ++k) {
+        C values[pack_size];
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) values[i] = (shifted[k * pack_size + i] - m.mean) * m.rstd;
-      if (in_row(k)) out.template store<pack_size, !peel || shifted_affine>(values, row, pack_col(k));
+        for (int i = 0; i < pack_size; ++i) values[i] = m.normalize(shifted[k * pack_size + i], offset);
+        if (in_row(k)) row_out.template store<pack_size>(values, row, pack_col(k));
+      }
+    };
+    if constexpr (peel) {
+      out.affine.realigned(head, [&](const auto& affine) { store_packs(out.with_affine(affine)); });
+    } else {
+      store_packs(out);
     }
   }
 }
@@ -392,11 +429,12 @@ __device__ __forceinline__ void norm_block_smem(const Input& in, const Output& o
     }
     const RowMoments<C> m = block_all_reduce_state<block_size>(stats).moments(cols, eps);
     if (threadIdx.x == 0) moments_out.store(row, m, shift);
+    const C offset = m.offset();
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
       const Pack<Cache, pack_size> packed = cache[p];
       C values[pack_size];
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) values[i] = (cast<C>(packed.elem[i]) - shift - m.mean) * m.rstd;
+      for (int i = 0; i < pack_size; ++i) values[i] = m.normalize(cast<C>(packed.elem[i]) - shift, offset);
       out.template store<pack_size>(values, row, static_cast<int64>(p) * pack_size);
     }
   }
@@ -424,11 +462,12 @@ __device__ __forceinline__ void norm_block_uncached(const Input& in, const Outpu
     }
     const RowMoments<C> m = block_all_reduce_state<block_size>(stats).moments(cols, eps);
     if (threadIdx.x == 0) moments_out.store(row, m, shift);
+    const C offset = m.offset();
     for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
       C values[pack_size];
       in.template reload<pack_size>(values, row, p * pack_size);
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) values[i] = (values[i] - shift - m.mean) * m.rstd;
+      for (int i = 0; i < pack_size; ++i) values[i] = m.normalize(values[i] - shift, offset);
       out.template store<pack_size>(values, row, p * pack_size);
     }
   }
@@ -458,26 +497,18 @@ struct NormGradIO {
   __device__ __forceinline__ RowMoments<C> moments(int64 row) const {
     return {centered ? mean[row] : C(0), rstd[row]};
   }
-  // The weight of a pack's columns (1 without a weight); aligned = false: col
-  // need not be a multiple of N (a peeled row), read element by element.
-  template <int N, bool aligned = true>
+  // The weight of a pack's columns (1 without a weight).
+  template <int N>
   __device__ __forceinline__ void weights(C* w, int64 col) const {
     C unused[N];
-    Affine<T, C, has_weight, false>{weight, nullptr}.template load<N, aligned>(w, unused, col);
+    Affine<T, C, has_weight, false>{weight, nullptr}.template load<N>(w, unused, col);
   }
   // The weight of a pack's columns as stored (unread without a weight), and
   // in the compute type (1 without a weight).
-  template <int N, bool aligned = true>
+  template <int N>
   __device__ __forceinline__ Pack<T, N> weight_pack(int64 col) const {
     Pack<T, N> w{};
-    if constexpr (has_weight) {
-      if constexpr (aligned) {
-        w = load_pack<T, N>(weight + col);
-      } else {
-#pragma unroll
-        for (int i = 0; i < N; ++i) w.elem[i] = weight[col + i];
-      }
-    }
+    if constexpr (has_weight) w = load_pack<T, N>(weight + col);
     return w;
   }
   template <int N>
@@ -508,11 +539,11 @@ struct NormGradIO {
       sums.second += g * xhat_out[i];
     }
   }
-  template <int N, bool aligned = true>
+  template <int N>
   __device__ __forceinline__ void load(C* dy_out, C* xhat_out, SumPairState<C>& sums, const RowMoments<C>& m,
                                        int64 row, int64 col) const {
     C w[N];
-    weights<N, aligned>(w, col);
+    weights<N>(w, col);
     convert<N>(fetch<N>(row, col), w, dy_out, xhat_out, sums, m);
   }
   // dx of a pack from dy and xhat and the row sums (already divided by cols).
@@ -524,11 +555,11 @@ struct NormGradIO {
     for (int i = 0; i < N; ++i) out[i] = rstd * (dy_in[i] * w[i] - mean_g - xhat[i] * mean_gx);
     DirectStore<C, T>{dx, dx_stride}.template store<N>(out, row, col);
   }
-  template <int N, bool aligned = true>
+  template <int N>
   __device__ __forceinline__ void store(const C* dy_in, const C* xhat, C mean_g, C mean_gx, C rstd, int64 row,
                                         int64 col) const {
     C w[N];
-    weights<N, aligned>(w, col);
+    weights<N>(w, col);
     store_with<N>(w, dy_in, xhat, mean_g, mean_gx, rstd, row, col);
   }
 };

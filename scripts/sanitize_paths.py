@@ -14,10 +14,11 @@ from cupyops.launch import Target
 from cupyops.ops import softmax as softmax_ops
 from cupyops.ops import softmax_axis, softmax_split
 
-# (rows, cols): warp, peeled registers (more rows than a resident grid:
-# blocks walking rows at their phase, the norm backward's block reduction
-# alternating halves of its partials with one barrier a row, its partial sums
-# and shifted weight in shared memory; 16-bit rows of 1023 cols two at a time,
+# (rows, cols): warp, peeled registers (the norm forward's weight and bias
+# realigned to each row's phase, also at different offsets; more rows than a
+# resident grid: the norm backward's blocks walking rows at their phase, its
+# block reduction alternating halves of its partials with one barrier a row,
+# its partial sums and shifted weight in shared memory; 16-bit rows of 1023 cols two at a time,
 # the last pair of some blocks one row short), registers, cp.async, shared
 # memory, uncached, split rows
 ROW_SHAPES = [(6, 100), (2500, 3001), (2999, 1023), (4, 4096), (600, 2048), (3, 32768), (3, 40001), (2, 300000),
@@ -41,6 +42,8 @@ def main():
                     print(f"{op:<21} {policy:<8} {rows}x{cols:<7} {chosen.spec.name}", flush=True)
                     getattr(cupyops, op)(*inputs, axis=-1, policy=policy)
             weight = rng.standard_normal(cols, dtype=cupy.float32).astype(dtype)
+            bias_off_the_grid = rng.standard_normal(cols + 1, dtype=cupy.float32).astype(dtype)[1:]
+            cupyops.layer_norm(x, weight, bias_off_the_grid)
             for policy in ("auto", "oneflow"):
                 y, mean, rstd = cupyops.layer_norm(x, weight, weight, return_stats=True, policy=policy)
                 cupyops.layer_norm_backward(dy, x, mean, rstd, weight, policy=policy)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from dataclasses import replace
 
 from cupyops import dtypes
 from cupyops.device import WARP_SIZE
@@ -41,10 +40,8 @@ MAX_CANDIDATES = 48
 # max |error| / max |reference| a correct kernel stays within (storage rounding)
 TOLERANCE = {"f16": 4e-3, "bf16": 3e-2, "f32": 1e-4, "f64": 1e-9}
 # register-block variants: (block_size, most bytes of compute values a thread holds)
-REGS_VARIANTS = ((64, 128), (128, 64), (256, 64), (512, 64), (1024, 64), (256, 128), (512, 128))
+REGS_VARIANTS = ((64, 128), (128, 64), (256, 64), (512, 64), (1024, 64), (128, 128), (256, 128), (512, 128))
 # 16-bit rows held as loaded (packed), at most 128 bytes a thread
-# grids of the shifted weight copy: waves of resident blocks
-SHIFTED_WAVES = (1, 4, 16)
 PACKED_BLOCK_SIZES = (64, 128, 256, 512, 1024)
 # backward register-block variants: block sizes, at most GRAD_MAX_BYTES of
 # each input a thread, each way of holding the row between the passes,
@@ -92,15 +89,6 @@ def _forward_variants(op, dtype, rows, cols, target):
         label = f"regs b{block_size} k{per_thread}{' peel' if peel else ''}{' packed' if packed else ''}"
         if not target.resources(spec)["local_bytes"]:
             found.append((label, norm.NormPlan(norm._block_launch(spec, rows, 0, target, "auto", False))))
-        if peel or regs_pack * ftype.itemsize == 16:   # weight / bias in shared memory
-            shifted = replace(spec, shifted_affine=True)
-            smem = norm._shifted_affine_bytes(shifted, cols)
-            if target.max_active_blocks(shifted, block_size, smem, True) and not target.resources(shifted)["local_bytes"]:
-                resident = norm._resident_launch(shifted, (block_size, 1, 1), 1, rows, smem, target)
-                for waves in SHIFTED_WAVES:
-                    launch = norm._whole_phase_periods(
-                        replace(resident, grid=(min(rows, resident.grid[0] * waves), 1, 1)), rows)
-                    found.append((label + f" shifted w{waves}", norm.NormPlan(launch)))
     if cols >= 4096:
         smem = cols * ftype.itemsize
         for block_size in (256, 512):

@@ -277,40 +277,35 @@ def test_rows_off_the_16_byte_grid(rng, op, cols, dtype):
     check(y, h.get().astype(numpy.float64))
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("cols", [2049, 12345])
-def test_peeled_rows_walk_their_rows(rng, cols, dtype):
-    """LayerNorm rows past the grid (two rounds and a partial one) through the
-    peeled register block path with weight and bias copied to shared memory
-    at the block's phase: the grid is a whole number of phase periods, so
-    every row a block visits starts at that phase. Contiguous rows (each at
-    another phase), with a residual, and a view at an offset."""
-    op, centered = "layer_norm", True
-    short = dtypes.float_type(dtype).short
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_peeled_rows_read_weight_and_bias_at_any_offset(rng, op, cols, dtype):
+    """Peeled register-block rows read weight and bias as 16-byte packs
+    realigned to each row's phase: weight and bias views at every element
+    offset from the 16-byte grid (every word shift, and half words for 16-bit
+    types), both at the same offset (one word shift a row) and at different
+    offsets (the shift found in every pack), against the reference."""
+    centered = op == "layer_norm"
     itemsize = numpy.dtype(dtype).itemsize
-    launch = norm.plan(op, 1 << 20, cols, short, "auto", Target.live(0), itemsize, bias=centered).main
-    assert launch.spec.peel and launch.spec.shifted_affine, launch.spec.name
-    assert launch.grid[0] % launch.spec.pack_size == 0
-    rows = 2 * launch.grid[0] + 3
-    assert norm.plan(op, rows, cols, short, "auto", Target.live(0), itemsize, bias=centered).main == launch
-    w, w64 = _data(rng, (cols,), dtype, 1.0, 0.2)
-    b, b64 = _data(rng, (cols,), dtype, 0.0, 0.2)
-    affine = dict(weight=w, bias=b) if centered else dict(weight=w)
-    run = getattr(cupyops, op)
-
-    def check(y, x64):
+    per_pack = 16 // itemsize
+    rows = 2 * per_pack + 3             # contiguous odd cols: rows at every phase
+    spec = norm.plan(op, rows, cols, dtypes.float_type(dtype).short, "auto", Target.live(0), itemsize,
+                     bias=centered).spec
+    assert spec.impl != "block_regs" or spec.peel, spec.name
+    x, x64 = _data(rng, (rows, cols), dtype)
+    weight_base, weight_base64 = _data(rng, (cols + per_pack,), dtype, 1.0, 0.2)
+    bias_base, bias_base64 = _data(rng, (cols + per_pack,), dtype, 0.0, 0.2)
+    offsets = [(offset, offset) for offset in range(per_pack)] + [(0, 1), (per_pack - 1, per_pack // 2)]
+    for weight_offset, bias_offset in offsets:
+        w, w64 = weight_base[weight_offset:][:cols], weight_base64[weight_offset:][:cols]
+        b, b64 = bias_base[bias_offset:][:cols], bias_base64[bias_offset:][:cols]
+        if centered:
+            y = cupyops.layer_norm(x, w, b, eps=EPS)
+        else:
+            y = cupyops.rms_norm(x, w, eps=EPS)
         y_ref, _, _ = _reference(x64, w64, b64 if centered else None, 1, centered)
         assert_close(y.get(), y_ref, dtype, scale=4)
-
-    x, x64 = _data(rng, (rows, cols), dtype)
-    check(run(x, **affine, eps=EPS), x64)
-    residual, _ = _data(rng, (rows, cols), dtype)
-    y, h = run(x, **affine, residual=residual, eps=EPS)
-    check(y, h.get().astype(numpy.float64))
-    base, base64 = _data(rng, (rows, cols + 16), dtype)
-    out_base = _poisoned((rows, cols + 16), dtype)
-    check(run(base[:, 5:5 + cols], **affine, eps=EPS, out=out_base[:, 5:5 + cols]), base64[:, 5:5 + cols])
-    assert bool(_cupy().isnan(out_base[:, :5]).all()) and bool(_cupy().isnan(out_base[:, 5 + cols:]).all())
 
 
 # -- backward -------------------------------------------------------------------

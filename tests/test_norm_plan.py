@@ -113,39 +113,44 @@ def test_auto_paths():
 @pytest.mark.parametrize("op", norm.FORWARD_OPS)
 def test_auto_peels_rows_off_the_16_byte_grid(op):
     """Odd cols: 16-byte packs between each row's peeled edges when every row
-    operand has the same phase; element by element otherwise."""
-    f16 = norm.plan(op, ROWS, 12345, "f16", "auto", H100, align=2).spec
-    assert (f16.impl, f16.pack_size, f16.peel) == ("block_regs", 8, True)
-    f32 = norm.plan(op, ROWS, 12345, "f32", "auto", H100, align=4).spec
-    assert (f32.impl, f32.pack_size, f32.peel) == ("block_regs", 4, True)
-    assert f16.name.endswith("_peel_shifted_affine" if op == "layer_norm" else "_peel_packed_weight")
-    if op == "layer_norm":
-        # 16-bit weight and bias copied once a block to shared memory at the rows' phase:
-        # one resident wave on a whole number of phase periods, so a block's rows share it
-        for dtype, align, itemsize in (("f16", 2, 2), ("bf16", 2, 2)):
-            launch = norm.plan(op, ROWS, 12345, dtype, "auto", H100, align=align).main
-            spec = launch.spec
-            assert spec.peel and spec.shifted_affine and "_peel_shifted_" in spec.name
-            stride = (12345 + 2 * spec.pack_size - 2) // spec.pack_size * spec.pack_size
-            assert launch.smem_bytes == 2 * stride * itemsize
-            resident = H100.max_active_blocks(spec, launch.block[0], launch.smem_bytes, True) * H100.facts.sm_count
-            assert launch.grid[0] % spec.pack_size == 0 and resident - spec.pack_size < launch.grid[0] <= resident
-        assert norm.plan(op, 5, 12345, "f16", "auto", H100, align=2).main.grid[0] == 5   # a row a block
-        # 8 element loads a pack or fewer (one 16-bit vector, or float32) are read from L1
-        for dtype, cols, affine in (("f16", 12345, dict(bias=False)), ("f16", 12345, dict(weight=False, bias=False)),
-                                    ("f32", 12345, {})):
-            launch = norm.plan(op, ROWS, cols, dtype, "auto", H100, align=2, **affine).main
-            assert launch.spec.peel and not launch.spec.shifted_affine and launch.smem_bytes == 0
-    else:
-        # 16-bit rows held as loaded (RMSNorm f16 12345 cols: 256 x 7 packs), weight element by element
-        assert (f16.block_size, f16.packs_per_thread, f16.packed, f16.shifted_affine) == (256, 7, True, False)
-        assert not f32.packed and not f32.shifted_affine
+    operand has the same phase, weight and bias realigned in registers (no
+    shared memory, a row a block); element by element otherwise."""
+    f16 = norm.plan(op, ROWS, 12345, "f16", "auto", H100, align=2).main
+    assert (f16.spec.impl, f16.spec.pack_size, f16.spec.peel) == ("block_regs", 8, True)
+    f32 = norm.plan(op, ROWS, 12345, "f32", "auto", H100, align=4).main
+    assert (f32.spec.impl, f32.spec.pack_size, f32.spec.peel) == ("block_regs", 4, True)
+    for launch in (f16, f32):
+        assert launch.smem_bytes == 0 and launch.grid[0] == min(ROWS, launch.grid[0])
+    # 16-bit rows held as loaded, 256 x 7 packs (LayerNorm: AUTO_PACKED_RUNG_BYTES,
+    # RMSNorm: AUTO_PEELED_PACKED_LADDER); float32 in float, 512 x 7
+    assert (f16.spec.block_size, f16.spec.packs_per_thread, f16.spec.packed) == (256, 7, True)
+    assert (f32.spec.block_size, f32.spec.packs_per_thread, f32.spec.packed) == (512, 7, False)
+    assert f16.spec.name.endswith("_peel_packed_affine" if op == "layer_norm" else "_peel_packed_weight")
+    short = norm.plan(op, ROWS, 2049, "f16", "auto", H100, align=2).spec
+    assert (short.block_size, short.packs_per_thread, short.peel) == (64, 4, True)
+    assert short.packed == (op == "rms_norm")    # LayerNorm 2049: 64 x 4 in float
     unpeeled = norm.plan(op, ROWS, 12345, "f16", "auto", H100, align=2, same_phase=False).spec
     assert (unpeeled.pack_size, unpeeled.peel) == (1, False)
     aligned = norm.plan(op, ROWS, 12352, "f16", "auto", H100).spec
     assert (aligned.pack_size, aligned.peel) == (8, False)
     assert norm.plan(op, ROWS, 1023, "f16", "auto", H100, align=2).spec.impl == "warp"   # warp: no peel
     assert not norm.plan(op, ROWS, 12345, "f16", "oneflow", H100, align=2).spec.peel
+
+
+@pytest.mark.parametrize("cols, block_size, packs_per_thread, packed", [
+    (2048, 64, 4, False), (8192, 256, 4, False), (12288, 256, 6, True), (16384, 512, 4, False),
+    (24576, 512, 6, True), (32768, 1024, 4, False)])
+def test_auto_layer_norm_16_bit_rows_held_as_loaded(cols, block_size, packs_per_thread, packed):
+    """16-bit LayerNorm rows: four packs a thread in float, else up to seven
+    held as loaded at the same block size (AUTO_PACKED_RUNG_BYTES) before
+    doubling the block."""
+    for dtype in ("f16", "bf16"):
+        spec = norm.plan("layer_norm", ROWS, cols, dtype, "auto", H100).spec
+        assert (spec.impl, spec.block_size, spec.packs_per_thread, spec.packed) == (
+            "block_regs", block_size, packs_per_thread, packed), spec.name
+    f32 = norm.plan("layer_norm", ROWS, 12288, "f32", "auto", H100).spec
+    rms = norm.plan("rms_norm", ROWS, 12288, "f16", "auto", H100).spec
+    assert not f32.packed and not rms.packed
 
 
 def test_auto_backward_fuses_param_grads_in_registers():

@@ -3,11 +3,12 @@
 Forward paths (SPEC §5): "warp" (a row per group of lanes, registers),
 "block_regs" (a row per block, registers; auto only), "block_smem" (a row per
 block, shared memory) and "block_uncached" (a row per block, read twice).
-Statistics (kernels/welford.cuh), the same in every path and both policies:
-each thread takes the (count, mean, m2) of the values it holds without a
-division per value (pairwise sum -> mean, then the squared deviations from it;
-the block paths that stream packs do this per pack and combine), and Chan's
-combine joins lanes and warps as Welford's would. All of it on x - K with K
+Statistics (kernels/welford.cuh), the same in both policies: paths that hold
+the row in registers (warp, block_regs) sum it over the row's threads for the
+mean, then sum the squared deviations from that mean (two exact passes, two
+one-value reductions); the streaming paths (block_smem, block_uncached) take
+each pack's (count, mean, m2) without a division per value and join them by
+Chan's combine, as Welford's would. All of it on x - K with K
 the row's first value (every thread of the row loads it; mean = K + shifted
 mean, y = ((x - K) - shifted mean) * rstd): float32 statistics of the raw
 values lose a std of 1e-2 under a mean of 1e4. RMSNorm sums squares.
@@ -38,10 +39,10 @@ policy="auto" (default): 16-byte packs; warp groups of 1 .. 32 lanes with two
 rows per access (odd row counts included, the last row guarded) and lanes
 holding up to 128 bytes (backward: 64); then the register block path (forward:
 rows that allow no 16-byte pack, e.g. odd cols, peel their edges and read
-16-byte packs when every row operand has the same phase: 16-bit LayerNorm's
-weight and bias are then copied once a block to shared memory at the rows'
-phase, on a resident grid of whole phase periods; RMSNorm's 16-bit rows are
-held as loaded, AUTO_PEELED_PACKED_LADDER); then shared memory
+16-byte packs when every row operand has the same phase, weight and bias
+realigned in registers; 16-bit LayerNorm rows may be held as loaded,
+AUTO_PACKED_RUNG_BYTES, and peeled 16-bit RMSNorm rows are,
+AUTO_PEELED_PACKED_LADDER); then shared memory
 beyond 48 KB caching the storage type; then uncached. RMSNorm bfloat16 rows
 of 16384 cols and more go to shared memory first (AUTO_SMEM_FIRST). The
 backward pass folds dweight / dbias partial sums into the dx kernel while they
@@ -122,23 +123,24 @@ AUTO_SMEM_FIRST = {("rms_norm", "bf16"): 16384}
 # LayerNorm: the warp path, 88 % against 70-76 %).
 AUTO_REGS_FROM_COLS = {("rms_norm", 2): 1024}
 AUTO_SMEM_FIRST_BLOCK_SIZE = 512
+# auto, forward: (op, storage itemsize) -> after each block size's rung of
+# AUTO_BLOCK_REGS_LADDER, the same block size holding at most this many bytes
+# of packs as loaded (packed: converted at each use). 16-bit LayerNorm rows
+# that leave a thread fewer than four packs in float at the next block size
+# gain (H200, % of copy, f16 / bf16): 12288 cols 256 x 6 packs 97.0 / 95.2
+# against 89.5 / 87.0 at 512 x 3; peeled 12345 cols 256 x 7 89.2 / 85.8
+# against 78.6 / 75.3 at 512 x 4. Eight packs lose to four in float at twice
+# the threads (16384 cols 91.2 against 96.2, 8192 95.4 against 96.8), so at
+# most seven.
+AUTO_PACKED_RUNG_BYTES = {("layer_norm", 2): 112}
 # auto, forward, peeled rows (off the 16-byte grid, every operand at the same
 # phase): (op, storage itemsize) -> (block_size, most bytes a thread holds of
-# packs as loaded), in place of AUTO_BLOCK_REGS_LADDER. RMSNorm f16 (H200):
-# 12345 cols 256 x 7 packs 95.9 % of copy against 83.1 % at 512 x 4 in
-# float; 4097 cols 128 x 4 95.5 % (64 x 8: 91.9 %); 2049 cols 64 x 4 91.8 %
-# (128 x 2: 85.5 %). LayerNorm is faster in float (12345: 72.6 % against
-# 72.1 %).
+# packs as loaded), in place of the ladders above. RMSNorm f16 (H200): 12345
+# cols 256 x 7 packs 95.9 % of copy against 83.1 % at 512 x 4 in float; 4097
+# cols 128 x 4 95.5 % (64 x 8: 91.9 %); 2049 cols 64 x 4 91.8 % (128 x 2:
+# 85.5 %). LayerNorm takes its ladder: 2049 cols 64 x 4 in float 89.3 %
+# against 80.5 % as loaded.
 AUTO_PEELED_PACKED_LADDER = {("rms_norm", 2): ((64, 64), (128, 128), (256, 128), (512, 128), (1024, 128))}
-# auto, forward, peeled rows: weight and bias copied once a block to shared
-# memory at the rows' phase (on a resident grid) when a pack would take at
-# least this many element loads of them. The copy takes L1 capacity from the
-# loads in flight. LayerNorm f16 (16 loads a pack): 12345 cols 72.6 % of copy
-# against 52.7 %, 4097 cols 81.2 % against 67.2 %, 2049 cols 76.7 % against
-# 64.7 %; LayerNorm f32 (8): 2049 cols 85.0 % against 93.4 %, 6001 cols
-# 86.8 % against 95.5 % (12345: 87.0 % against 86.0 %); RMSNorm f16 (8):
-# 12345 cols 86.1 % against 95.9 %.
-AUTO_SHIFTED_AFFINE_MIN_LOADS = 16
 # auto, backward: (block_size, most bytes of each input a thread holds as
 # stored, "cached" (dy and x held in registers as loaded) or "reread" (loaded
 # again for the second pass), where the dweight / dbias partial sums live,
@@ -194,7 +196,6 @@ class NormSpec(jit.KernelSpec):
     packs_per_thread: int = 0        # block_regs
     packed_cache: bool = False       # forward block_smem: cache the storage type
     peel: bool = False               # block_regs: rows start off the 16-byte grid
-    shifted_affine: bool = False     # forward peel: weight / bias copied to shared memory at the rows' phase
     packed: bool = False             # forward block_regs: the row held as loaded (storage type)
     cached: bool = True              # backward block_regs: dy / x kept in registers as loaded
     smem_partials: bool = False      # backward block_regs, fused: dweight / dbias partials in shared memory
@@ -230,7 +231,6 @@ class NormSpec(jit.KernelSpec):
         elif self.impl == "block_regs":
             path = f"_k{self.packs_per_thread}_b{self.block_size}"
             path += "_peel" if self.peel else ""
-            path += "_shifted" if self.shifted_affine else ""
             path += "_packed" if self.packed else ""
             if self.op not in FORWARD_OPS:
                 path += "_cached" if self.cached else "_reread"
@@ -474,8 +474,7 @@ def _auto_registers(fields, rows, cols, align, target, direction, block_ladder, 
                             packs_per_thread=packs_per_thread, **extra, **fields,
                             **({"peel": True} if peel else {}))
             if not (spill_checked and _uses_local_memory(spec, target)):
-                return (_peeled_launch(spec, rows, cols, target) if peel
-                        else _block_launch(spec, rows, 0, target, "auto", False)), pack
+                return _block_launch(spec, rows, 0, target, "auto", False), pack
     return None, pack
 
 
@@ -484,24 +483,6 @@ def _shifted_affine_bytes(spec: NormSpec, cols: int) -> int:
     most pack_size - 1 elements past its columns, on whole packs."""
     stride = (cols + 2 * spec.pack_size - 2) // spec.pack_size * spec.pack_size
     return (spec.weight + spec.bias) * stride * spec.ftype.itemsize
-
-
-def _peeled_launch(spec: NormSpec, rows: int, cols: int, target: Target) -> KernelLaunch:
-    """A forward register block over peeled rows. Where weight and bias would
-    take AUTO_SHIFTED_AFFINE_MIN_LOADS element loads a pack and a resident
-    wave of blocks each holding a shifted copy of them fits at the occupancy
-    the registers allow (and the kernel needs no local memory), that (16-byte
-    reads from shared memory); else weight and bias element by element, on
-    OneFlow's grid."""
-    if (spec.weight + spec.bias) * spec.pack_size >= AUTO_SHIFTED_AFFINE_MIN_LOADS:
-        shifted = replace(spec, shifted_affine=True)
-        smem = _shifted_affine_bytes(shifted, cols)
-        by_registers = target.max_active_blocks(spec, spec.block_size, 0, False)
-        if (target.max_active_blocks(shifted, spec.block_size, smem, True) >= by_registers
-                and not _uses_local_memory(shifted, target)):
-            return _whole_phase_periods(_resident_launch(shifted, (spec.block_size, 1, 1), 1, rows, smem, target),
-                                        rows)
-    return _block_launch(spec, rows, 0, target, "auto", False)
 
 
 def _auto_forward(spec_fields, rows, cols, align, same_phase, target) -> KernelLaunch:
@@ -513,8 +494,12 @@ def _auto_forward(spec_fields, rows, cols, align, same_phase, target) -> KernelL
                         packed_cache=True, **spec_fields)
         if target.max_active_blocks(spec, spec.block_size, cols * itemsize, True):
             return _block_launch(spec, rows, cols * itemsize, target, "auto", True)
-    block_ladder = [(block_size, max_bytes, {}, spill_checked)
-                    for block_size, max_bytes, spill_checked in AUTO_BLOCK_REGS_LADDER[itemsize]]
+    packed_bytes = AUTO_PACKED_RUNG_BYTES.get((spec_fields["op"], itemsize))
+    block_ladder = []
+    for block_size, max_bytes, spill_checked in AUTO_BLOCK_REGS_LADDER[itemsize]:
+        block_ladder.append((block_size, max_bytes, {}, spill_checked))
+        if packed_bytes:
+            block_ladder.append((block_size, packed_bytes, {"packed": True}, True))
     peeled_ladder = [(block_size, max_bytes, {"packed": True}, True)
                      for block_size, max_bytes in AUTO_PEELED_PACKED_LADDER.get((spec_fields["op"], itemsize), ())]
     launch, pack = _auto_registers(spec_fields, rows, cols, align, target, "forward", block_ladder,
