@@ -75,13 +75,15 @@ __device__ __forceinline__ Pack<T, N> load_pack(const T* address) {
   for (int i = 0; i < Bits::count; ++i) bits.vectors[i] = reinterpret_cast<const typename Bits::V*>(address)[i];
   return bits.pack;
 }
+
 // A 16-byte pack at an address off the 16-byte grid (a per-column vector read
 // at a peeled row's columns), `word_shift` = (address % 16) / 4 known at
 // compile time: the aligned 16 bytes holding its first element, and the next
 // 16 unless the address is aligned (both hold elements of the pack, so
 // neither leaves the array's 16-byte extent), the words picked at compile
-// time and, for elements under 4 bytes, funnel-shifted by the rest. Two
-// vector loads and at most 6 instructions, in place of N element loads.
+// time and, for elements under 4 bytes, funnel-shifted by the rest: two
+// vector loads and four funnel shifts (none for wider elements) in place of
+// N element loads.
 template <typename T, int N, int word_shift>
 __device__ __forceinline__ Pack<T, N> load_pack_realigned(const T* address) {
   static_assert(sizeof(T) * N == 16 && word_shift >= 0 && word_shift < 4, "16-byte packs, 4 words");

@@ -119,9 +119,10 @@ struct WelfordState {
   // Two exact passes over the held values, each summed over the row's
   // threads: the mean, then the squared deviations from it. Two one-value
   // sums cost fewer instructions than one reduction of this state (three
-  // values and a division a step): LayerNorm f16 rows of 12288 columns
-  // executed 199 instructions a 16-byte pack, RMSNorm's 148. `extra`: a value
-  // outside the packs (a peeled row's edge), or nothing.
+  // values and a division a step): ncu, LayerNorm f16 12288 cols, 512 x 3
+  // packs, 470 M instructions against 356 M with these sums (and
+  // RowMoments::normalize). `extra`: a value outside the packs (a peeled
+  // row's edge), or nothing.
   template <int num_packs, int pack_size, typename Values, typename InRow, typename Extra, typename RowSum>
   static __device__ __forceinline__ RowMoments<T> of_held_row(const Values& values, InRow in_row, Extra extra,
                                                               long long cols, T eps, RowSum row_sum) {

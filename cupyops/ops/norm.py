@@ -125,13 +125,14 @@ AUTO_REGS_FROM_COLS = {("rms_norm", 2): 1024}
 AUTO_SMEM_FIRST_BLOCK_SIZE = 512
 # auto, forward: (op, storage itemsize) -> after each block size's rung of
 # AUTO_BLOCK_REGS_LADDER, the same block size holding at most this many bytes
-# of packs as loaded (packed: converted at each use). 16-bit LayerNorm rows
-# that leave a thread fewer than four packs in float at the next block size
-# gain (H200, % of copy, f16 / bf16): 12288 cols 256 x 6 packs 97.0 / 95.2
-# against 89.5 / 87.0 at 512 x 3; peeled 12345 cols 256 x 7 89.2 / 85.8
-# against 78.6 / 75.3 at 512 x 4. Eight packs lose to four in float at twice
-# the threads (16384 cols 91.2 against 96.2, 8192 95.4 against 96.8), so at
-# most seven.
+# of packs as loaded (packed: converted at each use): 16-bit LayerNorm rows
+# too long for four float packs a thread but within seven packs take them
+# rather than twice the threads with fewer packs each (H200, % of copy,
+# f16 / bf16): 12288 cols 256 x 6 packs 97.0 / 95.2 against 89.5 / 87.0 at
+# 512 x 3; 6144 cols 128 x 6 96.8 / 95.1 against 92.4 / 89.8; peeled 12345
+# cols 256 x 7 89.2 / 85.8 against 78.6 / 75.3 at 512 x 4. Eight packs lose
+# to four in float at twice the threads (16384 cols 91.2 against 96.2, 8192
+# 95.4 against 96.8), so at most seven.
 AUTO_PACKED_RUNG_BYTES = {("layer_norm", 2): 112}
 # auto, forward, peeled rows (off the 16-byte grid, every operand at the same
 # phase): (op, storage itemsize) -> (block_size, most bytes a thread holds of
