@@ -125,13 +125,30 @@ __device__ __forceinline__ unsigned byte_offset(const void* address) {
   return static_cast<unsigned>(reinterpret_cast<unsigned long long>(address) & 15u);
 }
 
-// load_pack_realigned with the word shift found at run time (a branch a call).
+// A 16-byte pack at any element offset, the offset known at run time alone:
+// the 8-byte words around it (two loads, a third unless the address is on
+// the 8-byte grid; each holds elements of the pack, so none leaves the
+// array's 8-byte extent), picked by selects and, for elements under 4 bytes,
+// funnel-shifted: no branch, one code path for every offset.
 template <typename T, int N>
 __device__ __forceinline__ Pack<T, N> load_pack_unaligned(const T* address) {
-  Pack<T, N> pack;
-  with_word_shift(byte_offset(address),
-                  [&](auto shift) { pack = load_pack_realigned<T, N, decltype(shift)::get>(address); });
-  return pack;
+  static_assert(sizeof(T) * N == 16, "16-byte packs");
+  const unsigned long long bits = reinterpret_cast<unsigned long long>(address);
+  const uint2* const aligned = reinterpret_cast<const uint2*>(bits & ~7ull);
+  const unsigned bit_shift = sizeof(T) < 4 ? static_cast<unsigned>(bits & 3u) * 8u : 0u;
+  const bool odd_word = (bits & 4u) != 0;
+  const uint2 first = aligned[0];
+  const uint2 second = aligned[1];
+  const uint2 third = (bits & 7u) != 0 ? aligned[2] : second;
+  const unsigned words[6] = {first.x, first.y, second.x, second.y, third.x, third.y};
+  unsigned picked[5];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) picked[i] = odd_word ? words[i + 1] : words[i];
+  PackVectors<T, N> out;
+  unsigned* const result = reinterpret_cast<unsigned*>(&out.vectors[0]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) result[i] = sizeof(T) < 4 ? __funnelshift_r(picked[i], picked[i + 1], bit_shift) : picked[i];
+  return out.pack;
 }
 
 template <typename T, int N>

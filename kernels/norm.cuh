@@ -97,16 +97,20 @@ struct Affine {
   const T* weight;
   const T* bias;
 
+  // The pack of a vector's columns [col, col + N), as stored.
+  template <int N>
+  static __device__ __forceinline__ Pack<T, N> read_pack(const T* vector, int64 col) {
+    if constexpr (word_shift == ALIGNED || N == 1) {
+      return load_pack<T, N>(vector + col);
+    } else if constexpr (word_shift == ANY_WORD_SHIFT) {
+      return load_pack_unaligned<T, N>(vector + col);
+    } else {
+      return load_pack_realigned<T, N, word_shift>(vector + col);
+    }
+  }
   template <int N>
   static __device__ __forceinline__ void load_vector(const T* vector, C* dst, int64 col) {
-    Pack<T, N> pack;
-    if constexpr (word_shift == ALIGNED || N == 1) {
-      pack = load_pack<T, N>(vector + col);
-    } else if constexpr (word_shift == ANY_WORD_SHIFT) {
-      pack = load_pack_unaligned<T, N>(vector + col);
-    } else {
-      pack = load_pack_realigned<T, N, word_shift>(vector + col);
-    }
+    const Pack<T, N> pack = read_pack<N>(vector, col);
 #pragma unroll
     for (int i = 0; i < N; ++i) dst[i] = cast<C>(pack.elem[i]);
   }
@@ -150,23 +154,6 @@ struct Affine {
     }
   }
 
-  // Copies the vectors to the block's shared memory `cache` (room for
-  // `stride` elements a vector), shifted so that the columns of a peeled
-  // row's packs, head + N * j, fall on whole N-element vectors there;
-  // returns the copy, read as this is (aligned loads of N).
-  template <int N>
-  __device__ __forceinline__ Affine shifted_copy(T* cache, int64 cols, int head) const {
-    const int offset = (N - head) % N;
-    const int64 stride = (cols + 2 * N - 2) / N * N;   // norm.py: _shifted_affine_bytes
-    T* weight_copy = cache + offset;
-    T* bias_copy = cache + (has_weight ? stride : 0) + offset;
-    for (int64 c = threadIdx.x; c < cols; c += blockDim.x) {
-      if constexpr (has_weight) weight_copy[c] = weight[c];
-      if constexpr (has_bias) bias_copy[c] = bias[c];
-    }
-    __syncthreads();
-    return {weight_copy, bias_copy};
-  }
 };
 
 // y = normalized * weight + bias, computed in C, stored as T.
@@ -479,9 +466,11 @@ __device__ __forceinline__ void norm_block_uncached(const Input& in, const Outpu
 // What the backward kernels read and write. mean is null for RMSNorm; each
 // partial pointer is null unless its gradient is wanted (and, for the dx
 // kernels, the partials are fused): every write through one is guarded.
-template <typename T, typename C, bool is_centered, bool with_weight>
+// weight_shift: how the weight's packs are read (Affine).
+template <typename T, typename C, bool is_centered, bool with_weight, int weight_shift = ALIGNED>
 struct NormGradIO {
   typedef T Storage;
+  typedef Affine<T, C, with_weight, false, weight_shift> Weight;
   static constexpr bool centered = is_centered;
   static constexpr bool has_weight = with_weight;
   const T* dy;
@@ -501,15 +490,32 @@ struct NormGradIO {
   template <int N>
   __device__ __forceinline__ void weights(C* w, int64 col) const {
     C unused[N];
-    Affine<T, C, has_weight, false>{weight, nullptr}.template load<N>(w, unused, col);
+    Weight{weight, nullptr}.template load<N>(w, unused, col);
   }
   // The weight of a pack's columns as stored (unread without a weight), and
   // in the compute type (1 without a weight).
   template <int N>
   __device__ __forceinline__ Pack<T, N> weight_pack(int64 col) const {
     Pack<T, N> w{};
-    if constexpr (has_weight) w = load_pack<T, N>(weight + col);
+    if constexpr (has_weight) w = Weight::template read_pack<N>(weight, col);
     return w;
+  }
+  // This IO reading the weight's packs at any element offset (a peeled
+  // row's columns; load_pack_unaligned).
+  __device__ __forceinline__ NormGradIO<T, C, centered, has_weight, ANY_WORD_SHIFT> at_any_offset() const {
+    return {dy, x, weight, mean, rstd, dx, weight_partials, bias_partials, dy_stride, x_stride, dx_stride};
+  }
+  // This IO reading a copy of the weight in the block's shared memory
+  // `cache`, shifted so that a peeled row's columns, head + N * j, fall on
+  // whole N-element packs there (norm.py: _weight_copy_bytes).
+  template <int N>
+  __device__ __forceinline__ NormGradIO with_weight_copied(T* cache, int64 cols, int head) const {
+    T* const copy = cache + (N - head) % N;
+    for (int64 c = threadIdx.x; c < cols; c += blockDim.x) copy[c] = weight[c];
+    __syncthreads();
+    NormGradIO copied = *this;
+    copied.weight = copy;
+    return copied;
   }
   template <int N>
   __device__ __forceinline__ void weights_of(const Pack<T, N>& stored, C* w) const {
@@ -675,6 +681,7 @@ struct ParamGradPartials {
   static constexpr int vector_size = pack_size * sizeof(C) < 16 ? pack_size : 16 / sizeof(C);
   static constexpr int planes = pack_size / vector_size;
   static constexpr int slots = num_packs * block_size;
+  static constexpr int smem_bytes = in_smem ? grads * slots * pack_size * static_cast<int>(sizeof(C)) : 0;
   typedef Pack<C, vector_size> Vector;
   C regs[grads][in_smem ? 1 : num_packs][pack_size];
   Vector* smem;
@@ -737,6 +744,40 @@ struct ParamGradPartials {
   }
 };
 
+// The columns thread threadIdx.x of a backward register block owns in a row
+// of `cols`: packs k * block_size + t (k < packs_per_thread) of pack_size
+// elements from column `head`. peel (rows off the 16-byte grid): head is
+// the row's RowHead, the packs stop at block_size * packs_per_thread, and
+// the elements outside them, the head and the rest past the last pack, are
+// single "edge" elements held by threads 0, 1, ..., at most one a thread:
+// the planner keeps cols <= block_size * (packs_per_thread * pack_size + 1)
+// (norm.py: block_packs_per_thread).
+template <int pack_size, int packs_per_thread, int block_size, bool peel>
+struct BlockRowColumns {
+  int head;
+  int64 num_packs;   // packs in the row (>= 1)
+  bool has_edge;
+  int64 edge_col;    // 0 without an edge
+
+  __device__ __forceinline__ BlockRowColumns(int64 cols, int row_head) : head(peel ? row_head : 0) {
+    num_packs = (cols - head) / pack_size;
+    if (peel && num_packs > static_cast<int64>(block_size) * packs_per_thread) {
+      num_packs = static_cast<int64>(block_size) * packs_per_thread;
+    }
+    const int64 tail = head + num_packs * pack_size;
+    has_edge = peel && threadIdx.x < head + (cols - tail);
+    edge_col = !has_edge ? 0 : threadIdx.x < head ? threadIdx.x : tail + threadIdx.x - head;
+  }
+  __device__ __forceinline__ bool in_row(int k) const {
+    return static_cast<int64>(k) * block_size + threadIdx.x < num_packs;
+  }
+  // The column of pack k; a pack past the row gives the row's first pack
+  // (loaded without a branch, and left out).
+  __device__ __forceinline__ int64 pack_col(int k) const {
+    return head + (in_row(k) ? (static_cast<int64>(k) * block_size + threadIdx.x) * pack_size : int64(0));
+  }
+};
+
 // Backward, block-register path: thread t owns packs t, t + block_size, ...;
 // a thread's columns are the same in every row. held = true keeps the row's
 // dy and x as loaded (the storage type) in registers between the two passes,
@@ -745,46 +786,33 @@ struct ParamGradPartials {
 // (ParamGradPartials, in registers or shared memory) are written to the
 // block's workspace row at the end. The weight of the owned columns is held
 // in registers beside held rows with partials in registers, else read at
-// each use (L1 or shared-memory hits). Held rows are loaded rows_per_access
-// at a time, their sums reduced together: more loads in flight, one barrier.
+// each use (L1 hits). Held rows are loaded rows_per_access at a time, their
+// sums reduced together: more loads in flight, one barrier.
 // peel: rows off the 16-byte grid, dy, x and dx at the same phase. Every row
 // of a block must start at the same phase (one row per block, or a grid that
 // is a multiple of the rows' phase period), so the block's first row gives
-// the head (elements to the first 16-byte boundary) and each thread owns the
-// same columns in every row: 16-byte packs between single-element edges (the
-// head and the last partial pack, threads 0, 1, ...). The weight is then
-// copied once to shared memory at the rows' phase (Affine::shifted_copy,
-// after the partials), for 16-byte reads.
-template <typename IO, typename C, int pack_size, int packs_per_thread, int block_size, int rows_per_access,
-          bool held, bool fuse_param_grad, bool smem_partials, bool peel, typename RowHead>
-__device__ __forceinline__ void norm_grad_block_regs(const IO& global_io, int64 rows, int64 cols,
-                                                     const RowHead& row_head) {
+// the columns each thread owns in every row (BlockRowColumns: 16-byte packs
+// between single-element edges). The weight is read at those columns from
+// a copy in shared memory at the rows' phase (weight_copy, where the
+// partials leave room for it), else as packs at any offset from global
+// memory (NormGradIO::at_any_offset).
+template <typename C, int pack_size, int packs_per_thread, int block_size, int rows_per_access, bool held,
+          bool fuse_param_grad, bool smem_partials, bool peel, typename IO>
+__device__ __forceinline__ void norm_grad_block_rows(
+    const IO& io, int64 rows, int64 cols, const BlockRowColumns<pack_size, packs_per_thread, block_size, peel>& columns) {
   typedef typename IO::Storage T;
   typedef typename IO::template Fetched<pack_size> Fetched;
   typedef ParamGradPartials<C, pack_size, fuse_param_grad ? packs_per_thread : 1, block_size, IO::centered,
                             smem_partials> Partials;
   static_assert(held || rows_per_access == 1, "rows in flight together are held");
-  const int head = peel && blockIdx.x < rows ? row_head(blockIdx.x) : 0;
-  const int64 num_packs = (cols - head) / pack_size;
-  const auto in_row = [&](int k) { return static_cast<int64>(k) * block_size + threadIdx.x < num_packs; };
-  // A pack past the row reads the row's first pack (and is skipped).
-  const auto pack_col = [&](int k) {
-    return head + (in_row(k) ? (static_cast<int64>(k) * block_size + threadIdx.x) * pack_size : int64(0));
-  };
-  const int64 tail = head + num_packs * pack_size;
-  const bool has_edge = peel && threadIdx.x < head + (cols - tail);
-  const int64 edge_col = has_edge ? (threadIdx.x < head ? threadIdx.x : tail + threadIdx.x - head) : 0;
+  const auto in_row = [&](int k) { return columns.in_row(k); };
+  const auto pack_col = [&](int k) { return columns.pack_col(k); };
+  const bool has_edge = columns.has_edge;
+  const int64 edge_col = columns.edge_col;
 
   extern __shared__ __align__(16) unsigned char shared_buf[];
-  constexpr int partials_bytes = smem_partials ? Partials::grads * Partials::slots * pack_size * sizeof(C) : 0;
   Partials partials(shared_buf);
   ParamGradPartials<C, 1, 1, 1, IO::centered, false> edge_partials(nullptr);
-  IO io = global_io;
-  if constexpr (peel && IO::has_weight) {
-    io.weight = Affine<T, C, true, false>{global_io.weight, nullptr}
-                    .template shifted_copy<pack_size>(reinterpret_cast<T*>(shared_buf + partials_bytes), cols, head)
-                    .weight;
-  }
   constexpr bool hoist_weight = held && !smem_partials;
   Pack<T, pack_size> weight[hoist_weight ? packs_per_thread : 1];
   if constexpr (hoist_weight) {
@@ -887,6 +915,28 @@ __device__ __forceinline__ void norm_grad_block_regs(const IO& global_io, int64 
       }
       if (has_edge) edge_partials.template store<false>(workspaces[g], g, 0, cols, edge_col);
     }
+  }
+}
+
+template <typename IO, typename C, int pack_size, int packs_per_thread, int block_size, int rows_per_access,
+          bool held, bool fuse_param_grad, bool smem_partials, bool peel, bool weight_copy, typename RowHead>
+__device__ __forceinline__ void norm_grad_block_regs(const IO& io, int64 rows, int64 cols, const RowHead& row_head) {
+  const BlockRowColumns<pack_size, packs_per_thread, block_size, peel> columns(
+      cols, peel && blockIdx.x < rows ? row_head(blockIdx.x) : 0);
+  const auto run = [&](const auto& block_io) {
+    norm_grad_block_rows<C, pack_size, packs_per_thread, block_size, rows_per_access, held, fuse_param_grad,
+                         smem_partials, peel>(block_io, rows, cols, columns);
+  };
+  if constexpr (peel && weight_copy && IO::has_weight) {
+    typedef ParamGradPartials<C, pack_size, fuse_param_grad ? packs_per_thread : 1, block_size, IO::centered,
+                              smem_partials> Partials;
+    extern __shared__ __align__(16) unsigned char shared_buf[];
+    typename IO::Storage* const cache = reinterpret_cast<typename IO::Storage*>(shared_buf + Partials::smem_bytes);
+    run(io.template with_weight_copied<pack_size>(cache, cols, columns.head));
+  } else if constexpr (peel) {
+    run(io.at_any_offset());
+  } else {
+    run(io);
   }
 }
 

@@ -119,7 +119,7 @@ def _backward_variants(op, dtype, rows, cols, target, param_grad):
     for pack_size, peeled in ((pack, False),) + (((16 // ftype.itemsize, True),) if peel else ()):
         num_packs = cols // pack_size
         for block_size in _with_fitted(GRAD_BLOCK_SIZES, num_packs):
-            per_thread = -(-num_packs // block_size)
+            per_thread = norm.block_packs_per_thread(cols, block_size, pack_size, peeled)
             if per_thread * pack_size * ftype.itemsize > GRAD_MAX_BYTES or num_packs < block_size // 2:
                 continue
             for (held, partials), rows_per_access in itertools.product(holdings, GRAD_ROWS_PER_ACCESS):

@@ -278,14 +278,17 @@ def test_rows_off_the_16_byte_grid(rng, op, cols, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("cols", [2049, 12345])
+@pytest.mark.parametrize("cols", [2049, 12345, 12543])
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 def test_peeled_rows_read_weight_and_bias_at_any_offset(rng, op, cols, dtype):
     """Peeled register-block rows read weight and bias as 16-byte packs
     realigned to each row's phase: weight and bias views at every element
     offset from the 16-byte grid (every word shift, and half words for 16-bit
     types), both at the same offset (one word shift a row) and at different
-    offsets (the shift found in every pack), against the reference."""
+    offsets (the shift found in every pack), against the reference; the
+    backward (dx, dweight, dbias) with each weight view, read at any offset or
+    from its copy in shared memory. 12543 cols leave the backward up to 255
+    single elements past its packs (512 x 3, f16)."""
     centered = op == "layer_norm"
     itemsize = numpy.dtype(dtype).itemsize
     per_pack = 16 // itemsize
@@ -306,6 +309,8 @@ def test_peeled_rows_read_weight_and_bias_at_any_offset(rng, op, cols, dtype):
             y = cupyops.rms_norm(x, w, eps=EPS)
         y_ref, _, _ = _reference(x64, w64, b64 if centered else None, 1, centered)
         assert_close(y.get(), y_ref, dtype, scale=4)
+        if bias_offset == weight_offset:
+            check_backward(rng, centered, rows, cols, dtype, "auto", weight=(w, w64))
 
 
 # -- backward -------------------------------------------------------------------
@@ -318,11 +323,12 @@ def test_backward_matches_reference(rng, centered, cols, dtype, policy):
     check_backward(rng, centered, 37 if cols % 2 else 64, cols, dtype, policy)
 
 
-def check_backward(rng, centered, rows, cols, dtype, policy):
-    """dx, dweight (and dbias) of random rows against the float64 reference."""
+def check_backward(rng, centered, rows, cols, dtype, policy, weight=None):
+    """dx, dweight (and dbias) of random rows against the float64 reference;
+    weight: (array, float64 copy), else random."""
     x, x64 = _data(rng, (rows, cols), dtype)
     dy, dy64 = _data(rng, (rows, cols), dtype)
-    w, w64 = _data(rng, (cols,), dtype, 1.0, 0.2)
+    w, w64 = weight or _data(rng, (cols,), dtype, 1.0, 0.2)
     dx_ref, dw_ref, db_ref = _reference_backward(dy64, x64, w64, 1, centered)
     if centered:
         _, mean, rstd = cupyops.layer_norm(x, w, eps=EPS, return_stats=True)
@@ -344,16 +350,17 @@ def check_backward(rng, centered, rows, cols, dtype, policy):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-@pytest.mark.parametrize("cols", [1023, 1024, 2048, 4096, 4097, 12345])
+@pytest.mark.parametrize("cols", [1023, 1024, 2048, 4096, 4097, 12345, 12543])
 @pytest.mark.parametrize("centered", [True, False], ids=["layer_norm", "rms_norm"])
 def test_backward_register_paths_walk_their_rows(rng, centered, cols, dtype):
     """Rows past the grid (two rounds and a partial one) through the register
     block paths with fused dweight / dbias (partial sums in shared memory at
     2048 and 4096 cols; 16-bit rows of 1023 and 1024 cols two at a time, the
     last pair of some blocks one row short), and peeling rows off the 16-byte
-    grid (1023, 4097 and 12345 cols: the grid a multiple of the rows' phase
-    period, each thread owning the same columns in every row, the weight
-    copied to shared memory at the rows' phase)."""
+    grid (1023, 4097, 12345 and 12543 cols: the grid a multiple of the rows'
+    phase period, each thread owning the same columns in every row, up to
+    255 of them single elements past the packs, the weight read at the rows'
+    phase)."""
     op = "layer_norm_backward" if centered else "rms_norm_backward"
     short = dtypes.float_type(numpy.dtype(dtype)).short
     chosen = norm.plan(op, 1 << 20, cols, short, "auto", Target.live(0)).main

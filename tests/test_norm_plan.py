@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+from dataclasses import replace
 
 import pytest
 
@@ -153,6 +154,55 @@ def test_auto_layer_norm_16_bit_rows_held_as_loaded(cols, block_size, packs_per_
     assert not f32.packed and not rms.packed
 
 
+@pytest.mark.parametrize("pack_size", [4, 8])
+@pytest.mark.parametrize("block_size", [64, 256, 512, 1024])
+def test_peeled_rows_leave_at_most_a_single_element_a_thread(block_size, pack_size):
+    """Peeled register blocks hold the fewest packs a thread that leave at
+    most block_size single elements outside the packs, whatever the row's
+    head (BlockRowColumns); unpeeled ones hold every pack of the row."""
+    for cols in list(range(1, 3 * block_size * pack_size, 7)) + [12345, 12543, 32767]:
+        peeled = norm.block_packs_per_thread(cols, block_size, pack_size, True)
+        for head in range(pack_size):
+            packs = min(max(0, cols - head) // pack_size, block_size * peeled)
+            assert cols - packs * pack_size <= block_size, (cols, head)
+        if peeled > 1:
+            fewer = block_size * (peeled - 1) * pack_size
+            assert cols - fewer > block_size, cols
+        whole = norm.block_packs_per_thread(cols, block_size, pack_size, False)
+        assert whole * block_size >= cols // pack_size and (whole - 1) * block_size < max(1, cols // pack_size)
+
+
+def test_auto_peeled_backward_holds_as_many_packs_as_aligned_rows():
+    """LayerNorm f16 backward, 12345 cols: 512 x 3 packs as at 12288 cols (its
+    partials, 96 KiB, leave two blocks an SM), the 57 columns past the packs
+    single elements; the weight read at any offset, its copy not fitting
+    beside the partials at two blocks an SM. RMSNorm (half the partials)
+    copies it."""
+    backward = norm.plan("layer_norm_backward", ROWS, 12345, "f16", "auto", H100, align=2).main
+    aligned = norm.plan("layer_norm_backward", ROWS, 12288, "f16", "auto", H100).main
+    assert (backward.spec.block_size, backward.spec.packs_per_thread, backward.spec.peel) == (512, 3, True)
+    assert (aligned.spec.block_size, aligned.spec.packs_per_thread, aligned.spec.smem_partials) == (512, 3, True)
+    assert backward.smem_bytes == aligned.smem_bytes == 2 * 3 * 512 * 8 * 4
+    assert not backward.spec.weight_copy
+    rms = norm.plan("rms_norm_backward", ROWS, 12345, "f16", "auto", H100, align=2).main
+    assert rms.spec.weight_copy and rms.smem_bytes == 3 * 512 * 8 * 4 + norm._weight_copy_bytes(rms.spec, 12345)
+
+
+def test_launch_refuses_blocks_that_miss_columns():
+    """The peeled backward takes up to block_size single elements past its
+    packs; every other register block must hold every pack of the row."""
+    backward = norm.NormSpec(op="layer_norm_grad", impl="block_regs", dtype="f16", pack_size=8, block_size=512,
+                             packs_per_thread=2, peel=True, fuse_param_grad=True)
+    with pytest.raises(ValueError, match="too few packs"):
+        norm.check_block_covers(backward, 12345)
+    norm.check_block_covers(replace(backward, packs_per_thread=3), 12345)
+    forward = norm.NormSpec(op="layer_norm", impl="block_regs", dtype="f16", pack_size=8, block_size=256,
+                            packs_per_thread=6, peel=True, packed=True)
+    with pytest.raises(ValueError, match="too few packs"):
+        norm.check_block_covers(forward, 12345)
+    norm.check_block_covers(replace(forward, packs_per_thread=7), 12345)
+
+
 def test_auto_backward_fuses_param_grads_in_registers():
     chosen = norm.plan("layer_norm_backward", ROWS, 512, "f16", "auto", H100)
     assert chosen.main.spec.impl == "warp" and chosen.main.spec.fuse_param_grad
@@ -164,7 +214,7 @@ def test_auto_backward_fuses_param_grads_in_registers():
     active = H100.max_active_blocks(regs.main.spec, regs.main.spec.block_size, 0, False)
     assert regs.num_parts == regs.main.grid[0] == active * H100.facts.sm_count
     # rows off the 16-byte grid peeled, on a grid that is a multiple of their
-    # phase period (16 bytes of elements), with the weight's shifted copy in shared memory
+    # phase period (16 bytes of elements); shared memory holds partials alone
     for cols, dtype, pack in ((4097, "f16", 8), (12345, "f16", 8), (12345, "f32", 4)):
         peeled = norm.plan("layer_norm_backward", ROWS, cols, dtype, "auto", H100, align=2).main
         assert (peeled.spec.pack_size, peeled.spec.peel, peeled.spec.fuse_param_grad) == (pack, True, True)

@@ -159,12 +159,20 @@ AUTO_PEELED_PACKED_LADDER = {("rms_norm", 2): ((64, 64), (128, 128), (256, 128),
 # float32 2048 / 4096 / 16384 cols 95.1 / 97.7 / 99.0 %. RMSNorm (one
 # partial sum a column) takes 64 bytes a thread first at 512 threads: 16384
 # cols f16 95.8 % against 85.8 % at 1024 x 32 bytes, 12345 cols 91.7 %.
+# LayerNorm takes 48 bytes at 512 threads (its partials, 96 KiB, leave two
+# blocks an SM): 12288 cols f16 89.4 % against 68.5 % at 1024 x 32 bytes.
 AUTO_GRAD_PEEL_ITEMSIZES = (2, 4)
 _GRAD_LADDER = ((64, 32, "cached", "regs", 2), (128, 16, "cached", "regs", 1), (128, 32, "cached", "smem", 1),
                 (256, 32, "cached", "smem", 1), (512, 32, "cached", "smem", 1), (1024, 32, "cached", "smem", 1),
                 (1024, 64, "cached", "smem", 1), (512, 64, "reread", "regs", 1))
-AUTO_GRAD_BLOCK_LADDER = {"layer_norm": _GRAD_LADDER,
-                          "rms_norm": _GRAD_LADDER[:5] + ((512, 64, "cached", "smem", 1),) + _GRAD_LADDER[5:]}
+
+
+def _grad_ladder(rung_at_512: tuple) -> tuple:
+    return _GRAD_LADDER[:5] + (rung_at_512,) + _GRAD_LADDER[5:]
+
+
+AUTO_GRAD_BLOCK_LADDER = {"layer_norm": _grad_ladder((512, 48, "cached", "smem", 1)),
+                          "rms_norm": _grad_ladder((512, 64, "cached", "smem", 1))}
 # unfused column reduction: aim for this many 1024-thread blocks per SM.
 PARAM_GRAD_BLOCKS_PER_SM = 8
 
@@ -200,6 +208,7 @@ class NormSpec(jit.KernelSpec):
     packed: bool = False             # forward block_regs: the row held as loaded (storage type)
     cached: bool = True              # backward block_regs: dy / x kept in registers as loaded
     smem_partials: bool = False      # backward block_regs, fused: dweight / dbias partials in shared memory
+    weight_copy: bool = False        # backward block_regs, peeled: the weight copied to shared memory
     weight: bool = False
     bias: bool = False
     residual: bool = False
@@ -236,6 +245,7 @@ class NormSpec(jit.KernelSpec):
             if self.op not in FORWARD_OPS:
                 path += "_cached" if self.cached else "_reread"
                 path += f"_r{self.rows_per_access}" if self.rows_per_access > 1 else ""
+                path += "_wcopy" if self.weight_copy else ""
         elif self.impl == "block_smem" and self.op in FORWARD_OPS:
             path = f"_b{self.block_size}_cache{self.cache_ftype.short}"
         else:
@@ -244,6 +254,12 @@ class NormSpec(jit.KernelSpec):
         flags += "_residual" if self.residual else ""
         flags += ("_pgradsmem" if self.smem_partials else "_pgrad") if self.fuse_param_grad else ""
         return head + path + flags
+
+    @property
+    def elements_past_packs(self) -> bool:
+        """The peeled backward register block: up to block_size single
+        elements past a row's packs (block_packs_per_thread)."""
+        return self.peel and self.op not in FORWARD_OPS
 
     @property
     def cache_ftype(self) -> dtypes.FloatType:
@@ -322,6 +338,26 @@ class NormGradPlan:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def block_packs_per_thread(cols: int, block_size: int, pack_size: int, elements_past_packs: bool) -> int:
+    """Packs of pack_size a thread of a register block holds of a row: enough
+    for every pack of the row, or, where the kernel takes single elements
+    past the packs (the peeled backward: BlockRowColumns in
+    kernels/common.cuh), the fewest that leave at most block_size of them:
+    cols <= block_size * (packs * pack_size + 1)."""
+    if elements_past_packs:
+        return max(1, _ceil_div(cols - block_size, block_size * pack_size))
+    return _ceil_div(cols // pack_size, block_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def check_block_covers(spec: NormSpec, cols: int) -> None:
+    """Refuses a register block plan whose threads would not reach every
+    column of a row (a hand-built spec; the planner's always do)."""
+    if spec.impl == "block_regs" and spec.packs_per_thread < block_packs_per_thread(
+            cols, spec.block_size, spec.pack_size, spec.elements_past_packs):
+        raise ValueError(f"{spec.name} holds too few packs a thread for rows of {cols} columns")
 
 
 def oneflow_warp_ladder(cols: int, rows: int, pack_size: int):
@@ -479,13 +515,6 @@ def _auto_registers(fields, rows, cols, align, target, direction, block_ladder, 
     return None, pack
 
 
-def _shifted_affine_bytes(spec: NormSpec, cols: int) -> int:
-    """Shared memory of Affine::shifted_copy: weight and / or bias, each at
-    most pack_size - 1 elements past its columns, on whole packs."""
-    stride = (cols + 2 * spec.pack_size - 2) // spec.pack_size * spec.pack_size
-    return (spec.weight + spec.bias) * stride * spec.ftype.itemsize
-
-
 def _auto_forward(spec_fields, rows, cols, align, same_phase, target) -> KernelLaunch:
     itemsize = dtypes.BY_SHORT[spec_fields["dtype"]].itemsize
     pack = vector_pack_size(cols, itemsize, align)
@@ -563,16 +592,15 @@ def _auto_backward_fused(spec_fields, rows, cols, align, same_phase, target) -> 
                                 warp.smem_bytes, target)
 
     def first_rung(pack_size: int, peel: bool) -> Optional[KernelLaunch]:
-        num_packs = cols // pack_size
         for block_size, max_bytes, *holding in AUTO_GRAD_BLOCK_LADDER[family_of(spec_fields["op"])]:
-            packs_per_thread = -(-num_packs // block_size)
+            packs_per_thread = block_packs_per_thread(cols, block_size, pack_size, peel)
             if packs_per_thread * pack_size * ftype.itemsize > max_bytes:
                 continue
             spec = NormSpec(impl="block_regs", pack_size=pack_size, block_size=block_size,
                             packs_per_thread=packs_per_thread, peel=peel, **_grad_holding(*holding),
                             **spec_fields)
             launch = fused_grad_launch(spec, rows, cols, target)
-            if launch is not None and not _uses_local_memory(spec, target):
+            if launch is not None and not _uses_local_memory(launch.spec, target):
                 return launch
         return None
 
@@ -582,24 +610,37 @@ def _auto_backward_fused(spec_fields, rows, cols, align, same_phase, target) -> 
     return launch
 
 
+def _weight_copy_bytes(spec: NormSpec, cols: int) -> int:
+    """Shared memory of NormGradIO::with_weight_copied: the weight, at most
+    pack_size - 1 elements past its columns, on whole packs."""
+    return (cols + 2 * spec.pack_size - 2) // spec.pack_size * spec.pack_size * spec.ftype.itemsize
+
+
 def _grad_smem_bytes(spec: NormSpec, cols: int) -> int:
     """Dynamic shared memory of a register block dx kernel: its dweight /
     dbias partial sums (a value per owned column and gradient) when they are
-    kept there, then, for peeled rows, the shifted copy of the weight."""
-    smem = 0
+    kept there, then the weight's copy."""
+    smem = _weight_copy_bytes(spec, cols) if spec.weight_copy else 0
     if spec.smem_partials:
         grads = PARAM_GRADS[family_of(spec.op)]
         compute_itemsize = dtypes.BY_SHORT[spec.ftype.compute].itemsize
-        smem = grads * spec.packs_per_thread * spec.block_size * spec.pack_size * compute_itemsize
-    if spec.peel:
-        smem += _shifted_affine_bytes(spec, cols)
+        smem += grads * spec.packs_per_thread * spec.block_size * spec.pack_size * compute_itemsize
     return smem
 
 
 def fused_grad_launch(spec: NormSpec, rows: int, cols: int, target: Target) -> Optional[KernelLaunch]:
     """A register block dx kernel with fused partials: one resident wave
     (a workspace row a block), whole phase periods for peeled rows; None
-    where its shared memory leaves no block resident."""
+    where its shared memory leaves no block resident. Peeled rows read the
+    weight from a copy in shared memory where that leaves as many blocks
+    resident, else from global memory at any offset (RMSNorm f16, 12345
+    cols, 512 x 4 packs: 90.8 % of copy against 74.6 %)."""
+    if spec.peel and spec.weight:
+        copied = replace(spec, weight_copy=True)
+        smem = _grad_smem_bytes(spec, cols)
+        blocks = target.max_active_blocks(spec, spec.block_size, smem, True)
+        if blocks and target.max_active_blocks(spec, spec.block_size, _grad_smem_bytes(copied, cols), True) == blocks:
+            spec = copied
     smem = _grad_smem_bytes(spec, cols)
     if smem > target.facts.smem_per_block_optin or not target.max_active_blocks(spec, spec.block_size, smem, True):
         return None
@@ -765,6 +806,7 @@ def launch_forward(chosen: NormPlan, device_id: int, rows: int, cols: int, x, y,
     """Runs a forward plan: x, y and residual are rowwise.Operands, h (stored
     when residual is given) a contiguous [rows, cols] array, weight / bias
     contiguous [cols], mean / rstd [rows] in the compute type (None: not stored)."""
+    check_block_covers(chosen.main.spec, cols)
     ftype = dtypes.float_type(x.array.dtype)
     _run(chosen.main, device_id, (
         x.array, _pointer(None if residual is None else residual.array), _pointer(weight),
@@ -878,6 +920,7 @@ def launch_backward(chosen: NormGradPlan, device_id: int, rows: int, cols: int, 
     kernels skip a null one."""
     import cupy
 
+    check_block_covers(chosen.main.spec, cols)
     weight_parts = bias_parts = None
     if dweight is not None:
         weight_parts = cupy.empty((chosen.num_parts, cols), rstd.dtype)
