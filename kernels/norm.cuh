@@ -136,7 +136,7 @@ struct Affine {
   // load_pack_realigned at their word shift, the same for every pack of the
   // row (one branch a row), or by load_pack_unaligned where weight and bias
   // sit at different offsets. ncu, LayerNorm f16 12345 cols, 256 x 7 packs:
-  // words selected at run time in every pack cost 89 instructions a pack.
+  // words selected by a branch in every pack cost 89 instructions a pack.
   template <typename Body>
   __device__ __forceinline__ void realigned(int64 head, const Body& body) const {
     if constexpr (!has_weight && !has_bias) {
@@ -797,9 +797,10 @@ struct BlockRowColumns {
 // partials leave room for it), else as packs at any offset from global
 // memory (NormGradIO::at_any_offset).
 template <typename C, int pack_size, int packs_per_thread, int block_size, int rows_per_access, bool held,
-          bool fuse_param_grad, bool smem_partials, bool peel, typename IO>
+          bool fuse_param_grad, bool smem_partials, bool peel, bool weight_copy, typename IO>
 __device__ __forceinline__ void norm_grad_block_rows(
-    const IO& io, int64 rows, int64 cols, const BlockRowColumns<pack_size, packs_per_thread, block_size, peel>& columns) {
+    const IO& global_io, int64 rows, int64 cols,
+    const BlockRowColumns<pack_size, packs_per_thread, block_size, peel>& columns) {
   typedef typename IO::Storage T;
   typedef typename IO::template Fetched<pack_size> Fetched;
   typedef ParamGradPartials<C, pack_size, fuse_param_grad ? packs_per_thread : 1, block_size, IO::centered,
@@ -813,6 +814,11 @@ __device__ __forceinline__ void norm_grad_block_rows(
   extern __shared__ __align__(16) unsigned char shared_buf[];
   Partials partials(shared_buf);
   ParamGradPartials<C, 1, 1, 1, IO::centered, false> edge_partials(nullptr);
+  IO io = global_io;
+  if constexpr (weight_copy && IO::has_weight) {
+    io = io.template with_weight_copied<pack_size>(reinterpret_cast<T*>(shared_buf + Partials::smem_bytes), cols,
+                                                   columns.head);
+  }
   constexpr bool hoist_weight = held && !smem_partials;
   Pack<T, pack_size> weight[hoist_weight ? packs_per_thread : 1];
   if constexpr (hoist_weight) {
@@ -925,15 +931,9 @@ __device__ __forceinline__ void norm_grad_block_regs(const IO& io, int64 rows, i
       cols, peel && blockIdx.x < rows ? row_head(blockIdx.x) : 0);
   const auto run = [&](const auto& block_io) {
     norm_grad_block_rows<C, pack_size, packs_per_thread, block_size, rows_per_access, held, fuse_param_grad,
-                         smem_partials, peel>(block_io, rows, cols, columns);
+                         smem_partials, peel, peel && weight_copy>(block_io, rows, cols, columns);
   };
-  if constexpr (peel && weight_copy && IO::has_weight) {
-    typedef ParamGradPartials<C, pack_size, fuse_param_grad ? packs_per_thread : 1, block_size, IO::centered,
-                              smem_partials> Partials;
-    extern __shared__ __align__(16) unsigned char shared_buf[];
-    typename IO::Storage* const cache = reinterpret_cast<typename IO::Storage*>(shared_buf + Partials::smem_bytes);
-    run(io.template with_weight_copied<pack_size>(cache, cols, columns.head));
-  } else if constexpr (peel) {
+  if constexpr (peel && !weight_copy) {
     run(io.at_any_offset());
   } else {
     run(io);

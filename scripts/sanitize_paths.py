@@ -1,5 +1,5 @@
 """Runs every kernel path once on small shapes, for compute-sanitizer
-(memcheck, racecheck): python scripts/sanitize_paths.py [--quick].
+(memcheck, racecheck): python scripts/sanitize_paths.py.
 
 Each shape is chosen to reach one path of the auto or OneFlow plans (printed
 with the kernel name), forward and backward, softmax and the norms, and the

@@ -344,7 +344,7 @@ def block_packs_per_thread(cols: int, block_size: int, pack_size: int, elements_
     """Packs of pack_size a thread of a register block holds of a row: enough
     for every pack of the row, or, where the kernel takes single elements
     past the packs (the peeled backward: BlockRowColumns in
-    kernels/common.cuh), the fewest that leave at most block_size of them:
+    kernels/norm.cuh), the fewest that leave at most block_size of them:
     cols <= block_size * (packs * pack_size + 1)."""
     if elements_past_packs:
         return max(1, _ceil_div(cols - block_size, block_size * pack_size))
@@ -634,15 +634,15 @@ def fused_grad_launch(spec: NormSpec, rows: int, cols: int, target: Target) -> O
     where its shared memory leaves no block resident. Peeled rows read the
     weight from a copy in shared memory where that leaves as many blocks
     resident, else from global memory at any offset (RMSNorm f16, 12345
-    cols, 512 x 4 packs: 90.8 % of copy against 74.6 %)."""
-    if spec.peel and spec.weight:
-        copied = replace(spec, weight_copy=True)
-        smem = _grad_smem_bytes(spec, cols)
-        blocks = target.max_active_blocks(spec, spec.block_size, smem, True)
-        if blocks and target.max_active_blocks(spec, spec.block_size, _grad_smem_bytes(copied, cols), True) == blocks:
-            spec = copied
+    cols, 512 x 4 packs: 88.9 % of copy against 74.6 %)."""
     smem = _grad_smem_bytes(spec, cols)
-    if smem > target.facts.smem_per_block_optin or not target.max_active_blocks(spec, spec.block_size, smem, True):
+    blocks = target.max_active_blocks(spec, spec.block_size, smem, True)
+    if spec.peel and spec.weight and blocks:
+        copied = replace(spec, weight_copy=True)
+        copied_smem = _grad_smem_bytes(copied, cols)
+        if target.max_active_blocks(spec, spec.block_size, copied_smem, True) == blocks:
+            spec, smem = copied, copied_smem
+    if smem > target.facts.smem_per_block_optin or not blocks:
         return None
     launch = _resident_launch(spec, (spec.block_size, 1, 1), 1, rows, smem, target)
     return _whole_phase_periods(launch, rows) if spec.peel else launch
