@@ -463,14 +463,39 @@ __device__ __forceinline__ void norm_block_uncached(const Input& in, const Outpu
 // ===========================================================================
 // Backward.
 
+// Where a peeled backward register block reads the weight (norm.py:
+// NormSpec.weight_source): from a copy in the block's shared memory at its
+// rows' phase (NormGradIO::with_weight_copied), or from pack_size phase
+// copies in global memory written before the dx kernel (norm_weight_phases):
+// copy h is shifted so that the columns of a row with head h fall on whole
+// packs. Rows on the 16-byte grid read the weight itself (WEIGHT_DIRECT).
+constexpr int WEIGHT_DIRECT = 0;
+constexpr int WEIGHT_SHARED_COPY = 1;
+constexpr int WEIGHT_PHASE_COPIES = 2;
+
+// Where phase copy `head` starts among the N copies: column `head` of it
+// lies on a whole N-element pack (stride: a multiple of N).
+template <int N>
+__device__ __forceinline__ int64 weight_phase_offset(int head, int64 stride) {
+  return head * stride + (N - head);
+}
+
+// Writes the N phase copies of `weight` (cols elements), `stride` elements
+// apart (a multiple of N, at least cols + N); grid.y picks the copy.
+template <typename T, int N>
+__device__ __forceinline__ void norm_weight_phases(const T* weight, int64 cols, T* copies, int64 stride) {
+  T* const copy = copies + weight_phase_offset<N>(blockIdx.y, stride);
+  const int64 step = static_cast<int64>(gridDim.x) * blockDim.x;
+  for (int64 c = static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x; c < cols; c += step) copy[c] = weight[c];
+}
+
 // What the backward kernels read and write. mean is null for RMSNorm; each
 // partial pointer is null unless its gradient is wanted (and, for the dx
 // kernels, the partials are fused): every write through one is guarded.
-// weight_shift: how the weight's packs are read (Affine).
-template <typename T, typename C, bool is_centered, bool with_weight, int weight_shift = ALIGNED>
+template <typename T, typename C, bool is_centered, bool with_weight>
 struct NormGradIO {
   typedef T Storage;
-  typedef Affine<T, C, with_weight, false, weight_shift> Weight;
+  typedef Affine<T, C, with_weight, false> Weight;
   static constexpr bool centered = is_centered;
   static constexpr bool has_weight = with_weight;
   const T* dy;
@@ -500,11 +525,6 @@ struct NormGradIO {
     if constexpr (has_weight) w = Weight::template read_pack<N>(weight, col);
     return w;
   }
-  // This IO reading the weight's packs at any element offset (a peeled
-  // row's columns; load_pack_unaligned).
-  __device__ __forceinline__ NormGradIO<T, C, centered, has_weight, ANY_WORD_SHIFT> at_any_offset() const {
-    return {dy, x, weight, mean, rstd, dx, weight_partials, bias_partials, dy_stride, x_stride, dx_stride};
-  }
   // This IO reading a copy of the weight in the block's shared memory
   // `cache`, shifted so that a peeled row's columns, head + N * j, fall on
   // whole N-element packs there (norm.py: _weight_copy_bytes).
@@ -513,9 +533,13 @@ struct NormGradIO {
     T* const copy = cache + (N - head) % N;
     for (int64 c = threadIdx.x; c < cols; c += blockDim.x) copy[c] = weight[c];
     __syncthreads();
-    NormGradIO copied = *this;
-    copied.weight = copy;
-    return copied;
+    return reading_weight(copy);
+  }
+  // This IO reading the weight from `vector` instead (the same columns).
+  __device__ __forceinline__ NormGradIO reading_weight(const T* vector) const {
+    NormGradIO moved = *this;
+    moved.weight = vector;
+    return moved;
   }
   template <int N>
   __device__ __forceinline__ void weights_of(const Pack<T, N>& stored, C* w) const {
@@ -793,9 +817,8 @@ struct BlockRowColumns {
 // is a multiple of the rows' phase period), so the block's first row gives
 // the columns each thread owns in every row (BlockRowColumns: 16-byte packs
 // between single-element edges). The weight is read at those columns from
-// a copy in shared memory at the rows' phase (weight_copy, where the
-// partials leave room for it), else as packs at any offset from global
-// memory (NormGradIO::at_any_offset).
+// a copy in shared memory at the rows' phase (weight_copy) or from its phase
+// copies in global memory (WEIGHT_PHASE_COPIES, norm_grad_block_regs).
 template <typename C, int pack_size, int packs_per_thread, int block_size, int rows_per_access, bool held,
           bool fuse_param_grad, bool smem_partials, bool peel, bool weight_copy, typename IO>
 __device__ __forceinline__ void norm_grad_block_rows(
@@ -925,16 +948,19 @@ __device__ __forceinline__ void norm_grad_block_rows(
 }
 
 template <typename IO, typename C, int pack_size, int packs_per_thread, int block_size, int rows_per_access,
-          bool held, bool fuse_param_grad, bool smem_partials, bool peel, bool weight_copy, typename RowHead>
-__device__ __forceinline__ void norm_grad_block_regs(const IO& io, int64 rows, int64 cols, const RowHead& row_head) {
+          bool held, bool fuse_param_grad, bool smem_partials, bool peel, int weight_source, typename RowHead>
+__device__ __forceinline__ void norm_grad_block_regs(const IO& io, int64 rows, int64 cols, const RowHead& row_head,
+                                                     int64 weight_phase_stride) {
   const BlockRowColumns<pack_size, packs_per_thread, block_size, peel> columns(
       cols, peel && blockIdx.x < rows ? row_head(blockIdx.x) : 0);
   const auto run = [&](const auto& block_io) {
     norm_grad_block_rows<C, pack_size, packs_per_thread, block_size, rows_per_access, held, fuse_param_grad,
-                         smem_partials, peel, peel && weight_copy>(block_io, rows, cols, columns);
+                         smem_partials, peel, peel && weight_source == WEIGHT_SHARED_COPY>(block_io, rows, cols,
+                                                                                         columns);
   };
-  if constexpr (peel && !weight_copy) {
-    run(io.at_any_offset());
+  static_assert(!peel || !IO::has_weight || weight_source != WEIGHT_DIRECT, "peeled rows read a weight copy");
+  if constexpr (peel && IO::has_weight && weight_source == WEIGHT_PHASE_COPIES) {
+    run(io.reading_weight(io.weight + weight_phase_offset<pack_size>(columns.head, weight_phase_stride)));
   } else {
     run(io);
   }

@@ -19,9 +19,10 @@ from cupyops.ops import softmax_axis, softmax_split
 # resident grid: the norm backward's blocks walking rows at their phase, its
 # block reduction alternating halves of its partials with one barrier a row,
 # its partial sums and weight copy in shared memory, 127 single elements
-# past its packs; at 12543 cols LayerNorm's weight read at any offset; 16-bit
-# rows of 1023 cols two at a time, the last pair of some blocks one row
-# short), registers, cp.async, shared memory, uncached, split rows
+# past its packs; at 12543 cols LayerNorm's weight read from its phase
+# copies; 16-bit rows of 1023 cols two at a time, the last pair of some
+# blocks one row short), registers, cp.async, shared memory, uncached, split
+# rows
 ROW_SHAPES = [(6, 100), (2500, 4223), (40, 12543), (2999, 1023), (4, 4096), (600, 2048), (3, 32768), (3, 40001), (2, 300000),
               (2, 1 << 19)]
 DTYPES = (cupy.float16, cupy.float32)

@@ -137,7 +137,7 @@ def _backward_variants(op, dtype, rows, cols, target, param_grad):
                     continue
                 main = norm.fused_grad_launch(spec, rows, cols, target)
                 if main is not None:
-                    found.append((f"{label} {partials}", norm.NormGradPlan(main, None, finish, main.grid[0], 0)))
+                    found.append((f"{label} {partials}", norm.fused_grad_plan(main, cols)))
     if not param_grad:
         return found
     dx = norm._auto_backward_dx(fields, rows, cols, 16, target)

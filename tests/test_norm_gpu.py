@@ -286,9 +286,10 @@ def test_peeled_rows_read_weight_and_bias_at_any_offset(rng, op, cols, dtype):
     offset from the 16-byte grid (every word shift, and half words for 16-bit
     types), both at the same offset (one word shift a row) and at different
     offsets (the shift found in every pack), against the reference; the
-    backward (dx, dweight, dbias) with each weight view, read at any offset or
-    from its copy in shared memory. 12543 cols leave the backward up to 255
-    single elements past its packs (512 x 3, f16)."""
+    backward (dx, dweight, dbias) with each weight view, read from its copy
+    in shared memory (RMSNorm, and 2049 cols) or from its phase copies in
+    global memory (LayerNorm at 12345 and 12543 cols). 12543 cols leave the
+    backward up to 255 single elements past its packs (512 x 3, f16)."""
     centered = op == "layer_norm"
     itemsize = numpy.dtype(dtype).itemsize
     per_pack = 16 // itemsize
@@ -296,6 +297,8 @@ def test_peeled_rows_read_weight_and_bias_at_any_offset(rng, op, cols, dtype):
     spec = norm.plan(op, rows, cols, dtypes.float_type(dtype).short, "auto", Target.live(0), itemsize,
                      bias=centered).spec
     assert spec.impl != "block_regs" or spec.peel, spec.name
+    grad = norm.plan(f"{op}_backward", rows, cols, spec.dtype, "auto", Target.live(0), itemsize).spec
+    assert grad.weight_source == ("phase_copies" if centered and cols > 4096 else "shared_copy"), grad.name
     x, x64 = _data(rng, (rows, cols), dtype)
     weight_base, weight_base64 = _data(rng, (cols + per_pack,), dtype, 1.0, 0.2)
     bias_base, bias_base64 = _data(rng, (cols + per_pack,), dtype, 0.0, 0.2)

@@ -175,17 +175,35 @@ def test_peeled_rows_leave_at_most_a_single_element_a_thread(block_size, pack_si
 def test_auto_peeled_backward_holds_as_many_packs_as_aligned_rows():
     """LayerNorm f16 backward, 12345 cols: 512 x 3 packs as at 12288 cols (its
     partials, 96 KiB, leave two blocks an SM), the 57 columns past the packs
-    single elements; the weight read at any offset, its copy not fitting
-    beside the partials at two blocks an SM. RMSNorm (half the partials)
-    copies it."""
+    single elements; the weight read from its phase copies in global memory,
+    a copy in shared memory not fitting beside the partials at two blocks an
+    SM. RMSNorm (half the partials) copies it to shared memory."""
     backward = norm.plan("layer_norm_backward", ROWS, 12345, "f16", "auto", H100, align=2).main
     aligned = norm.plan("layer_norm_backward", ROWS, 12288, "f16", "auto", H100).main
     assert (backward.spec.block_size, backward.spec.packs_per_thread, backward.spec.peel) == (512, 3, True)
     assert (aligned.spec.block_size, aligned.spec.packs_per_thread, aligned.spec.smem_partials) == (512, 3, True)
     assert backward.smem_bytes == aligned.smem_bytes == 2 * 3 * 512 * 8 * 4
-    assert not backward.spec.weight_copy
-    rms = norm.plan("rms_norm_backward", ROWS, 12345, "f16", "auto", H100, align=2).main
-    assert rms.spec.weight_copy and rms.smem_bytes == 3 * 512 * 8 * 4 + norm._weight_copy_bytes(rms.spec, 12345)
+    chosen = norm.plan("layer_norm_backward", ROWS, 12345, "f16", "auto", H100, align=2)
+    assert backward.spec.weight_source == "phase_copies"
+    assert chosen.launches[0] is chosen.weight_phases and chosen.weight_phases.grid[1] == 8
+    rms = norm.plan("rms_norm_backward", ROWS, 12345, "f16", "auto", H100, align=2)
+    assert rms.spec.weight_source == "shared_copy" and rms.weight_phases is None
+    assert rms.main.smem_bytes == 3 * 512 * 8 * 4 + norm._weight_copy_bytes(rms.spec, 12345)
+
+
+def test_float32_layer_norm_backward_reads_phase_copies_from_1024_threads():
+    """LayerNorm f32 peeled rows at 1024 threads read the weight's phase
+    copies although its shared copy fits (AUTO_GRAD_PHASE_COPIES_FROM_BLOCK);
+    at 512 threads the shared copy."""
+    wide = norm.plan("layer_norm_backward", ROWS, 12345, "f32", "auto", H100, align=4)
+    assert (wide.spec.block_size, wide.spec.packs_per_thread, wide.spec.weight_source) == (1024, 3, "phase_copies")
+    assert wide.main.smem_bytes == 2 * 3 * 1024 * 4 * 4
+    assert wide.weight_phases.grid[1] == 4 and wide.launches[:2] == (wide.weight_phases, wide.main)
+    copied = norm.replace(wide.spec, weight_source="shared_copy")
+    assert H100.max_active_blocks(copied, 1024, norm._grad_smem_bytes(copied, 12345), True) == 1
+    narrow = norm.plan("layer_norm_backward", ROWS, 4097, "f32", "auto", H100, align=4)
+    assert (narrow.spec.block_size, narrow.spec.weight_source) == (512, "shared_copy")
+    assert narrow.weight_phases is None
 
 
 def test_launch_refuses_blocks_that_miss_columns():

@@ -49,8 +49,10 @@ backward pass folds dweight / dbias partial sums into the dx kernel while they
 fit in registers or shared memory, in one wave of resident blocks (one
 workspace row each): rungs that keep the row in registers or read it twice,
 with the partial sums in registers or shared memory (AUTO_GRAD_BLOCK_LADDER);
-16-bit rows off the 16-byte grid peel, on a grid of whole phase periods, with
-the weight copied to shared memory at the rows' phase.
+16-bit and float32 rows off the 16-byte grid peel (AUTO_GRAD_PEEL_ITEMSIZES),
+on a grid of whole phase periods, with
+the weight copied to shared memory at the rows' phase, or read from its
+phase copies in global memory (AUTO_GRAD_PHASE_COPIES_FROM_BLOCK).
 
 dweight / dbias are always reduced in the compute type to a workspace of
 [parts, cols] partial sums, then summed by a second kernel in a fixed order:
@@ -112,9 +114,10 @@ AUTO_BLOCK_REGS_LADDER = {
 }
 # auto, forward: (op, dtype) -> from these cols, 16-byte packs, the row cached
 # as stored in shared memory with 512 threads before the register rungs.
-# RMSNorm bf16 (H200): 16384 cols 97.4 % of copy against 84.6 % in registers,
-# 32768 cols 96.6 % against 80.1 %; LayerNorm bf16 is slower there (61-68 %,
-# a Welford state a pack) and float16 RMSNorm already at 97 % in registers.
+# RMSNorm bf16 (H200): 16384 cols 97.3 % of copy against 96.8 % in registers
+# (512 x 4 packs), 32768 cols 96.7 % against 96.3 % (512 x 8 as loaded); a
+# near tie since bfloat16 converts by a mov (common.cuh; 84.6 and 80.1 % in
+# registers before). LayerNorm bf16 is slower there (84 % at 32768 cols).
 AUTO_SMEM_FIRST = {("rms_norm", "bf16"): 16384}
 # auto, forward: (op, storage itemsize) -> rows of these cols and more, in
 # 16-byte packs, skip the warp path for the register block path. RMSNorm 16-bit at 1024 cols, 64 x 2
@@ -162,6 +165,18 @@ AUTO_PEELED_PACKED_LADDER = {("rms_norm", 2): ((64, 64), (128, 128), (256, 128),
 # LayerNorm takes 48 bytes at 512 threads (its partials, 96 KiB, leave two
 # blocks an SM): 12288 cols f16 89.4 % against 68.5 % at 1024 x 32 bytes.
 AUTO_GRAD_PEEL_ITEMSIZES = (2, 4)
+# auto, backward, peeled rows: the weight is copied to shared memory where
+# that leaves as many blocks resident, else read from its phase copies in
+# global memory (H200, % of copy, shared copy against phase copies: RMSNorm
+# f16 12345 cols 512 x 3 packs 92.9 / 89.5, bf16 16383 cols 512 x 4 94.2 /
+# 91.0, f32 12345 cols 1024 x 3 98.1 / 94.9; LayerNorm f16 4097 cols 256 x 2
+# 80.4 / 77.8; where the copy does not fit, LayerNorm f16 / bf16 12345 cols
+# 512 x 3, phase copies 78.6 / 78.1 against 76.9 / 74.5 reading the weight
+# at any offset). (family, itemsize) -> from this block size the phase
+# copies are read even where a shared copy fits: LayerNorm f32 12345 cols
+# 1024 x 3 92.2 against 87.5, 16383 cols 1024 x 4 93.8 against 76.1 (at
+# 512 x 2, 4097 cols, the shared copy: 95.4 against 92.4).
+AUTO_GRAD_PHASE_COPIES_FROM_BLOCK = {("layer_norm", 4): 1024}
 _GRAD_LADDER = ((64, 32, "cached", "regs", 2), (128, 16, "cached", "regs", 1), (128, 32, "cached", "smem", 1),
                 (256, 32, "cached", "smem", 1), (512, 32, "cached", "smem", 1), (1024, 32, "cached", "smem", 1),
                 (1024, 64, "cached", "smem", 1), (512, 64, "reread", "regs", 1))
@@ -173,6 +188,12 @@ def _grad_ladder(rung_at_512: tuple) -> tuple:
 
 AUTO_GRAD_BLOCK_LADDER = {"layer_norm": _grad_ladder((512, 48, "cached", "smem", 1)),
                           "rms_norm": _grad_ladder((512, 64, "cached", "smem", 1))}
+# Where a backward register block reads the weight (kernels/norm.cuh,
+# WEIGHT_*): name -> (device constant, kernel name suffix). Peeled rows read
+# a copy (fused_grad_launch picks it), rows on the 16-byte grid the weight.
+WEIGHT_SOURCES = {"direct": ("WEIGHT_DIRECT", ""), "shared_copy": ("WEIGHT_SHARED_COPY", "_wcopy"),
+                  "phase_copies": ("WEIGHT_PHASE_COPIES", "_wphases")}
+WEIGHT_PHASES_BLOCK = 256
 # unfused column reduction: aim for this many 1024-thread blocks per SM.
 PARAM_GRAD_BLOCKS_PER_SM = 8
 
@@ -208,7 +229,7 @@ class NormSpec(jit.KernelSpec):
     packed: bool = False             # forward block_regs: the row held as loaded (storage type)
     cached: bool = True              # backward block_regs: dy / x kept in registers as loaded
     smem_partials: bool = False      # backward block_regs, fused: dweight / dbias partials in shared memory
-    weight_copy: bool = False        # backward block_regs, peeled: the weight copied to shared memory
+    weight_source: str = "direct"    # backward block_regs, peeled: where the weight is read (WEIGHT_SOURCES)
     weight: bool = False
     bias: bool = False
     residual: bool = False
@@ -231,6 +252,8 @@ class NormSpec(jit.KernelSpec):
         types = f"{self.dtype}_{self.ftype.compute}"
         if self.impl in ("param_grad", "param_grad_finish"):
             return f"{self.op}_{types}"
+        if self.impl == "weight_phases":
+            return f"{self.op}_{self.dtype}_p{self.pack_size}"
         head = f"{self.op}_{self.impl}_{types}_p{self.pack_size}"
         if self.impl == "warp":
             cols = f"c{self.cols_per_thread}"
@@ -245,7 +268,7 @@ class NormSpec(jit.KernelSpec):
             if self.op not in FORWARD_OPS:
                 path += "_cached" if self.cached else "_reread"
                 path += f"_r{self.rows_per_access}" if self.rows_per_access > 1 else ""
-                path += "_wcopy" if self.weight_copy else ""
+                path += WEIGHT_SOURCES[self.weight_source][1]
         elif self.impl == "block_smem" and self.op in FORWARD_OPS:
             path = f"_b{self.block_size}_cache{self.cache_ftype.short}"
         else:
@@ -271,6 +294,8 @@ class NormSpec(jit.KernelSpec):
             return WARP_BLOCK_THREADS
         if self.impl in ("param_grad", "param_grad_finish"):
             return PARAM_GRAD_BLOCK[0] * PARAM_GRAD_BLOCK[1]
+        if self.impl == "weight_phases":
+            return WEIGHT_PHASES_BLOCK
         return self.block_size
 
     @property
@@ -287,7 +312,8 @@ class NormSpec(jit.KernelSpec):
     def template_args(self) -> dict:
         return {**super().template_args(), "storage_type": self.ftype.c_type,
                 "compute_type": self.ftype.compute_c_type, "cache_type": self.cache_ftype.c_type,
-                "centered": self.centered, "min_blocks_per_sm": self.min_blocks_per_sm}
+                "centered": self.centered, "min_blocks_per_sm": self.min_blocks_per_sm,
+                "weight_source_constant": WEIGHT_SOURCES[self.weight_source][0]}
 
 
 @dataclass(frozen=True)
@@ -309,13 +335,15 @@ class NormPlan:
 
 @dataclass(frozen=True)
 class NormGradPlan:
-    """Backward: the dx kernel (partials fused or not), the column reduction
-    when not fused, and the kernel that sums the [parts, cols] partials."""
+    """Backward: the weight's phase copies when the dx kernel reads them, the
+    dx kernel (partials fused or not), the column reduction when not fused,
+    and the kernel that sums the [parts, cols] partials."""
     main: KernelLaunch
     param_grad: Optional[KernelLaunch]
     finish: Optional[KernelLaunch]
     num_parts: int                 # workspace rows of partial sums
     rows_per_chunk: int            # rows per workspace row of the column reduction
+    weight_phases: Optional[KernelLaunch] = None
 
     @property
     def spec(self) -> NormSpec:
@@ -323,7 +351,7 @@ class NormGradPlan:
 
     @property
     def launches(self) -> tuple:
-        return tuple(k for k in (self.main, self.param_grad, self.finish) if k is not None)
+        return tuple(k for k in (self.weight_phases, self.main, self.param_grad, self.finish) if k is not None)
 
     def explain(self) -> dict:
         info = self.main.explain()
@@ -331,6 +359,8 @@ class NormGradPlan:
             info["param_grad"] = "fused" if self.param_grad is None else self.param_grad.spec.name
             info["workspace_rows"] = self.num_parts
             info["finish_kernel"] = self.finish.spec.name
+        if self.weight_phases is not None:
+            info["weight_phases_kernel"] = self.weight_phases.spec.name
         return info
 
 
@@ -620,7 +650,7 @@ def _grad_smem_bytes(spec: NormSpec, cols: int) -> int:
     """Dynamic shared memory of a register block dx kernel: its dweight /
     dbias partial sums (a value per owned column and gradient) when they are
     kept there, then the weight's copy."""
-    smem = _weight_copy_bytes(spec, cols) if spec.weight_copy else 0
+    smem = _weight_copy_bytes(spec, cols) if spec.weight_source == "shared_copy" else 0
     if spec.smem_partials:
         grads = PARAM_GRADS[family_of(spec.op)]
         compute_itemsize = dtypes.BY_SHORT[spec.ftype.compute].itemsize
@@ -628,24 +658,50 @@ def _grad_smem_bytes(spec: NormSpec, cols: int) -> int:
     return smem
 
 
+def weight_phase_stride(pack_size: int, cols: int) -> int:
+    """Elements between the weight's phase copies: whole packs, at least
+    cols + pack_size (kernels/norm.cuh: weight_phase_offset)."""
+    return _ceil_div(cols + pack_size, pack_size) * pack_size
+
+
+def weight_phases_launch(spec: NormSpec, cols: int) -> Optional[KernelLaunch]:
+    """The kernel writing the weight's pack_size phase copies, when the dx
+    kernel `spec` reads them."""
+    if spec.weight_source != "phase_copies":
+        return None
+    copies = NormSpec("norm_weight_phases", "weight_phases", spec.dtype, spec.pack_size)
+    grid = (_ceil_div(cols, WEIGHT_PHASES_BLOCK), spec.pack_size, 1)
+    return KernelLaunch(copies, (WEIGHT_PHASES_BLOCK, 1, 1), grid, 0)
+
+
 def fused_grad_launch(spec: NormSpec, rows: int, cols: int, target: Target) -> Optional[KernelLaunch]:
     """A register block dx kernel with fused partials: one resident wave
     (a workspace row a block), whole phase periods for peeled rows; None
     where its shared memory leaves no block resident. Peeled rows read the
-    weight from a copy in shared memory where that leaves as many blocks
-    resident, else from global memory at any offset (RMSNorm f16, 12345
-    cols, 512 x 4 packs: 88.9 % of copy against 74.6 %)."""
+    weight from a copy in shared memory or from its phase copies
+    (AUTO_GRAD_PHASE_COPIES_FROM_BLOCK)."""
+    if spec.peel and spec.weight:
+        spec = replace(spec, weight_source="phase_copies")
     smem = _grad_smem_bytes(spec, cols)
     blocks = target.max_active_blocks(spec, spec.block_size, smem, True)
-    if spec.peel and spec.weight and blocks:
-        copied = replace(spec, weight_copy=True)
+    phases_from = AUTO_GRAD_PHASE_COPIES_FROM_BLOCK.get((family_of(spec.op), spec.ftype.itemsize))
+    if spec.peel and spec.weight and blocks and spec.block_size < (phases_from or spec.block_size + 1):
+        copied = replace(spec, weight_source="shared_copy")
         copied_smem = _grad_smem_bytes(copied, cols)
-        if target.max_active_blocks(spec, spec.block_size, copied_smem, True) == blocks:
+        if target.max_active_blocks(copied, spec.block_size, copied_smem, True) == blocks:
             spec, smem = copied, copied_smem
     if smem > target.facts.smem_per_block_optin or not blocks:
         return None
     launch = _resident_launch(spec, (spec.block_size, 1, 1), 1, rows, smem, target)
     return _whole_phase_periods(launch, rows) if spec.peel else launch
+
+
+def fused_grad_plan(main: KernelLaunch, cols: int) -> NormGradPlan:
+    """The backward plan around a dx kernel with fused partials: the weight's
+    phase copies it may read, its workspace row a block, the finish kernel."""
+    spec = main.spec
+    return NormGradPlan(main, None, _finish_launch(family_of(spec.op), spec.dtype, cols), main.grid[0], 0,
+                        weight_phases_launch(spec, cols))
 
 
 def _param_grad_launches(family, dtype, rows, cols, target):
@@ -700,7 +756,7 @@ def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target,
     if policy == "auto" and param_grad:
         main = _auto_backward_fused({**fields, "fuse_param_grad": True}, rows, cols, align, same_phase, target)
     if main is not None:
-        return NormGradPlan(main, None, _finish_launch(family, dtype, cols), main.grid[0], 0)
+        return fused_grad_plan(main, cols)
     if policy == "oneflow":
         main = _oneflow_main(family, fields, rows, cols, align, target, 2)
     else:
@@ -745,6 +801,19 @@ def _function(launch: KernelLaunch, device_id: int):
 
 def _run(launch: KernelLaunch, device_id: int, args: tuple) -> None:
     _function(launch, device_id)(launch.grid, launch.block, args, shared_mem=launch.smem_bytes)
+
+
+def _write_weight_phases(launch: Optional[KernelLaunch], device_id: int, cols: int, weight):
+    """Runs a plan's weight_phases launch: (weight, stride) for the dx
+    kernel, the phase copies, or the weight itself and 0 without the launch."""
+    import cupy
+
+    if launch is None:
+        return weight, 0
+    stride = weight_phase_stride(launch.spec.pack_size, cols)
+    copies = cupy.empty(launch.spec.pack_size * stride, weight.dtype)
+    _run(launch, device_id, (weight, numpy.int64(cols), copies, numpy.int64(stride)))
+    return copies, stride
 
 
 def _pointer(array):
@@ -921,6 +990,7 @@ def launch_backward(chosen: NormGradPlan, device_id: int, rows: int, cols: int, 
     import cupy
 
     check_block_covers(chosen.main.spec, cols)
+    weight, phase_stride = _write_weight_phases(chosen.weight_phases, device_id, cols, weight)
     weight_parts = bias_parts = None
     if dweight is not None:
         weight_parts = cupy.empty((chosen.num_parts, cols), rstd.dtype)
@@ -938,7 +1008,7 @@ def launch_backward(chosen: NormGradPlan, device_id: int, rows: int, cols: int, 
             _pointer(bias_parts if writes_parts else None),
             numpy.int64(rows), numpy.int64(cols), numpy.int64(dy.row_stride),
             numpy.int64(x.row_stride), numpy.int64(dx.row_stride),
-            numpy.int64(chosen.rows_per_chunk)))
+            numpy.int64(chosen.rows_per_chunk), numpy.int64(phase_stride)))
     if chosen.finish is not None:
         _run(chosen.finish, device_id, (_pointer(weight_parts), _pointer(bias_parts),
                                         numpy.int64(chosen.num_parts), numpy.int64(cols),
