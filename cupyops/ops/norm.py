@@ -684,8 +684,8 @@ def fused_grad_launch(spec: NormSpec, rows: int, cols: int, target: Target) -> O
         spec = replace(spec, weight_source="phase_copies")
     smem = _grad_smem_bytes(spec, cols)
     blocks = target.max_active_blocks(spec, spec.block_size, smem, True)
-    phases_from = AUTO_GRAD_PHASE_COPIES_FROM_BLOCK.get((family_of(spec.op), spec.ftype.itemsize))
-    if spec.peel and spec.weight and blocks and spec.block_size < (phases_from or spec.block_size + 1):
+    phases_from = AUTO_GRAD_PHASE_COPIES_FROM_BLOCK.get((family_of(spec.op), spec.ftype.itemsize), math.inf)
+    if spec.peel and spec.weight and blocks and spec.block_size < phases_from:
         copied = replace(spec, weight_source="shared_copy")
         copied_smem = _grad_smem_bytes(copied, cols)
         if target.max_active_blocks(copied, spec.block_size, copied_smem, True) == blocks:
