@@ -153,7 +153,6 @@ struct Affine {
       });
     }
   }
-
 };
 
 // y = normalized * weight + bias, computed in C, stored as T.
@@ -473,15 +472,21 @@ constexpr int WEIGHT_DIRECT = 0;
 constexpr int WEIGHT_SHARED_COPY = 1;
 constexpr int WEIGHT_PHASE_COPIES = 2;
 
-// Where phase copy `head` starts among the N copies: column `head` of it
-// lies on a whole N-element pack (stride: a multiple of N).
+// Where a copy of the weight starts, from a 16-byte boundary, so that column
+// `head` of it falls on a whole N-element pack (the shared copy and each
+// phase copy; norm.py: shifted_copy_elements).
+template <int N>
+__device__ __forceinline__ int shifted_copy_start(int head) {
+  return (N - head) % N;
+}
+// Where phase copy `head` starts among the N copies (stride: a multiple of N).
 template <int N>
 __device__ __forceinline__ int64 weight_phase_offset(int head, int64 stride) {
-  return head * stride + (N - head);
+  return head * stride + shifted_copy_start<N>(head);
 }
 
 // Writes the N phase copies of `weight` (cols elements), `stride` elements
-// apart (a multiple of N, at least cols + N); grid.y picks the copy.
+// apart (norm.py: shifted_copy_elements); grid.y picks the copy.
 template <typename T, int N>
 __device__ __forceinline__ void norm_weight_phases(const T* weight, int64 cols, T* copies, int64 stride) {
   T* const copy = copies + weight_phase_offset<N>(blockIdx.y, stride);
@@ -530,7 +535,7 @@ struct NormGradIO {
   // whole N-element packs there (norm.py: _weight_copy_bytes).
   template <int N>
   __device__ __forceinline__ NormGradIO with_weight_copied(T* cache, int64 cols, int head) const {
-    T* const copy = cache + (N - head) % N;
+    T* const copy = cache + shifted_copy_start<N>(head);
     for (int64 c = threadIdx.x; c < cols; c += blockDim.x) copy[c] = weight[c];
     __syncthreads();
     return reading_weight(copy);
@@ -817,18 +822,20 @@ struct BlockRowColumns {
 // is a multiple of the rows' phase period), so the block's first row gives
 // the columns each thread owns in every row (BlockRowColumns: 16-byte packs
 // between single-element edges). The weight is read at those columns from
-// a copy in shared memory at the rows' phase (weight_copy) or from its phase
-// copies in global memory (WEIGHT_PHASE_COPIES, norm_grad_block_regs).
-template <typename C, int pack_size, int packs_per_thread, int block_size, int rows_per_access, bool held,
-          bool fuse_param_grad, bool smem_partials, bool peel, bool weight_copy, typename IO>
-__device__ __forceinline__ void norm_grad_block_rows(
-    const IO& global_io, int64 rows, int64 cols,
-    const BlockRowColumns<pack_size, packs_per_thread, block_size, peel>& columns) {
+// a copy in shared memory at the rows' phase or from its phase copies in
+// global memory, weight_phase_stride elements apart (weight_source).
+template <typename IO, typename C, int pack_size, int packs_per_thread, int block_size, int rows_per_access,
+          bool held, bool fuse_param_grad, bool smem_partials, bool peel, int weight_source, typename RowHead>
+__device__ __forceinline__ void norm_grad_block_regs(const IO& global_io, int64 rows, int64 cols,
+                                                     const RowHead& row_head, int64 weight_phase_stride) {
   typedef typename IO::Storage T;
   typedef typename IO::template Fetched<pack_size> Fetched;
   typedef ParamGradPartials<C, pack_size, fuse_param_grad ? packs_per_thread : 1, block_size, IO::centered,
                             smem_partials> Partials;
   static_assert(held || rows_per_access == 1, "rows in flight together are held");
+  static_assert(!peel || !IO::has_weight || weight_source != WEIGHT_DIRECT, "peeled rows read a weight copy");
+  const BlockRowColumns<pack_size, packs_per_thread, block_size, peel> columns(
+      cols, peel && blockIdx.x < rows ? row_head(blockIdx.x) : 0);
   const auto in_row = [&](int k) { return columns.in_row(k); };
   const auto pack_col = [&](int k) { return columns.pack_col(k); };
   const bool has_edge = columns.has_edge;
@@ -838,9 +845,11 @@ __device__ __forceinline__ void norm_grad_block_rows(
   Partials partials(shared_buf);
   ParamGradPartials<C, 1, 1, 1, IO::centered, false> edge_partials(nullptr);
   IO io = global_io;
-  if constexpr (weight_copy && IO::has_weight) {
+  if constexpr (peel && IO::has_weight && weight_source == WEIGHT_SHARED_COPY) {
     io = io.template with_weight_copied<pack_size>(reinterpret_cast<T*>(shared_buf + Partials::smem_bytes), cols,
                                                    columns.head);
+  } else if constexpr (peel && IO::has_weight && weight_source == WEIGHT_PHASE_COPIES) {
+    io = io.reading_weight(io.weight + weight_phase_offset<pack_size>(columns.head, weight_phase_stride));
   }
   constexpr bool hoist_weight = held && !smem_partials;
   Pack<T, pack_size> weight[hoist_weight ? packs_per_thread : 1];
@@ -944,25 +953,6 @@ __device__ __forceinline__ void norm_grad_block_rows(
       }
       if (has_edge) edge_partials.template store<false>(workspaces[g], g, 0, cols, edge_col);
     }
-  }
-}
-
-template <typename IO, typename C, int pack_size, int packs_per_thread, int block_size, int rows_per_access,
-          bool held, bool fuse_param_grad, bool smem_partials, bool peel, int weight_source, typename RowHead>
-__device__ __forceinline__ void norm_grad_block_regs(const IO& io, int64 rows, int64 cols, const RowHead& row_head,
-                                                     int64 weight_phase_stride) {
-  const BlockRowColumns<pack_size, packs_per_thread, block_size, peel> columns(
-      cols, peel && blockIdx.x < rows ? row_head(blockIdx.x) : 0);
-  const auto run = [&](const auto& block_io) {
-    norm_grad_block_rows<C, pack_size, packs_per_thread, block_size, rows_per_access, held, fuse_param_grad,
-                         smem_partials, peel, peel && weight_source == WEIGHT_SHARED_COPY>(block_io, rows, cols,
-                                                                                         columns);
-  };
-  static_assert(!peel || !IO::has_weight || weight_source != WEIGHT_DIRECT, "peeled rows read a weight copy");
-  if constexpr (peel && IO::has_weight && weight_source == WEIGHT_PHASE_COPIES) {
-    run(io.reading_weight(io.weight + weight_phase_offset<pack_size>(columns.head, weight_phase_stride)));
-  } else {
-    run(io);
   }
 }
 

@@ -585,8 +585,8 @@ def _whole_phase_periods(launch: KernelLaunch, rows: int) -> KernelLaunch:
 def _resident_launch(spec: NormSpec, block: tuple, rows_per_block: int, rows: int, smem: int,
                      target: Target) -> KernelLaunch:
     """One wave of as many blocks as can be resident, each walking its rows:
-    what a block sets up once (a workspace row of partial sums, a shifted
-    copy of weight and bias) serves all of them, no block waits for a second
+    what a block sets up once (a workspace row of partial sums, a copy of
+    the weight in shared memory) serves all of them, no block waits for a second
     wave, and the workspace is no larger than the blocks that run at once."""
     threads = block[0] * block[1]
     active = max(1, target.max_active_blocks(spec, threads, smem, smem > 0))
@@ -640,10 +640,16 @@ def _auto_backward_fused(spec_fields, rows, cols, align, same_phase, target) -> 
     return launch
 
 
+def shifted_copy_elements(pack_size: int, cols: int) -> int:
+    """Elements of a copy of the weight that starts up to pack_size - 1
+    elements in (kernels/norm.cuh: shifted_copy_start), on whole packs: the
+    shared copy's size and the stride of the phase copies."""
+    return (cols + 2 * pack_size - 2) // pack_size * pack_size
+
+
 def _weight_copy_bytes(spec: NormSpec, cols: int) -> int:
-    """Shared memory of NormGradIO::with_weight_copied: the weight, at most
-    pack_size - 1 elements past its columns, on whole packs."""
-    return (cols + 2 * spec.pack_size - 2) // spec.pack_size * spec.pack_size * spec.ftype.itemsize
+    """Shared memory of NormGradIO::with_weight_copied."""
+    return shifted_copy_elements(spec.pack_size, cols) * spec.ftype.itemsize
 
 
 def _grad_smem_bytes(spec: NormSpec, cols: int) -> int:
@@ -656,12 +662,6 @@ def _grad_smem_bytes(spec: NormSpec, cols: int) -> int:
         compute_itemsize = dtypes.BY_SHORT[spec.ftype.compute].itemsize
         smem += grads * spec.packs_per_thread * spec.block_size * spec.pack_size * compute_itemsize
     return smem
-
-
-def weight_phase_stride(pack_size: int, cols: int) -> int:
-    """Elements between the weight's phase copies: whole packs, at least
-    cols + pack_size (kernels/norm.cuh: weight_phase_offset)."""
-    return _ceil_div(cols + pack_size, pack_size) * pack_size
 
 
 def weight_phases_launch(spec: NormSpec, cols: int) -> Optional[KernelLaunch]:
@@ -810,7 +810,7 @@ def _write_weight_phases(launch: Optional[KernelLaunch], device_id: int, cols: i
 
     if launch is None:
         return weight, 0
-    stride = weight_phase_stride(launch.spec.pack_size, cols)
+    stride = shifted_copy_elements(launch.spec.pack_size, cols)
     copies = cupy.empty(launch.spec.pack_size * stride, weight.dtype)
     _run(launch, device_id, (weight, numpy.int64(cols), copies, numpy.int64(stride)))
     return copies, stride
