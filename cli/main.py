@@ -122,8 +122,9 @@ def compile_(op, dtype, cols, rows, arch, policy):
 @dtype_option
 @click.option("--rows", default=49152, show_default=True, type=int)
 @click.option("--cols", default=DEFAULT_COLS, show_default=True, help="Comma-separated row lengths.")
-@click.option("--baseline", default="cupyx,torch,oneflow", show_default=True,
-              help="Providers to compare with: cupyx, torch, oneflow.")
+@click.option("--baseline", default="cupyx,torch,oneflow,copy", show_default=True,
+              help="Providers to compare with: cupyx, torch, oneflow, copy (a device-to-device "
+                   "copy moving the op's bytes).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Write the table as CSV.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write results as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG plot.")

@@ -66,17 +66,21 @@ class Timer:
         return Timing(statistics.median(samples), len(samples))
 
 
-def copy_ceiling_gbs(timer: Timer) -> float:
-    """Device-to-device copy of 1 GiB; bytes read plus bytes written over the median time."""
+def device_copy(num_bytes: int) -> Callable[[], None]:
+    """A device-to-device copy of num_bytes (num_bytes read, num_bytes written)."""
     import cupy
 
-    src = cupy.empty(COPY_BYTES, dtype=cupy.uint8)
+    src = cupy.empty(num_bytes, dtype=cupy.uint8)
     src.fill(1)
     dst = cupy.empty_like(src)
-    timing = timer.time(lambda: cupy.cuda.runtime.memcpyAsync(
-        dst.data.ptr, src.data.ptr, COPY_BYTES, cupy.cuda.runtime.memcpyDeviceToDevice,
-        cupy.cuda.get_current_stream().ptr))
-    return 2 * COPY_BYTES / timing.median_us / 1e3
+    return lambda: cupy.cuda.runtime.memcpyAsync(
+        dst.data.ptr, src.data.ptr, num_bytes, cupy.cuda.runtime.memcpyDeviceToDevice,
+        cupy.cuda.get_current_stream().ptr)
+
+
+def copy_ceiling_gbs(timer: Timer) -> float:
+    """Device-to-device copy of 1 GiB; bytes read plus bytes written over the median time."""
+    return 2 * COPY_BYTES / timer.time(device_copy(COPY_BYTES)).median_us / 1e3
 
 
 def gbs(num_bytes: int, timing: Optional[Timing]) -> Optional[float]:

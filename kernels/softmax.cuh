@@ -306,17 +306,25 @@ __device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_i
 // ceil(packs / cluster_size)); the blocks' (max, sum) or sums are combined
 // through distributed shared memory (cluster_all_reduce), so a row longer than
 // one block's shared memory is still read once. Forward needs online.
+//
+// tail_packs > 0 (one block, one stage): the row's last tail_packs *
+// block_size packs of every input are held in registers, thread t holding
+// packs cached + t + k * block_size (k < tail_packs), loaded with the next
+// row's cp.async; the packs before them in shared memory. A row somewhat
+// longer than shared memory is then still read once by one block (the
+// planner keeps the tail within the row).
 template <typename Op, typename T, typename Load, typename Store, typename C, int pack_size,
-          int block_size, int stages, bool online, int cluster_size>
+          int block_size, int stages, bool online, int cluster_size, int tail_packs>
 __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_inputs], const Store& store,
                                                     int64 rows, int64 cols) {
   static_assert(pack_size * sizeof(T) == 16, "cp.async moves 16-byte packs");
   static_assert(cluster_size == 1 || online || !Op::needs_max, "a cluster combines one (max, sum) pass");
+  static_assert(tail_packs == 0 || (cluster_size == 1 && stages == 1), "a register tail is one block's, one row's");
   constexpr int N = Op::num_inputs;
   extern __shared__ __align__(16) unsigned char shared_buf[];
   typedef Pack<T, pack_size> P;
-  const int row_packs = static_cast<int>(cols / pack_size);
-  const int share_packs = (row_packs + cluster_size - 1) / cluster_size;
+  const int cached_packs = static_cast<int>(cols / pack_size) - tail_packs * block_size;   // in shared memory
+  const int share_packs = (cached_packs + cluster_size - 1) / cluster_size;
   int first_pack = 0;
   int64 first_row = blockIdx.x, row_step = gridDim.x;
   if constexpr (cluster_size > 1) {
@@ -324,8 +332,10 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
     first_row = cluster_index_x();
     row_step = num_clusters_x();
   }
-  const int num_packs = max(0, min(share_packs, row_packs - first_pack));   // this block's
+  const int num_packs = max(0, min(share_packs, cached_packs - first_pack));   // this block's
   P* const buffers = reinterpret_cast<P*>(shared_buf);   // [stage][input][pack of the share]
+  P tail[tail_packs > 0 ? tail_packs : 1][N];
+  const auto tail_pack = [&](int k) { return cached_packs + static_cast<int>(threadIdx.x) + k * block_size; };
   auto fetch = [&](int64 row, int stage) {
 #pragma unroll
     for (int j = 0; j < N; ++j) {
@@ -334,10 +344,43 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
       for (int p = threadIdx.x; p < num_packs; p += block_size) cp_async_pack<16>(buffer + p, source + p);
     }
     cp_async_commit();
-  };
-  auto element = [&](int stage, int p, int i, C (&v)[N]) {
 #pragma unroll
-    for (int j = 0; j < N; ++j) v[j] = cast<C>(buffers[(stage * N + j) * share_packs + p].elem[i]);
+    for (int k = 0; k < tail_packs; ++k) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        tail[k][j] = load_pack<T, pack_size>(loads[j].src + row * loads[j].row_stride +
+                                              static_cast<int64>(tail_pack(k)) * pack_size);
+      }
+    }
+  };
+  // Calls use(pack, v) for each pack of the row this thread caches (shared
+  // memory, then the register tail); v[j][i]: element i of input j.
+  auto for_each_pack = [&](int stage, const auto& use) {
+    for (int p = threadIdx.x; p < num_packs; p += block_size) {
+      C v[N][pack_size];
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const P pack = buffers[(stage * N + j) * share_packs + p];
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) v[j][i] = cast<C>(pack.elem[i]);
+      }
+      use(first_pack + p, v);
+    }
+#pragma unroll
+    for (int k = 0; k < tail_packs; ++k) {
+      C v[N][pack_size];
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) v[j][i] = cast<C>(tail[k][j].elem[i]);
+      }
+      use(tail_pack(k), v);
+    }
+  };
+  // e[j]: element i of every input.
+  const auto element = [](const C (&v)[N][pack_size], int i, C (&e)[N]) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) e[j] = v[j][i];
   };
   int stage = 0;
   unsigned parity = 0;   // the cluster's published partials alternate by row
@@ -351,19 +394,10 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
       cp_async_wait<0>();
     }
     Op op;
-    C v[N];
     if constexpr (Op::needs_max && online) {
       // One pass over the cache: a running (max, sum) per thread.
       OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
-      for (int p = threadIdx.x; p < num_packs; p += block_size) {
-        C values[pack_size];
-#pragma unroll
-        for (int i = 0; i < pack_size; ++i) {
-          element(stage, p, i, v);
-          values[i] = v[0];
-        }
-        state.add_pack(values);
-      }
+      for_each_pack(stage, [&](int, const C (&v)[N][pack_size]) { state.add_pack(v[0]); });
       OnlineSoftmaxState<C> row_state = state.template block_all_reduce<block_size>();
       if constexpr (cluster_size > 1) {
         row_state = cluster_all_reduce<cluster_size>(row_state, parity, OnlineSoftmaxState<C>::combined);
@@ -373,36 +407,35 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
     } else {
       if (Op::needs_max) {
         C thread_max = -infinity<C>();
-        for (int p = threadIdx.x; p < num_packs; p += block_size) {
+        for_each_pack(stage, [&](int, const C (&v)[N][pack_size]) {
 #pragma unroll
-          for (int i = 0; i < pack_size; ++i) {
-            element(stage, p, i, v);
-            thread_max = MaxOp<C>()(thread_max, v[0]);
-          }
-        }
+          for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, v[0][i]);
+        });
         op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
       }
       C thread_sum = 0;
-      for (int p = threadIdx.x; p < num_packs; p += block_size) {
+      for_each_pack(stage, [&](int, const C (&v)[N][pack_size]) {
 #pragma unroll
         for (int i = 0; i < pack_size; ++i) {
-          element(stage, p, i, v);
-          thread_sum += op.template term<false>(v);
+          C e[N];
+          element(v, i, e);
+          thread_sum += op.template term<false>(e);
         }
-      }
+      });
       C row_sum = block_all_reduce<SumOp, C, block_size>(thread_sum);
       if constexpr (cluster_size > 1) row_sum = cluster_all_reduce<cluster_size>(row_sum, parity, SumOp<C>());
       op.set_sum(row_sum);
     }
-    for (int p = threadIdx.x; p < num_packs; p += block_size) {
+    for_each_pack(stage, [&](int pack, const C (&v)[N][pack_size]) {
       C values[pack_size];
 #pragma unroll
       for (int i = 0; i < pack_size; ++i) {
-        element(stage, p, i, v);
-        values[i] = op.template out<false>(v);
+        C e[N];
+        element(v, i, e);
+        values[i] = op.template out<false>(e);
       }
-      store.template store<pack_size>(values, row, static_cast<int64>(first_pack + p) * pack_size);
-    }
+      store.template store<pack_size>(values, row, static_cast<int64>(pack) * pack_size);
+    });
     if (stages == 2) {
       stage ^= 1;
     } else if (next < rows) {

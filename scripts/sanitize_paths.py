@@ -2,15 +2,17 @@
 (memcheck, racecheck): python scripts/sanitize_paths.py.
 
 Each shape is chosen to reach one path of the auto or OneFlow plans (printed
-with the kernel name), forward and backward, softmax and the norms, and the
-non-last-axis kernels and the long forward rows (thread-block clusters on
-sm_90 and newer)."""
+with the kernel name: for the norms, the main kernel of the plan with weight
+and bias), forward and backward, softmax and the norms, and the non-last-axis
+kernels and the long rows (a register tail; thread-block clusters on sm_90
+and newer)."""
 from __future__ import annotations
 
 import cupy
 
 import cupyops
 from cupyops.launch import Target
+from cupyops.ops import norm as norm_ops
 from cupyops.ops import softmax as softmax_ops
 from cupyops.ops import softmax_axis, softmax_split
 
@@ -47,22 +49,30 @@ def main():
             bias_off_the_grid = rng.standard_normal(cols + 1, dtype=cupy.float32).astype(dtype)[1:]
             cupyops.layer_norm(x, weight, bias_off_the_grid)
             for policy in ("auto", "oneflow"):
+                for op in norm_ops.OPS:
+                    kernel = norm_ops.plan(op, rows, cols, short, policy, target).explain()["kernel"]
+                    print(f"{op:<21} {policy:<8} {rows}x{cols:<7} {kernel}", flush=True)
                 y, mean, rstd = cupyops.layer_norm(x, weight, weight, return_stats=True, policy=policy)
                 cupyops.layer_norm_backward(dy, x, mean, rstd, weight, policy=policy)
                 y, rstd = cupyops.rms_norm(x, weight, return_stats=True, policy=policy)
                 cupyops.rms_norm_backward(dy, x, rstd, weight, policy=policy)
-        # forward rows no block holds, a thread-block cluster per row (sm_90+;
-        # as many rows as SMs, else they are split): 4 blocks of 64 KB, and 8
-        # blocks whose last share is shorter
+        # rows no block's shared memory holds (as many rows as SMs, else they
+        # are split), one block with a register tail: forward rows of 256 KB,
+        # backward rows of 128 KB of each input; forward rows of 8 x 64 KB and
+        # of 7 x 64 KB and a pack, a thread-block cluster per row (sm_90+), the
+        # last share shorter
         itemsize = cupy.dtype(dtype).itemsize
         rows = target.facts.sm_count
-        for cols in (4 * 65536 // itemsize, 4 * 65536 // itemsize + 16 // itemsize):
+        for cols, ops in ((4 * 65536 // itemsize, ("softmax", "log_softmax")),
+                          (2 * 65536 // itemsize, ("softmax_backward", "log_softmax_backward")),
+                          (8 * 65536 // itemsize, ("softmax", "log_softmax")),
+                          (7 * 65536 // itemsize + 16 // itemsize, ("softmax", "log_softmax"))):
             x = rng.standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
-            for op in ("softmax", "log_softmax"):
+            for op in ops:
                 chosen = softmax_split.plan(op, rows, cols, short, target) or \
                     softmax_ops.plan(op, rows, cols, short, "auto", target)
                 print(f"{op:<21} auto     {rows}x{cols:<7} {chosen.spec.name}", flush=True)
-                getattr(cupyops, op)(x, axis=-1)
+                getattr(cupyops, op)(*((x, x) if op.endswith("_backward") else (x,)), axis=-1)
         x = rng.standard_normal((4, 4096, 64), dtype=cupy.float32).astype(dtype)
         dy = rng.standard_normal(x.shape, dtype=cupy.float32).astype(dtype)
         for axis in (0, 1):

@@ -1,13 +1,14 @@
 """Times the plans for long rows against each other to choose softmax_split's
 tables: the ordinary row plan (auto), the two-launch split, the
-cooperative split holding each of COOP_SIZES bytes a thread, and the async
-row kernel with a row shared by the blocks of a thread-block cluster.
+cooperative split holding each of COOP_SIZES bytes a thread, the async
+row kernel with a row shared by the blocks of a thread-block cluster, and
+the async row kernel with a register tail.
 
 Bytes counted: (inputs + 1) * rows * cols * itemsize (forward: x read, y
 written; backward: dy and y read, dx written). Each candidate is checked
-against a float64 CuPy reference on its first rows (a fast wrong kernel
-cannot win). Usage: python scripts/tune_long_rows.py [--dtypes float16,float32]
-[--ops softmax,softmax_backward] [--shapes 8x1048576,8192x131072] [--clusters-only]
+against a float64 CuPy reference on its first and last rows (a fast wrong
+kernel cannot win). Usage: python scripts/tune_long_rows.py [--dtypes float16,float32]
+[--ops softmax,softmax_backward] [--shapes 8x1048576,8192x131072] [--only clusters|coop|tails]
 """
 from __future__ import annotations
 
@@ -26,25 +27,30 @@ from tuning import Tuning
 COOP_SIZES = (32, 64, 96, 128)     # bytes of each input a coop thread holds
 CLUSTER_SIZES = (1, 2, 4, 8)
 CLUSTER_BLOCK_SIZES = (256, 512, 1024)
+TAIL_EXTRA_PACKS = 2
 SHAPES = "16384x32768,16384x65536,8192x131072,4096x262144,8x1048576,64x1048576,1x16777216,49152x32768"
+
+
+def async_pack(dtype, cols):
+    """The 16-byte pack the async row kernel moves, or None where cols allow none."""
+    pack = 16 // dtypes.BY_SHORT[dtype].itemsize
+    return None if cols % pack else pack
 
 
 def cluster_candidates(op, rows, cols, dtype, target):
     """(label, plan) for the async row kernel with a row shared by a cluster of
     each of CLUSTER_SIZES blocks, each stage count and block size: its grid
     persistent (the resident clusters) or a cluster per row."""
-    itemsize = dtypes.BY_SHORT[dtype].itemsize
-    pack = 16 // itemsize
-    if cols % pack:
+    pack = async_pack(dtype, cols)
+    if pack is None:
         return []
     found = []
     for cluster in CLUSTER_SIZES:
-        share_bytes = softmax.async_share_bytes(op, dtype, cols, cluster)
         for stages in (1, 2):
             for block in CLUSTER_BLOCK_SIZES:
                 spec = softmax.SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=stages,
                                            online=not op.endswith("_backward"), cluster_size=cluster)
-                smem = stages * share_bytes
+                smem = stages * softmax.async_share_bytes(spec, cols)
                 active = target.max_active_blocks(spec, block, smem, True)
                 if not active:
                     continue
@@ -57,16 +63,41 @@ def cluster_candidates(op, rows, cols, dtype, target):
     return found
 
 
-def candidates(op, rows, cols, dtype, target, clusters_only=False):
-    """(label, plan) for each plan worth timing at this shape."""
+def tail_candidates(op, rows, cols, dtype, target):
+    """(label, plan) for the async row kernel holding the part of the row its
+    shared memory does not in registers: the fewest packs a thread that
+    leave the rest within shared memory and up to TAIL_EXTRA_PACKS more, at
+    each of CLUSTER_BLOCK_SIZES threads, a block per row."""
+    pack = async_pack(dtype, cols)
+    if pack is None:
+        return []
+    found = []
+    for block in CLUSTER_BLOCK_SIZES:
+        for tail in softmax._async_tails(op, dtype, cols, block, target)[:TAIL_EXTRA_PACKS + 1]:
+            spec = softmax.SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=1,
+                                       online=not op.endswith("_backward"), tail_packs=tail)
+            smem = softmax.async_share_bytes(spec, cols)
+            if target.resources(spec)["local_bytes"] or not target.max_active_blocks(spec, block, smem, True):
+                continue
+            found.append((f"tail b{block} t{tail}", softmax.SoftmaxPlan(spec, (block, 1, 1), (rows, 1, 1), smem)))
+    return found
+
+
+def candidates(op, rows, cols, dtype, target, only=None):
+    """(label, plan) for each plan worth timing at this shape (auto, then the
+    `only` family when given)."""
     found = [("auto", softmax_split.plan(op, rows, cols, dtype, target)
               or softmax.plan(op, rows, cols, dtype, "auto", target))]
-    if not clusters_only:
+    if only is None:
         found.append(("rows", softmax.plan(op, rows, cols, dtype, "auto", target)))
         found.append(("two-launch", softmax_split.two_launch_plan(op, rows, cols, dtype, target)))
+    if only in (None, "coop"):
         for size in COOP_SIZES:
             found.append((f"coop {size}B", softmax_split.coop_candidate(op, rows, cols, dtype, target, 16, size)))
-    found += cluster_candidates(op, rows, cols, dtype, target)
+    if only in (None, "clusters"):
+        found += cluster_candidates(op, rows, cols, dtype, target)
+    if only in (None, "tails"):
+        found += tail_candidates(op, rows, cols, dtype, target)
     return [(label, chosen) for label, chosen in found if chosen is not None]
 
 
@@ -86,8 +117,8 @@ def main():
     parser.add_argument("--dtypes", default="float16,float32")
     parser.add_argument("--ops", default="softmax,softmax_backward")
     parser.add_argument("--shapes", default=SHAPES)
-    parser.add_argument("--clusters-only", action="store_true",
-                        help="auto and the cluster candidates alone")
+    parser.add_argument("--only", choices=("clusters", "coop", "tails"),
+                        help="auto and this family of candidates alone")
     args = parser.parse_args()
     tuning = Tuning(budget_s=0.15)
     device_id, target = tuning.device_id, tuning.target
@@ -102,13 +133,13 @@ def main():
             out = cupy.empty_like(arrays[0])
             for op in args.ops.split(","):
                 inputs = arrays[:len(softmax.INPUTS[op])]
-                checked = min(rows, 4)
-                expect = reference(op, [a[:checked] for a in inputs])
+                checked = sorted({*range(min(rows, 4)), *range(max(rows - 4, 0), rows)})
+                expect = reference(op, [a[checked] for a in inputs])
                 num_bytes = (len(inputs) + 1) * rows * cols * dtype.itemsize
-                for label, chosen in candidates(op, rows, cols, short, target, args.clusters_only):
+                for label, chosen in candidates(op, rows, cols, short, target, args.only):
                     median_us, gbs, fraction, error = tuning.measure(
                         launcher(chosen, inputs, out, device_id), out,
-                        lambda result: float(cupy.abs(result[:checked].astype(cupy.float64) - expect).max()), num_bytes)
+                        lambda result: float(cupy.abs(result[checked].astype(cupy.float64) - expect).max()), num_bytes)
                     print(f"{op:<16} {short:<4} {rows:>6}x{cols:<9} {label:<20} {median_us:>9.1f} us "
                           f"{gbs:>6.0f} GB/s {fraction:>6.1%}  err={error:.1e} {chosen.spec.name}",
                           flush=True)

@@ -54,13 +54,13 @@ def candidates(op, dtype, rows, cols, target):
     num_packs = cols // pack
     if pack * ftype.itemsize == 16 and cols >= 2048:
         for stages in (1, 2):
-            smem = stages * async_share_bytes(op, dtype, cols)
             for block in (128, 256, 512, 1024):
-                if num_packs < block or smem > target.facts.smem_per_block_optin:
-                    continue
                 for online in ((False, True) if num_inputs == 1 else (False,)):
                     spec = SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=stages,
                                        online=online)
+                    smem = stages * async_share_bytes(spec, cols)
+                    if num_packs < block or smem > target.facts.smem_per_block_optin:
+                        continue
                     active = target.max_active_blocks(spec, block, smem, True)
                     if active:   # persistent (each resident block walks rows), or a block per row
                         grid = (min(rows, active * target.facts.sm_count), 1, 1)

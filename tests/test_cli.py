@@ -164,6 +164,32 @@ def test_bench_rejects_unknown_baseline():
     assert result.exit_code == 2 and "tensorflow" in result.output
 
 
+def test_bench_table_gives_each_baseline_as_a_speedup():
+    from cupyops.cli import benchmark
+
+    point = {"cols": 256, "bytes": 4_000_000, "compile_s": 0.5,
+             "cupyops": {"us": 2.0, "reps": 10, "gbs": 2000.0},
+             "torch": {"us": 3.0, "reps": 10, "gbs": 1333.3},
+             "copy": {"us": 1.6, "reps": 10, "gbs": 2500.0}}
+    result = {"op": "softmax", "dtype": "float16", "rows": 64, "device": "GPU", "copy_gbs": 4000.0,
+              "baselines": ["torch", "copy"], "notes": [], "points": [point]}
+    header, row = benchmark.format_table(result).splitlines()[1:]
+    assert header.split() == ["cols", "us", "GB/s", "copy", "xtorch", "xcopy", "compile", "s"]
+    assert row.split() == ["256", "2.0", "2000", "50.0%", "1.50", "0.80", "0.50"]
+
+
+@pytest.mark.gpu
+def test_bench_times_a_copy_of_the_same_bytes(tmp_path):
+    path = tmp_path / "bench.json"
+    result = run("bench", "softmax_backward", "--rows", "64", "--cols", "96", "--dtype", "float32",
+                 "--baseline", "copy", "--json", str(path))
+    assert result.exit_code == 0, result.output
+    assert "xcopy" in result.output
+    (point,) = json.loads(path.read_text())["points"]
+    assert point["bytes"] == 3 * 64 * 96 * 4
+    assert point["copy"]["us"] > 0 and point["copy"]["gbs"] == pytest.approx(point["bytes"] / point["copy"]["us"] / 1e3)
+
+
 def test_help_lists_the_commands():
     result = run("--help")
     assert result.exit_code == 0

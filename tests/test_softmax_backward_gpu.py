@@ -90,6 +90,43 @@ def test_strided_views_and_in_place(rng, op):
     check(cupy.asnumpy(dy_copy), expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("op", sorted(FORWARD))
+def test_tail_rows(rng, op, dtype):
+    """Rows of dy and y that one block's shared memory falls short of, held by
+    one block all the same, the last packs in registers: one pack past the
+    opt-in limit, and the most packs a thread; one pack more is not async.
+    Rows >= SMs, so that they are not split instead. Into a poisoned output and
+    in place (out = dy, out = y)."""
+    import cupy
+
+    from cupyops.dtypes import BY_DTYPE
+    from cupyops.launch import Target
+    from cupyops.ops import softmax as sm
+
+    target = Target.live(cupy.cuda.runtime.getDevice())
+    vec, block = 16 // dtype.itemsize, sm.AUTO_ASYNC_TAIL_BLOCK_SIZES[2]
+    room = target.facts.smem_per_block_optin // 32          # packs of each input shared memory holds
+    most = sm.AUTO_ASYNC_TAIL_MAX_PACKS[2]
+    rows = target.facts.sm_count + 1
+    for packs, tail in ((room + 1, 1), (room + most * block - 64, most), (room + most * block + 1, None)):
+        cols = packs * vec
+        spec = sm.plan(op, rows, cols, BY_DTYPE[dtype].short, "auto", target).spec
+        if tail is None:
+            assert spec.impl != "block_async", spec.name
+            continue
+        assert (spec.impl, spec.tail_packs) == ("block_async", tail), spec.name
+        dy, y = make_inputs(rng, op, (rows, cols), dtype, -1)
+        expected = reference(op, dy, y, -1)
+        out = cupy.full((rows, cols), numpy.nan, dtype=dtype)
+        assert getattr(cupyops, op)(cupy.asarray(dy), cupy.asarray(y), axis=-1, out=out) is out
+        check(cupy.asnumpy(out), expected, dtype)
+        for position in range(2):
+            inputs = [cupy.asarray(dy), cupy.asarray(y)]
+            getattr(cupyops, op)(*inputs, axis=-1, out=inputs[position])
+            check(cupy.asnumpy(inputs[position]), expected, dtype)
+
+
 def test_bad_input():
     import cupy
 

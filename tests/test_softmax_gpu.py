@@ -226,34 +226,60 @@ def test_async_grid_walks_its_rows(op, stages, cluster_size, rng):
     assert_close(to_host(out), REFERENCES[op](host.astype(numpy.float64), axis=-1), dtype)
 
 
+def check_long_rows(op, dtype, cols, rows, rng, expect):
+    """Plans `rows` x `cols` (expect(plan) must hold), then checks the values,
+    NaN and inf rows among them, into a poisoned output and in place."""
+    import cupy
+
+    chosen = sm.plan(op, rows, cols, short(dtype), "auto", live_target())
+    assert expect(chosen.spec), chosen
+    host = random_input(rng, (rows, cols), dtype)[0]
+    host[:9] = special_rows(rng, cols, dtype)[0]
+    expected = REFERENCES[op](host.astype(numpy.float64), axis=-1)
+    x = cupy.asarray(host)
+    y = FUNCTIONS[op](x, axis=-1, out=poisoned(host.shape, dtype))
+    assert_close(to_host(y), expected, dtype)
+    assert FUNCTIONS[op](x, axis=-1, out=x) is x
+    assert_close(to_host(x), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("op", sorted(FUNCTIONS))
+def test_tail_rows(op, dtype, rng):
+    """Rows one block's shared memory falls short of, held by one block all the
+    same, the last packs in registers: at one pack a thread (one pack past the
+    opt-in limit), two, and the most (float64 spills there: a cluster instead
+    on sm_90+); rows >= SMs, so that the rows are not split instead."""
+    target = live_target()
+    vec, block = 16 // dtype.itemsize, sm.AUTO_ASYNC_TAIL_BLOCK_SIZES[1]
+    room = target.facts.smem_per_block_optin // 16          # packs shared memory holds
+    most = sm.AUTO_ASYNC_TAIL_MAX_PACKS[1]
+    rows = target.facts.sm_count + 1
+    for packs, tail in ((room + 1, 1), (room + 2 * block - 64, 2), (room + most * block - 64, most)):
+        def expect(spec):
+            if dtype.itemsize == 8 and tail == most:
+                return spec.cluster_size == 8 or not device.has_clusters(target.facts.arch)
+            return (spec.impl, spec.tail_packs, spec.cluster_size) == ("block_async", tail, 1)
+        check_long_rows(op, dtype, packs * vec, rows, rng, expect)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", sorted(FUNCTIONS))
 def test_cluster_rows(op, dtype, rng):
-    """Rows no block's shared memory holds, shared by a thread-block cluster
-    (sm_90+), at each cluster size's limits: just past one block, 4 and 8
-    shares of AUTO_CLUSTER_SHARE_BYTES and one pack more, in place too, with
-    NaN and inf rows; rows >= SMs, so that the rows are not split instead."""
-    import cupy
-
+    """Rows longer than a block holds with its most packs a thread in registers,
+    shared by a thread-block cluster (sm_90+): just past that and at 8 shares of
+    AUTO_CLUSTER_SHARE_BYTES; one pack more is not async."""
     target = live_target()
     if not device.has_clusters(target.facts.arch):
         pytest.skip("no thread-block clusters before sm_90")
     vec = 16 // dtype.itemsize
     share_cols = sm.AUTO_CLUSTER_SHARE_BYTES // dtype.itemsize
-    one_block = boundary_groups("auto", dtype, target.facts)["optin-limit"][2] + vec
+    room = target.facts.smem_per_block_optin // 16
+    past_tails = (room + sm.AUTO_ASYNC_TAIL_MAX_PACKS[1] * sm.AUTO_ASYNC_TAIL_BLOCK_SIZES[1] + 1) * vec
     rows = target.facts.sm_count + 1
-    for cols, cluster_size in ((one_block, 4), (4 * share_cols, 4), (4 * share_cols + vec, 8),
-                               (8 * share_cols, 8)):
-        chosen = sm.plan(op, rows, cols, short(dtype), "auto", target)
-        assert (chosen.spec.impl, chosen.spec.cluster_size) == ("block_async", cluster_size), chosen
-        host = random_input(rng, (rows, cols), dtype)[0]
-        host[:9] = special_rows(rng, cols, dtype)[0]
-        expected = REFERENCES[op](host.astype(numpy.float64), axis=-1)
-        x = cupy.asarray(host)
-        y = FUNCTIONS[op](x, axis=-1, out=poisoned(host.shape, dtype))
-        assert_close(to_host(y), expected, dtype)
-        assert FUNCTIONS[op](x, axis=-1, out=x) is x
-        assert_close(to_host(x), expected, dtype)
+    for cols in (past_tails, 8 * share_cols):
+        check_long_rows(op, dtype, cols, rows, rng,
+                        lambda spec: (spec.impl, spec.cluster_size) == ("block_async", 8))
     assert sm.plan(op, rows, 8 * share_cols + vec, short(dtype), "auto", target).spec.impl != "block_async"
 
 

@@ -315,19 +315,31 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
     if cols <= 32 * pack or pack * ceil_div(cols, 32 * pack) * compute <= sm.AUTO_WARP_MAX_BYTES_PER_LANE:
         return {"impl": "warp", "pack_size": pack}
     # 2. cp.async into shared memory (16-byte packs only), the maximum and sum in
-    # one pass, a block per row; on sm_90+, a row no block holds is shared by the
-    # fewest blocks of a 2-, 4- or 8-block cluster with shares of at most 64 KB,
-    # a cluster per row. Rows of 24 KB and more try it before the register path.
+    # one pass, a block per row; a row shared memory falls short of by at most
+    # 8 packs a thread (of 1024 threads) keeps its last packs in registers, the
+    # fewest packs a thread that fit and do not spill; else, on sm_90+, it is
+    # shared by the fewest blocks of a 2-, 4- or 8-block cluster with shares of
+    # at most 64 KB, a cluster per row. Rows of 24 KB and more try it before the
+    # register path.
     def async_plan():
         if pack * itemsize != 16:
             return None
-        clusters = (1, 2, 4, 8) if device.has_clusters(facts.arch) else (1,)
-        for cluster in clusters:
-            share = ceil_div(cols // pack, cluster) * 16
+        row_packs = cols // pack
+        tail_block = sm.AUTO_ASYNC_TAIL_BLOCK_SIZES[1]
+        fewest = max(1, ceil_div(row_packs - facts.smem_per_block_optin // 16, tail_block))
+        shapes = [(sm.AUTO_ASYNC_BLOCK_SIZES[1], 1, 0)]
+        shapes += [(tail_block, 1, tail) for tail in range(fewest, min(8, row_packs // tail_block) + 1)]
+        if device.has_clusters(facts.arch):
+            shapes += [(sm.AUTO_ASYNC_BLOCK_SIZES[1], cluster, 0) for cluster in (2, 4, 8)]
+        for block, cluster, tail in shapes:
+            share = ceil_div(row_packs - tail * block, cluster) * 16
             if cluster > 1 and share > 64 * 1024:
                 continue
-            spec = SoftmaxSpec(op, "block_async", dtype, pack, block_size=sm.AUTO_ASYNC_BLOCK_SIZES[1],
-                               stages=1, online=True, cluster_size=cluster)
+            spec = SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=1, online=True,
+                               cluster_size=cluster, tail_packs=tail)
+            report = jit.compile_cubin(spec, facts.arch)
+            if tail and report.spill_bytes + report.stack_bytes:
+                continue
             if occupancy(target, spec, share, True):
                 return {"impl": "block_async", "spec": spec, "smem_bytes": share, "grid": rows * cluster}
         return None
@@ -475,7 +487,9 @@ def test_auto_plans_fit_the_device(profile, dtype):
                 assert spec.packs_per_thread * spec.block_size * spec.pack_size >= cols - 2 * spec.pack_size
                 assert spec.packs_per_thread * spec.block_size >= cols // spec.pack_size
             elif spec.impl == "block_async":
-                assert p.smem_bytes * spec.cluster_size >= cols * ITEMSIZE[dtype]
+                tail_bytes = spec.tail_packs * spec.block_size * 16      # held in registers
+                assert p.smem_bytes * spec.cluster_size + tail_bytes >= cols * ITEMSIZE[dtype]
+                assert tail_bytes <= cols * ITEMSIZE[dtype]
                 assert p.grid[0] == 49152 * spec.cluster_size
                 assert target.max_active_blocks(spec, spec.block_size, p.smem_bytes, True) > 0
             elif spec.impl == "block_smem":
@@ -490,30 +504,41 @@ def test_auto_paths_in_order_along_the_sweep():
     seen = [plan("softmax", 49152, cols, "f16", "auto", H100).spec.impl
             for cols in (256, 1024, 2048, 16384, 32768, 65536, 131072, 262144)]
     assert seen == ["warp", "warp", "block_regs", "block_async", "block_async", "block_async",
-                    "block_async", "block_async"]     # the last two shared by clusters
+                    "block_async", "block_async"]     # 131072: a register tail; 262144: clusters
     assert sorted(seen, key=order.index) == seen
-    no_clusters = [plan("softmax", 49152, cols, "f16", "auto", A100).spec.impl for cols in (131072, 262144)]
-    assert no_clusters == ["block_uncached", "block_uncached"]
+    no_clusters = [plan("softmax", 49152, cols, "f16", "auto", A100).spec for cols in (131072, 262144)]
+    assert [(spec.impl, spec.tail_packs) for spec in no_clusters] == [("block_async", 6), ("block_uncached", 0)]
 
 
-@pytest.mark.parametrize("op, dtype, cols, cluster_size", [
-    ("softmax", "f32", 65536, 4), ("log_softmax", "f32", 65536, 4),     # 256 KB: 4 x 64 KB
-    ("softmax", "f32", 65540, 8), ("softmax", "f16", 131072, 4), ("softmax", "f32", 131072, 8),
-    ("log_softmax", "bf16", 262144, 8), ("softmax", "f64", 16384, 1),   # 128 KB: one block
-    ("softmax", "f32", 131076, None), ("softmax", "f16", 262152, None),  # shares over 64 KB
-    ("softmax_backward", "f32", 32768, None), ("softmax_backward", "f16", 65536, None),
+@pytest.mark.parametrize("op, dtype, cols, block, tail, cluster", [
+    ("softmax", "f64", 16384, 512, 0, 1),                              # 128 KB: one block
+    ("softmax", "f32", 58112, 1024, 1, 1),    # 227 KB, the opt-in limit: the reduction's too
+    ("softmax", "f32", 65536, 1024, 2, 1), ("log_softmax", "f32", 65536, 1024, 2, 1),    # 256 KB
+    ("softmax", "f32", 65540, 1024, 2, 1), ("softmax", "f16", 131072, 1024, 2, 1),
+    ("softmax", "f32", 58112 + 4 * 8 * 1024 - 256, 1024, 8, 1),      # the most packs a thread
+    ("softmax", "f64", 29056 + 2 * 4 * 1024, 512, 0, 8),             # f64: 4 packs would spill
+    ("softmax", "f32", 131072, 512, 0, 8), ("log_softmax", "bf16", 262144, 512, 0, 8),
+    ("softmax_backward", "f32", 32768, 256, 4, 1), ("softmax_backward", "f16", 65536, 256, 4, 1),
+    ("log_softmax_backward", "bf16", 58104, 256, 0, 1),             # 2 x 113.5 KB: one block
+    ("softmax", "f32", 131076, None, 0, 0), ("softmax", "f16", 262152, None, 0, 0),   # shares over 64 KB
+    ("softmax_backward", "f32", 36864, None, 0, 0),                  # 5 packs a thread short
 ])
-def test_auto_cluster_per_long_forward_row(op, dtype, cols, cluster_size):
-    """Forward rows one block cannot hold: a cluster per row, the fewest blocks
-    with shares within 64 KB (sm_90+ only); None: no async plan."""
+def test_auto_long_rows_in_one_block_or_a_cluster(op, dtype, cols, block, tail, cluster):
+    """Rows one block's shared memory does not hold: one block all the same
+    with a register tail of the fewest packs a thread (at most 8 of 1024
+    threads forward, 4 of 256 backward, not spilling); else (forward, sm_90+)
+    a cluster per row, the fewest blocks with shares within 64 KB; None: no
+    async plan."""
     p = plan(op, 49152, cols, dtype, "auto", H100)
-    if cluster_size is None:
+    if block is None:
         assert p.spec.impl != "block_async", p.spec.name
-    else:
-        share = ceil_div(cols * ITEMSIZE[dtype] // 16, cluster_size) * 16   # whole 16-byte packs
-        assert (p.spec.impl, p.spec.cluster_size, p.spec.stages, p.smem_bytes) == \
-            ("block_async", cluster_size, 1, share)
-        assert p.grid == (49152 * cluster_size, 1, 1) and p.block == (512, 1, 1)
+        return
+    inputs = 2 if op.endswith("_backward") else 1
+    share = ceil_div(cols * ITEMSIZE[dtype] // 16 - tail * block, cluster) * 16 * inputs   # whole packs
+    assert (p.spec.impl, p.spec.block_size, p.spec.tail_packs, p.spec.cluster_size, p.spec.stages,
+            p.smem_bytes) == ("block_async", block, tail, cluster, 1, share)
+    assert p.grid == (49152 * cluster, 1, 1) and p.block == (block, 1, 1)
+    if cluster > 1:
         assert plan(op, 49152, cols, dtype, "auto", A100).spec.cluster_size == 1
 
 
@@ -552,7 +577,8 @@ GOLDEN_NAMES = [
     (SoftmaxSpec("softmax", "block_uncached", "f32", 1, block_size=1024),
      "softmax_block_uncached_f32_f32_p1_b1024_3pass"),
     (SoftmaxSpec("log_softmax", "block_uncached", "f16", 8, block_size=1024, online=True),
-     "log_softmax_block_uncached_f16_f32_p8_b1024_online"),
+     "log_softmax_block_uncached_f16_f32_p8_b1024_online"),    (SoftmaxSpec("softmax_backward", "block_async", "f32", 4, block_size=256, stages=1, tail_packs=4),
+     "softmax_backward_block_async_f32_f32_p4_b256_s1_t4"),
 ]
 GOLDEN_IDS = [name for _, name in GOLDEN_NAMES]
 
@@ -654,6 +680,7 @@ class _WithoutKey:
     (RENDER_SPECS[0], "padding"), (RENDER_SPECS[1], "cols_per_thread"),
     (RENDER_SPECS[3], "packs_per_thread"), (RENDER_SPECS[4], "peel"), (RENDER_SPECS[5], "stages"),
     (RENDER_SPECS[7], "cache_type"), (RENDER_SPECS[9], "online"), (RENDER_SPECS[9], "impl"),
+    (RENDER_SPECS[11], "tail_packs"),
 ], ids=lambda v: v if isinstance(v, str) else v.name)
 def test_render_is_strict(spec, key):
     assert jit._environment().undefined is jinja2.StrictUndefined

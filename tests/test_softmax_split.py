@@ -159,7 +159,7 @@ def test_ordinary_path_chosen(shape, ops):
 @pytest.mark.parametrize("op, rows, cols", [
     ("softmax", 4096, 2**19),            # many rows of 1 MB: cluster shares over 64 KB
     ("softmax", 132, 2**20),             # rows = SMs
-    ("softmax_backward", 16384, 65536),  # 2 x 128 KB of inputs per row
+    ("softmax_backward", 16384, 2**17),  # 2 x 256 KB of inputs per row
     ("softmax", 8, 2**20),
 ])
 def test_long_rows_take_coop(op, rows, cols):
@@ -167,16 +167,24 @@ def test_long_rows_take_coop(op, rows, cols):
     assert isinstance(p, ss.CoopPlan) and p.spec.stage == "coop"
 
 
-def test_rows_a_cluster_holds_are_not_split():
-    """Many forward rows of 256-512 KB: a thread-block cluster of the async row
-    path holds each (sm_90+), so they are not split; the backward, rows without
-    clusters (sm_80) and few rows still are."""
-    for dtype, cols in (("f32", 65536), ("f16", 131072), ("f32", 131072), ("f16", 262144)):
+def test_rows_one_block_or_a_cluster_holds_are_not_split():
+    """Many rows the async row path holds are not split: forward rows of 256
+    KB and backward rows of 2 x 128 KB in one block with a register tail
+    (forward also on sm_80; its backward tail would be too long), forward rows
+    of up to 512 KB in a thread-block cluster (sm_90+). Longer rows, clusters'
+    rows on sm_80, and few rows still are split."""
+    for op, dtype, cols in (("softmax", "f32", 65536), ("log_softmax", "f16", 131072),
+                            ("softmax_backward", "f16", 65536), ("log_softmax_backward", "f32", 32768)):
+        assert plan(op, 4096, cols, dtype, H100) is None
+        on_a100 = plan(op, 4096, cols, dtype, A100)
+        assert isinstance(on_a100, ss.CoopPlan) if op.endswith("_backward") else on_a100 is None
+        assert isinstance(plan(op, 64, cols, dtype, H100), ss.CoopPlan)
+    for dtype, cols in (("f32", 131072), ("f16", 262144)):
         assert plan("softmax", 4096, cols, dtype, H100) is None
         assert plan("log_softmax", 4096, cols, dtype, H100) is None
         assert isinstance(plan("softmax", 4096, cols, dtype, A100), ss.CoopPlan)
         assert isinstance(plan("softmax", 64, cols, dtype, H100), ss.CoopPlan)
-    assert isinstance(plan("softmax_backward", 4096, 65536, "f16", H100), ss.CoopPlan)
+    assert isinstance(plan("softmax_backward", 4096, 2**17, "f16", H100), ss.CoopPlan)
 
 
 def test_rows_need_two_chunks(split_everywhere, monkeypatch):
