@@ -131,6 +131,34 @@ struct SoftmaxBackward {
   }
 };
 
+// Whole packs of every input, values[j][i]: element i of input j's pack.
+// Adds the row op's term of each element of the pack to sum, in element order.
+template <typename Op, typename C, int N, int pack_size>
+__device__ __forceinline__ void add_pack_terms(const Op& op, const C (&values)[N][pack_size], C& sum) {
+#pragma unroll
+  for (int i = 0; i < pack_size; ++i) {
+    C v[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[j] = values[j][i];
+    sum += op.template term<false>(v);
+  }
+}
+
+// Writes the outputs of one pack at (row, col).
+template <typename Op, typename Store, typename C, int N, int pack_size>
+__device__ __forceinline__ void store_pack_outputs(const Op& op, const Store& store,
+                                                   const C (&values)[N][pack_size], int64 row, int64 col) {
+  C result[pack_size];
+#pragma unroll
+  for (int i = 0; i < pack_size; ++i) {
+    C v[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) v[j] = values[j][i];
+    result[i] = op.template out<false>(v);
+  }
+  store.template store<pack_size>(result, row, col);
+}
+
 // ---------------------------------------------------------------------------
 // Warp path: a group of `width` lanes owns `rows_per_access` rows at a time;
 // each lane holds cols_per_thread values of each input row in registers.
@@ -377,11 +405,6 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
       use(tail_pack(k), v);
     }
   };
-  // e[j]: element i of every input.
-  const auto element = [](const C (&v)[N][pack_size], int i, C (&e)[N]) {
-#pragma unroll
-    for (int j = 0; j < N; ++j) e[j] = v[j][i];
-  };
   int stage = 0;
   unsigned parity = 0;   // the cluster's published partials alternate by row
   if (first_row < rows) fetch(first_row, 0);
@@ -414,27 +437,13 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
         op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
       }
       C thread_sum = 0;
-      for_each_pack(stage, [&](int, const C (&v)[N][pack_size]) {
-#pragma unroll
-        for (int i = 0; i < pack_size; ++i) {
-          C e[N];
-          element(v, i, e);
-          thread_sum += op.template term<false>(e);
-        }
-      });
+      for_each_pack(stage, [&](int, const C (&v)[N][pack_size]) { add_pack_terms(op, v, thread_sum); });
       C row_sum = block_all_reduce<SumOp, C, block_size>(thread_sum);
       if constexpr (cluster_size > 1) row_sum = cluster_all_reduce<cluster_size>(row_sum, parity, SumOp<C>());
       op.set_sum(row_sum);
     }
     for_each_pack(stage, [&](int pack, const C (&v)[N][pack_size]) {
-      C values[pack_size];
-#pragma unroll
-      for (int i = 0; i < pack_size; ++i) {
-        C e[N];
-        element(v, i, e);
-        values[i] = op.template out<false>(e);
-      }
-      store.template store<pack_size>(values, row, static_cast<int64>(pack) * pack_size);
+      store_pack_outputs(op, store, v, row, static_cast<int64>(pack) * pack_size);
     });
     if (stages == 2) {
       stage ^= 1;
@@ -535,14 +544,9 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
 #pragma unroll
     for (int j = 0; j < N; ++j) loads[j].template load<pack_size>(values[j], row, p * pack_size);
   };
-  auto element = [&](const C (&values)[N][pack_size], int i, C (&v)[N]) {
-#pragma unroll
-    for (int j = 0; j < N; ++j) v[j] = values[j][i];
-  };
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
     Op op;
     C values[N][pack_size];
-    C v[N];
     if (Op::needs_max && online) {
       OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
       for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
@@ -565,23 +569,13 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
       C thread_sum = 0;
       for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
         load_packs(row, p, values);
-#pragma unroll
-        for (int i = 0; i < pack_size; ++i) {
-          element(values, i, v);
-          thread_sum += op.template term<false>(v);
-        }
+        add_pack_terms(op, values, thread_sum);
       }
       op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
     }
     for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
       load_packs(row, p, values);
-      C result[pack_size];
-#pragma unroll
-      for (int i = 0; i < pack_size; ++i) {
-        element(values, i, v);
-        result[i] = op.template out<false>(v);
-      }
-      store.template store<pack_size>(result, row, p * pack_size);
+      store_pack_outputs(op, store, values, row, p * pack_size);
     }
   }
 }

@@ -120,14 +120,7 @@ struct ChunkPartial {
     if constexpr (Op::needs_max) {
       state.add_pack(values[0]);
     } else {
-      const Op op{};
-#pragma unroll
-      for (int i = 0; i < pack_size; ++i) {
-        C v[num_inputs];
-#pragma unroll
-        for (int j = 0; j < num_inputs; ++j) v[j] = values[j][i];
-        sum += op.template term<false>(v);
-      }
+      add_pack_terms(Op{}, values, sum);
     }
   }
 
@@ -160,22 +153,6 @@ __device__ __forceinline__ void softmax_split_partials(const Load (&loads)[Op::n
       loads, chunk.row, chunk.begin, chunk.end,
       [&](int64, const C (&values)[N][pack_size]) { partial.add(values); });
   partial.template block_write<block_size>(partials + chunk_id * split_partial_size<Op>());
-}
-
-// Writes the outputs of one pack (values[j][i]: element i of input j) at (row, col).
-template <typename Op, typename Store, typename C, int num_inputs, int pack_size>
-__device__ __forceinline__ void store_pack_outputs(const Op& op, const Store& store,
-                                                   const C (&values)[num_inputs][pack_size], int64 row,
-                                                   int64 col) {
-  C result[pack_size];
-#pragma unroll
-  for (int i = 0; i < pack_size; ++i) {
-    C v[num_inputs];
-#pragma unroll
-    for (int j = 0; j < num_inputs; ++j) v[j] = values[j][i];
-    result[i] = op.template out<false>(v);
-  }
-  store.template store<pack_size>(result, row, col);
 }
 
 template <typename Op, typename T, typename Load, typename Store, typename C, int pack_size,

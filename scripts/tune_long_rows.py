@@ -73,7 +73,7 @@ def tail_candidates(op, rows, cols, dtype, target):
         return []
     found = []
     for block in CLUSTER_BLOCK_SIZES:
-        for tail in softmax._async_tails(op, dtype, cols, block, target)[:TAIL_EXTRA_PACKS + 1]:
+        for tail in softmax.async_tails(op, dtype, cols, block, target)[:TAIL_EXTRA_PACKS + 1]:
             spec = softmax.SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=1,
                                        online=not op.endswith("_backward"), tail_packs=tail)
             smem = softmax.async_share_bytes(spec, cols)

@@ -294,7 +294,7 @@ def async_share_bytes(spec: SoftmaxSpec, cols: int) -> int:
     return len(spec.inputs) * -(-cached_packs // spec.cluster_size) * 16
 
 
-def _async_tails(op, dtype, cols, block_size, target):
+def async_tails(op, dtype, cols, block_size, target):
     """Register tails (packs of each input a thread holds) worth trying for a
     row one block's shared memory does not hold: from the fewest (at least one)
     that leave the rest within the opt-in limit up to AUTO_ASYNC_TAIL_MAX_PACKS."""
@@ -312,7 +312,7 @@ def _async_plan(op, dtype, rows, cols, pack_size, target):
     num_inputs = len(INPUTS[op])
     block_size, tail_block_size = AUTO_ASYNC_BLOCK_SIZES[num_inputs], AUTO_ASYNC_TAIL_BLOCK_SIZES[num_inputs]
     shapes = [(block_size, 1, 0)]
-    shapes += [(tail_block_size, 1, tail) for tail in _async_tails(op, dtype, cols, tail_block_size, target)]
+    shapes += [(tail_block_size, 1, tail) for tail in async_tails(op, dtype, cols, tail_block_size, target)]
     if num_inputs == 1 and has_clusters(target.facts.arch):
         shapes += [(block_size, cluster_size, 0) for cluster_size in AUTO_CLUSTER_SIZES]
     for block_size, cluster_size, tail_packs in shapes:
