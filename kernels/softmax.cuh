@@ -335,35 +335,40 @@ __device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_i
 // through distributed shared memory (cluster_all_reduce), so a row longer than
 // one block's shared memory is still read once. Forward needs online.
 //
-// tail_packs > 0 (one block, one stage): the row's last tail_packs *
-// block_size packs of every input are held in registers, thread t holding
-// packs cached + t + k * block_size (k < tail_packs), loaded with the next
-// row's cp.async; the packs before them in shared memory. A row somewhat
-// longer than shared memory is then still read once by one block (the
-// planner keeps the tail within the row).
+// tail_packs > 0 (one stage): the row's last cluster_size * tail_packs *
+// block_size packs of every input are held in registers, block `rank` of
+// the cluster (0 without one) holding the rank-th tail_packs * block_size of
+// them, thread t packs tail + t + k * block_size (k < tail_packs), loaded
+// with the next row's cp.async; the packs before them are shared out in
+// shared memory as above. A row somewhat longer than the blocks' shared
+// memory is then still read once by them (the planner keeps the tails
+// within the row).
 template <typename Op, typename T, typename Load, typename Store, typename C, int pack_size,
           int block_size, int stages, bool online, int cluster_size, int tail_packs>
 __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_inputs], const Store& store,
                                                     int64 rows, int64 cols) {
   static_assert(pack_size * sizeof(T) == 16, "cp.async moves 16-byte packs");
   static_assert(cluster_size == 1 || online || !Op::needs_max, "a cluster combines one (max, sum) pass");
-  static_assert(tail_packs == 0 || (cluster_size == 1 && stages == 1), "a register tail is one block's, one row's");
+  static_assert(tail_packs == 0 || stages == 1, "a register tail holds one row");
   constexpr int N = Op::num_inputs;
+  constexpr int tail_span = tail_packs * block_size;   // packs of a block's tail
   extern __shared__ __align__(16) unsigned char shared_buf[];
   typedef Pack<T, pack_size> P;
-  const int cached_packs = static_cast<int>(cols / pack_size) - tail_packs * block_size;   // in shared memory
+  const int cached_packs = static_cast<int>(cols / pack_size) - cluster_size * tail_span;   // in shared memory
   const int share_packs = (cached_packs + cluster_size - 1) / cluster_size;
-  int first_pack = 0;
+  int rank = 0;
   int64 first_row = blockIdx.x, row_step = gridDim.x;
   if constexpr (cluster_size > 1) {
-    first_pack = static_cast<int>(cluster_rank()) * share_packs;
+    rank = static_cast<int>(cluster_rank());
     first_row = cluster_index_x();
     row_step = num_clusters_x();
   }
+  const int first_pack = rank * share_packs;
   const int num_packs = max(0, min(share_packs, cached_packs - first_pack));   // this block's
   P* const buffers = reinterpret_cast<P*>(shared_buf);   // [stage][input][pack of the share]
   P tail[tail_packs > 0 ? tail_packs : 1][N];
-  const auto tail_pack = [&](int k) { return cached_packs + static_cast<int>(threadIdx.x) + k * block_size; };
+  const int first_tail_pack = cached_packs + rank * tail_span + static_cast<int>(threadIdx.x);
+  const auto tail_pack = [&](int k) { return first_tail_pack + k * block_size; };
   auto fetch = [&](int64 row, int stage) {
 #pragma unroll
     for (int j = 0; j < N; ++j) {

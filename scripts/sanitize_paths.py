@@ -59,14 +59,16 @@ def main():
         # rows no block's shared memory holds (as many rows as SMs, else they
         # are split), one block with a register tail: forward rows of 256 KB,
         # backward rows of 128 KB of each input; forward rows of 8 x 64 KB and
-        # of 7 x 64 KB and a pack, a thread-block cluster per row (sm_90+), the
-        # last share shorter
+        # of 7 x 64 KB and a pack, backward rows of 256 KB of each input, a
+        # thread-block cluster per row (sm_90+) whose blocks hold register
+        # tails, the last share shorter
         itemsize = cupy.dtype(dtype).itemsize
         rows = target.facts.sm_count
         for cols, ops in ((4 * 65536 // itemsize, ("softmax", "log_softmax")),
                           (2 * 65536 // itemsize, ("softmax_backward", "log_softmax_backward")),
                           (8 * 65536 // itemsize, ("softmax", "log_softmax")),
-                          (7 * 65536 // itemsize + 16 // itemsize, ("softmax", "log_softmax"))):
+                          (7 * 65536 // itemsize + 16 // itemsize, ("softmax", "log_softmax")),
+                          (4 * 65536 // itemsize, ("softmax_backward", "log_softmax_backward"))):
             x = rng.standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
             for op in ops:
                 chosen = softmax_split.plan(op, rows, cols, short, target) or \

@@ -9,15 +9,18 @@ written; backward: dy and y read, dx written). Each candidate is checked
 against a float64 CuPy reference on its first and last rows (a fast wrong
 kernel cannot win). Usage: python scripts/tune_long_rows.py [--dtypes float16,float32]
 [--ops softmax,softmax_backward] [--shapes 8x1048576,8192x131072] [--only clusters|coop|tails]
+[--extra-tail-packs N]
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import cupy
 import numpy
 
 from cupyops import dtypes
+from cupyops.device import has_clusters
 from cupyops.launch import live_function
 from cupyops.ops import softmax, softmax_split
 from cupyops.rowwise import Operand
@@ -28,6 +31,7 @@ COOP_SIZES = (32, 64, 96, 128)     # bytes of each input a coop thread holds
 CLUSTER_SIZES = (1, 2, 4, 8)
 CLUSTER_BLOCK_SIZES = (256, 512, 1024)
 TAIL_EXTRA_PACKS = 2
+TAIL_MOST_PACKS = 8
 SHAPES = "16384x32768,16384x65536,8192x131072,4096x262144,8x1048576,64x1048576,1x16777216,49152x32768"
 
 
@@ -63,27 +67,31 @@ def cluster_candidates(op, rows, cols, dtype, target):
     return found
 
 
-def tail_candidates(op, rows, cols, dtype, target):
+def tail_candidates(op, rows, cols, dtype, target, extra_packs=TAIL_EXTRA_PACKS):
     """(label, plan) for the async row kernel holding the part of the row its
-    shared memory does not in registers: the fewest packs a thread that
-    leave the rest within shared memory and up to TAIL_EXTRA_PACKS more, at
-    each of CLUSTER_BLOCK_SIZES threads, a block per row."""
+    blocks' shared memory does not in registers: the fewest packs a thread
+    that leave the rest within shared memory and up to extra_packs more (at
+    most TAIL_MOST_PACKS, none spilling), at each of CLUSTER_BLOCK_SIZES
+    threads, a block or a cluster of each of CLUSTER_SIZES blocks (where the
+    GPU has clusters) per row."""
     pack = async_pack(dtype, cols)
     if pack is None:
         return []
     found = []
-    for block in CLUSTER_BLOCK_SIZES:
-        for tail in softmax.async_tails(op, dtype, cols, block, target)[:TAIL_EXTRA_PACKS + 1]:
+    cluster_sizes = CLUSTER_SIZES if has_clusters(target.facts.arch) else (1,)
+    for cluster, block in itertools.product(cluster_sizes, CLUSTER_BLOCK_SIZES):
+        for tail in softmax.async_tails(op, dtype, cols, block, target, cluster, TAIL_MOST_PACKS)[:extra_packs + 1]:
             spec = softmax.SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=1,
-                                       online=not op.endswith("_backward"), tail_packs=tail)
+                                       online=not op.endswith("_backward"), cluster_size=cluster, tail_packs=tail)
             smem = softmax.async_share_bytes(spec, cols)
             if target.resources(spec)["local_bytes"] or not target.max_active_blocks(spec, block, smem, True):
                 continue
-            found.append((f"tail b{block} t{tail}", softmax.SoftmaxPlan(spec, (block, 1, 1), (rows, 1, 1), smem)))
+            found.append((f"c{cluster} tail b{block} t{tail}",
+                          softmax.SoftmaxPlan(spec, (block, 1, 1), (rows * cluster, 1, 1), smem)))
     return found
 
 
-def candidates(op, rows, cols, dtype, target, only=None):
+def candidates(op, rows, cols, dtype, target, only=None, extra_tail_packs=TAIL_EXTRA_PACKS):
     """(label, plan) for each plan worth timing at this shape (auto, then the
     `only` family when given)."""
     found = [("auto", softmax_split.plan(op, rows, cols, dtype, target)
@@ -97,7 +105,7 @@ def candidates(op, rows, cols, dtype, target, only=None):
     if only in (None, "clusters"):
         found += cluster_candidates(op, rows, cols, dtype, target)
     if only in (None, "tails"):
-        found += tail_candidates(op, rows, cols, dtype, target)
+        found += tail_candidates(op, rows, cols, dtype, target, extra_tail_packs)
     return [(label, chosen) for label, chosen in found if chosen is not None]
 
 
@@ -119,6 +127,8 @@ def main():
     parser.add_argument("--shapes", default=SHAPES)
     parser.add_argument("--only", choices=("clusters", "coop", "tails"),
                         help="auto and this family of candidates alone")
+    parser.add_argument("--extra-tail-packs", type=int, default=TAIL_EXTRA_PACKS,
+                        help="register tails tried past the fewest that fit")
     args = parser.parse_args()
     tuning = Tuning(budget_s=0.15)
     device_id, target = tuning.device_id, tuning.target
@@ -136,7 +146,7 @@ def main():
                 checked = sorted({*range(min(rows, 4)), *range(max(rows - 4, 0), rows)})
                 expect = reference(op, [a[checked] for a in inputs])
                 num_bytes = (len(inputs) + 1) * rows * cols * dtype.itemsize
-                for label, chosen in candidates(op, rows, cols, short, target, args.only):
+                for label, chosen in candidates(op, rows, cols, short, target, args.only, args.extra_tail_packs):
                     median_us, gbs, fraction, error = tuning.measure(
                         launcher(chosen, inputs, out, device_id), out,
                         lambda result: float(cupy.abs(result[checked].astype(cupy.float64) - expect).max()), num_bytes)

@@ -92,30 +92,32 @@ def test_strided_views_and_in_place(rng, op):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", sorted(FORWARD))
-def test_tail_rows(rng, op, dtype):
-    """Rows of dy and y that one block's shared memory falls short of, held by
-    one block all the same, the last packs in registers: one pack past the
-    opt-in limit, and the most packs a thread; one pack more is not async.
-    Rows >= SMs, so that they are not split instead. Into a poisoned output and
-    in place (out = dy, out = y)."""
+def test_rows_past_shared_memory(rng, op, dtype):
+    """Rows of dy and y one, two and four times what a block's shared memory
+    holds (and a pack more, so that the cluster's shares end mid-row), held on
+    chip all the same: one block with a register tail, then (sm_90+)
+    thread-block clusters whose blocks each hold a register tail. Rows >= SMs,
+    so that they are not split instead. Into a poisoned output and in place
+    (out = dy, out = y)."""
     import cupy
 
+    from cupyops.device import has_clusters
     from cupyops.dtypes import BY_DTYPE
     from cupyops.launch import Target
     from cupyops.ops import softmax as sm
 
     target = Target.live(cupy.cuda.runtime.getDevice())
-    vec, block = 16 // dtype.itemsize, sm.AUTO_ASYNC_TAIL_BLOCK_SIZES[2]
-    room = target.facts.smem_per_block_optin // 32          # packs of each input shared memory holds
-    most = sm.AUTO_ASYNC_TAIL_MAX_PACKS[2]
+    vec = 16 // dtype.itemsize
+    room = target.facts.smem_per_block_optin // (2 * dtype.itemsize)   # cols of each input it holds
     rows = target.facts.sm_count + 1
-    for packs, tail in ((room + 1, 1), (room + most * block - 64, most), (room + most * block + 1, None)):
-        cols = packs * vec
+    for times in (1, 2, 4):
+        cols = times * room + vec
         spec = sm.plan(op, rows, cols, BY_DTYPE[dtype].short, "auto", target).spec
-        if tail is None:
-            assert spec.impl != "block_async", spec.name
-            continue
-        assert (spec.impl, spec.tail_packs) == ("block_async", tail), spec.name
+        if times > 1 and not has_clusters(target.facts.arch):
+            assert spec.cluster_size == 1, spec.name
+        else:
+            assert (spec.impl, spec.tail_packs > 0, spec.cluster_size > 1) == ("block_async", True, times > 1), \
+                spec.name
         dy, y = make_inputs(rng, op, (rows, cols), dtype, -1)
         expected = reference(op, dy, y, -1)
         out = cupy.full((rows, cols), numpy.nan, dtype=dtype)

@@ -142,7 +142,7 @@ def boundary_groups(policy, dtype, facts) -> dict:
         # the largest row the device's opt-in shared memory holds, around it
         limit = facts.smem_per_block_optin // itemsize // vec * vec
         groups["optin-limit"] = [limit - 16 * vec, limit - vec, limit, limit + 1]
-    groups["huge"] = [300_000]
+    groups["huge"] = [1_000_000]                      # past every plan that caches the row
     return groups
 
 
@@ -183,7 +183,7 @@ def test_boundaries_reach_every_path(policy, dtype):
 
 
 # column counts shared with the boundary tests, so few extra kernels compile
-@pytest.mark.parametrize("cols", [1, 2, 33, 1025, 4097, 20000, 32769, 300_000])
+@pytest.mark.parametrize("cols", [1, 2, 33, 1025, 4097, 20000, 32769, 1_000_000])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("policy", POLICIES)
 def test_single_row(policy, dtype, cols, rng):
@@ -200,12 +200,13 @@ def run_plan(chosen, x, out):
              shared_mem=chosen.smem_bytes)
 
 
-@pytest.mark.parametrize("stages, cluster_size", [(1, 1), (2, 1), (1, 2), (2, 4)])
+@pytest.mark.parametrize("stages, cluster_size, tail_packs", [(1, 1, 0), (2, 1, 0), (1, 2, 0), (2, 4, 0),
+                                                              (1, 1, 1), (1, 4, 1)])
 @pytest.mark.parametrize("op", sorted(FUNCTIONS))
-def test_async_grid_walks_its_rows(op, stages, cluster_size, rng):
+def test_async_grid_walks_its_rows(op, stages, cluster_size, tail_packs, rng):
     """The async row kernel on fewer blocks (clusters) than rows: each walks
     rows grid-stride, two stages prefetching the next row, clusters publishing
-    their partials in alternate slots."""
+    their partials in alternate slots, register tails loaded with the next row."""
     import cupy
 
     target = live_target()
@@ -213,9 +214,9 @@ def test_async_grid_walks_its_rows(op, stages, cluster_size, rng):
         pytest.skip("no thread-block clusters before sm_90")
     dtype = numpy.dtype(numpy.float32)
     cols, blocks = 8 * 1000 + 4 * 3, 5              # 16-byte packs; shares end mid-row
-    share_bytes = -(-cols // 4 // cluster_size) * 16
     spec = sm.SoftmaxSpec(op, "block_async", "f32", 4, block_size=256, stages=stages, online=True,
-                          cluster_size=cluster_size)
+                          cluster_size=cluster_size, tail_packs=tail_packs)
+    share_bytes = sm.async_share_bytes(spec, cols)
     chosen = sm.SoftmaxPlan(spec, (256, 1, 1), (blocks * cluster_size, 1, 1), stages * share_bytes)
     rows = 2 * blocks + 3
     host, exact = special_rows(rng, cols, dtype)
@@ -245,42 +246,25 @@ def check_long_rows(op, dtype, cols, rows, rng, expect):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("op", sorted(FUNCTIONS))
-def test_tail_rows(op, dtype, rng):
-    """Rows one block's shared memory falls short of, held by one block all the
-    same, the last packs in registers: at one pack a thread (one pack past the
-    opt-in limit), two, and the most (float64 spills there: a cluster instead
-    on sm_90+); rows >= SMs, so that the rows are not split instead."""
+def test_rows_past_shared_memory(op, dtype, rng):
+    """Rows from half to four times what a block's shared memory holds (and a
+    pack more, so that the cluster's shares end mid-row), held on chip all the
+    same: one block (16-bit rows past half of it with a register tail, two
+    blocks an SM), one block with a register tail, then (sm_90+) thread-block
+    clusters whose blocks each hold a register tail; rows >= SMs, so that the
+    rows are not split instead."""
     target = live_target()
-    vec, block = 16 // dtype.itemsize, sm.AUTO_ASYNC_TAIL_BLOCK_SIZES[1]
-    room = target.facts.smem_per_block_optin // 16          # packs shared memory holds
-    most = sm.AUTO_ASYNC_TAIL_MAX_PACKS[1]
-    rows = target.facts.sm_count + 1
-    for packs, tail in ((room + 1, 1), (room + 2 * block - 64, 2), (room + most * block - 64, most)):
-        def expect(spec):
-            if dtype.itemsize == 8 and tail == most:
-                return spec.cluster_size == 8 or not device.has_clusters(target.facts.arch)
-            return (spec.impl, spec.tail_packs, spec.cluster_size) == ("block_async", tail, 1)
-        check_long_rows(op, dtype, packs * vec, rows, rng, expect)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("op", sorted(FUNCTIONS))
-def test_cluster_rows(op, dtype, rng):
-    """Rows longer than a block holds with its most packs a thread in registers,
-    shared by a thread-block cluster (sm_90+): just past that and at 8 shares of
-    AUTO_CLUSTER_SHARE_BYTES; one pack more is not async."""
-    target = live_target()
-    if not device.has_clusters(target.facts.arch):
-        pytest.skip("no thread-block clusters before sm_90")
     vec = 16 // dtype.itemsize
-    share_cols = sm.AUTO_CLUSTER_SHARE_BYTES // dtype.itemsize
-    room = target.facts.smem_per_block_optin // 16
-    past_tails = (room + sm.AUTO_ASYNC_TAIL_MAX_PACKS[1] * sm.AUTO_ASYNC_TAIL_BLOCK_SIZES[1] + 1) * vec
+    room = target.facts.smem_per_block_optin // dtype.itemsize       # cols a block's shared memory holds
     rows = target.facts.sm_count + 1
-    for cols in (past_tails, 8 * share_cols):
-        check_long_rows(op, dtype, cols, rows, rng,
-                        lambda spec: (spec.impl, spec.cluster_size) == ("block_async", 8))
-    assert sm.plan(op, rows, 8 * share_cols + vec, short(dtype), "auto", target).spec.impl != "block_async"
+    clusters = device.has_clusters(target.facts.arch)
+    for times in (0.5, 1, 2, 4):
+        def expect(spec):
+            if times > 1 and not clusters:
+                return spec.cluster_size == 1
+            tail = times >= 1 or dtype.itemsize == 2
+            return (spec.impl, spec.tail_packs > 0, spec.cluster_size > 1) == ("block_async", tail, times > 1)
+        check_long_rows(op, dtype, int(times * room) + vec, rows, rng, expect)
 
 
 # -- special values -----------------------------------------------------------------

@@ -315,33 +315,32 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
     if cols <= 32 * pack or pack * ceil_div(cols, 32 * pack) * compute <= sm.AUTO_WARP_MAX_BYTES_PER_LANE:
         return {"impl": "warp", "pack_size": pack}
     # 2. cp.async into shared memory (16-byte packs only), the maximum and sum in
-    # one pass, a block per row; a row shared memory falls short of by at most
-    # 8 packs a thread (of 1024 threads) keeps its last packs in registers, the
-    # fewest packs a thread that fit and do not spill; else, on sm_90+, it is
-    # shared by the fewest blocks of a 2-, 4- or 8-block cluster with shares of
-    # at most 64 KB, a cluster per row. Rows of 24 KB and more try it before the
-    # register path.
+    # one pass: the first rung (cluster, threads, most tail packs, blocks an SM)
+    # of the type's ladder that holds the row, each block of the cluster (sm_90+)
+    # holding a part of the row, its last packs (the largest tail up to `most`
+    # that does not spill) in registers, the rest in shared memory. Rows of 24 KB
+    # and more try it before the register path.
     def async_plan():
         if pack * itemsize != 16:
             return None
         row_packs = cols // pack
-        tail_block = sm.AUTO_ASYNC_TAIL_BLOCK_SIZES[1]
-        fewest = max(1, ceil_div(row_packs - facts.smem_per_block_optin // 16, tail_block))
-        shapes = [(sm.AUTO_ASYNC_BLOCK_SIZES[1], 1, 0)]
-        shapes += [(tail_block, 1, tail) for tail in range(fewest, min(8, row_packs // tail_block) + 1)]
-        if device.has_clusters(facts.arch):
-            shapes += [(sm.AUTO_ASYNC_BLOCK_SIZES[1], cluster, 0) for cluster in (2, 4, 8)]
-        for block, cluster, tail in shapes:
-            share = ceil_div(row_packs - tail * block, cluster) * 16
-            if cluster > 1 and share > 64 * 1024:
+        room = facts.smem_per_block_optin // 16          # packs a block's shared memory holds
+        for cluster, block, most, min_blocks in sm.AUTO_ASYNC_LADDERS[1, itemsize]:
+            if cluster > 1 and not device.has_clusters(facts.arch):
                 continue
-            spec = SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=1, online=True,
-                               cluster_size=cluster, tail_packs=tail)
-            report = jit.compile_cubin(spec, facts.arch)
-            if tail and report.spill_bytes + report.stack_bytes:
-                continue
-            if occupancy(target, spec, share, True):
-                return {"impl": "block_async", "spec": spec, "smem_bytes": share, "grid": rows * cluster}
+            fewest = max(1, ceil_div(row_packs - cluster * room, cluster * block))
+            tails = range(min(most, row_packs // (cluster * block)), fewest - 1, -1) if most else [0]
+            for tail in tails:
+                share = ceil_div(row_packs - cluster * tail * block, cluster) * 16
+                if share > facts.smem_per_block_optin:
+                    continue
+                spec = SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=1, online=True,
+                                   cluster_size=cluster, tail_packs=tail)
+                report = jit.compile_cubin(spec, facts.arch)
+                if tail and report.spill_bytes + report.stack_bytes:
+                    continue
+                if occupancy(target, spec, share, True) >= min_blocks:
+                    return {"impl": "block_async", "spec": spec, "smem_bytes": share, "grid": rows * cluster}
         return None
 
     if cols * itemsize >= 24 * 1024 and async_plan() is not None:
@@ -487,9 +486,11 @@ def test_auto_plans_fit_the_device(profile, dtype):
                 assert spec.packs_per_thread * spec.block_size * spec.pack_size >= cols - 2 * spec.pack_size
                 assert spec.packs_per_thread * spec.block_size >= cols // spec.pack_size
             elif spec.impl == "block_async":
-                tail_bytes = spec.tail_packs * spec.block_size * 16      # held in registers
-                assert p.smem_bytes * spec.cluster_size + tail_bytes >= cols * ITEMSIZE[dtype]
-                assert tail_bytes <= cols * ITEMSIZE[dtype]
+                inputs = len(spec.inputs)
+                # each block of the cluster holds its tail of every input in registers
+                tail_bytes = inputs * spec.cluster_size * spec.tail_packs * spec.block_size * 16
+                assert p.smem_bytes * spec.cluster_size + tail_bytes >= inputs * cols * ITEMSIZE[dtype]
+                assert tail_bytes <= inputs * cols * ITEMSIZE[dtype]
                 assert p.grid[0] == 49152 * spec.cluster_size
                 assert target.max_active_blocks(spec, spec.block_size, p.smem_bytes, True) > 0
             elif spec.impl == "block_smem":
@@ -507,34 +508,36 @@ def test_auto_paths_in_order_along_the_sweep():
                     "block_async", "block_async"]     # 131072: a register tail; 262144: clusters
     assert sorted(seen, key=order.index) == seen
     no_clusters = [plan("softmax", 49152, cols, "f16", "auto", A100).spec for cols in (131072, 262144)]
-    assert [(spec.impl, spec.tail_packs) for spec in no_clusters] == [("block_async", 6), ("block_uncached", 0)]
+    assert [(spec.impl, spec.tail_packs) for spec in no_clusters] == [("block_async", 8), ("block_uncached", 0)]
 
 
 @pytest.mark.parametrize("op, dtype, cols, block, tail, cluster", [
-    ("softmax", "f64", 16384, 512, 0, 1),                              # 128 KB: one block
-    ("softmax", "f32", 58112, 1024, 1, 1),    # 227 KB, the opt-in limit: the reduction's too
-    ("softmax", "f32", 65536, 1024, 2, 1), ("log_softmax", "f32", 65536, 1024, 2, 1),    # 256 KB
-    ("softmax", "f32", 65540, 1024, 2, 1), ("softmax", "f16", 131072, 1024, 2, 1),
-    ("softmax", "f32", 58112 + 4 * 8 * 1024 - 256, 1024, 8, 1),      # the most packs a thread
-    ("softmax", "f64", 29056 + 2 * 4 * 1024, 512, 0, 8),             # f64: 4 packs would spill
-    ("softmax", "f32", 131072, 512, 0, 8), ("log_softmax", "bf16", 262144, 512, 0, 8),
+    ("softmax", "f64", 16384, 512, 0, 1), ("softmax", "f16", 32768, 512, 0, 1),   # 128 / 64 KB: one block
+    # 16-bit, 128 KB: half in registers, two blocks an SM
+    ("softmax", "f16", 65536, 512, 8, 1), ("log_softmax", "bf16", 65536, 512, 8, 1),
+    ("softmax", "f32", 58112, 1024, 8, 1),    # 227 KB, the opt-in limit: the reduction's too
+    ("softmax", "f32", 65536, 1024, 8, 1), ("log_softmax", "f32", 65540, 1024, 8, 1),   # 256 KB
+    ("softmax", "f16", 131072, 1024, 8, 1),
+    ("softmax", "f64", 32768, 1024, 3, 1),                           # f64: 4 packs would spill
+    ("softmax", "f32", 131072, 1024, 8, 2), ("softmax", "f32", 262144, 1024, 8, 4),  # clusters
+    ("softmax", "f16", 262144, 512, 7, 4),        # 8 packs leave one block an SM, not two
     ("softmax_backward", "f32", 32768, 256, 4, 1), ("softmax_backward", "f16", 65536, 256, 4, 1),
     ("log_softmax_backward", "bf16", 58104, 256, 0, 1),             # 2 x 113.5 KB: one block
-    ("softmax", "f32", 131076, None, 0, 0), ("softmax", "f16", 262152, None, 0, 0),   # shares over 64 KB
-    ("softmax_backward", "f32", 36864, None, 0, 0),                  # 5 packs a thread short
+    ("softmax_backward", "f32", 36864, 1024, 4, 1),                 # 2 x 144 KB
+    ("softmax_backward", "f32", 65536, 256, 8, 4), ("log_softmax_backward", "f16", 262144, 256, 8, 8),
+    ("softmax_backward", "f32", 262144, 512, 8, 8),                 # 2 x 1 MB: one block an SM
+    ("softmax", "f32", 1 << 20, None, 0, 0), ("softmax_backward", "f32", 524288, None, 0, 0),
 ])
 def test_auto_long_rows_in_one_block_or_a_cluster(op, dtype, cols, block, tail, cluster):
-    """Rows one block's shared memory does not hold: one block all the same
-    with a register tail of the fewest packs a thread (at most 8 of 1024
-    threads forward, 4 of 256 backward, not spilling); else (forward, sm_90+)
-    a cluster per row, the fewest blocks with shares within 64 KB; None: no
-    async plan."""
+    """Long rows take the first rung of their ladder that holds them (a block,
+    then clusters, sm_90+), with the largest register tail of the rung that
+    does not spill and leaves its blocks resident; None: no async plan."""
     p = plan(op, 49152, cols, dtype, "auto", H100)
     if block is None:
         assert p.spec.impl != "block_async", p.spec.name
         return
     inputs = 2 if op.endswith("_backward") else 1
-    share = ceil_div(cols * ITEMSIZE[dtype] // 16 - tail * block, cluster) * 16 * inputs   # whole packs
+    share = ceil_div(cols * ITEMSIZE[dtype] // 16 - cluster * tail * block, cluster) * 16 * inputs   # whole packs
     assert (p.spec.impl, p.spec.block_size, p.spec.tail_packs, p.spec.cluster_size, p.spec.stages,
             p.smem_bytes) == ("block_async", block, tail, cluster, 1, share)
     assert p.grid == (49152 * cluster, 1, 1) and p.block == (block, 1, 1)

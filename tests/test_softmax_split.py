@@ -22,6 +22,7 @@ from conftest import TOLERANCES, assert_close
 from cupyops import dtypes, jit
 from cupyops.dtypes import BFLOAT16
 from cupyops.launch import LaunchCache, Target
+from cupyops.ops import softmax as sm
 from cupyops.ops import softmax_split as ss
 from cupyops.ops.softmax import vector_pack_size
 from cupyops.ops.softmax_split import SoftmaxSplitSpec, plan
@@ -157,9 +158,9 @@ def test_ordinary_path_chosen(shape, ops):
 
 
 @pytest.mark.parametrize("op, rows, cols", [
-    ("softmax", 4096, 2**19),            # many rows of 1 MB: cluster shares over 64 KB
+    ("softmax", 4096, 2**21),            # many rows of 4 MB: past 8 blocks with tails
     ("softmax", 132, 2**20),             # rows = SMs
-    ("softmax_backward", 16384, 2**17),  # 2 x 256 KB of inputs per row
+    ("softmax_backward", 4096, 2**20),   # 2 x 2 MB of inputs per row
     ("softmax", 8, 2**20),
 ])
 def test_long_rows_take_coop(op, rows, cols):
@@ -170,21 +171,22 @@ def test_long_rows_take_coop(op, rows, cols):
 def test_rows_one_block_or_a_cluster_holds_are_not_split():
     """Many rows the async row path holds are not split: forward rows of 256
     KB and backward rows of 2 x 128 KB in one block with a register tail
-    (forward also on sm_80; its backward tail would be too long), forward rows
-    of up to 512 KB in a thread-block cluster (sm_90+). Longer rows, clusters'
-    rows on sm_80, and few rows still are split."""
+    (on sm_80 where its tail fits as well),
+    forward rows of up to 1 MB and backward rows of 2 x 512 KB in
+    thread-block clusters with register tails (sm_90+). Longer rows,
+    clusters' rows on sm_80, and few rows still are split."""
     for op, dtype, cols in (("softmax", "f32", 65536), ("log_softmax", "f16", 131072),
                             ("softmax_backward", "f16", 65536), ("log_softmax_backward", "f32", 32768)):
         assert plan(op, 4096, cols, dtype, H100) is None
-        on_a100 = plan(op, 4096, cols, dtype, A100)
-        assert isinstance(on_a100, ss.CoopPlan) if op.endswith("_backward") else on_a100 is None
+        held_on_a100 = sm.plan(op, 4096, cols, dtype, "auto", A100).spec.impl == "block_async"
+        assert (plan(op, 4096, cols, dtype, A100) is None) == held_on_a100
         assert isinstance(plan(op, 64, cols, dtype, H100), ss.CoopPlan)
-    for dtype, cols in (("f32", 131072), ("f16", 262144)):
-        assert plan("softmax", 4096, cols, dtype, H100) is None
-        assert plan("log_softmax", 4096, cols, dtype, H100) is None
-        assert isinstance(plan("softmax", 4096, cols, dtype, A100), ss.CoopPlan)
-        assert isinstance(plan("softmax", 64, cols, dtype, H100), ss.CoopPlan)
-    assert isinstance(plan("softmax_backward", 4096, 2**17, "f16", H100), ss.CoopPlan)
+    for op, dtype, cols in (("softmax", "f32", 131072), ("log_softmax", "f16", 262144), ("softmax", "f32", 262144),
+                            ("softmax_backward", "f32", 65536), ("log_softmax_backward", "f16", 262144)):
+        assert plan(op, 4096, cols, dtype, H100) is None
+        assert isinstance(plan(op, 4096, cols, dtype, A100), ss.CoopPlan)
+        assert isinstance(plan(op, 64, cols, dtype, H100), ss.CoopPlan)
+    assert isinstance(plan("softmax_backward", 4096, 2**20, "f16", H100), ss.CoopPlan)
 
 
 def test_rows_need_two_chunks(split_everywhere, monkeypatch):

@@ -3,8 +3,9 @@ plan -> launch -> public functions.
 
 Paths (SPEC §5): "warp" (a row per group of lanes, registers), "block_regs"
 (a row per block, registers; auto only), "block_async" (a row per block, or
-per thread-block cluster, in shared memory filled by cp.async, a row's last
-packs in registers where shared memory falls a little short; auto only),
+per thread-block cluster, in shared memory filled by cp.async, each block's
+last packs of it in registers where shared memory falls short or where that
+leaves two blocks an SM; auto only),
 "block_smem" (a row per block, shared memory filled through registers) and
 "block_uncached" (a row per block, re-read from global memory).
 policy="oneflow" reproduces OneFlow's dispatch exactly; "auto" uses 16-byte
@@ -63,45 +64,61 @@ AUTO_BLOCK_REGS_MAX_PACKS = {(2, 1): 4, (4, 1): 16, (8, 1): 4}   # (itemsize, in
 AUTO_PEELED_MAX_PACKS = {(2, 1): 8, (4, 1): 16, (8, 1): 8}       # else 8
 AUTO_BLOCK_REGS_MAX_BYTES = 64 * 1024
 AUTO_BLOCK_REGS_MIN_RESIDENT = 384
-# then cp.async into shared memory (16-byte packs), a block per row (the
-# GPU's scheduler starts the next row's block as one leaves, rather than a
-# persistent block fetching its next row), the forward maximum and sum in one
-# pass over the cache. H200, rows 49152, % of copy, against a persistent grid
-# prefetching the next row where two fit: f16 20480 / 32768 / 40960 cols
-# 97.5 / 97.6 / 98.2 against 89.5 / 91.5 / 92.3; f32 20480 / 32768 98.1 /
-# 98.7 against 93.2 / 93.3; backward 101-103 against 95.7-97.6 (reading
-# twice as much as it writes beats the copy). Threads a block, by the number
-# of inputs (backward f16 32768 cols: 103.0 at 256, 102.1 at 512);
-AUTO_ASYNC_BLOCK_SIZES = {1: 512, 2: 256}
+# then cp.async into shared memory (16-byte packs), a block or a cluster per
+# row (the GPU's scheduler starts the next row's block as one leaves, rather
+# than a persistent block fetching its next row), the forward maximum and sum
+# in one pass over the cache. H200, rows 49152, % of copy, against a
+# persistent grid prefetching the next row where two fit: f16 20480 / 32768
+# / 40960 cols 97.5 / 97.6 / 98.2 against 89.5 / 91.5 / 92.3; f32 20480 /
+# 32768 98.1 / 98.7 against 93.2 / 93.3; backward 101-103 against 95.7-97.6
+# (reading twice as much as it writes beats the copy).
 # Rows of at least this many bytes of each input take that path before the
 # register path (H200, % of copy, async against registers: f16 12288 cols
 # 98.7 / 96.7, f32 16384 97.5 / 96.9, log-softmax backward bf16 16384 102.0
 # / 95.6; f32 12288 97.0 / 97.5; at 8192 cols the register path is as fast or
 # faster: f16 97.3 / 96.4 for regs, backward bf16 102.2 / 101.2);
 AUTO_ASYNC_MIN_ROW_BYTES = 24 * 1024
-# on sm_90 and newer, a forward row too long for one block's shared memory
-# is shared by the fewest blocks of a thread-block cluster of one of
-# AUTO_CLUSTER_SIZES whose shares fit AUTO_CLUSTER_SHARE_BYTES, a cluster per
-# row: f32 16384 x 65536 86.7 % (softmax) / 87.9 % (log-softmax) against
-# 80.8 / 67.0 % split across cooperative blocks; 8192 x 131072 f16 82.5 /
-# 84.1 % (clusters of 4) against 80.1 / 79.7 %, f32 82.3 / 82.3 % (of 8)
-# against 77.1 / 62.6 %. Shares of 128 KB lose (f32 4096 x 262144: 61 %
-# against 74 %), as does the backward (f16 16384 x 65536: 79 % in clusters
-# of 4 against 87.5 % split).
-AUTO_CLUSTER_SIZES = (2, 4, 8)
-AUTO_CLUSTER_SHARE_BYTES = 64 * 1024
-# Before the clusters, a row one block's shared memory misses by at most
-# AUTO_ASYNC_TAIL_MAX_PACKS packs of each input a thread (by the number of
-# inputs) is held by one block all the same: the packs past its shared memory
-# in registers (a register tail, the fewest packs a thread that leave the rest
-# in shared memory), with AUTO_ASYNC_TAIL_BLOCK_SIZES threads. H200, % of
-# copy, against the plans that ran before: backward f32 49152 x 32768 103.6
-# against 84.3 (split across cooperative blocks), log-softmax 103.6 against
-# 85.6; backward f16 16384 x 65536 102.5 against 89.0; forward f32 16384 x
-# 65536 97.4 against 86.8 (clusters of 4), f16 8192 x 131072 94.6 against
-# 82.6 (90.1 at 512 threads; backward 256 and 1024 threads alike).
-AUTO_ASYNC_TAIL_MAX_PACKS = {1: 8, 2: 4}
-AUTO_ASYNC_TAIL_BLOCK_SIZES = {1: 1024, 2: 256}
+# The async plan is the first rung of a ladder that holds the row, each rung
+# (cluster_size, block_size, most tail packs, blocks an SM): the row shared
+# by cluster_size blocks (a thread-block cluster, sm_90 and newer), each
+# holding the last tail_packs packs a thread of its part of every input in
+# registers (a register tail) and the rest in shared memory. A rung takes
+# the largest tail up to `most` (0: none) that leaves the rest within the
+# opt-in limit, does not spill, and leaves that many blocks resident an SM.
+# A block reads, reduces and writes one row at a time, so 16-bit forward
+# rows (twice the exponentials a byte) want two blocks an SM, and a
+# cluster's blocks wait for one another once a row. Measured with
+# scripts/tune_long_rows.py --only tails (H200, % of copy, against the
+# plans that ran before):
+#   16-bit forward: 16384 x 65536 at 512 x 8 packs, two blocks an SM, f16 /
+#     bf16 97.2 / 97.2 against 91.6 / 89.6 (no tail, one an SM); 8192 x
+#     131072 f16 at 1024 x 8 96.6 against 94.6 (1024 x 2); 4096 x 262144 f16
+#     in clusters of 4 at 512 x 7 86.3 against 76.1 (clusters of 8, no tail;
+#     2 x 1024 x 8: 83.5); 2048 x 524288 f16 in clusters of 8 at 512 x 7
+#     80.9 against 74.5 split across cooperative blocks; longer rows stay
+#     split (1024 x 1048576 f16 in 8 x 1024 x 8: 66.3 against 70.9);
+#   float32 forward: 8192 x 131072 in clusters of 2 at 1024 x 8 95.6 against
+#     82.4 (clusters of 8, no tail; 4 x 512 x 8: 93.3); 4096 x 262144 in
+#     clusters of 4 90.2 against 74.6; 1024 x 524288 in clusters of 8 79.1
+#     against 73.9 split; 16384 x 65536 at 1024 x 8 97.6 (1024 x 2: 97.7);
+#     49152 x 32768 unchanged, 99.3 (512 x 8: 97.2);
+#   backward: 16384 x 65536 f32 in clusters of 4 at 256 x 8, two an SM, 97.1
+#     against 84.3 (split across cooperative blocks; 2 x 1024 x 4: 94.7);
+#     8192 x 131072 f16 / f32 95.9 / 93.9 (clusters of 4 / 8) against 87.3 /
+#     83.7; 4096 x 262144 f16 91.2 (clusters of 8) against 87.7, f32 83.9
+#     (8 x 512 x 8) against 75.9; 4096 x 45056 f32 at 1024 x 4 98.8 against
+#     81.8 split; rows one block holds 102-103 as before.
+_BACKWARD_ASYNC_LADDER = ((1, 256, 0, 1), (1, 256, 4, 1), (1, 1024, 4, 1),
+                          (4, 256, 8, 2), (8, 256, 8, 2), (8, 512, 8, 1))
+AUTO_ASYNC_LADDERS = {   # (inputs, itemsize) -> rungs
+    (1, 2): ((1, 512, 0, 2), (1, 512, 8, 2), (1, 1024, 8, 1), (4, 512, 8, 2), (8, 512, 8, 2)),
+    (1, 4): ((1, 512, 0, 1), (1, 1024, 8, 1), (2, 1024, 8, 1), (4, 1024, 8, 1), (8, 1024, 8, 1)),
+    # float64 as float32, its tails up to 3 packs (4 spill at 1024 threads)
+    (1, 8): ((1, 512, 0, 1), (1, 1024, 3, 1), (2, 1024, 3, 1), (4, 1024, 3, 1), (8, 1024, 3, 1)),
+    (2, 2): _BACKWARD_ASYNC_LADDER,
+    (2, 4): _BACKWARD_ASYNC_LADDER,
+    (2, 8): _BACKWARD_ASYNC_LADDER,
+}
 # rows that allow no 16-byte pack: shared memory filled through registers.
 AUTO_SMEM_BLOCK_SIZE = 256
 # float32 forward rows of these cols, 16-byte aligned, take OneFlow's plan
@@ -288,44 +305,44 @@ def _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target):
 
 def async_share_bytes(spec: SoftmaxSpec, cols: int) -> int:
     """Shared memory an async block caches a stage: its share of the row's
-    16-byte packs outside the register tail (a cluster_size-th, rounded up),
-    of every input."""
-    cached_packs = cols * spec.ftype.itemsize // 16 - spec.tail_packs * spec.block_size
+    16-byte packs outside the blocks' register tails (a cluster_size-th,
+    rounded up), of every input."""
+    cached_packs = cols * spec.ftype.itemsize // 16 - spec.cluster_size * spec.tail_packs * spec.block_size
     return len(spec.inputs) * -(-cached_packs // spec.cluster_size) * 16
 
 
-def async_tails(op, dtype, cols, block_size, target):
-    """Register tails (packs of each input a thread holds) worth trying for a
-    row one block's shared memory does not hold: from the fewest (at least one)
-    that leave the rest within the opt-in limit up to AUTO_ASYNC_TAIL_MAX_PACKS."""
+def async_tails(op, dtype, cols, block_size, target, cluster_size, most):
+    """Register tails (packs of each input a thread holds) of a row shared by
+    cluster_size blocks: from the fewest (at least one) that leave the rest
+    within their opt-in limit up to `most`, the tails within the row."""
     num_inputs = len(INPUTS[op])
     row_packs = cols * dtypes.BY_SHORT[dtype].itemsize // 16
-    excess_packs = row_packs - target.facts.smem_per_block_optin // (16 * num_inputs)
-    fewest = max(1, -(-excess_packs // block_size))
-    return range(fewest, min(AUTO_ASYNC_TAIL_MAX_PACKS[num_inputs], row_packs // block_size) + 1)
+    excess_packs = row_packs - cluster_size * (target.facts.smem_per_block_optin // (16 * num_inputs))
+    fewest = max(1, -(-excess_packs // (cluster_size * block_size)))
+    return range(fewest, min(most, row_packs // (cluster_size * block_size)) + 1)
 
 
 def _async_plan(op, dtype, rows, cols, pack_size, target):
-    """cp.async into shared memory: a block per row where one block's shared
-    memory holds it, or holds it but for a register tail; else (forward, sm_90
-    and newer) a cluster per row; None when none fits."""
+    """cp.async into shared memory: the first rung of AUTO_ASYNC_LADDERS that
+    holds the row (a block or a cluster per row, with or without a register
+    tail); None when none does."""
     num_inputs = len(INPUTS[op])
-    block_size, tail_block_size = AUTO_ASYNC_BLOCK_SIZES[num_inputs], AUTO_ASYNC_TAIL_BLOCK_SIZES[num_inputs]
-    shapes = [(block_size, 1, 0)]
-    shapes += [(tail_block_size, 1, tail) for tail in async_tails(op, dtype, cols, tail_block_size, target)]
-    if num_inputs == 1 and has_clusters(target.facts.arch):
-        shapes += [(block_size, cluster_size, 0) for cluster_size in AUTO_CLUSTER_SIZES]
-    for block_size, cluster_size, tail_packs in shapes:
-        spec = SoftmaxSpec(op, "block_async", dtype, pack_size, block_size=block_size, stages=1,
-                           online=num_inputs == 1, cluster_size=cluster_size, tail_packs=tail_packs)
-        share_bytes = async_share_bytes(spec, cols)
-        if cluster_size > 1 and share_bytes > AUTO_CLUSTER_SHARE_BYTES:
+    ladder = AUTO_ASYNC_LADDERS[num_inputs, dtypes.BY_SHORT[dtype].itemsize]
+    for cluster_size, block_size, most, min_blocks in ladder:
+        if cluster_size > 1 and not has_clusters(target.facts.arch):
             continue
-        if tail_packs and target.resources(spec)["local_bytes"]:
-            continue
-        if target.max_active_blocks(spec, block_size, share_bytes, True):
-            clusters = min(rows, MAX_GRID_X // cluster_size)
-            return SoftmaxPlan(spec, (block_size, 1, 1), (clusters * cluster_size, 1, 1), share_bytes)
+        tails = reversed(async_tails(op, dtype, cols, block_size, target, cluster_size, most)) if most else (0,)
+        for tail_packs in tails:
+            spec = SoftmaxSpec(op, "block_async", dtype, pack_size, block_size=block_size, stages=1,
+                               online=num_inputs == 1, cluster_size=cluster_size, tail_packs=tail_packs)
+            share_bytes = async_share_bytes(spec, cols)
+            if share_bytes > target.facts.smem_per_block_optin:
+                continue
+            if tail_packs and target.resources(spec)["local_bytes"]:
+                continue
+            if target.max_active_blocks(spec, block_size, share_bytes, True) >= min_blocks:
+                clusters = min(rows, MAX_GRID_X // cluster_size)
+                return SoftmaxPlan(spec, (block_size, 1, 1), (clusters * cluster_size, 1, 1), share_bytes)
     return None
 
 

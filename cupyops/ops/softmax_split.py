@@ -25,10 +25,9 @@ Planner rule (thresholds are data, tuned on an H200 with scripts/tune_long_rows.
 1. A row is split when it is long and either few rows exist (rows <
    SPLIT_MAX_ROWS_PER_SM x SMs and at least SPLIT_MIN_ROW_BYTES of each
    input) or it is longer than the ordinary paths keep on chip (at least
-   COOP_MIN_ROW_BYTES of all inputs together, and the async row path holds
-   it neither in one block, with a register tail, nor in a thread-block
-   cluster: softmax.AUTO_ASYNC_TAIL_MAX_PACKS, softmax.AUTO_CLUSTER_SIZES);
-   otherwise -> None.
+   COOP_MIN_ROW_BYTES of all inputs together, and no rung of the async row
+   path's ladder holds it, in one block or a thread-block cluster, with or
+   without register tails: softmax.AUTO_ASYNC_LADDERS); otherwise -> None.
 2. pack = the largest 16-byte-or-smaller vector dividing cols that every
    operand's address and row stride allow (softmax.vector_pack_size).
 3. coop: blocks of COOP_BLOCK_SIZE threads holding packs_per_thread packs of
