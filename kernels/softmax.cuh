@@ -338,11 +338,12 @@ __device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_i
 // tail_packs > 0 (one stage): the row's last cluster_size * tail_packs *
 // block_size packs of every input are held in registers, block `rank` of
 // the cluster (0 without one) holding the rank-th tail_packs * block_size of
-// them, thread t packs tail + t + k * block_size (k < tail_packs), loaded
-// with the next row's cp.async; the packs before them are shared out in
-// shared memory as above. A row somewhat longer than the blocks' shared
-// memory is then still read once by them (the planner keeps the tails
-// within the row).
+// them (from its first tail pack f, thread t holding f + t + k * block_size,
+// k < tail_packs), loaded with the next row's cp.async; the packs before
+// them are shared out in shared memory as above. A row longer than the
+// blocks' shared memory is then still read once by them, or a row that fits
+// leaves room for more blocks an SM (the planner keeps the tails within the
+// row).
 template <typename Op, typename T, typename Load, typename Store, typename C, int pack_size,
           int block_size, int stages, bool online, int cluster_size, int tail_packs>
 __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_inputs], const Store& store,

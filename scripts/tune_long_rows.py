@@ -1,8 +1,9 @@
 """Times the plans for long rows against each other to choose softmax_split's
-tables: the ordinary row plan (auto), the two-launch split, the
-cooperative split holding each of COOP_SIZES bytes a thread, the async
-row kernel with a row shared by the blocks of a thread-block cluster, and
-the async row kernel with a register tail.
+tables and the async row path's ladder (softmax.AUTO_ASYNC_LADDERS): the
+ordinary row plan (auto), the two-launch split, the cooperative split
+holding each of COOP_SIZES bytes a thread, the async row kernel with a row
+shared by the blocks of a thread-block cluster, and the async row kernel
+with register tails, in one block or in each block of a cluster.
 
 Bytes counted: (inputs + 1) * rows * cols * itemsize (forward: x read, y
 written; backward: dy and y read, dx written). Each candidate is checked
