@@ -15,8 +15,8 @@ import numpy
 
 from cupyops import dtypes, jit
 from cupyops.launch import get_num_blocks
-from cupyops.ops.softmax import (INPUTS, SoftmaxSpec, _warp_plan, async_share_bytes, plan, vector_pack_size,
-                                 warp_ladder)
+from cupyops.ops.softmax import (INPUTS, SoftmaxSpec, async_share_bytes, plan, vector_pack_size, warp_ladder,
+                                 warp_plan)
 from tuning import Tuning
 
 
@@ -36,7 +36,7 @@ def candidates(op, dtype, rows, cols, target):
                 continue
             for rows_per_access in (1, 2):
                 variant = (ladder[0], ladder[1], rows_per_access)
-                warp = _warp_plan(op, dtype, rows, cols, warp_pack, variant, target)
+                warp = warp_plan(op, dtype, rows, cols, warp_pack, variant, target)
                 found.append((f"warp p{warp_pack} c{ladder[0]} g{ladder[1]} r{rows_per_access}",
                               warp.spec, warp.grid, warp.block, 0))
     peel = pack * ftype.itemsize < 16       # rows off the 16-byte grid: peel their edges

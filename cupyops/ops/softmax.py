@@ -221,7 +221,9 @@ def warp_ladder(cols: int, rows: int, pack_size: int, max_cols_per_thread: int):
     return None
 
 
-def _warp_plan(op, dtype, rows, cols, pack_size, ladder, target) -> SoftmaxPlan:
+def warp_plan(op, dtype, rows, cols, pack_size, ladder, target) -> SoftmaxPlan:
+    """The warp path's plan for one (cols_per_thread, width, rows_per_access)
+    ladder step (the planners' and the tuner's)."""
     cols_per_thread, width, rows_per_access = ladder
     spec = SoftmaxSpec(op, "warp", dtype, pack_size, cols_per_thread=cols_per_thread,
                        thread_group_width=width, rows_per_access=rows_per_access,
@@ -261,7 +263,7 @@ def _oneflow_plan(op, dtype, rows, cols, align, target) -> SoftmaxPlan:
         warp = cols < 1024 if op == "softmax" else cols <= 1024   # OneFlow's forward uses <
         if warp:
             ladder = warp_ladder(cols, rows, pack_size, ONEFLOW_MAX_COLS_PER_THREAD)
-            return _warp_plan(op, dtype, rows, cols, pack_size, ladder, target)
+            return warp_plan(op, dtype, rows, cols, pack_size, ladder, target)
         plan = _oneflow_smem_plan(op, dtype, rows, cols, pack_size, target)
         if plan is not None:
             return plan
@@ -360,7 +362,7 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
     if ladder is not None:
         cols_per_thread, width, rows_per_access = ladder
         rows_per_access = AUTO_WARP_ROWS_PER_ACCESS.get(ftype.itemsize, rows_per_access)
-        return _warp_plan(op, dtype, rows, cols, pack_size, (cols_per_thread, width, rows_per_access),
+        return warp_plan(op, dtype, rows, cols, pack_size, (cols_per_thread, width, rows_per_access),
                           target)
     aligned = pack_size * ftype.itemsize == 16   # cp.async's 16-byte packs
     if not (aligned and cols * ftype.itemsize >= AUTO_ASYNC_MIN_ROW_BYTES):
