@@ -323,10 +323,11 @@ __device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_i
 // ---------------------------------------------------------------------------
 // Asynchronous shared-memory path: a block owns a row; each thread copies its
 // 16-byte packs (t, t + block_size, ...) of every input straight into shared
-// memory with cp.async, so the whole row is in flight without holding
-// registers. With stages = 2 the block's next row is fetched while this one is
-// computed. A thread only ever reads the packs it copied itself, so the data
-// needs no barrier between copy and use. Loads are DirectLoads (raw pointers).
+// memory with cp.async, so the row is in flight without holding registers
+// (but for a register tail, below). With stages = 2 the block's next row is
+// fetched while this one is computed. A thread only ever reads the packs it
+// copied itself, so the data needs no barrier between copy and use. Loads are
+// DirectLoads (raw pointers).
 // online (forward): the maximum and the sum in one pass over the cache.
 //
 // cluster_size > 1 (sm_90 and newer): a thread-block cluster owns a row, block

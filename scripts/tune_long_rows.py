@@ -37,9 +37,11 @@ SHAPES = "16384x32768,16384x65536,8192x131072,4096x262144,8x1048576,64x1048576,1
 
 
 def async_pack(dtype, cols):
-    """The 16-byte pack the async row kernel moves, or None where cols allow none."""
-    pack = 16 // dtypes.BY_SHORT[dtype].itemsize
-    return None if cols % pack else pack
+    """The 16-byte pack the async row kernel moves (the planner's
+    softmax.vector_pack_size), or None where cols allow none."""
+    itemsize = dtypes.BY_SHORT[dtype].itemsize
+    pack = softmax.vector_pack_size(cols, itemsize, 16)
+    return pack if pack * itemsize == 16 else None
 
 
 def cluster_candidates(op, rows, cols, dtype, target):
