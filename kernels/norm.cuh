@@ -1,16 +1,18 @@
 // LayerNorm and RMSNorm, forward and backward, row by row.
 //
-// Forward paths (OneFlow's three, plus a register block path):
+// Forward paths (OneFlow's three, plus a register block path and an async one):
 //   norm_warp            a row per group of `width` lanes, in registers; two
 //                        rows per access for narrow rows (guarded: never reads
 //                        past the last row, unlike OneFlow's RMSNorm)
 //   norm_block_regs      a row per block, in registers
+//   norm_block_async     a row per block of 16-byte packs, cached by cp.async
 //   norm_block_smem      a row per block, cached in dynamic shared memory
 //   norm_block_uncached  a row per block, read twice from global memory
 // `Stats` is WelfordState (LayerNorm) or SquareSumState (RMSNorm). Rows held
-// in registers (warp, block_regs) take two exact row-wide passes, the sum for
-// the mean, then the squared deviations from it (of_held_row); the streaming
-// paths take each thread's state without a division per value (of_packs) and
+// in registers (warp, block_regs) or cached by cp.async (block_async) take
+// two exact row-wide passes (Stats::of_row), the sum for the mean, then the
+// squared deviations from it; the streaming paths (block_smem, uncached)
+// take each thread's state without a division per value (of_packs) and
 // join the threads by Chan's combine. LayerNorm's statistics are
 // taken of x - K, K the row's first value (row_shift): every thread of the row
 // loads the same K, so a float32 mean never has to resolve a small variance
@@ -25,6 +27,7 @@
 // written to a workspace row per block and summed by norm_param_grad_finish
 // in a fixed order: deterministic, no atomics.
 #pragma once
+#include "async_row.cuh"
 #include "common.cuh"
 #include "welford.cuh"
 
@@ -42,6 +45,12 @@ struct NormInput {
   int64 x_stride, residual_stride, h_stride;
 
   static constexpr bool has_residual_input = has_residual;
+  static constexpr int num_sources = has_residual ? 2 : 1;   // x (and the residual)
+
+  // h, as torch rounds it.
+  static __device__ __forceinline__ T h_of(C x_value, C residual_value) {
+    return cast<T>(x_value + residual_value);
+  }
   // The pack in the storage type: x, or h (stored here).
   template <int N>
   __device__ __forceinline__ Pack<T, N> fetch(int64 row, int64 col) const {
@@ -50,11 +59,36 @@ struct NormInput {
       const Pack<T, N> b = load_pack<T, N>(residual + row * residual_stride + col);
       Pack<T, N> sum;
 #pragma unroll
-      for (int i = 0; i < N; ++i) sum.elem[i] = cast<T>(cast<C>(a.elem[i]) + cast<C>(b.elem[i]));
+      for (int i = 0; i < N; ++i) sum.elem[i] = h_of(cast<C>(a.elem[i]), cast<C>(b.elem[i]));
       store_pack(h + row * h_stride + col, sum);
       return sum;
     } else {
       return a;
+    }
+  }
+
+  // The row operands as read, in order (x, residual): cp.async's sources.
+  __device__ __forceinline__ void sources(DirectLoad<T, C> (&loads)[num_sources]) const {
+    loads[0] = {x, x_stride};
+    if constexpr (has_residual) loads[1] = {residual, residual_stride};
+  }
+  // Element i of a pack read from the sources (v[j]: source j): x, or h.
+  template <int N>
+  static __device__ __forceinline__ C value(const C (&v)[num_sources][N], int i) {
+    if constexpr (has_residual) {
+      return cast<C>(h_of(v[0][i], v[1][i]));
+    } else {
+      return v[0][i];
+    }
+  }
+  // Stores h's pack at (row, col) from a pack read from the sources.
+  template <int N>
+  __device__ __forceinline__ void store_h(const C (&v)[num_sources][N], int64 row, int64 col) const {
+    if constexpr (has_residual) {
+      Pack<T, N> sum;
+#pragma unroll
+      for (int i = 0; i < N; ++i) sum.elem[i] = h_of(v[0][i], v[1][i]);
+      store_pack(h + row * h_stride + col, sum);
     }
   }
   template <int N>
@@ -69,7 +103,7 @@ struct NormInput {
   __device__ __forceinline__ C first(int64 row) const {
     const C a = cast<C>(x[row * x_stride]);
     if constexpr (has_residual) {
-      return cast<C>(cast<T>(a + cast<C>(residual[row * residual_stride])));
+      return cast<C>(h_of(a, cast<C>(residual[row * residual_stride])));
     } else {
       return a;
     }
@@ -298,7 +332,7 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
     const auto group_sum = [](C value) { return warp_all_reduce_state<width>(SumState<C>{value}).sum; };
 #pragma unroll
     for (int r = 0; r < rows_per_access; ++r) {
-      const RowMoments<C> m = Stats::template of_held_row<max_packs, pack_size>(
+      const RowMoments<C> m = held_row_moments<Stats, max_packs, pack_size>(
           buf[r], [&](int p) { return inside(r, p); }, NoExtraValue(), cols, eps, group_sum);
       if (row + r >= rows) continue;
       if (lane == 0) moments_out.store(row + r, m, shift[r]);
@@ -359,7 +393,7 @@ __device__ __forceinline__ void norm_block_regs(const Input& in, const Output& o
 #pragma unroll
     for (int i = 0; i < packs_per_thread * pack_size; ++i) buf.set(0, i, buf.get(0, i) - shift);
     const ShiftedValues<decltype(buf), C> shifted{buf, packed ? shift : C(0)};
-    const RowMoments<C> m = Stats::template of_held_row<packs_per_thread, pack_size>(
+    const RowMoments<C> m = held_row_moments<Stats, packs_per_thread, pack_size>(
         shifted, in_row, ExtraValue<C>{edge, has_edge}, cols, eps, block_sum);
     if (threadIdx.x == 0) moments_out.store(row, m, shift);
     const C offset = m.offset();
@@ -381,6 +415,59 @@ __device__ __forceinline__ void norm_block_regs(const Input& in, const Output& o
     } else {
       store_packs(out);
     }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Forward, asynchronous path: a block owns a row of 16-byte packs, whose
+// sources (x, and the residual) are cached by cp.async (AsyncRowCache: in
+// shared memory, the last tail_packs packs a thread in registers); a block
+// fetches its next row once this one is written (the planner launches a
+// block a row: the next block starts as one leaves). Statistics as the register
+// paths (Stats::of_row): the sum, then the squared deviations, each pass
+// reading the cache back; h = x + residual is stored with y.
+template <typename Stats, typename Input, typename Output, typename C, int pack_size, int block_size,
+          int tail_packs>
+__device__ __forceinline__ void norm_block_async(const Input& in, const Output& out,
+                                                 const MomentsOutput<C>& moments_out, int64 rows, int64 cols,
+                                                 C eps) {
+  typedef typename Input::Storage T;
+  constexpr int N = Input::num_sources;
+  extern __shared__ __align__(16) unsigned char shared_buf[];
+  typedef AsyncRowCache<T, C, N, pack_size, block_size, 1, 1, tail_packs> Cache;
+  const Cache cache(shared_buf, cols, 0);
+  typename Cache::Tail tail;
+  DirectLoad<T, C> loads[N];
+  in.sources(loads);
+  int parity = 0;   // one barrier a sum, as norm_block_regs
+  const auto block_sum = [&](C value) {
+    parity ^= 1;
+    return block_all_reduce_state<block_size>(SumState<C>{value}, parity).sum;
+  };
+  if (blockIdx.x < rows) cache.fetch(loads, blockIdx.x, 0, tail);
+  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    const C shift = row_shift<Stats, Input, C>(in, row);
+    cp_async_wait<0>();
+    const auto thread_sum = [&](auto term) {
+      C sum = C(0);
+      cache.for_each_pack(0, tail, [&](int, const C (&v)[N][pack_size]) {
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) sum += term(Input::value(v, i) - shift);
+      });
+      return sum;
+    };
+    const RowMoments<C> m = Stats::of_row(thread_sum, cols, eps, block_sum);
+    if (threadIdx.x == 0) moments_out.store(row, m, shift);
+    const C offset = m.offset();
+    cache.for_each_pack(0, tail, [&](int pack, const C (&v)[N][pack_size]) {
+      const int64 col = static_cast<int64>(pack) * pack_size;
+      C values[pack_size];
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) values[i] = m.normalize(Input::value(v, i) - shift, offset);
+      out.template store<pack_size>(values, row, col);
+      in.store_h(v, row, col);
+    });
+    if (row + gridDim.x < rows) cache.fetch(loads, row + gridDim.x, 0, tail);
   }
 }
 

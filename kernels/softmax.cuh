@@ -10,6 +10,7 @@
 // rows holding NaN or +-inf.
 #pragma once
 #include "common.cuh"
+#include "async_row.cuh"
 #include "cluster.cuh"
 #include "reduce.cuh"
 
@@ -321,43 +322,20 @@ __device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_i
 }
 
 // ---------------------------------------------------------------------------
-// Asynchronous shared-memory path: a block owns a row; each thread copies its
-// 16-byte packs (t, t + block_size, ...) of every input straight into shared
-// memory with cp.async, so the row is in flight without holding registers
-// (but for a register tail, below). With stages = 2 the block's next row is
-// fetched while this one is computed. A thread only ever reads the packs it
-// copied itself, so the data needs no barrier between copy and use. Loads are
-// DirectLoads (raw pointers).
-// online (forward): the maximum and the sum in one pass over the cache.
-//
-// cluster_size > 1 (sm_90 and newer): a thread-block cluster owns a row, block
-// `rank` caching the packs [rank * share, (rank + 1) * share) of it (share =
-// ceil(packs / cluster_size)); the blocks' (max, sum) or sums are combined
-// through distributed shared memory (cluster_all_reduce), so a row longer than
-// one block's shared memory is still read once. Forward needs online.
-//
-// tail_packs > 0 (one stage): the row's last cluster_size * tail_packs *
-// block_size packs of every input are held in registers, block `rank` of
-// the cluster (0 without one) holding the rank-th tail_packs * block_size of
-// them (from its first tail pack f, thread t holding f + t + k * block_size,
-// k < tail_packs), loaded with the next row's cp.async; the packs before
-// them are shared out in shared memory as above. A row longer than the
-// blocks' shared memory is then still read once by them, or a row that fits
-// leaves room for more blocks an SM (the planner keeps the tails within the
-// row).
+// Asynchronous shared-memory path: a block (or with cluster_size > 1 a
+// thread-block cluster) owns a row, cached by cp.async (AsyncRowCache, in
+// async_row.cuh: stages, the cluster's shares, the register tail). Loads are
+// DirectLoads (raw pointers). online (forward): the maximum and the sum in one
+// pass over the cache. A cluster's blocks combine their (max, sum) or sums
+// through distributed shared memory (cluster_all_reduce), so a row longer
+// than one block's shared memory is still read once. Forward needs online.
 template <typename Op, typename T, typename Load, typename Store, typename C, int pack_size,
           int block_size, int stages, bool online, int cluster_size, int tail_packs>
 __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_inputs], const Store& store,
                                                     int64 rows, int64 cols) {
-  static_assert(pack_size * sizeof(T) == 16, "cp.async moves 16-byte packs");
   static_assert(cluster_size == 1 || online || !Op::needs_max, "a cluster combines one (max, sum) pass");
-  static_assert(tail_packs == 0 || stages == 1, "a register tail holds one row");
   constexpr int N = Op::num_inputs;
-  constexpr int tail_span = tail_packs * block_size;   // packs of a block's tail
   extern __shared__ __align__(16) unsigned char shared_buf[];
-  typedef Pack<T, pack_size> P;
-  const int cached_packs = static_cast<int>(cols / pack_size) - cluster_size * tail_span;   // in shared memory
-  const int share_packs = (cached_packs + cluster_size - 1) / cluster_size;
   int rank = 0;
   int64 first_row = blockIdx.x, row_step = gridDim.x;
   if constexpr (cluster_size > 1) {
@@ -365,60 +343,16 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
     first_row = cluster_index_x();
     row_step = num_clusters_x();
   }
-  const int first_pack = rank * share_packs;
-  const int num_packs = max(0, min(share_packs, cached_packs - first_pack));   // this block's
-  P* const buffers = reinterpret_cast<P*>(shared_buf);   // [stage][input][pack of the share]
-  P tail[tail_packs > 0 ? tail_packs : 1][N];
-  const int first_tail_pack = cached_packs + rank * tail_span + static_cast<int>(threadIdx.x);
-  const auto tail_pack = [&](int k) { return first_tail_pack + k * block_size; };
-  auto fetch = [&](int64 row, int stage) {
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const P* source = reinterpret_cast<const P*>(loads[j].src + row * loads[j].row_stride) + first_pack;
-      P* buffer = buffers + (stage * N + j) * share_packs;
-      for (int p = threadIdx.x; p < num_packs; p += block_size) cp_async_pack<16>(buffer + p, source + p);
-    }
-    cp_async_commit();
-#pragma unroll
-    for (int k = 0; k < tail_packs; ++k) {
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        tail[k][j] = load_pack<T, pack_size>(loads[j].src + row * loads[j].row_stride +
-                                              static_cast<int64>(tail_pack(k)) * pack_size);
-      }
-    }
-  };
-  // Calls use(pack, v) for each pack of the row this thread caches (shared
-  // memory, then the register tail); v[j][i]: element i of input j.
-  auto for_each_pack = [&](int stage, const auto& use) {
-    for (int p = threadIdx.x; p < num_packs; p += block_size) {
-      C v[N][pack_size];
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const P pack = buffers[(stage * N + j) * share_packs + p];
-#pragma unroll
-        for (int i = 0; i < pack_size; ++i) v[j][i] = cast<C>(pack.elem[i]);
-      }
-      use(first_pack + p, v);
-    }
-#pragma unroll
-    for (int k = 0; k < tail_packs; ++k) {
-      C v[N][pack_size];
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-#pragma unroll
-        for (int i = 0; i < pack_size; ++i) v[j][i] = cast<C>(tail[k][j].elem[i]);
-      }
-      use(tail_pack(k), v);
-    }
-  };
+  typedef AsyncRowCache<T, C, N, pack_size, block_size, stages, cluster_size, tail_packs> Cache;
+  const Cache cache(shared_buf, cols, rank);
+  typename Cache::Tail tail;
   int stage = 0;
   unsigned parity = 0;   // the cluster's published partials alternate by row
-  if (first_row < rows) fetch(first_row, 0);
+  if (first_row < rows) cache.fetch(loads, first_row, 0, tail);
   for (int64 row = first_row; row < rows; row += row_step, parity ^= 1) {
     const int64 next = row + row_step;
     if (stages == 2 && next < rows) {
-      fetch(next, stage ^ 1);
+      cache.fetch(loads, next, stage ^ 1, tail);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
@@ -427,7 +361,7 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
     if constexpr (Op::needs_max && online) {
       // One pass over the cache: a running (max, sum) per thread.
       OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
-      for_each_pack(stage, [&](int, const C (&v)[N][pack_size]) { state.add_pack(v[0]); });
+      cache.for_each_pack(stage, tail, [&](int, const C (&v)[N][pack_size]) { state.add_pack(v[0]); });
       OnlineSoftmaxState<C> row_state = state.template block_all_reduce<block_size>();
       if constexpr (cluster_size > 1) {
         row_state = cluster_all_reduce<cluster_size>(row_state, parity, OnlineSoftmaxState<C>::combined);
@@ -437,25 +371,26 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
     } else {
       if (Op::needs_max) {
         C thread_max = -infinity<C>();
-        for_each_pack(stage, [&](int, const C (&v)[N][pack_size]) {
+        cache.for_each_pack(stage, tail, [&](int, const C (&v)[N][pack_size]) {
 #pragma unroll
           for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, v[0][i]);
         });
         op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
       }
       C thread_sum = 0;
-      for_each_pack(stage, [&](int, const C (&v)[N][pack_size]) { add_pack_terms(op, v, thread_sum); });
+      cache.for_each_pack(stage, tail,
+                          [&](int, const C (&v)[N][pack_size]) { add_pack_terms(op, v, thread_sum); });
       C row_sum = block_all_reduce<SumOp, C, block_size>(thread_sum);
       if constexpr (cluster_size > 1) row_sum = cluster_all_reduce<cluster_size>(row_sum, parity, SumOp<C>());
       op.set_sum(row_sum);
     }
-    for_each_pack(stage, [&](int pack, const C (&v)[N][pack_size]) {
+    cache.for_each_pack(stage, tail, [&](int pack, const C (&v)[N][pack_size]) {
       store_pack_outputs(op, store, v, row, static_cast<int64>(pack) * pack_size);
     });
     if (stages == 2) {
       stage ^= 1;
     } else if (next < rows) {
-      fetch(next, 0);
+      cache.fetch(loads, next, 0, tail);
     }
   }
   // No block leaves while another of its cluster may still read its published partials.

@@ -12,11 +12,13 @@
 //                                         the state of the values one thread holds
 //                                         (values[j]: an array, or any type with
 //                                         operator[], e.g. a row held as stored)
-//   static RowMoments<T> of_held_row<num_packs, pack_size>(values, in_row, extra,
-//                                         cols, eps, row_sum)
+//   static RowMoments<T> of_row(thread_sum, cols, eps, row_sum)
 //                                         the moments of a row whose threads all
-//                                         hold their values (registers), row_sum
-//                                         summing one value over them
+//                                         hold their values (registers, or a
+//                                         cache they read back): thread_sum(term)
+//                                         sums term(x) over a thread's values
+//                                         (held_row_moments), row_sum sums one
+//                                         value over the row's threads
 #pragma once
 #include "common.cuh"
 
@@ -79,8 +81,8 @@ struct RowMoments {
 
 // A row's (count, mean, m2 = sum of squared deviations from the mean): one
 // thread's part from the values it holds (of_packs, two passes over
-// registers), Chan's combine across threads. Rows held in registers whole
-// take two row-wide passes instead (of_held_row).
+// registers), Chan's combine across threads. Rows held whole (registers,
+// or a cache each thread reads back) take two row-wide passes instead (of_row).
 //
 // The norm kernels feed it shifted values x - K, K the same value for every
 // thread of a row (its first element), and add K back to the mean: in float32
@@ -121,16 +123,13 @@ struct WelfordState {
   // sums cost fewer instructions than one reduction of this state (three
   // values and a division a step): ncu, LayerNorm f16 12288 cols, 512 x 3
   // packs, 470 M instructions against 356 M with these sums (and
-  // RowMoments::normalize). `extra`: a value outside the packs (a peeled
-  // row's edge), or nothing.
-  template <int num_packs, int pack_size, typename Values, typename InRow, typename Extra, typename RowSum>
-  static __device__ __forceinline__ RowMoments<T> of_held_row(const Values& values, InRow in_row, Extra extra,
-                                                              long long cols, T eps, RowSum row_sum) {
-    const T sum = sum_in_row<num_packs, pack_size, T>(in_row, [&](int j) { return values[j]; });
-    const T mean = row_sum(extra.add(sum, [](T x) { return x; })) / static_cast<T>(cols);
-    const auto square_deviation = [&](T x) { return (x - mean) * (x - mean); };
-    const T m2 = sum_in_row<num_packs, pack_size, T>(in_row, [&](int j) { return square_deviation(values[j]); });
-    return WelfordState{mean, row_sum(extra.add(m2, square_deviation)), T(0)}.moments(cols, eps);
+  // RowMoments::normalize).
+  template <typename ThreadSum, typename RowSum>
+  static __device__ __forceinline__ RowMoments<T> of_row(ThreadSum thread_sum, long long cols, T eps,
+                                                         RowSum row_sum) {
+    const T mean = row_sum(thread_sum([](T x) { return x; })) / static_cast<T>(cols);
+    const T m2 = row_sum(thread_sum([&](T x) { return (x - mean) * (x - mean); }));
+    return WelfordState{mean, m2, T(0)}.moments(cols, eps);
   }
 
   // Chan, Golub and LeVeque's pairwise update.
@@ -172,11 +171,10 @@ struct SquareSumState {
   static __device__ __forceinline__ SquareSumState of_packs(const Values& values, InRow in_row) {
     return {sum_in_row<num_packs, pack_size, T>(in_row, [&](int j) { return values[j] * values[j]; })};
   }
-  template <int num_packs, int pack_size, typename Values, typename InRow, typename Extra, typename RowSum>
-  static __device__ __forceinline__ RowMoments<T> of_held_row(const Values& values, InRow in_row, Extra extra,
-                                                              long long cols, T eps, RowSum row_sum) {
-    const T sum = of_packs<num_packs, pack_size>(values, in_row).sum;
-    return SquareSumState{row_sum(extra.add(sum, [](T x) { return x * x; }))}.moments(cols, eps);
+  template <typename ThreadSum, typename RowSum>
+  static __device__ __forceinline__ RowMoments<T> of_row(ThreadSum thread_sum, long long cols, T eps,
+                                                         RowSum row_sum) {
+    return SquareSumState{row_sum(thread_sum([](T x) { return x * x; }))}.moments(cols, eps);
   }
   __device__ __forceinline__ void combine(const SquareSumState& b) { sum += b.sum; }
   template <int width>
@@ -188,7 +186,7 @@ struct SquareSumState {
   }
 };
 
-// One sum (a row's sums in of_held_row).
+// One sum (a row's sums in of_row).
 template <typename T>
 struct SumState {
   T sum;
@@ -202,7 +200,7 @@ struct SumState {
 };
 
 // A value a thread holds outside its packs, added to its sums where `held`
-// (of_held_row's extra: a peeled row's edge).
+// (held_row_moments' extra: a peeled row's edge).
 template <typename T>
 struct ExtraValue {
   T value;
@@ -215,6 +213,19 @@ struct NoExtraValue {
   template <typename T, typename Term>
   __device__ __forceinline__ T add(T sum, Term) const { return sum; }
 };
+
+// The moments (Stats::of_row) of a row whose threads hold their values:
+// those of the packs p < num_packs with in_row(p) (values[j], summed by
+// sum_in_row) and `extra` (ExtraValue or NoExtraValue).
+template <typename Stats, int num_packs, int pack_size, typename T, typename Values, typename InRow,
+          typename Extra, typename RowSum>
+__device__ __forceinline__ RowMoments<T> held_row_moments(const Values& values, InRow in_row, Extra extra,
+                                                          long long cols, T eps, RowSum row_sum) {
+  const auto thread_sum = [&](auto term) {
+    return extra.add(sum_in_row<num_packs, pack_size, T>(in_row, [&](int j) { return term(values[j]); }), term);
+  };
+  return Stats::of_row(thread_sum, cols, eps, row_sum);
+}
 
 // Two sums at once (the row sums of the normalisation backward pass).
 template <typename T>

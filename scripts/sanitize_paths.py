@@ -23,10 +23,11 @@ from cupyops.ops import softmax_axis, softmax_split
 # its partial sums and weight copy in shared memory, 127 single elements
 # past its packs; at 12543 cols LayerNorm's weight read from its phase
 # copies; 16-bit rows of 1023 cols two at a time, the last pair of some
-# blocks one row short), registers, cp.async, shared memory, uncached, split
-# rows
-ROW_SHAPES = [(6, 100), (2500, 4223), (40, 12543), (2999, 1023), (4, 4096), (600, 2048), (3, 32768), (3, 40001), (2, 300000),
-              (2, 1 << 19)]
+# blocks one row short), registers, cp.async (the norms' 16-bit rows of
+# 32768 cols whole in a register tail, 65536 cols a tail and shared memory,
+# also with a residual), shared memory, uncached, split rows
+ROW_SHAPES = [(6, 100), (2500, 4223), (40, 12543), (2999, 1023), (4, 4096), (600, 2048), (3, 32768), (3, 65536),
+              (3, 40001), (2, 300000), (2, 1 << 19)]
 DTYPES = (cupy.float16, cupy.float32)
 
 
@@ -53,6 +54,7 @@ def main():
                     kernel = norm_ops.plan(op, rows, cols, short, policy, target).explain()["kernel"]
                     print(f"{op:<21} {policy:<8} {rows}x{cols:<7} {kernel}", flush=True)
                 y, mean, rstd = cupyops.layer_norm(x, weight, weight, return_stats=True, policy=policy)
+                cupyops.layer_norm(x, weight, weight, residual=dy, policy=policy)
                 cupyops.layer_norm_backward(dy, x, mean, rstd, weight, policy=policy)
                 y, rstd = cupyops.rms_norm(x, weight, return_stats=True, policy=policy)
                 cupyops.rms_norm_backward(dy, x, rstd, weight, policy=policy)

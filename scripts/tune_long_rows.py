@@ -20,7 +20,7 @@ import itertools
 import cupy
 import numpy
 
-from cupyops import dtypes
+from cupyops import async_row, dtypes
 from cupyops.device import has_clusters
 from cupyops.launch import live_function
 from cupyops.ops import softmax, softmax_split
@@ -83,7 +83,9 @@ def tail_candidates(op, rows, cols, dtype, target, extra_packs=TAIL_EXTRA_PACKS)
     found = []
     cluster_sizes = CLUSTER_SIZES if has_clusters(target.facts.arch) else (1,)
     for cluster, block in itertools.product(cluster_sizes, CLUSTER_BLOCK_SIZES):
-        for tail in softmax.async_tails(op, dtype, cols, block, target, cluster, TAIL_MOST_PACKS)[:extra_packs + 1]:
+        tails = async_row.tails(len(softmax.INPUTS[op]), cols * dtypes.BY_SHORT[dtype].itemsize, block,
+                                target.facts.smem_per_block_optin, cluster, TAIL_MOST_PACKS)
+        for tail in tails[:extra_packs + 1]:
             spec = softmax.SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=1,
                                        online=not op.endswith("_backward"), cluster_size=cluster, tail_packs=tail)
             smem = softmax.async_share_bytes(spec, cols)

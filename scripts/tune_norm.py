@@ -3,7 +3,7 @@
 For each op, dtype and cols it times the auto plan, the oneflow plan and
 hand-built variants (block sizes, and the fewest warps that hold a row at the
 same packs a thread; packs per thread, warp widths, register vs shared-memory
-caches, peeled rows, rows loaded together, fused vs separate dweight / dbias),
+caches, rows cached by cp.async with register tails, peeled rows, rows loaded together, fused vs separate dweight / dbias),
 at most MAX_CANDIDATES per shape, with cupyops.bench.Timer (L2 flushed,
 median).
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from cupyops import dtypes
+from cupyops import async_row, dtypes
 from cupyops.device import WARP_SIZE
 from cupyops.launch import Target
 from cupyops.ops import norm
@@ -43,6 +43,9 @@ TOLERANCE = {"f16": 4e-3, "bf16": 3e-2, "f32": 1e-4, "f64": 1e-9}
 REGS_VARIANTS = ((64, 128), (128, 64), (256, 64), (512, 64), (1024, 64), (128, 128), (256, 128), (512, 128))
 # 16-bit rows held as loaded (packed), at most 128 bytes a thread
 PACKED_BLOCK_SIZES = (64, 128, 256, 512, 1024)
+# rows of 16-byte packs cached by cp.async: block sizes, register tails
+ASYNC_BLOCK_SIZES = (256, 512, 1024)
+ASYNC_TAIL_PACKS = (0, 2, 4, 8)
 # backward register-block variants: block sizes, at most GRAD_MAX_BYTES of
 # each input a thread, each way of holding the row between the passes,
 # with the dweight / dbias partials in registers or shared memory
@@ -97,6 +100,17 @@ def _forward_variants(op, dtype, rows, cols, target):
             if target.max_active_blocks(spec, block_size, smem, True):
                 launch = norm._block_launch(spec, rows, smem, target, "auto", True)
                 found.append((f"smem b{block_size}", norm.NormPlan(launch)))
+    if pack * ftype.itemsize == async_row.PACK_BYTES and cols >= 4096:
+        for block_size, tail_packs in itertools.product(ASYNC_BLOCK_SIZES, ASYNC_TAIL_PACKS):
+            spec = norm.NormSpec(impl="block_async", pack_size=pack, block_size=block_size, tail_packs=tail_packs,
+                                 **fields)
+            smem = async_row.share_bytes(1, cols * ftype.itemsize, block_size, tail_packs)
+            if (tail_packs * block_size > num_packs or smem > target.facts.smem_per_block_optin
+                    or target.resources(spec)["local_bytes"]
+                    or not target.max_active_blocks(spec, block_size, smem, True)):
+                continue
+            launch = norm.KernelLaunch(spec, (block_size, 1, 1), (rows, 1, 1), smem)
+            found.append((f"async b{block_size} t{tail_packs}", norm.NormPlan(launch)))
     if cols <= 1024:
         for max_bytes in (64, 128):
             ladder = norm.auto_warp_ladder(cols, pack, max(max_bytes // compute_itemsize, pack))

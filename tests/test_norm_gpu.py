@@ -9,6 +9,7 @@ from cupyops import dtypes
 from cupyops.dtypes import BFLOAT16
 from cupyops.launch import Target
 from cupyops.ops import norm
+from cupyops.rowwise import Operand
 
 import cupyops
 
@@ -138,6 +139,53 @@ def test_residual_is_added_stored_and_normalised(rng, dtype, policy):
         y, h = cupyops.rms_norm(x, w, residual=r, eps=EPS, policy=policy)
         assert_close(y.get(), _reference(h.get().astype(numpy.float64), w64, None, 1, False)[0], dtype,
                      scale=4)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["x", "residual"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_rows_cached_by_cp_async(rng, op, dtype, residual):
+    """norm_block_async on hand-built plans: rows in shared memory alone,
+    with a register tail of part of the row, and with the whole row in the
+    tail (no shared memory); a pack count that is no multiple of the block;
+    a grid smaller than the rows (a block fetches its next row); y, h, mean
+    and rstd against float64, rows at mean 1e3 (the row shift)."""
+    cupy = _cupy()
+    centered = op == "layer_norm"
+    itemsize = numpy.dtype(dtype).itemsize
+    pack = 16 // itemsize
+    device_id = cupy.cuda.runtime.getDevice()
+    rows = 37
+    # (packs in the row, block size, tail packs a thread, grid)
+    for packs, block_size, tail_packs, grid in ((1025, 256, 0, rows), (1025, 256, 2, 5), (512, 256, 2, rows),
+                                                (2047, 128, 1, 16)):
+        cols = packs * pack
+        spec = norm.NormSpec(op=op, impl="block_async", dtype=dtypes.float_type(dtype).short, pack_size=pack,
+                             block_size=block_size, tail_packs=tail_packs, weight=True, bias=centered,
+                             residual=residual)
+        smem = (packs - tail_packs * block_size) * 16 * (2 if residual else 1)
+        chosen = norm.NormPlan(norm.KernelLaunch(spec, (block_size, 1, 1), (grid, 1, 1), smem))
+        x, x64 = _data(rng, (rows, cols), dtype, loc=1e3 if centered else 0.0)
+        r, r64 = _data(rng, (rows, cols), dtype)
+        w, w64 = _data(rng, (cols,), dtype, 1.0, 0.2)
+        b, b64 = _data(rng, (cols,), dtype, 0.0, 0.2)
+        y, h = _poisoned((rows, cols), dtype), _poisoned((rows, cols), dtype)
+        stats_dtype = _stats_tolerance_dtype(dtype)
+        mean, rstd = _poisoned((rows,), stats_dtype), _poisoned((rows,), stats_dtype)
+        norm.launch_forward(chosen, device_id, rows, cols, Operand(x, cols), Operand(y, cols), EPS,
+                            residual=Operand(r, cols) if residual else None, h=h if residual else None,
+                            weight=w, bias=b if centered else None, mean=mean if centered else None, rstd=rstd)
+        if residual:
+            compute = numpy.float64 if itemsize == 8 else numpy.float32
+            h_expected = (x64.astype(compute) + r64.astype(compute)).astype(dtype).astype(numpy.float64)
+            numpy.testing.assert_array_equal(h.get().astype(numpy.float64), h_expected)
+            x64 = h_expected
+        y_ref, mean_ref, rstd_ref = _reference(x64, w64, b64 if centered else None, 1, centered)
+        label = f"{spec.name}, {cols} cols, grid {grid}"
+        assert_close(y.get(), y_ref, dtype, scale=4 if itemsize < 8 else 1e3), label
+        assert_close(rstd.get(), rstd_ref, stats_dtype, scale=10), label
+        if centered:
+            assert_close(mean.get(), mean_ref, stats_dtype, scale=10), label
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -13,7 +13,8 @@ from cupyops.ops import norm
 
 H100 = Target.profile("h100")
 ROWS = 49152
-SWEEP_COLS = (32, 64, 128, 256, 512, 1000, 1024, 1536, 2048, 3000, 4096, 8192, 12345, 16384, 32768)
+SWEEP_COLS = (32, 64, 128, 256, 512, 1000, 1024, 1536, 2048, 3000, 4096, 8192, 12345, 16384, 20000, 32768,
+              65536)
 SWEEP_DTYPES = ("f16", "bf16", "f32")
 
 
@@ -105,10 +106,62 @@ def test_auto_two_rows_per_access_for_any_row_count(rows):
 def test_auto_paths():
     assert norm.plan("layer_norm", ROWS, 1024, "f16", "auto", H100).spec.impl == "warp"
     assert norm.plan("layer_norm", ROWS, 2048, "f16", "auto", H100).spec.impl == "block_regs"
-    assert norm.plan("layer_norm", ROWS, 32768, "f16", "auto", H100).spec.impl == "block_regs"
+    assert norm.plan("layer_norm", ROWS, 32768, "f16", "auto", H100).spec.impl == "block_async"
+    assert norm.plan("layer_norm", ROWS, 32768, "f32", "auto", H100).spec.impl == "block_regs"
     big = norm.plan("layer_norm", 64, 65536, "f16", "auto", H100)
-    assert big.spec.impl == "block_smem" and big.spec.packed_cache and big.main.smem_bytes == 65536 * 2
+    assert (big.spec.impl, big.spec.tail_packs, big.main.smem_bytes) == ("block_async", 8, 65536 * 2 - 512 * 8 * 16)
+    # off the 16-byte grid: no cp.async
+    assert norm.plan("layer_norm", 64, 65536, "f16", "auto", H100, align=8).spec.impl == "block_smem"
     assert norm.plan("layer_norm", 64, 300_000, "f32", "auto", H100).spec.impl == "block_uncached"
+
+
+@pytest.mark.parametrize("profile", ["h100", "h200", "a100"])
+def test_auto_async_rows(profile):
+    """Rows cached by cp.async: from AUTO_ASYNC_FIRST's cols, its first rung
+    that holds the row ("whole": all of it in the register tail; "largest":
+    the largest tail); where the register paths hold no row, the first rung
+    of AUTO_ASYNC_LADDER with its largest tail; a block a row, shared memory
+    for the packs outside the tail (of x and the residual)."""
+    target = Target.profile(profile)
+
+    def async_plan(op, cols, dtype, **flags):
+        launch = norm.plan(op, ROWS, cols, dtype, "auto", target, **flags).main
+        spec = launch.spec
+        assert launch.grid == (ROWS, 1, 1) and launch.block == (spec.block_size, 1, 1)
+        return spec.impl, spec.block_size, spec.tail_packs, launch.smem_bytes
+
+    # whole rows in registers: 256 x 8 packs, then 512 x 8 (6 packs at 24576 cols)
+    for op, dtype in (("layer_norm", "f16"), ("layer_norm", "bf16")):
+        assert async_plan(op, 16384, dtype) == ("block_async", 256, 8, 0)
+        assert async_plan(op, 24576, dtype) == ("block_async", 512, 6, 0)
+        assert async_plan(op, 32768, dtype) == ("block_async", 512, 8, 0)
+        # 2500 packs: no whole rows; 12288 cols: below AUTO_ASYNC_FIRST
+        for cols in (12288, 20000):
+            assert norm.plan(op, ROWS, cols, dtype, "auto", target).spec.impl == "block_regs"
+        # RMSNorm: the largest tail, 512 x 4 of the 2500 packs, 452 in shared memory
+        assert async_plan("rms_norm", 20000, dtype) == ("block_async", 512, 4, 452 * 16)
+        # the largest tail up to 8 packs that does not spill (float16: 7 on sm_90)
+        impl, block_size, tail_packs, smem = async_plan("rms_norm", 32768, dtype)
+        assert (impl, block_size) == ("block_async", 512) and smem == (4096 - 512 * tail_packs) * 16
+        spilling = [norm.NormSpec(op="rms_norm", impl="block_async", dtype=dtype, pack_size=8, block_size=512,
+                                  tail_packs=tail, weight=True) for tail in range(tail_packs + 1, 9)]
+        assert all(target.resources(spec)["local_bytes"] for spec in spilling)
+        assert norm.plan("rms_norm", ROWS, 16384, dtype, "auto", target).spec.impl != "block_async"
+    assert async_plan("layer_norm", 8192, "f32") == ("block_async", 512, 4, 0)
+    assert async_plan("layer_norm", 16384, "f32") == ("block_async", 512, 8, 0)
+    assert norm.plan("layer_norm", ROWS, 4096, "f32", "auto", target).spec.impl == "block_regs"
+    assert norm.plan("rms_norm", ROWS, 16384, "f32", "auto", target).spec.impl == "block_regs"
+    # a register row that would spill (x and the residual held) takes another rung or path
+    for cols in (16384, 32768):
+        spec = norm.plan("layer_norm", ROWS, cols, "f16", "auto", target, residual=True).spec
+        assert spec.impl == "block_regs" or (spec.impl, spec.tail_packs * spec.block_size * 8) == ("block_async", cols)
+        assert not target.resources(spec)["local_bytes"], spec.name
+    # rows no register path holds: the ladder, the tail's packs outside shared memory
+    assert async_plan("layer_norm", 65536, "f16") == ("block_async", 512, 8, (8192 - 4096) * 16)
+    assert async_plan("rms_norm", 65536, "f32") == ("block_async", 1024, 8, (16384 - 8192) * 16)
+    impl, block_size, tail_packs, smem = async_plan("layer_norm", 65536, "f16", residual=True)
+    assert impl == "block_async" and smem == 2 * (8192 - block_size * tail_packs) * 16
+    assert smem <= target.facts.smem_per_block_optin
 
 
 @pytest.mark.parametrize("op", norm.FORWARD_OPS)
@@ -144,12 +197,13 @@ def test_auto_peels_rows_off_the_16_byte_grid(op):
 def test_auto_layer_norm_16_bit_rows_held_as_loaded(cols, block_size, packs_per_thread, packed):
     """16-bit LayerNorm rows: four packs a thread in float, else up to seven
     held as loaded at the same block size (AUTO_PACKED_RUNG_BYTES) before
-    doubling the block."""
+    doubling the block. With a residual: without one, rows from 16384 cols
+    (float32 8192) are cached by cp.async (test_auto_async_rows)."""
     for dtype in ("f16", "bf16"):
-        spec = norm.plan("layer_norm", ROWS, cols, dtype, "auto", H100).spec
+        spec = norm.plan("layer_norm", ROWS, cols, dtype, "auto", H100, residual=True).spec
         assert (spec.impl, spec.block_size, spec.packs_per_thread, spec.packed) == (
             "block_regs", block_size, packs_per_thread, packed), spec.name
-    f32 = norm.plan("layer_norm", ROWS, 12288, "f32", "auto", H100).spec
+    f32 = norm.plan("layer_norm", ROWS, 12288, "f32", "auto", H100, residual=True).spec
     rms = norm.plan("rms_norm", ROWS, 12288, "f16", "auto", H100).spec
     assert not f32.packed and not rms.packed
 
@@ -289,11 +343,13 @@ def test_plan_flags_are_keyword_only():
 # -- names and rendering ----------------------------------------------------------
 
 def test_auto_smem_first_for_rms_norm_bf16_long_rows():
-    for cols in (16384, 32768):
+    for cols in (16384, 19992):
         cached = norm.plan("rms_norm", ROWS, cols, "bf16", "auto", H100).spec
         assert (cached.impl, cached.block_size, cached.packed_cache) == ("block_smem", 512, True)
         assert norm.plan("rms_norm", ROWS, cols, "f16", "auto", H100).spec.impl == "block_regs"
-        assert norm.plan("layer_norm", ROWS, cols, "bf16", "auto", H100).spec.impl == "block_regs"
+    # from 20000 cols rows cached by cp.async come first
+    for cols in (20000, 32768, 65536):
+        assert norm.plan("rms_norm", ROWS, cols, "bf16", "auto", H100).spec.impl == "block_async"
     assert norm.plan("rms_norm", ROWS, 8192, "bf16", "auto", H100).spec.impl == "block_regs"
     # rows off the 16-byte grid keep the peeled register path
     assert norm.plan("rms_norm", ROWS, 16385, "bf16", "auto", H100, align=2).spec.peel
@@ -362,6 +418,10 @@ def test_golden_names():
             == "layer_norm_grad_block_regs_f32_f32_p4_k2_b512_cached_weight_pgradsmem")
     assert (norm.plan("layer_norm", ROWS, 1024, "f32", "auto", H100, weight=False, bias=False).spec.name
             == "layer_norm_warp_f32_f32_p4_c32_g32_r1_nopad")
+    assert (norm.plan("layer_norm", ROWS, 32768, "bf16", "auto", H100, residual=False).spec.name
+            == "layer_norm_block_async_bf16_f32_p8_b512_t8_affine")
+    assert (norm.plan("rms_norm", 64, 65536, "f16", "auto", H100, residual=True).spec.name
+            == "rms_norm_block_async_f16_f32_p8_b1024_t4_weight_residual")
 
 
 def test_rendering_is_strict_and_names_the_kernel():
@@ -419,5 +479,5 @@ def test_sweep_compiles_without_spills(arch):
         compiled = {name: (impl, spill) for results in pool.map(_compile_sweep, jobs)
                     for name, impl, spill in results}
     spilled = [name for name, (impl, spill) in compiled.items()
-               if impl in ("warp", "block_regs") and spill]
+               if impl in ("warp", "block_regs", "block_async") and spill]
     assert not spilled, f"register paths spill on {arch}: {spilled}"

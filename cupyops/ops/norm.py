@@ -1,8 +1,10 @@
 """layer_norm and rms_norm, forward and backward: plan -> launch -> public functions.
 
 Forward paths (SPEC §5): "warp" (a row per group of lanes, registers),
-"block_regs" (a row per block, registers; auto only), "block_smem" (a row per
-block, shared memory) and "block_uncached" (a row per block, read twice).
+"block_regs" (a row per block, registers; auto only), "block_async" (a row
+per block of 16-byte packs, cached by cp.async in shared memory and a
+register tail; auto only), "block_smem" (a row per block, shared memory)
+and "block_uncached" (a row per block, read twice).
 Statistics (kernels/welford.cuh), the same in both policies: paths that hold
 the row in registers (warp, block_regs) sum it over the row's threads for the
 mean, then sum the squared deviations from that mean (two exact passes, two
@@ -42,9 +44,12 @@ rows that allow no 16-byte pack, e.g. odd cols, peel their edges and read
 16-byte packs when every row operand has the same phase, weight and bias
 realigned in registers; 16-bit LayerNorm rows may be held as loaded,
 AUTO_PACKED_RUNG_BYTES, and peeled 16-bit RMSNorm rows are,
-AUTO_PEELED_PACKED_LADDER); then shared memory
-beyond 48 KB caching the storage type; then uncached. RMSNorm bfloat16 rows
-of 16384 cols and more go to shared memory first (AUTO_SMEM_FIRST). The
+AUTO_PEELED_PACKED_LADDER); then rows of 16-byte packs cached by cp.async
+(AUTO_ASYNC_LADDER); then shared memory beyond 48 KB caching the storage
+type; then uncached. Forward rows of 16-byte packs from AUTO_ASYNC_FIRST's
+cols are cached by cp.async before the register block path; RMSNorm
+bfloat16 rows of 16384 to 19999 cols go to shared memory first
+(AUTO_SMEM_FIRST). The
 backward pass folds dweight / dbias partial sums into the dx kernel while they
 fit in registers or shared memory, in one wave of resident blocks (one
 workspace row each): rungs that keep the row in registers or read it twice,
@@ -67,8 +72,9 @@ from typing import Optional
 
 import numpy
 
-from .. import arrays, dtypes, jit, rowwise
-from ..launch import BLOCK_SIZE_LADDER, KernelLaunch, Target, choose_block_size, get_num_blocks, live_function
+from .. import arrays, async_row, dtypes, jit, rowwise
+from ..launch import (BLOCK_SIZE_LADDER, MAX_GRID_X, KernelLaunch, Target, choose_block_size, get_num_blocks,
+                      live_function)
 from .softmax import vector_pack_size
 
 FORWARD_OPS = ("layer_norm", "rms_norm")
@@ -118,7 +124,45 @@ AUTO_BLOCK_REGS_LADDER = {
 # (512 x 4 packs), 32768 cols 96.7 % against 96.3 % (512 x 8 as loaded); a
 # near tie since bfloat16 converts by a mov (common.cuh; 84.6 and 80.1 % in
 # registers before). LayerNorm bf16 is slower there (84 % at 32768 cols).
+# From 20000 cols the rows cached by cp.async come first (AUTO_ASYNC_FIRST).
 AUTO_SMEM_FIRST = {("rms_norm", "bf16"): 16384}
+# auto, forward, rows of 16-byte packs: the row's sources (x, and the
+# residual) cached by cp.async (norm_block_async), a block a row, the packs
+# a thread holds in registers (a register tail) and the rest in shared
+# memory. A rung (block_size, most tail packs, blocks an SM) takes the
+# largest tail up to `most` that leaves the rest within the opt-in limit,
+# does not spill and leaves that many blocks resident (async_row.rung_spec).
+# First, from the cols of AUTO_ASYNC_FIRST, before the register block path,
+# the first of its rungs that holds the row: "whole" rungs only where the
+# tail is the whole row (its packs a multiple of block_size, at most `most`
+# a thread), "largest" rungs with their largest tail. H200, rows 49152, % of
+# copy (scripts/tune_norm.py), against the register block path:
+#   LayerNorm f16 / bf16: 32768 cols whole at 512 x 8 packs 98.9 / 98.5
+#     against 86.7 / 85.4 (the same packs a thread as loaded, a block a row)
+#     and 89.5 / 90.1 (1024 x 4 in float, auto before); 24576 cols at 512 x 6
+#     100.0 / 99.8 against 96.5 / 95.8; 16384 cols at 256 x 8 97.0 / 97.0
+#     against 96.2 / 95.9 (512 x 4: 94.1 / 92.7); not 20000 cols (2500
+#     packs: 512 x 4 and the rest in shared memory 88.7 / 87.9 against 91.5
+#     / 90.7 at 512 x 5 as loaded) nor 8192 (128 x 8 96.3 against 97.8);
+#   LayerNorm f32: 16384 cols whole at 512 x 8 98.4 against 96.8, 8192 cols
+#     at 512 x 4 98.6 against 96.5 (256 x 8: 97.4); 32768 cols stay in
+#     registers, 91.9 against 86.6 at 1024 x 8;
+#   RMSNorm f16 / bf16: 20000 cols at 512 x 4 and the rest in shared memory
+#     99.0 / 99.0 against 83.8 (1024 x 3 in float) / 94.7 (cached through
+#     registers in shared memory, AUTO_SMEM_FIRST); 24576 cols 512 x 2 99.1
+#     / 99.3, 512 x 4 98.4 / 98.4, against 90.7 / 97.5; 32768 cols whole at
+#     512 x 8 98.3 / 98.4 against 96.5 / 96.7. RMSNorm f32 32768 cols stays
+#     in registers: 97.8 against 96.9.
+AUTO_ASYNC_FIRST = {   # (op, storage itemsize) -> (from cols, "whole" or "largest", rungs)
+    ("layer_norm", 2): (16384, "whole", ((256, 8, 2), (512, 8, 2))),
+    ("layer_norm", 4): (8192, "whole", ((512, 8, 2),)),
+    ("rms_norm", 2): (20000, "largest", ((512, 8, 2),)),
+}
+AUTO_ASYNC_LADDER = {   # storage itemsize -> rungs
+    2: ((512, 8, 2), (1024, 8, 1)),
+    4: ((1024, 8, 1),),
+    8: ((1024, 3, 1),),
+}
 # auto, forward: (op, storage itemsize) -> rows of these cols and more, in
 # 16-byte packs, skip the warp path for the register block path. RMSNorm 16-bit at 1024 cols, 64 x 2
 # packs: 91.6 % (f16) and 90.3 % (bf16) of copy against 89.1 % and 88.6 % on
@@ -227,6 +271,7 @@ class NormSpec(jit.KernelSpec):
     packed_cache: bool = False       # forward block_smem: cache the storage type
     peel: bool = False               # block_regs: rows start off the 16-byte grid
     packed: bool = False             # forward block_regs: the row held as loaded (storage type)
+    tail_packs: int = 0              # forward block_async: packs a thread holds in registers
     cached: bool = True              # backward block_regs: dy / x kept in registers as loaded
     smem_partials: bool = False      # backward block_regs, fused: dweight / dbias partials in shared memory
     weight_source: str = "direct"    # backward block_regs, peeled: where the weight is read (WEIGHT_SOURCES)
@@ -269,6 +314,8 @@ class NormSpec(jit.KernelSpec):
                 path += "_cached" if self.cached else "_reread"
                 path += f"_r{self.rows_per_access}" if self.rows_per_access > 1 else ""
                 path += WEIGHT_SOURCES[self.weight_source][1]
+        elif self.impl == "block_async":
+            path = f"_b{self.block_size}" + (f"_t{self.tail_packs}" if self.tail_packs else "")
         elif self.impl == "block_smem" and self.op in FORWARD_OPS:
             path = f"_b{self.block_size}_cache{self.cache_ftype.short}"
         else:
@@ -545,11 +592,44 @@ def _auto_registers(fields, rows, cols, align, target, direction, block_ladder, 
     return None, pack
 
 
+def _async_launch(spec_fields, rows, cols, pack_size, target, rungs, whole_rows) -> Optional[KernelLaunch]:
+    """The first of `rungs` that holds the row (whole_rows: all of it in the
+    register tail); None when none does."""
+    itemsize = dtypes.BY_SHORT[spec_fields["dtype"]].itemsize
+    num_inputs = 2 if spec_fields["residual"] else 1
+    row_bytes = cols * itemsize
+    row_packs = row_bytes // async_row.PACK_BYTES
+    for block_size, most, min_blocks in rungs:
+        if whole_rows:
+            if row_packs % block_size or row_packs > block_size * most:
+                continue
+            tails = (row_packs // block_size,)
+        else:
+            tails = async_row.largest_tails_first(num_inputs, row_bytes, block_size,
+                                                  target.facts.smem_per_block_optin, 1, most)
+
+        def spec_of(tail_packs):
+            return NormSpec(impl="block_async", pack_size=pack_size, block_size=block_size,
+                            tail_packs=tail_packs, **spec_fields)
+
+        found = async_row.rung_spec(spec_of, num_inputs, row_bytes, target, 1, block_size, tails, min_blocks)
+        if found is not None:
+            spec, smem = found
+            return KernelLaunch(spec, (block_size, 1, 1), (min(rows, MAX_GRID_X), 1, 1), smem)
+    return None
+
+
 def _auto_forward(spec_fields, rows, cols, align, same_phase, target) -> KernelLaunch:
     itemsize = dtypes.BY_SHORT[spec_fields["dtype"]].itemsize
     pack = vector_pack_size(cols, itemsize, align)
+    aligned = pack * itemsize == async_row.PACK_BYTES
+    from_cols, tails, first_rungs = AUTO_ASYNC_FIRST.get((spec_fields["op"], itemsize), (math.inf, None, ()))
+    if aligned and cols >= from_cols:
+        launch = _async_launch(spec_fields, rows, cols, pack, target, first_rungs, tails == "whole")
+        if launch is not None:
+            return launch
     first_cols = AUTO_SMEM_FIRST.get((spec_fields["op"], spec_fields["dtype"]))
-    if first_cols is not None and cols >= first_cols and pack * itemsize == 16:
+    if first_cols is not None and cols >= first_cols and aligned:
         spec = NormSpec(impl="block_smem", pack_size=pack, block_size=AUTO_SMEM_FIRST_BLOCK_SIZE,
                         packed_cache=True, **spec_fields)
         if target.max_active_blocks(spec, spec.block_size, cols * itemsize, True):
@@ -566,6 +646,10 @@ def _auto_forward(spec_fields, rows, cols, align, same_phase, target) -> KernelL
                                    peel_allowed=same_phase, peeled_ladder=peeled_ladder)
     if launch is not None:
         return launch
+    if aligned:
+        launch = _async_launch(spec_fields, rows, cols, pack, target, AUTO_ASYNC_LADDER[itemsize], False)
+        if launch is not None:
+            return launch
     launch = _smem_launch(spec_fields, rows, cols, pack, cols * itemsize, target, "auto", True,
                           "same_occupancy", packed_cache=True)
     return launch or _uncached_launch(spec_fields, rows, pack, target, "auto")

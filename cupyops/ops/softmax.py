@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy
 
-from .. import arrays, dtypes, jit, rowwise
+from .. import arrays, async_row, dtypes, jit, rowwise
 from ..device import has_clusters
 from ..launch import (MAX_GRID_X, KernelLaunch, LaunchCache, Target, choose_block_size, get_num_blocks,
                       live_function)
@@ -306,22 +306,9 @@ def _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target):
 
 
 def async_share_bytes(spec: SoftmaxSpec, cols: int) -> int:
-    """Shared memory an async block caches a stage: its share of the row's
-    16-byte packs outside the blocks' register tails (a cluster_size-th,
-    rounded up), of every input."""
-    cached_packs = cols * spec.ftype.itemsize // 16 - spec.cluster_size * spec.tail_packs * spec.block_size
-    return len(spec.inputs) * -(-cached_packs // spec.cluster_size) * 16
-
-
-def async_tails(op, dtype, cols, block_size, target, cluster_size, most):
-    """Register tails (packs of each input a thread holds) of a row shared by
-    cluster_size blocks: from the fewest (at least one) that leave the rest
-    within their opt-in limit up to `most`, the tails within the row."""
-    num_inputs = len(INPUTS[op])
-    row_packs = cols * dtypes.BY_SHORT[dtype].itemsize // 16
-    excess_packs = row_packs - cluster_size * (target.facts.smem_per_block_optin // (16 * num_inputs))
-    fewest = max(1, -(-excess_packs // (cluster_size * block_size)))
-    return range(fewest, min(most, row_packs // (cluster_size * block_size)) + 1)
+    """Shared memory an async block caches a stage (async_row.share_bytes)."""
+    return async_row.share_bytes(len(spec.inputs), cols * spec.ftype.itemsize, spec.block_size,
+                                 spec.tail_packs, spec.cluster_size)
 
 
 def _async_plan(op, dtype, rows, cols, pack_size, target):
@@ -329,22 +316,24 @@ def _async_plan(op, dtype, rows, cols, pack_size, target):
     holds the row (a block or a cluster per row, with or without a register
     tail); None when none does."""
     num_inputs = len(INPUTS[op])
-    ladder = AUTO_ASYNC_LADDERS[num_inputs, dtypes.BY_SHORT[dtype].itemsize]
-    for cluster_size, block_size, most, min_blocks in ladder:
+    itemsize = dtypes.BY_SHORT[dtype].itemsize
+    for cluster_size, block_size, most, min_blocks in AUTO_ASYNC_LADDERS[num_inputs, itemsize]:
         if cluster_size > 1 and not has_clusters(target.facts.arch):
             continue
-        tails = reversed(async_tails(op, dtype, cols, block_size, target, cluster_size, most)) if most else (0,)
-        for tail_packs in tails:
-            spec = SoftmaxSpec(op, "block_async", dtype, pack_size, block_size=block_size, stages=1,
+
+        def spec_of(tail_packs):
+            return SoftmaxSpec(op, "block_async", dtype, pack_size, block_size=block_size, stages=1,
                                online=num_inputs == 1, cluster_size=cluster_size, tail_packs=tail_packs)
-            share_bytes = async_share_bytes(spec, cols)
-            if share_bytes > target.facts.smem_per_block_optin:
-                continue
-            if tail_packs and target.resources(spec)["local_bytes"]:
-                continue
-            if target.max_active_blocks(spec, block_size, share_bytes, True) >= min_blocks:
-                clusters = min(rows, MAX_GRID_X // cluster_size)
-                return SoftmaxPlan(spec, (block_size, 1, 1), (clusters * cluster_size, 1, 1), share_bytes)
+
+        row_bytes = cols * itemsize
+        tails = async_row.largest_tails_first(num_inputs, row_bytes, block_size, target.facts.smem_per_block_optin,
+                                              cluster_size, most)
+        found = async_row.rung_spec(spec_of, num_inputs, row_bytes, target, cluster_size, block_size, tails,
+                                    min_blocks)
+        if found is not None:
+            spec, share_bytes = found
+            clusters = min(rows, MAX_GRID_X // cluster_size)
+            return SoftmaxPlan(spec, (block_size, 1, 1), (clusters * cluster_size, 1, 1), share_bytes)
     return None
 
 
