@@ -151,7 +151,8 @@ AUTO_SMEM_FIRST = {("rms_norm", "bf16"): 16384}
 #     99.0 / 99.0 against 83.8 (1024 x 3 in float) / 94.7 (cached through
 #     registers in shared memory, AUTO_SMEM_FIRST); 24576 cols 512 x 2 99.1
 #     / 99.3, 512 x 4 98.4 / 98.4, against 90.7 / 97.5; 32768 cols whole at
-#     512 x 8 98.3 / 98.4 against 96.5 / 96.7. RMSNorm f32 32768 cols stays
+#     512 x 8 98.3 / 98.4 against 96.5 / 96.7 (float16 now takes 7 packs and
+#     8 KiB, 8 spill: 98.0 in cupyops bench). RMSNorm f32 32768 cols stays
 #     in registers: 97.8 against 96.9.
 AUTO_ASYNC_FIRST = {   # (op, storage itemsize) -> (from cols, "whole" or "largest", rungs)
     ("layer_norm", 2): (16384, "whole", ((256, 8, 2), (512, 8, 2))),
