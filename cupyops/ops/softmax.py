@@ -317,6 +317,7 @@ def _async_plan(op, dtype, rows, cols, pack_size, target):
     tail); None when none does."""
     num_inputs = len(INPUTS[op])
     itemsize = dtypes.BY_SHORT[dtype].itemsize
+    row_bytes = cols * itemsize
     for cluster_size, block_size, most, min_blocks in AUTO_ASYNC_LADDERS[num_inputs, itemsize]:
         if cluster_size > 1 and not has_clusters(target.facts.arch):
             continue
@@ -325,7 +326,6 @@ def _async_plan(op, dtype, rows, cols, pack_size, target):
             return SoftmaxSpec(op, "block_async", dtype, pack_size, block_size=block_size, stages=1,
                                online=num_inputs == 1, cluster_size=cluster_size, tail_packs=tail_packs)
 
-        row_bytes = cols * itemsize
         tails = async_row.largest_tails_first(num_inputs, row_bytes, block_size, target.facts.smem_per_block_optin,
                                               cluster_size, most)
         found = async_row.rung_spec(spec_of, num_inputs, row_bytes, target, cluster_size, block_size, tails,
