@@ -354,10 +354,13 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
 // registers, converted at each use).
 // peel: rows need not start on a 16-byte boundary (odd cols, offset views;
 // every row operand at the same phase). Each row's first `head` elements (up
-// to its first 16-byte boundary, RowHead) and its last partial pack are
+// to its first 16-byte boundary, RowHead) and the elements past its packs
+// (at most block_size of them, as BlockRowColumns in the backward) are
 // single elements ("edges") held by threads 0, 1, ...; the packs in between
 // are aligned. The edges are loaded after the packs, so the packs' loads are
-// all in flight first. Weight and bias, at their own phase, are read as
+// all in flight first (computing the edges' columns first, in a struct
+// shared with the backward, had ptxas issue some of the loads late: 74 % of
+// copy against 87 %). Weight and bias, at their own phase, are read as
 // realigned 16-byte packs (Affine::realigned: one branch a row picks the
 // word shift).
 template <typename Stats, typename Input, typename Output, typename C, int pack_size, int packs_per_thread,
@@ -375,7 +378,10 @@ __device__ __forceinline__ void norm_block_regs(const Input& in, const Output& o
   };
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
     const int head = peel ? row_head(row) : 0;
-    const int64 num_packs = (cols - head) / pack_size;
+    int64 num_packs = (cols - head) / pack_size;   // peeled: at most the packs held (BlockRowColumns)
+    if (peel && num_packs > static_cast<int64>(block_size) * packs_per_thread) {
+      num_packs = static_cast<int64>(block_size) * packs_per_thread;
+    }
     const C shift = row_shift<Stats, Input, C>(in, row);
     const auto pack_col = [&](int k) { return head + (static_cast<int64>(k) * block_size + threadIdx.x) * pack_size; };
     const auto in_row = [&](int k) { return static_cast<int64>(k) * block_size + threadIdx.x < num_packs; };

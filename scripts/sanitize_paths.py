@@ -17,7 +17,8 @@ from cupyops.ops import softmax as softmax_ops
 from cupyops.ops import softmax_axis, softmax_split
 
 # (rows, cols): warp, peeled registers (the norm forward's weight and bias
-# realigned to each row's phase, also at different offsets; more rows than a
+# realigned to each row's phase, also at different offsets, and at 12543
+# cols 255 single elements past its packs in every row; more rows than a
 # resident grid: the norm backward's blocks walking rows at their phase, its
 # block reduction alternating halves of its partials with one barrier a row,
 # its partial sums and weight copy in shared memory, 127 single elements

@@ -43,6 +43,7 @@ TOLERANCE = {"f16": 4e-3, "bf16": 3e-2, "f32": 1e-4, "f64": 1e-9}
 REGS_VARIANTS = ((64, 128), (128, 64), (256, 64), (512, 64), (1024, 64), (128, 128), (256, 128), (512, 128))
 # 16-bit rows held as loaded (packed), at most 128 bytes a thread
 PACKED_BLOCK_SIZES = (64, 128, 256, 512, 1024)
+MAX_BLOCK_SIZE = 1024
 # rows of 16-byte packs cached by cp.async: block sizes, register tails
 ASYNC_BLOCK_SIZES = (256, 512, 1024)
 ASYNC_TAIL_PACKS = (0, 2, 4, 8)
@@ -83,15 +84,21 @@ def _forward_variants(op, dtype, rows, cols, target):
     if ftype.itemsize == 2:   # held as loaded: up to 128 bytes a thread
         shapes += [(block_size, True, 128 // (regs_pack * ftype.itemsize))
                    for block_size in _with_fitted(PACKED_BLOCK_SIZES, num_packs)]
+        # every packs-a-thread count at the fewest whole warps holding the row
+        shapes += [(block_size, True, per_thread) for per_thread in range(1, 128 // (regs_pack * ftype.itemsize) + 1)
+                   for block_size in (-(-num_packs // (per_thread * WARP_SIZE)) * WARP_SIZE,)
+                   if block_size <= MAX_BLOCK_SIZE]
     for block_size, packed, max_packs in shapes:
-        per_thread = -(-num_packs // block_size)
-        if per_thread > max_packs or num_packs < block_size // 2:
-            continue
-        spec = norm.NormSpec(impl="block_regs", pack_size=regs_pack, block_size=block_size,
-                             packs_per_thread=per_thread, peel=peel, packed=packed, **fields)
-        label = f"regs b{block_size} k{per_thread}{' peel' if peel else ''}{' packed' if packed else ''}"
-        if not target.resources(spec)["local_bytes"]:
-            found.append((label, norm.NormPlan(norm._block_launch(spec, rows, 0, target, "auto", False))))
+        # every pack in the packs, or (peeled) up to block_size elements past them
+        for per_thread in sorted({-(-num_packs // block_size),
+                                  norm.block_packs_per_thread(cols, block_size, regs_pack, peel)}):
+            if per_thread > max_packs or num_packs < block_size // 2:
+                continue
+            spec = norm.NormSpec(impl="block_regs", pack_size=regs_pack, block_size=block_size,
+                                 packs_per_thread=per_thread, peel=peel, packed=packed, **fields)
+            label = f"regs b{block_size} k{per_thread}{' peel' if peel else ''}{' packed' if packed else ''}"
+            if not target.resources(spec)["local_bytes"]:
+                found.append((label, norm.NormPlan(norm._block_launch(spec, rows, 0, target, "auto", False))))
     if cols >= 4096:
         smem = cols * ftype.itemsize
         for block_size in (256, 512):

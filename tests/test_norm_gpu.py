@@ -325,6 +325,45 @@ def test_rows_off_the_16_byte_grid(rng, op, cols, dtype):
     check(y, h.get().astype(numpy.float64))
 
 
+@pytest.mark.parametrize("dtype, cols", [("float16", 12544), (BFLOAT16, 12544), ("float32", 12800),
+                                         ("float16", 12543), ("float32", 12799)], ids=str)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_peeled_rows_with_a_block_of_single_elements(rng, op, dtype, cols):
+    """Peeled forward register rows whose packs stop at block_size x
+    packs_per_thread: views at an offset (every row's head 5 or 1 elements)
+    leave exactly block_size single elements past the packs (12544 f16 /
+    bf16, 12800 f32), contiguous odd cols one fewer at every phase; y and the
+    statistics match the reference at mean 1e3, and nothing outside the
+    views is written."""
+    cupy = _cupy()
+    centered = op == "layer_norm"
+    itemsize = numpy.dtype(dtype).itemsize
+    rows = 2 * 16 // itemsize + 3
+    spec = norm.plan(op, rows, cols, dtypes.float_type(dtype).short, "auto", Target.live(0), itemsize,
+                     bias=centered).spec
+    past_packs = cols - spec.block_size * spec.packs_per_thread * spec.pack_size
+    assert spec.peel and past_packs == spec.block_size - cols % 2, (spec.name, past_packs)
+    w, w64 = _data(rng, (cols,), dtype, 1.0, 0.2)
+    b, b64 = _data(rng, (cols,), dtype, 0.0, 0.2)
+    affine = dict(weight=w, bias=b) if centered else dict(weight=w)
+    if cols % 2:    # the output at the input's phases, row by row
+        x, x64 = _data(rng, (rows, cols), dtype, 1e3, 1.0)
+        out = out_base = _poisoned((rows, cols), dtype)
+    else:
+        base, base64 = _data(rng, (rows, cols + 16), dtype, 1e3, 1.0)
+        x, x64 = base[:, 3:3 + cols], base64[:, 3:3 + cols]
+        out_base = _poisoned((rows, cols + 16), dtype)
+        out = out_base[:, 3:3 + cols]
+    y, *stats = getattr(cupyops, op)(x, **affine, eps=EPS, out=out, return_stats=True)
+    y_ref, mean_ref, rstd_ref = _reference(x64, w64, b64 if centered else None, 1, centered)
+    assert_close(y.get(), y_ref, dtype, scale=4)
+    assert_close(stats[-1].get(), rstd_ref, _stats_tolerance_dtype(dtype), scale=10)
+    if centered:
+        assert_close(stats[0].get(), mean_ref, _stats_tolerance_dtype(dtype), scale=10)
+    if cols % 2 == 0:
+        assert bool(cupy.isnan(out_base[:, :3]).all()) and bool(cupy.isnan(out_base[:, 3 + cols:]).all())
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("cols", [2049, 12345, 12543])
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])

@@ -175,10 +175,25 @@ def test_auto_peels_rows_off_the_16_byte_grid(op):
     assert (f32.spec.impl, f32.spec.pack_size, f32.spec.peel) == ("block_regs", 4, True)
     for launch in (f16, f32):
         assert launch.smem_bytes == 0 and launch.grid[0] == min(ROWS, launch.grid[0])
-    # 16-bit rows held as loaded, 256 x 7 packs (LayerNorm: AUTO_PACKED_RUNG_BYTES,
-    # RMSNorm: AUTO_PEELED_PACKED_LADDER); float32 in float, 512 x 7
-    assert (f16.spec.block_size, f16.spec.packs_per_thread, f16.spec.packed) == (256, 7, True)
-    assert (f32.spec.block_size, f32.spec.packs_per_thread, f32.spec.packed) == (512, 7, False)
+    # 16-bit rows held as loaded, 256 x 6 packs (LayerNorm: AUTO_PACKED_RUNG_BYTES,
+    # RMSNorm: AUTO_PEELED_PACKED_LADDER) and 57 single elements past them; float32
+    # in float, 512 x 6 (7 packs a thread would hold every pack)
+    assert (f16.spec.block_size, f16.spec.packs_per_thread, f16.spec.packed) == (256, 6, True)
+    assert (f32.spec.block_size, f32.spec.packs_per_thread, f32.spec.packed) == (512, 6, False)
+    for launch in (f16, f32):
+        spec = launch.spec
+        assert 0 < 12345 - spec.block_size * spec.packs_per_thread * spec.pack_size <= spec.block_size
+        norm.check_block_covers(spec, 12345)
+        with pytest.raises(ValueError, match="too few packs"):
+            norm.check_block_covers(replace(spec, packs_per_thread=5), 12345)
+    # LayerNorm 16-bit peeled rows take no packed rung below 128 threads
+    # (AUTO_PEELED_PACKED_FROM_BLOCK): 3595 cols 128 x 4 in float, on the grid 64 x 7
+    mid = norm.plan(op, ROWS, 3595, "f16", "auto", H100, align=2).spec
+    assert (mid.block_size, mid.packs_per_thread, mid.peel) == (128, 4, True)
+    assert mid.packed == (op == "rms_norm")
+    on_grid = norm.plan(op, ROWS, 3584, "f16", "auto", H100).spec
+    if op == "layer_norm":
+        assert (on_grid.block_size, on_grid.packs_per_thread, on_grid.packed) == (64, 7, True)
     assert f16.spec.name.endswith("_peel_packed_affine" if op == "layer_norm" else "_peel_packed_weight")
     short = norm.plan(op, ROWS, 2049, "f16", "auto", H100, align=2).spec
     assert (short.block_size, short.packs_per_thread, short.peel) == (64, 4, True)
@@ -261,18 +276,26 @@ def test_float32_layer_norm_backward_reads_phase_copies_from_1024_threads():
 
 
 def test_launch_refuses_blocks_that_miss_columns():
-    """The peeled backward takes up to block_size single elements past its
-    packs; every other register block must hold every pack of the row."""
+    """Peeled register blocks (forward and backward) take up to block_size
+    single elements past their packs; every other register block must hold
+    every pack of the row."""
     backward = norm.NormSpec(op="layer_norm_grad", impl="block_regs", dtype="f16", pack_size=8, block_size=512,
                              packs_per_thread=2, peel=True, fuse_param_grad=True)
     with pytest.raises(ValueError, match="too few packs"):
         norm.check_block_covers(backward, 12345)
     norm.check_block_covers(replace(backward, packs_per_thread=3), 12345)
     forward = norm.NormSpec(op="layer_norm", impl="block_regs", dtype="f16", pack_size=8, block_size=256,
-                            packs_per_thread=6, peel=True, packed=True)
+                            packs_per_thread=5, peel=True, packed=True)
     with pytest.raises(ValueError, match="too few packs"):
         norm.check_block_covers(forward, 12345)
-    norm.check_block_covers(replace(forward, packs_per_thread=7), 12345)
+    norm.check_block_covers(replace(forward, packs_per_thread=6), 12345)      # 57 single elements
+    norm.check_block_covers(replace(forward, packs_per_thread=6), 12544)      # 256 (a head of 0 to 7)
+    with pytest.raises(ValueError, match="too few packs"):
+        norm.check_block_covers(replace(forward, packs_per_thread=6), 12545)
+    on_grid = replace(forward, packs_per_thread=6, peel=False)
+    norm.check_block_covers(on_grid, 12288)
+    with pytest.raises(ValueError, match="too few packs"):
+        norm.check_block_covers(on_grid, 12296)
 
 
 def test_auto_backward_fuses_param_grads_in_registers():

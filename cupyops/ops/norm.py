@@ -178,18 +178,28 @@ AUTO_SMEM_FIRST_BLOCK_SIZE = 512
 # rather than twice the threads with fewer packs each (H200, % of copy,
 # f16 / bf16): 12288 cols 256 x 6 packs 97.0 / 95.2 against 89.5 / 87.0 at
 # 512 x 3; 6144 cols 128 x 6 96.8 / 95.1 against 92.4 / 89.8; peeled 12345
-# cols 256 x 7 89.2 / 85.8 against 78.6 / 75.3 at 512 x 4. Eight packs lose
+# cols 256 x 7 89.2 / 85.8 against 78.6 / 75.3 at 512 x 4 (now 256 x 6 and 57
+# single elements past the packs, block_packs_per_thread: 88.9 / 88.3
+# against 87.3 / 85.4 at 256 x 7; peeled 14389 cols 256 x 7 92.8 / 89.1
+# against 82.9 / 82.1 at 512 x 4 in float). Eight packs lose
 # to four in float at twice the threads (16384 cols 91.2 against 96.2, 8192
 # 95.4 against 96.8), so at most seven.
 AUTO_PACKED_RUNG_BYTES = {("layer_norm", 2): 112}
 # auto, forward, peeled rows (off the 16-byte grid, every operand at the same
 # phase): (op, storage itemsize) -> (block_size, most bytes a thread holds of
 # packs as loaded), in place of the ladders above. RMSNorm f16 (H200): 12345
-# cols 256 x 7 packs 95.9 % of copy against 83.1 % at 512 x 4 in float; 4097
+# cols 256 x 7 packs 95.9 % of copy against 83.1 % at 512 x 4 in float (now
+# 256 x 6 and single elements past the packs: 95.4 against 95.6); 4097
 # cols 128 x 4 95.5 % (64 x 8: 91.9 %); 2049 cols 64 x 4 91.8 % (128 x 2:
 # 85.5 %). LayerNorm takes its ladder: 2049 cols 64 x 4 in float 89.3 %
 # against 80.5 % as loaded.
 AUTO_PEELED_PACKED_LADDER = {("rms_norm", 2): ((64, 64), (128, 128), (256, 128), (512, 128), (1024, 128))}
+# auto, forward, peeled rows of the other ops: (op, storage itemsize) -> the
+# packed rungs of their ladder from this block size. LayerNorm f16 / bf16
+# 3595 cols (H200): 128 x 4 packs in float 85.5 / 84.4 % of copy against
+# 80.5 / 79.5 at 64 x 7 as loaded (rows on the grid, 3584 cols: 64 x 7 as
+# loaded 96.0 / 95.7).
+AUTO_PEELED_PACKED_FROM_BLOCK = {("layer_norm", 2): 128}
 # auto, backward: (block_size, most bytes of each input a thread holds as
 # stored, "cached" (dy and x held in registers as loaded) or "reread" (loaded
 # again for the second pass), where the dweight / dbias partial sums live,
@@ -328,9 +338,9 @@ class NormSpec(jit.KernelSpec):
 
     @property
     def elements_past_packs(self) -> bool:
-        """The peeled backward register block: up to block_size single
-        elements past a row's packs (block_packs_per_thread)."""
-        return self.peel and self.op not in FORWARD_OPS
+        """A peeled register block: up to block_size single elements past a
+        row's packs (block_packs_per_thread)."""
+        return self.peel
 
     @property
     def cache_ftype(self) -> dtypes.FloatType:
@@ -421,8 +431,8 @@ def _ceil_div(a: int, b: int) -> int:
 def block_packs_per_thread(cols: int, block_size: int, pack_size: int, elements_past_packs: bool) -> int:
     """Packs of pack_size a thread of a register block holds of a row: enough
     for every pack of the row, or, where the kernel takes single elements
-    past the packs (the peeled backward: BlockRowColumns in
-    kernels/norm.cuh), the fewest that leave at most block_size of them:
+    past the packs (peeled rows: BlockRowColumns in kernels/norm.cuh), the
+    fewest that leave at most block_size of them:
     cols <= block_size * (packs * pack_size + 1)."""
     if elements_past_packs:
         return max(1, _ceil_div(cols - block_size, block_size * pack_size))
@@ -580,9 +590,8 @@ def _auto_registers(fields, rows, cols, align, target, direction, block_ladder, 
         return _warp_launch(fields, rows, cols, pack, ladder, target, "auto"), pack
     peel = peel_allowed and pack * ftype.itemsize < 16
     regs_pack = 16 // ftype.itemsize if peel else pack
-    num_packs = cols // regs_pack
     for block_size, max_bytes, extra, spill_checked in (peeled_ladder or block_ladder) if peel else block_ladder:
-        packs_per_thread = -(-num_packs // block_size)
+        packs_per_thread = block_packs_per_thread(cols, block_size, regs_pack, peel)
         held_itemsize = ftype.itemsize if extra.get("packed") else compute_itemsize
         if packs_per_thread * regs_pack * held_itemsize <= max_bytes:
             spec = NormSpec(impl="block_regs", pack_size=regs_pack, block_size=block_size,
@@ -643,6 +652,8 @@ def _auto_forward(spec_fields, rows, cols, align, same_phase, target) -> KernelL
             block_ladder.append((block_size, packed_bytes, {"packed": True}, True))
     peeled_ladder = [(block_size, max_bytes, {"packed": True}, True)
                      for block_size, max_bytes in AUTO_PEELED_PACKED_LADDER.get((spec_fields["op"], itemsize), ())]
+    packed_from = AUTO_PEELED_PACKED_FROM_BLOCK.get((spec_fields["op"], itemsize), 0)
+    peeled_ladder = peeled_ladder or [rung for rung in block_ladder if rung[0] >= packed_from or not rung[2]]
     launch, pack = _auto_registers(spec_fields, rows, cols, align, target, "forward", block_ladder,
                                    peel_allowed=same_phase, peeled_ladder=peeled_ladder)
     if launch is not None:
