@@ -43,7 +43,6 @@ TOLERANCE = {"f16": 4e-3, "bf16": 3e-2, "f32": 1e-4, "f64": 1e-9}
 REGS_VARIANTS = ((64, 128), (128, 64), (256, 64), (512, 64), (1024, 64), (128, 128), (256, 128), (512, 128))
 # 16-bit rows held as loaded (packed), at most 128 bytes a thread
 PACKED_BLOCK_SIZES = (64, 128, 256, 512, 1024)
-MAX_BLOCK_SIZE = 1024
 # rows of 16-byte packs cached by cp.async: block sizes, register tails
 ASYNC_BLOCK_SIZES = (256, 512, 1024)
 ASYNC_TAIL_PACKS = (0, 2, 4, 8)
@@ -57,14 +56,18 @@ GRAD_HOLDINGS = (("cached", "regs"), ("reread", "regs"), ("cached", "smem"), ("r
 GRAD_ROWS_PER_ACCESS = (1, 2)
 
 
+def _fitted_block(num_packs, per_thread):
+    """The fewest threads, in whole warps, that hold num_packs at per_thread a thread."""
+    return -(-num_packs // (per_thread * WARP_SIZE)) * WARP_SIZE
+
+
 def _with_fitted(block_sizes, num_packs):
     """The block sizes, each followed by the fewest threads, in whole warps,
     that hold the row's packs at its packs a thread, where that is fewer."""
     found = []
     for block_size in block_sizes:
         found.append(block_size)
-        per_thread = -(-num_packs // block_size)
-        fitted = -(-num_packs // (per_thread * WARP_SIZE)) * WARP_SIZE
+        fitted = _fitted_block(num_packs, -(-num_packs // block_size))
         if fitted < block_size:
             found.append(fitted)
     return found
@@ -85,9 +88,9 @@ def _forward_variants(op, dtype, rows, cols, target):
         shapes += [(block_size, True, 128 // (regs_pack * ftype.itemsize))
                    for block_size in _with_fitted(PACKED_BLOCK_SIZES, num_packs)]
         # every packs-a-thread count at the fewest whole warps holding the row
-        shapes += [(block_size, True, per_thread) for per_thread in range(1, 128 // (regs_pack * ftype.itemsize) + 1)
-                   for block_size in (-(-num_packs // (per_thread * WARP_SIZE)) * WARP_SIZE,)
-                   if block_size <= MAX_BLOCK_SIZE]
+        shapes += [(_fitted_block(num_packs, per_thread), True, per_thread)
+                   for per_thread in range(1, 128 // (regs_pack * ftype.itemsize) + 1)
+                   if _fitted_block(num_packs, per_thread) <= max(PACKED_BLOCK_SIZES)]
     for block_size, packed, max_packs in shapes:
         # every pack in the packs, or (peeled) up to block_size elements past them
         for per_thread in sorted({-(-num_packs // block_size),

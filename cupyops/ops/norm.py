@@ -653,7 +653,9 @@ def _auto_forward(spec_fields, rows, cols, align, same_phase, target) -> KernelL
     peeled_ladder = [(block_size, max_bytes, {"packed": True}, True)
                      for block_size, max_bytes in AUTO_PEELED_PACKED_LADDER.get((spec_fields["op"], itemsize), ())]
     packed_from = AUTO_PEELED_PACKED_FROM_BLOCK.get((spec_fields["op"], itemsize), 0)
-    peeled_ladder = peeled_ladder or [rung for rung in block_ladder if rung[0] >= packed_from or not rung[2]]
+    peeled_ladder = peeled_ladder or [(block_size, max_bytes, extra, spill_checked)
+                                      for block_size, max_bytes, extra, spill_checked in block_ladder
+                                      if block_size >= packed_from or not extra.get("packed")]
     launch, pack = _auto_registers(spec_fields, rows, cols, align, target, "forward", block_ladder,
                                    peel_allowed=same_phase, peeled_ladder=peeled_ladder)
     if launch is not None:
