@@ -364,6 +364,39 @@ def test_peeled_rows_with_a_block_of_single_elements(rng, op, dtype, cols):
         assert bool(cupy.isnan(out_base[:, :3]).all()) and bool(cupy.isnan(out_base[:, 3 + cols:]).all())
 
 
+@pytest.mark.parametrize("dtype", ["float16", BFLOAT16, "float32"], ids=str)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_peeled_rows_that_fill_every_pack(rng, op, dtype):
+    """Peeled forward rows compiled without a check a pack (full_rows) at
+    the fewest cols that allow it: the row at the last head holds exactly
+    block_size x packs_per_thread packs and nothing past them, the others
+    up to pack_size - 1 single elements; contiguous rows at every phase, with
+    statistics at mean 1e3 and with a residual, against the reference."""
+    centered = op == "layer_norm"
+    itemsize = numpy.dtype(dtype).itemsize
+    pack = 16 // itemsize
+    short = dtypes.float_type(dtype).short
+    spec = norm.plan(op, 64, 12345, short, "auto", Target.live(0), itemsize, bias=centered).spec
+    cols = spec.block_size * spec.packs_per_thread * pack + pack - 1
+    chosen = norm.plan(op, 64, cols, short, "auto", Target.live(0), itemsize, bias=centered).spec
+    assert chosen.full_rows and chosen.peel, chosen.name
+    rows = 2 * pack + 3
+    w, w64 = _data(rng, (cols,), dtype, 1.0, 0.2)
+    b, b64 = _data(rng, (cols,), dtype, 0.0, 0.2)
+    affine = dict(weight=w, bias=b) if centered else dict(weight=w)
+    x, x64 = _data(rng, (rows, cols), dtype, 1e3, 1.0)
+    y, *stats = getattr(cupyops, op)(x, **affine, eps=EPS, return_stats=True)
+    y_ref, mean_ref, rstd_ref = _reference(x64, w64, b64 if centered else None, 1, centered)
+    assert_close(y.get(), y_ref, dtype, scale=4)
+    assert_close(stats[-1].get(), rstd_ref, _stats_tolerance_dtype(dtype), scale=10)
+    if centered:
+        assert_close(stats[0].get(), mean_ref, _stats_tolerance_dtype(dtype), scale=10)
+    r, _ = _data(rng, (rows, cols), dtype)
+    y, h = getattr(cupyops, op)(x, **affine, residual=r, eps=EPS)
+    y_ref = _reference(h.get().astype(numpy.float64), w64, b64 if centered else None, 1, centered)[0]
+    assert_close(y.get(), y_ref, dtype, scale=4)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("cols", [2049, 12345, 12543])
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])

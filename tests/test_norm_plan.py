@@ -194,7 +194,7 @@ def test_auto_peels_rows_off_the_16_byte_grid(op):
     on_grid = norm.plan(op, ROWS, 3584, "f16", "auto", H100).spec
     if op == "layer_norm":
         assert (on_grid.block_size, on_grid.packs_per_thread, on_grid.packed) == (64, 7, True)
-    assert f16.spec.name.endswith("_peel_packed_affine" if op == "layer_norm" else "_peel_packed_weight")
+    assert f16.spec.name.endswith("_peel_packed_full_affine" if op == "layer_norm" else "_peel_packed_full_weight")
     short = norm.plan(op, ROWS, 2049, "f16", "auto", H100, align=2).spec
     assert (short.block_size, short.packs_per_thread, short.peel) == (64, 4, True)
     assert short.packed == (op == "rms_norm")    # LayerNorm 2049: 64 x 4 in float
@@ -204,6 +204,32 @@ def test_auto_peels_rows_off_the_16_byte_grid(op):
     assert (aligned.pack_size, aligned.peel) == (8, False)
     assert norm.plan(op, ROWS, 1023, "f16", "auto", H100, align=2).spec.impl == "warp"   # warp: no peel
     assert not norm.plan(op, ROWS, 12345, "f16", "oneflow", H100, align=2).spec.peel
+
+
+@pytest.mark.parametrize("op", norm.FORWARD_OPS)
+def test_auto_peeled_rows_that_fill_every_pack_skip_the_check(op):
+    """Peeled forward rows whose every phase fills block_size x
+    packs_per_thread packs (the most packs a row holds at its last head,
+    pack_size - 1) compile without a check a pack (full_rows); rows one
+    element shorter, rows with fewer packs (3595 cols, 128 x 4 for 449 or
+    448 packs) and rows on the 16-byte grid keep it. check_block_covers
+    refuses a hand-built full_rows spec whose rows have fewer packs."""
+    for dtype, align, pack in (("f16", 2, 8), ("bf16", 2, 8), ("f32", 4, 4)):
+        spec = norm.plan(op, ROWS, 12345, dtype, "auto", H100, align=align).spec
+        fewest = spec.block_size * spec.packs_per_thread * pack + pack - 1
+        assert spec.full_rows and fewest <= 12345, spec.name
+        edge = norm.plan(op, ROWS, fewest, dtype, "auto", H100, align=align).spec
+        assert edge.full_rows and edge.name.count("_full") == 1, edge.name
+        shorter = replace(edge, full_rows=False)
+        assert norm.fills_every_pack(fewest, edge.block_size, pack, edge.packs_per_thread, True)
+        assert not norm.fills_every_pack(fewest - 1, edge.block_size, pack, edge.packs_per_thread, True)
+        norm.check_block_covers(edge, fewest)
+        with pytest.raises(ValueError, match="unchecked"):
+            norm.check_block_covers(edge, fewest - 1)
+        norm.check_block_covers(shorter, fewest - 1)
+    few = norm.plan(op, ROWS, 3595, "f16", "auto", H100, align=2).spec
+    assert (few.block_size, few.packs_per_thread, few.full_rows) == (128, 4, False)
+    assert not norm.plan(op, ROWS, 12288, "f16", "auto", H100, residual=True).spec.full_rows
 
 
 @pytest.mark.parametrize("cols, block_size, packs_per_thread, packed", [
