@@ -442,7 +442,6 @@ def block_packs_per_thread(cols: int, block_size: int, pack_size: int, elements_
     return _ceil_div(cols // pack_size, block_size)
 
 
-@functools.lru_cache(maxsize=4096)
 def fills_every_pack(cols: int, block_size: int, pack_size: int, packs_per_thread: int, peel: bool) -> bool:
     """Whether every row of `cols` has block_size x packs_per_thread packs (a
     peeled row at any phase: up to pack_size - 1 elements before its first)."""
@@ -450,6 +449,7 @@ def fills_every_pack(cols: int, block_size: int, pack_size: int, packs_per_threa
     return fewest_packs >= block_size * packs_per_thread
 
 
+@functools.lru_cache(maxsize=4096)
 def check_block_covers(spec: NormSpec, cols: int) -> None:
     """Refuses a register block plan whose threads would not reach every
     column of a row, or that leaves its packs unchecked (full_rows) where a
