@@ -20,9 +20,9 @@ from cupyops.ops import softmax_axis, softmax_split
 # realigned to each row's phase, also at different offsets, and at 12543
 # cols 255 single elements past its packs in every row, no pack checked
 # against the row (full_rows), at 3595 cols every pack checked; more rows
-# than a resident grid: the norm backward's blocks walking rows at their phase, its
-# block reduction alternating halves of its partials with one barrier a row,
-# its partial sums and weight copy in shared memory, 127 single elements
+# than a resident grid: the norm backward's blocks walking rows at their
+# phase, its block reduction alternating halves of its partials with one
+# barrier a row, its partial sums and weight copy in shared memory, 127 single elements
 # past its packs; at 12543 cols LayerNorm's weight read from its phase
 # copies; 16-bit rows of 1023 cols two at a time, the last pair of some
 # blocks one row short), registers, cp.async (the norms' 16-bit rows of

@@ -620,8 +620,7 @@ def _auto_registers(fields, rows, cols, align, target, direction, block_ladder, 
             full_rows = direction == "forward" and peel and fills_every_pack(cols, block_size, regs_pack,
                                                                               packs_per_thread, True)
             spec = NormSpec(impl="block_regs", pack_size=regs_pack, block_size=block_size,
-                            packs_per_thread=packs_per_thread, **extra, **fields,
-                            **({"peel": True} if peel else {}), **({"full_rows": True} if full_rows else {}))
+                            packs_per_thread=packs_per_thread, peel=peel, full_rows=full_rows, **extra, **fields)
             if not (spill_checked and _uses_local_memory(spec, target)):
                 return _block_launch(spec, rows, 0, target, "auto", False), pack
     return None, pack
