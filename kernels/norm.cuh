@@ -362,10 +362,11 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
 // shared with the backward, had ptxas issue some of the loads late: 74 % of
 // copy against 87 %). Weight and bias, at their own phase, are read as
 // realigned 16-byte packs (Affine::realigned: one branch a row picks the
-// word shift). full_rows: every row has block_size x packs_per_thread packs
-// (the planner checks it from cols), so no pack is checked against the row.
+// word shift). full_packs: every row has block_size x full_packs packs (the
+// planner checks it from cols), so a thread's first full_packs packs are not
+// checked against the row.
 template <typename Stats, typename Input, typename Output, typename C, int pack_size, int packs_per_thread,
-          int block_size, bool peel, bool packed, bool full_rows, typename RowHead>
+          int block_size, bool peel, bool packed, int full_packs, typename RowHead>
 __device__ __forceinline__ void norm_block_regs(const Input& in, const Output& out,
                                                 const MomentsOutput<C>& moments_out, int64 rows, int64 cols,
                                                 C eps, const RowHead& row_head) {
@@ -386,7 +387,7 @@ __device__ __forceinline__ void norm_block_regs(const Input& in, const Output& o
     const C shift = row_shift<Stats, Input, C>(in, row);
     const auto pack_col = [&](int k) { return head + (static_cast<int64>(k) * block_size + threadIdx.x) * pack_size; };
     const auto in_row = [&](int k) {
-      return full_rows || static_cast<int64>(k) * block_size + threadIdx.x < num_packs;
+      return k < full_packs || static_cast<int64>(k) * block_size + threadIdx.x < num_packs;
     };
     // A pack past the row loads the row's first pack (num_packs >= 1).
     load_row_packs<Input, packs_per_thread, pack_size>(in, buf, 0, row, pack_col, in_row, row, head);

@@ -364,22 +364,27 @@ def test_peeled_rows_with_a_block_of_single_elements(rng, op, dtype, cols):
         assert bool(cupy.isnan(out_base[:, :3]).all()) and bool(cupy.isnan(out_base[:, 3 + cols:]).all())
 
 
+@pytest.mark.parametrize("shorter", [0, 1])
 @pytest.mark.parametrize("dtype", ["float16", BFLOAT16, "float32"], ids=str)
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
-def test_peeled_rows_that_fill_every_pack(rng, op, dtype):
-    """Peeled forward rows compiled without a check a pack (full_rows) at
-    the fewest cols that allow it: the row at the last head holds exactly
-    block_size x packs_per_thread packs and nothing past them, the others
-    up to pack_size - 1 single elements; contiguous rows at every phase, with
-    statistics at mean 1e3 and with a residual, against the reference."""
+def test_peeled_rows_with_unchecked_packs(rng, op, dtype, shorter):
+    """Peeled forward rows whose first packs a thread are not checked
+    (full_packs) at the fewest cols that fill them all: the row at the last
+    head holds exactly block_size x packs_per_thread packs and nothing past
+    them, the others up to pack_size - 1 single elements; one col shorter
+    the last pack is checked (rows held as loaded: every pack). Contiguous
+    rows at every phase, with statistics at mean 1e3 and with a residual,
+    against the reference."""
     centered = op == "layer_norm"
     itemsize = numpy.dtype(dtype).itemsize
     pack = 16 // itemsize
     short = dtypes.float_type(dtype).short
     spec = norm.plan(op, 64, 12345, short, "auto", Target.live(0), itemsize, bias=centered).spec
-    cols = spec.block_size * spec.packs_per_thread * pack + pack - 1
+    cols = spec.block_size * spec.packs_per_thread * pack + pack - 1 - shorter
     chosen = norm.plan(op, 64, cols, short, "auto", Target.live(0), itemsize, bias=centered).spec
-    assert chosen.full_rows and chosen.peel, chosen.name
+    assert chosen.peel and chosen.packs_per_thread == spec.packs_per_thread, chosen.name
+    unchecked = 0 if shorter and chosen.packed else chosen.packs_per_thread - shorter
+    assert chosen.full_packs == unchecked, chosen.name
     rows = 2 * pack + 3
     w, w64 = _data(rng, (cols,), dtype, 1.0, 0.2)
     b, b64 = _data(rng, (cols,), dtype, 0.0, 0.2)

@@ -186,15 +186,21 @@ def test_auto_peels_rows_off_the_16_byte_grid(op):
         norm.check_block_covers(spec, 12345)
         with pytest.raises(ValueError, match="too few packs"):
             norm.check_block_covers(replace(spec, packs_per_thread=5), 12345)
-    # LayerNorm 16-bit peeled rows take no packed rung below 128 threads
-    # (AUTO_PEELED_PACKED_FROM_BLOCK): 3595 cols 128 x 4 in float, on the grid 64 x 7
-    mid = norm.plan(op, ROWS, 3595, "f16", "auto", H100, align=2).spec
+    # LayerNorm 16-bit peeled rows take a packed rung below 128 threads
+    # (AUTO_PEELED_PACKED_FROM_BLOCK) only where every row fills every pack:
+    # 3595 cols 64 x 7 packs (448, the fewest a row has), 3590 cols (447) 128 x 4
+    # in float; on the grid 64 x 7
+    full = norm.plan(op, ROWS, 3595, "f16", "auto", H100, align=2).spec
+    mid = norm.plan(op, ROWS, 3590, "f16", "auto", H100, align=2).spec
     assert (mid.block_size, mid.packs_per_thread, mid.peel) == (128, 4, True)
     assert mid.packed == (op == "rms_norm")
     on_grid = norm.plan(op, ROWS, 3584, "f16", "auto", H100).spec
     if op == "layer_norm":
+        assert (full.block_size, full.packs_per_thread, full.packed, full.full_packs) == (64, 7, True, 7)
         assert (on_grid.block_size, on_grid.packs_per_thread, on_grid.packed) == (64, 7, True)
-    assert f16.spec.name.endswith("_peel_packed_full_affine" if op == "layer_norm" else "_peel_packed_full_weight")
+    else:
+        assert (full.block_size, full.packs_per_thread, full.packed) == (128, 4, True)
+    assert f16.spec.name.endswith("_peel_packed_full6_affine" if op == "layer_norm" else "_peel_packed_full6_weight")
     short = norm.plan(op, ROWS, 2049, "f16", "auto", H100, align=2).spec
     assert (short.block_size, short.packs_per_thread, short.peel) == (64, 4, True)
     assert short.packed == (op == "rms_norm")    # LayerNorm 2049: 64 x 4 in float
@@ -207,29 +213,38 @@ def test_auto_peels_rows_off_the_16_byte_grid(op):
 
 
 @pytest.mark.parametrize("op", norm.FORWARD_OPS)
-def test_auto_peeled_rows_that_fill_every_pack_skip_the_check(op):
-    """Peeled forward rows whose every phase fills block_size x
-    packs_per_thread packs (the most packs a row holds at its last head,
-    pack_size - 1) compile without a check a pack (full_rows); rows one
-    element shorter, rows with fewer packs (3595 cols, 128 x 4 for 449 or
-    448 packs) and rows on the 16-byte grid keep it. check_block_covers
-    refuses a hand-built full_rows spec whose rows have fewer packs."""
+def test_auto_peeled_rows_leave_full_packs_unchecked(op):
+    """Peeled forward rows leave unchecked (full_packs) the packs of each
+    thread that every row fills at every phase (the fewest packs a row
+    holds, at its last head, pack_size - 1): all of them from block_size x
+    packs_per_thread x pack_size + pack_size - 1 cols, one fewer a col
+    shorter; rows held as loaded only when all are full; rows on the grid
+    check every pack. check_block_covers refuses a hand-built spec that
+    leaves more unchecked than the rows fill."""
     for dtype, align, pack in (("f16", 2, 8), ("bf16", 2, 8), ("f32", 4, 4)):
         spec = norm.plan(op, ROWS, 12345, dtype, "auto", H100, align=align).spec
         fewest = spec.block_size * spec.packs_per_thread * pack + pack - 1
-        assert spec.full_rows and fewest <= 12345, spec.name
+        assert spec.full_packs == spec.packs_per_thread and fewest <= 12345, spec.name
         edge = norm.plan(op, ROWS, fewest, dtype, "auto", H100, align=align).spec
-        assert edge.full_rows and edge.name.count("_full") == 1, edge.name
-        shorter = replace(edge, full_rows=False)
-        assert norm.fills_every_pack(fewest, edge.block_size, pack, edge.packs_per_thread, True)
-        assert not norm.fills_every_pack(fewest - 1, edge.block_size, pack, edge.packs_per_thread, True)
+        assert edge.full_packs == edge.packs_per_thread and edge.name.count("_full") == 1, edge.name
+        assert norm.full_packs_per_thread(fewest, edge.block_size, pack, True) == edge.packs_per_thread
+        assert norm.full_packs_per_thread(fewest - 1, edge.block_size, pack, True) == edge.packs_per_thread - 1
         norm.check_block_covers(edge, fewest)
         with pytest.raises(ValueError, match="unchecked"):
             norm.check_block_covers(edge, fewest - 1)
-        norm.check_block_covers(shorter, fewest - 1)
-    few = norm.plan(op, ROWS, 3595, "f16", "auto", H100, align=2).spec
-    assert (few.block_size, few.packs_per_thread, few.full_rows) == (128, 4, False)
-    assert not norm.plan(op, ROWS, 12288, "f16", "auto", H100, residual=True).spec.full_rows
+        norm.check_block_covers(replace(edge, full_packs=edge.packs_per_thread - 1), fewest - 1)
+        with pytest.raises(ValueError, match="unchecked"):
+            longest = edge.block_size * (edge.packs_per_thread * pack + 1)   # the most cols it covers
+            norm.check_block_covers(replace(edge, full_packs=edge.packs_per_thread + 1), longest)
+    # 3590 cols at 128 x 4: 447 packs at the last head, 3 full a thread
+    few = norm.plan(op, ROWS, 3590, "f16", "auto", H100, align=2).spec
+    assert (few.block_size, few.packs_per_thread) == (128, 4)
+    assert few.full_packs == (0 if few.packed else 3), few.name
+    assert few.name.endswith(("_peel_packed_weight", "_peel_full3_affine")), few.name
+    f32 = norm.plan(op, ROWS, 20001, "f32", "auto", H100, align=4).spec
+    assert (f32.block_size, f32.packs_per_thread, f32.full_packs) == (1024, 5, 4)
+    assert norm.plan(op, ROWS, 12288, "f16", "auto", H100, residual=True).spec.full_packs == 0
+    assert norm.plan(op, ROWS, 10000, "f16", "auto", H100).spec.full_packs == 0
 
 
 @pytest.mark.parametrize("cols, block_size, packs_per_thread, packed", [

@@ -196,10 +196,12 @@ AUTO_PACKED_RUNG_BYTES = {("layer_norm", 2): 112}
 # against 80.5 % as loaded.
 AUTO_PEELED_PACKED_LADDER = {("rms_norm", 2): ((64, 64), (128, 128), (256, 128), (512, 128), (1024, 128))}
 # auto, forward, peeled rows of the other ops: (op, storage itemsize) -> the
-# packed rungs of their ladder from this block size. LayerNorm f16 / bf16
-# 3595 cols (H200): 128 x 4 packs in float 85.5 / 84.4 % of copy against
-# 80.5 / 79.5 at 64 x 7 as loaded (rows on the grid, 3584 cols: 64 x 7 as
-# loaded 96.0 / 95.7).
+# packed rungs of their ladder from this block size, and below it where
+# every row fills every pack (no pack checked). LayerNorm f16 / bf16 (H200,
+# % of copy): 3595 cols 128 x 4 packs in float 85.5 / 84.4 against 80.5 /
+# 79.5 at 64 x 7 as loaded, checked; 2567 cols 64 x 5 as loaded, full,
+# 92.6 / 92.3 against 79.2 / 75.5 at 128 x 3 in float; 3100 cols 64 x 6
+# full 93.5 against 88.2 (f16).
 AUTO_PEELED_PACKED_FROM_BLOCK = {("layer_norm", 2): 128}
 # auto, backward: (block_size, most bytes of each input a thread holds as
 # stored, "cached" (dy and x held in registers as loaded) or "reread" (loaded
@@ -283,7 +285,7 @@ class NormSpec(jit.KernelSpec):
     packed_cache: bool = False       # forward block_smem: cache the storage type
     peel: bool = False               # block_regs: rows start off the 16-byte grid
     packed: bool = False             # forward block_regs: the row held as loaded (storage type)
-    full_rows: bool = False          # forward block_regs: every row fills every thread's packs (none checked)
+    full_packs: int = 0              # forward block_regs: a thread's first packs, which every row fills (unchecked)
     tail_packs: int = 0              # forward block_async: packs a thread holds in registers
     cached: bool = True              # backward block_regs: dy / x kept in registers as loaded
     smem_partials: bool = False      # backward block_regs, fused: dweight / dbias partials in shared memory
@@ -323,7 +325,7 @@ class NormSpec(jit.KernelSpec):
             path = f"_k{self.packs_per_thread}_b{self.block_size}"
             path += "_peel" if self.peel else ""
             path += "_packed" if self.packed else ""
-            path += "_full" if self.full_rows else ""
+            path += f"_full{self.full_packs}" if self.full_packs else ""
             if self.op not in FORWARD_OPS:
                 path += "_cached" if self.cached else "_reread"
                 path += f"_r{self.rows_per_access}" if self.rows_per_access > 1 else ""
@@ -442,26 +444,28 @@ def block_packs_per_thread(cols: int, block_size: int, pack_size: int, elements_
     return _ceil_div(cols // pack_size, block_size)
 
 
-def fills_every_pack(cols: int, block_size: int, pack_size: int, packs_per_thread: int, peel: bool) -> bool:
-    """Whether every row of `cols` has block_size x packs_per_thread packs (a
-    peeled row at any phase: up to pack_size - 1 elements before its first)."""
+def full_packs_per_thread(cols: int, block_size: int, pack_size: int, peel: bool) -> int:
+    """How many packs of each thread of a register block every row of `cols`
+    fills (a peeled row at any phase: up to pack_size - 1 elements before its
+    first pack)."""
     fewest_packs = (cols - (pack_size - 1)) // pack_size if peel else cols // pack_size
-    return fewest_packs >= block_size * packs_per_thread
+    return fewest_packs // block_size
 
 
 @functools.lru_cache(maxsize=4096)
 def check_block_covers(spec: NormSpec, cols: int) -> None:
     """Refuses a register block plan whose threads would not reach every
-    column of a row, or that leaves its packs unchecked (full_rows) where a
-    row has fewer (a hand-built spec; the planner's never do)."""
+    column of a row, or that leaves packs unchecked (full_packs) which a row
+    may not fill (a hand-built spec; the planner's never do)."""
     if spec.impl != "block_regs":
         return
     if spec.packs_per_thread < block_packs_per_thread(cols, spec.block_size, spec.pack_size,
                                                       spec.elements_past_packs):
         raise ValueError(f"{spec.name} holds too few packs a thread for rows of {cols} columns")
-    if spec.full_rows and not fills_every_pack(cols, spec.block_size, spec.pack_size, spec.packs_per_thread,
-                                               spec.peel):
-        raise ValueError(f"{spec.name} leaves its packs unchecked, but rows of {cols} columns have fewer")
+    if spec.full_packs > min(spec.packs_per_thread,
+                             full_packs_per_thread(cols, spec.block_size, spec.pack_size, spec.peel)):
+        raise ValueError(f"{spec.name} leaves {spec.full_packs} packs a thread unchecked, "
+                         f"but rows of {cols} columns fill fewer")
 
 
 def oneflow_warp_ladder(cols: int, rows: int, pack_size: int):
@@ -610,17 +614,27 @@ def _auto_registers(fields, rows, cols, align, target, direction, block_ladder, 
         packs_per_thread = block_packs_per_thread(cols, block_size, regs_pack, peel)
         held_itemsize = ftype.itemsize if extra.get("packed") else compute_itemsize
         if packs_per_thread * regs_pack * held_itemsize <= max_bytes:
-            # Peeled forward rows filling every pack at every phase skip the
-            # check a pack (H200, % of copy, against checked: LayerNorm f16 /
-            # bf16 12345 cols 95.8 / 96.0 against 90.1 / 89.3, 7193 95.5 /
-            # 95.6 against 90.4 / 88.3, 14389 95.3 / 95.7 against 92.8 / 89.8,
-            # 24669 89.6 / 90.8 against 86.2 / 85.0; float32 and RMSNorm
-            # within 1 point). Rows on the grid keep it (LayerNorm 16-bit
-            # 8192 / 12288 cols lost 1 point).
-            full_rows = direction == "forward" and peel and fills_every_pack(cols, block_size, regs_pack,
-                                                                              packs_per_thread, True)
+            # Peeled forward rows leave unchecked the packs every row fills at
+            # every phase (H200, % of copy, against every pack checked:
+            # LayerNorm f16 / bf16 12345 cols 256 x 6 packs as loaded, all
+            # full, 95.8 / 96.0 against 90.1 / 89.3; 3595 cols 128 x 4 in
+            # float, 3 full, 90.6 / 89.5 against 86.1 / 84.9; 16385 cols 512
+            # x 4, 3 full, 91.4 / 90.8 against 87.8 / 87.8; float32 20001
+            # cols 1024 x 5, 4 full, 85.0 against 83.7). Rows held as loaded
+            # keep every check unless all their packs are full: ptxas then
+            # issues the checked pack's load after math on the others
+            # (RMSNorm f16 3595 cols 128 x 4, 3 full, 88.3 against 95.7;
+            # LayerNorm f16 20001 cols 512 x 5, 4 full, 74.4 against 83.4).
+            # Rows on the grid keep every check (LayerNorm 16-bit 8192 /
+            # 12288 cols lost 1 point without; 5000 / 10000 cols at 4 full
+            # 89.3 / 84.0 against 97.4 / 96.4).
+            full_packs = 0
+            if direction == "forward" and peel:
+                full_packs = min(packs_per_thread, full_packs_per_thread(cols, block_size, regs_pack, True))
+                if extra.get("packed") and full_packs < packs_per_thread:
+                    full_packs = 0
             spec = NormSpec(impl="block_regs", pack_size=regs_pack, block_size=block_size,
-                            packs_per_thread=packs_per_thread, peel=peel, full_rows=full_rows, **extra, **fields)
+                            packs_per_thread=packs_per_thread, peel=peel, full_packs=full_packs, **extra, **fields)
             if not (spill_checked and _uses_local_memory(spec, target)):
                 return _block_launch(spec, rows, 0, target, "auto", False), pack
     return None, pack
@@ -677,9 +691,13 @@ def _auto_forward(spec_fields, rows, cols, align, same_phase, target) -> KernelL
     peeled_ladder = [(block_size, max_bytes, {"packed": True}, True)
                      for block_size, max_bytes in AUTO_PEELED_PACKED_LADDER.get((spec_fields["op"], itemsize), ())]
     packed_from = AUTO_PEELED_PACKED_FROM_BLOCK.get((spec_fields["op"], itemsize), 0)
-    peeled_ladder = peeled_ladder or [(block_size, max_bytes, extra, spill_checked)
-                                      for block_size, max_bytes, extra, spill_checked in block_ladder
-                                      if block_size >= packed_from or not extra.get("packed")]
+    peeled_pack = async_row.PACK_BYTES // itemsize
+    peeled_ladder = peeled_ladder or [
+        (block_size, max_bytes, extra, spill_checked)
+        for block_size, max_bytes, extra, spill_checked in block_ladder
+        if block_size >= packed_from or not extra.get("packed")
+        or full_packs_per_thread(cols, block_size, peeled_pack, True) >= block_packs_per_thread(
+            cols, block_size, peeled_pack, True)]
     launch, pack = _auto_registers(spec_fields, rows, cols, align, target, "forward", block_ladder,
                                    peel_allowed=same_phase, peeled_ladder=peeled_ladder)
     if launch is not None:
