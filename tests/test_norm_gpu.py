@@ -374,7 +374,7 @@ def test_peeled_rows_with_unchecked_packs(rng, op, dtype, shorter):
     them, the others up to pack_size - 1 single elements; one col shorter
     the last pack is checked (rows held as loaded: every pack). Contiguous
     rows at every phase, with statistics at mean 1e3 and with a residual,
-    against the reference."""
+    against the reference (_check_peeled_forward)."""
     centered = op == "layer_norm"
     itemsize = numpy.dtype(dtype).itemsize
     pack = 16 // itemsize
@@ -385,7 +385,26 @@ def test_peeled_rows_with_unchecked_packs(rng, op, dtype, shorter):
     assert chosen.peel and chosen.packs_per_thread == spec.packs_per_thread, chosen.name
     unchecked = 0 if shorter and chosen.packed else chosen.packs_per_thread - shorter
     assert chosen.full_packs == unchecked, chosen.name
-    rows = 2 * pack + 3
+    _check_peeled_forward(rng, op, dtype, cols)
+
+
+@pytest.mark.parametrize("dtype", ["float16", BFLOAT16], ids=str)
+@pytest.mark.parametrize("cols", [3891, 16385, 20001])
+def test_peeled_rows_at_fitted_block_sizes(rng, dtype, cols):
+    """LayerNorm 16-bit peeled rows at block sizes fitted to the row (96, 288
+    and 416 threads: a block reduction over 3, 9 and 13 warps), every pack
+    full; rows at every phase, statistics at mean 1e3, with a residual."""
+    spec = norm.plan("layer_norm", 64, cols, dtypes.float_type(dtype).short, "auto", Target.live(0), 2).spec
+    assert spec.peel and spec.full_packs == spec.packs_per_thread, spec.name
+    assert spec.block_size == {3891: 96, 16385: 288, 20001: 416}[cols], spec.name
+    _check_peeled_forward(rng, "layer_norm", dtype, cols)
+
+
+def _check_peeled_forward(rng, op, dtype, cols):
+    """Contiguous rows of `cols` at every phase, statistics at mean 1e3, and
+    with a residual, against the reference."""
+    centered = op == "layer_norm"
+    rows = 2 * (16 // numpy.dtype(dtype).itemsize) + 3
     w, w64 = _data(rng, (cols,), dtype, 1.0, 0.2)
     b, b64 = _data(rng, (cols,), dtype, 0.0, 0.2)
     affine = dict(weight=w, bias=b) if centered else dict(weight=w)

@@ -212,6 +212,31 @@ def test_auto_peels_rows_off_the_16_byte_grid(op):
     assert not norm.plan(op, ROWS, 12345, "f16", "oneflow", H100, align=2).spec.peel
 
 
+def test_auto_fits_block_sizes_to_peeled_layer_norm_16_bit_rows():
+    """LayerNorm 16-bit peeled rows take AUTO_PEELED_FULL_PACKS' packs a
+    thread as loaded (6, then 7, then 5) at the fewest whole warps, from 64
+    (fitted_block_size), that hold the row with one element a thread past the
+    packs, where every row fills them all; elsewhere the ladder. RMSNorm and
+    float32 keep their ladders. Blocks not a power of two are compiled for
+    as many resident threads as the others (min_blocks_per_sm rounds up)."""
+    cases = {16385: (288, 7), 20001: (416, 6), 3891: (96, 5), 2567: (64, 5), 12345: (256, 6), 32767: (576, 7)}
+    for cols, (block_size, packs) in cases.items():
+        for dtype in ("f16", "bf16"):
+            spec = norm.plan("layer_norm", ROWS, cols, dtype, "auto", H100, align=2).spec
+            assert (spec.block_size, spec.packs_per_thread, spec.packed, spec.full_packs) == (
+                block_size, packs, True, packs), spec.name
+            assert spec.name.endswith(f"_k{packs}_b{block_size}_peel_packed_full{packs}_affine"), spec.name
+            assert spec.min_blocks_per_sm * block_size >= norm.MIN_RESIDENT_THREADS["forward"]
+            assert (spec.min_blocks_per_sm - 1) * block_size < norm.MIN_RESIDENT_THREADS["forward"]
+    assert norm.fitted_block_size(16385, 8, 7) == 288 and norm.fitted_block_size(100, 8, 7) == 64
+    # 16385 cols at 6 packs: 352 threads would hold 2112 packs, more than the 2047 of a row at its last head
+    assert norm.full_packs_per_thread(16385, norm.fitted_block_size(16385, 8, 6), 8, True) == 5
+    # no fitted block fills every pack: the ladder
+    assert norm.plan("layer_norm", ROWS, 5001, "f16", "auto", H100, align=2).spec.block_size == 128
+    assert norm.plan("rms_norm", ROWS, 16385, "f16", "auto", H100, align=2).spec.block_size == 256
+    assert norm.plan("layer_norm", ROWS, 16385, "f32", "auto", H100, align=4).spec.block_size == 512
+
+
 @pytest.mark.parametrize("op", norm.FORWARD_OPS)
 def test_auto_peeled_rows_leave_full_packs_unchecked(op):
     """Peeled forward rows leave unchecked (full_packs) the packs of each

@@ -74,6 +74,7 @@ from typing import Optional
 import numpy
 
 from .. import arrays, async_row, dtypes, jit, rowwise
+from ..device import WARP_SIZE
 from ..launch import (BLOCK_SIZE_LADDER, MAX_GRID_X, KernelLaunch, Target, choose_block_size, get_num_blocks,
                       live_function)
 from .softmax import vector_pack_size
@@ -196,13 +197,24 @@ AUTO_PACKED_RUNG_BYTES = {("layer_norm", 2): 112}
 # against 80.5 % as loaded.
 AUTO_PEELED_PACKED_LADDER = {("rms_norm", 2): ((64, 64), (128, 128), (256, 128), (512, 128), (1024, 128))}
 # auto, forward, peeled rows of the other ops: (op, storage itemsize) -> the
-# packed rungs of their ladder from this block size, and below it where
-# every row fills every pack (no pack checked). LayerNorm f16 / bf16 (H200,
-# % of copy): 3595 cols 128 x 4 packs in float 85.5 / 84.4 against 80.5 /
-# 79.5 at 64 x 7 as loaded, checked; 2567 cols 64 x 5 as loaded, full,
-# 92.6 / 92.3 against 79.2 / 75.5 at 128 x 3 in float; 3100 cols 64 x 6
-# full 93.5 against 88.2 (f16).
+# packed rungs of their ladder from this block size. LayerNorm f16 / bf16
+# 3595 cols (H200): 128 x 4 packs in float 85.5 / 84.4 % of copy against
+# 80.5 / 79.5 at 64 x 7 as loaded, every pack checked (64 x 7 with no pack
+# checked comes first: AUTO_PEELED_FULL_PACKS).
 AUTO_PEELED_PACKED_FROM_BLOCK = {("layer_norm", 2): 128}
+# auto, forward, peeled rows: (op, storage itemsize) -> packs a thread holds
+# as loaded, tried in order before the ladder, each at the fewest whole warps
+# (at least AUTO_PEELED_FULL_MIN_BLOCK) that hold a row with one element a
+# thread past the packs (fitted_block_size: not only powers of two), taken
+# where every row fills every pack (none checked).
+# LayerNorm f16 / bf16 (H200, % of copy): 16385 cols 288 x 7 95.2 / 95.0
+# against 90.6 / 90.8 at 512 x 4 in float (3 packs full); 20001 cols 416 x 6
+# 94.6 / 94.0 (352 x 7: 94.1 / 92.7) against 83.4 / 81.9 at 512 x 5, checked;
+# 32767 cols 576 x 7 90.7 / 90.3 against 78.0 / 77.9 at 1024 x 4 in float;
+# 2567 cols 64 x 5 92.6 / 92.0 against 79.2 / 75.5 at 128 x 3 in float;
+# 3595 cols 64 x 7 90.5 / 90.3 against 90.6 / 89.5 at 128 x 4 in float.
+AUTO_PEELED_FULL_PACKS = {("layer_norm", 2): (6, 7, 5)}
+AUTO_PEELED_FULL_MIN_BLOCK = 64
 # auto, backward: (block_size, most bytes of each input a thread holds as
 # stored, "cached" (dy and x held in registers as loaded) or "reread" (loaded
 # again for the second pass), where the dweight / dbias partial sums live,
@@ -367,7 +379,7 @@ class NormSpec(jit.KernelSpec):
         ptxas neither spills to reach full occupancy nor spends registers past it."""
         kind = ("forward" if self.op in FORWARD_OPS
                 else "backward_smem_partials" if self.smem_partials else "backward")
-        return max(1, MIN_RESIDENT_THREADS[kind] // self.threads_per_block)
+        return _ceil_div(MIN_RESIDENT_THREADS[kind], self.threads_per_block)
 
     def explain_extra(self) -> dict:
         return {"min_cols_per_thread": self.min_cols_per_thread}
@@ -442,6 +454,15 @@ def block_packs_per_thread(cols: int, block_size: int, pack_size: int, elements_
     if elements_past_packs:
         return max(1, _ceil_div(cols - block_size, block_size * pack_size))
     return _ceil_div(cols // pack_size, block_size)
+
+
+def fitted_block_size(cols: int, pack_size: int, packs_per_thread: int) -> int:
+    """The fewest threads, in whole warps and at least
+    AUTO_PEELED_FULL_MIN_BLOCK, that hold a peeled row of `cols` at
+    packs_per_thread packs a thread and one single element each past the
+    packs (block_packs_per_thread)."""
+    per_warp = WARP_SIZE * (packs_per_thread * pack_size + 1)
+    return max(AUTO_PEELED_FULL_MIN_BLOCK, WARP_SIZE * _ceil_div(cols, per_warp))
 
 
 def full_packs_per_thread(cols: int, block_size: int, pack_size: int, peel: bool) -> int:
@@ -691,15 +712,18 @@ def _auto_forward(spec_fields, rows, cols, align, same_phase, target) -> KernelL
     peeled_ladder = [(block_size, max_bytes, {"packed": True}, True)
                      for block_size, max_bytes in AUTO_PEELED_PACKED_LADDER.get((spec_fields["op"], itemsize), ())]
     packed_from = AUTO_PEELED_PACKED_FROM_BLOCK.get((spec_fields["op"], itemsize), 0)
+    peeled_ladder = peeled_ladder or [(block_size, max_bytes, extra, spill_checked)
+                                      for block_size, max_bytes, extra, spill_checked in block_ladder
+                                      if block_size >= packed_from or not extra.get("packed")]
     peeled_pack = async_row.PACK_BYTES // itemsize
-    peeled_ladder = peeled_ladder or [
-        (block_size, max_bytes, extra, spill_checked)
-        for block_size, max_bytes, extra, spill_checked in block_ladder
-        if block_size >= packed_from or not extra.get("packed")
-        or full_packs_per_thread(cols, block_size, peeled_pack, True) >= block_packs_per_thread(
-            cols, block_size, peeled_pack, True)]
+    full_rungs = []
+    for packs in AUTO_PEELED_FULL_PACKS.get((spec_fields["op"], itemsize), ()):
+        block_size = fitted_block_size(cols, peeled_pack, packs)
+        if block_size <= max(BLOCK_SIZE_LADDER) and full_packs_per_thread(
+                cols, block_size, peeled_pack, True) >= packs:
+            full_rungs.append((block_size, packs * async_row.PACK_BYTES, {"packed": True}, True))
     launch, pack = _auto_registers(spec_fields, rows, cols, align, target, "forward", block_ladder,
-                                   peel_allowed=same_phase, peeled_ladder=peeled_ladder)
+                                   peel_allowed=same_phase, peeled_ladder=full_rungs + peeled_ladder)
     if launch is not None:
         return launch
     if aligned:
