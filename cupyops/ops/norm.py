@@ -375,8 +375,9 @@ class NormSpec(jit.KernelSpec):
 
     @property
     def min_blocks_per_sm(self) -> int:
-        """__launch_bounds__' second argument (MIN_RESIDENT_THREADS per SM), so
-        ptxas neither spills to reach full occupancy nor spends registers past it."""
+        """__launch_bounds__' second argument (MIN_RESIDENT_THREADS per SM, in
+        whole blocks), so ptxas neither spills to reach full occupancy nor
+        spends registers past it."""
         kind = ("forward" if self.op in FORWARD_OPS
                 else "backward_smem_partials" if self.smem_partials else "backward")
         return _ceil_div(MIN_RESIDENT_THREADS[kind], self.threads_per_block)
