@@ -42,9 +42,10 @@ rows per access (odd row counts included, the last row guarded) and lanes
 holding up to 128 bytes (backward: 64); then the register block path (forward:
 rows that allow no 16-byte pack, e.g. odd cols, peel their edges and read
 16-byte packs when every row operand has the same phase, weight and bias
-realigned in registers, with no check a pack where every row fills the
-block's packs; 16-bit LayerNorm rows may be held as loaded,
-AUTO_PACKED_RUNG_BYTES, and peeled 16-bit RMSNorm rows are,
+realigned in registers, a thread's packs that every row fills unchecked
+(full_packs); 16-bit LayerNorm rows may be held as loaded,
+AUTO_PACKED_RUNG_BYTES, peeled ones first at block sizes fitted to the row,
+AUTO_PEELED_FULL_PACKS, and peeled 16-bit RMSNorm rows are held as loaded,
 AUTO_PEELED_PACKED_LADDER); then rows of 16-byte packs cached by cp.async
 (AUTO_ASYNC_LADDER); then shared memory beyond 48 KB caching the storage
 type; then uncached. Forward rows of 16-byte packs from AUTO_ASYNC_FIRST's
@@ -689,6 +690,19 @@ def _async_launch(spec_fields, rows, cols, pack_size, target, rungs, whole_rows)
     return None
 
 
+def _peeled_full_rungs(op: str, itemsize: int, cols: int) -> list:
+    """Register ladder rungs (as _auto_registers takes them) of
+    AUTO_PEELED_FULL_PACKS for peeled rows of `cols`: each packs count held
+    as loaded at its fitted block size, where every row fills every pack."""
+    pack_size = async_row.PACK_BYTES // itemsize
+    rungs = []
+    for packs in AUTO_PEELED_FULL_PACKS.get((op, itemsize), ()):
+        block_size = fitted_block_size(cols, pack_size, packs)
+        if block_size <= max(BLOCK_SIZE_LADDER) and full_packs_per_thread(cols, block_size, pack_size, True) >= packs:
+            rungs.append((block_size, packs * async_row.PACK_BYTES, {"packed": True}, True))
+    return rungs
+
+
 def _auto_forward(spec_fields, rows, cols, align, same_phase, target) -> KernelLaunch:
     itemsize = dtypes.BY_SHORT[spec_fields["dtype"]].itemsize
     pack = vector_pack_size(cols, itemsize, align)
@@ -716,13 +730,7 @@ def _auto_forward(spec_fields, rows, cols, align, same_phase, target) -> KernelL
     peeled_ladder = peeled_ladder or [(block_size, max_bytes, extra, spill_checked)
                                       for block_size, max_bytes, extra, spill_checked in block_ladder
                                       if block_size >= packed_from or not extra.get("packed")]
-    peeled_pack = async_row.PACK_BYTES // itemsize
-    full_rungs = []
-    for packs in AUTO_PEELED_FULL_PACKS.get((spec_fields["op"], itemsize), ()):
-        block_size = fitted_block_size(cols, peeled_pack, packs)
-        if block_size <= max(BLOCK_SIZE_LADDER) and full_packs_per_thread(
-                cols, block_size, peeled_pack, True) >= packs:
-            full_rungs.append((block_size, packs * async_row.PACK_BYTES, {"packed": True}, True))
+    full_rungs = _peeled_full_rungs(spec_fields["op"], itemsize, cols)
     launch, pack = _auto_registers(spec_fields, rows, cols, align, target, "forward", block_ladder,
                                    peel_allowed=same_phase, peeled_ladder=full_rungs + peeled_ladder)
     if launch is not None:
