@@ -394,7 +394,7 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
     }
   }
   // No block leaves while another of its cluster may still read its published partials.
-  if constexpr (cluster_size > 1) cluster_sync();
+  if constexpr (cluster_size > 1) cluster_sync_before_exit();
 }
 
 // ---------------------------------------------------------------------------

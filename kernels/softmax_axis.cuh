@@ -345,7 +345,7 @@ __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_in
     }
   }
   // No block leaves while another of its cluster may still read its published totals.
-  if constexpr (cluster_size > 1) cluster_sync();
+  if constexpr (cluster_size > 1) cluster_sync_before_exit();
 }
 
 }  // namespace cupyops
