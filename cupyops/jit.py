@@ -140,8 +140,8 @@ def _ptxas_number(log: str, key: str) -> int:
     return int(match.group(1)) if match else 0
 
 
-def _compile_with_log(spec: KernelSpec, arch: str, source: str, options: list) -> tuple:
-    """NVRTC-compiles `source`: (ptxas log of the entry function, cubin)."""
+def _nvrtc(spec: KernelSpec, arch: str, source: str, options: list, fetch):
+    """NVRTC-compiles `source`: fetch(nvrtc, program) of the compiled program."""
     from cupy_backends.cuda.libs import nvrtc
 
     program = nvrtc.createProgram(source, f"{spec.name}.cu", [], [])
@@ -150,15 +150,28 @@ def _compile_with_log(spec: KernelSpec, arch: str, source: str, options: list) -
             nvrtc.compileProgram(program, options)
         except nvrtc.NVRTCError as error:
             raise CompileError(f"{spec.name} ({arch}): {error}\n{nvrtc.getProgramLog(program)}") from None
-        return _entry_log(nvrtc.getProgramLog(program), spec.name), nvrtc.getCUBIN(program)
+        return fetch(nvrtc, program)
     finally:
         nvrtc.destroyProgram(program)
+
+
+def _compile_with_log(spec: KernelSpec, arch: str, source: str, options: list) -> tuple:
+    """NVRTC-compiles `source`: (ptxas log of the entry function, cubin)."""
+    return _nvrtc(spec, arch, source, options, lambda nvrtc, program: (
+        _entry_log(nvrtc.getProgramLog(program), spec.name), nvrtc.getCUBIN(program)))
 
 
 def _entry_log(log: str, name: str) -> str:
     """The part of a ptxas log about the entry function `name` (not its callees)."""
     start = log.find(f"Function properties for {name}\n")
     return log if start < 0 else log[start:]
+
+
+def compile_ptx(spec: KernelSpec, arch: str) -> str:
+    """The PTX NVRTC emits for `spec` on `arch` (e.g. "sm_90"): no GPU needed."""
+    options = [f"--gpu-architecture={arch.replace('sm_', 'compute_')}", *compile_options(), *CUPY_ADDED_OPTIONS]
+    ptx = _nvrtc(spec, arch, render(spec), options, lambda nvrtc, program: nvrtc.getPTX(program))
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,17 +21,17 @@ from cupyops.ops import softmax_axis, softmax_split
 # cols 255 single elements past its packs in every row, no pack checked
 # against the row (full_packs), at 3590 cols LayerNorm 16-bit's last pack a
 # thread checked and RMSNorm 16-bit's every pack, at 20001 cols LayerNorm
-# 16-bit's blocks of 416 threads (13 warps); more rows
-# than a resident grid: the norm backward's blocks walking rows at their
-# phase, its block reduction alternating halves of its partials with one
-# barrier a row, its partial sums and weight copy in shared memory, 127 single elements
-# past its packs; at 12543 cols LayerNorm's weight read from its phase
-# copies; 16-bit rows of 1023 cols two at a time, the last pair of some
-# blocks one row short), registers, cp.async (the norms' 16-bit rows of
-# 32768 cols whole in a register tail, 65536 cols a tail and shared memory,
-# also with a residual), shared memory, uncached, split rows
-ROW_SHAPES = [(6, 100), (2500, 4223), (40, 12543), (40, 3590), (40, 20001), (2999, 1023), (4, 4096), (600, 2048), (3, 32768),
-              (3, 65536), (3, 40001), (2, 300000), (2, 1 << 19)]
+# 16-bit's blocks of 416 threads (13 warps); more rows than a resident grid:
+# the norm backward's blocks walking rows at their phase, its block reduction
+# alternating halves of its partials with one barrier a row, its partial sums
+# and weight copy in shared memory, 127 single elements past its packs; at
+# 12543 cols LayerNorm's weight read from its phase copies; 16-bit rows of
+# 1023 cols two at a time, the last pair of some blocks one row short),
+# registers, cp.async (the norms' 16-bit rows of 32768 cols whole in a
+# register tail, 65536 cols a tail and shared memory, also with a residual),
+# shared memory, uncached, split rows
+ROW_SHAPES = [(6, 100), (2500, 4223), (40, 12543), (40, 3590), (40, 20001), (2999, 1023), (4, 4096), (600, 2048),
+              (3, 32768), (3, 65536), (3, 40001), (2, 300000), (2, 1 << 19)]
 DTYPES = (cupy.float16, cupy.float32)
 
 

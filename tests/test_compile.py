@@ -7,6 +7,7 @@ import pytest
 from cupyops import device, jit
 from cupyops.device import PROFILES, max_active_blocks
 from cupyops.launch import Target
+from cupyops.ops import softmax_axis
 from cupyops.ops.softmax import OPS, SoftmaxSpec, plan
 
 ROWS = 49152
@@ -157,34 +158,19 @@ def test_profile_target_occupancy_uses_the_compiled_kernel():
     assert target.resources(spec)["registers"] == report.registers
 
 
-def _ptx(spec, arch: str = "sm_90") -> str:
-    from cupy_backends.cuda.libs import nvrtc
-
-    program = nvrtc.createProgram(jit.render(spec), f"{spec.name}.cu", [], [])
-    try:
-        nvrtc.compileProgram(program, [f"--gpu-architecture={arch.replace('sm_', 'compute_')}",
-                                       *jit.compile_options(), *jit.CUPY_ADDED_OPTIONS])
-        ptx = nvrtc.getPTX(program)
-    finally:
-        nvrtc.destroyProgram(program)
-    return ptx.decode() if isinstance(ptx, bytes) else ptx
-
-
 @pytest.mark.parametrize("family", ["rows", "axis"])
 def test_cluster_kernels_release_in_the_loop_and_exit_relaxed(family):
     """A cluster's blocks combine their partials through a release / acquire
     barrier (a relaxed one lets a block read another's partials before they
     are visible), and leave through a relaxed one: its release would hold
     every block until its stores reach memory (kernels/cluster.cuh)."""
-    from cupyops.ops import softmax_axis
-
     target = Target.profile("h100")
     if family == "rows":
         spec = plan("softmax", ROWS, 262144, "f16", "auto", target).spec
     else:
         spec = softmax_axis.plan("softmax_backward", 64, 4096, 256, "f16", target).spec
     assert spec.cluster_size > 1, spec.name
-    ptx = _ptx(spec)
+    ptx = jit.compile_ptx(spec, "sm_90")
     assert "barrier.cluster.arrive.release" in ptx
     assert "barrier.cluster.arrive.relaxed" in ptx
     assert ptx.count("barrier.cluster.arrive") == ptx.count("barrier.cluster.wait") >= 2
