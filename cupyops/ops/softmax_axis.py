@@ -23,7 +23,7 @@ Planner rule (tables below, tuned on an H200 with scripts/tune_axis.py):
    blocks; a block caches its share, cols / S rows of a pack of every input
    (x forward, dy and y backward). The first of these whose share fits wins
    (H200, (64, 4096, 256) float16 forward: 128-byte tiles in clusters of 8,
-   67 % of copy (72 % since the clusters exit through a relaxed barrier,
+   67 % of copy (77 % since the cluster barriers order shared memory only,
    kernels/cluster.cuh); 32-byte tiles in clusters of 2, 56 %; one block, 47 %):
    a. R in AXIS_TILE_ROW_BYTES (widest first; whole lines of a row read DRAM
       best), a block alone, within the alone limit: AXIS_ALONE_MAX_BYTES, or
