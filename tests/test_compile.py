@@ -3,6 +3,7 @@ occupancy calculator against numbers worked by hand (SPEC §3.6, §4, §10)."""
 from __future__ import annotations
 
 import pytest
+from cupy.cuda import nvrtc
 
 from cupyops import device, jit
 from cupyops.device import PROFILES, max_active_blocks
@@ -165,8 +166,6 @@ def test_cluster_kernels_fence_shared_memory_in_the_loop_and_exit_relaxed(family
     block read another's partials before they land; the barrier's own release
     waits for every global store), and leave through a relaxed barrier
     (kernels/cluster.cuh). NVRTC before 12.8 keeps the barrier's release."""
-    from cupy.cuda import nvrtc
-
     target = Target.profile("h100")
     if family == "rows":
         spec = plan("softmax", ROWS, 262144, "f16", "auto", target).spec
