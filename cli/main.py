@@ -66,10 +66,19 @@ def explain(op, shape, axis, dtype, policy, device_name, as_json, source):
     if not -len(dims) <= axis < len(dims):
         raise click.BadParameter(f"axis {axis} is out of range for {len(dims)} dimensions",
                                  param_hint="--axis")
+    axis %= len(dims)
     cols = dims[axis]
     rows = math.prod(dims) // cols
     target = _target(device_name)
-    plan = OPS[op].plan(rows, cols, dtypes.NAMES[dtype], policy, target)
+    entry, dtype_short = OPS[op], dtypes.NAMES[dtype]
+    last = axis == len(dims) - 1
+    if not last and entry.axis_plan is None:
+        raise click.BadParameter(f"{op} normalises the last axis; axis {axis} of {len(dims)} is not "
+                                 "the last", param_hint="--axis")
+    plan = None if last else entry.axis_plan(math.prod(dims[:axis]), cols, math.prod(dims[axis + 1:]),
+                                             dtype_short, policy, target)
+    copied = plan is None and not last
+    plan = plan or entry.plan(rows, cols, dtype_short, policy, target)
     info = plan.explain()
     if as_json:
         if source:
@@ -78,8 +87,9 @@ def explain(op, shape, axis, dtype, policy, device_name, as_json, source):
         return
     click.echo(f"{op} over axis {axis} of {tuple(dims)} {dtype} on {target.facts.name}: "
                f"rows={rows} cols={cols} policy={policy}")
-    if axis % len(dims) != len(dims) - 1:
-        click.echo("  (the reduced axis is not last: the input is first copied to rows)")
+    if copied:
+        click.echo("  (the reduced axis is not last and the axis kernel does not apply: the input "
+                   "is first copied to rows)")
     for key, value in info.items():
         click.echo(f"  {key:<20} {value}")
     if source:

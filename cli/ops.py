@@ -3,10 +3,10 @@ moves, and the providers a benchmark compares."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from cupyops.ops import softmax as softmax_ops
-from cupyops.ops import softmax_split
+from cupyops.ops import softmax_axis, softmax_split
 
 
 @dataclass(frozen=True)
@@ -14,6 +14,10 @@ class OpEntry:
     plan: Callable          # (rows, cols, dtype_short, policy, target) -> plan with .spec, .explain()
     arrays_moved: int       # rows * cols arrays read or written once (softmax forward: x and y)
     providers: Callable     # (rows, cols, numpy dtype) -> {name: callable}
+    # (outer, cols, inner, dtype_short, policy, target) -> the plan reducing the middle axis of
+    # (outer, cols, inner) in place, or None where the op copies it to rows first; None for
+    # ops that reduce only the last axes
+    axis_plan: Optional[Callable] = None
 
 
 def _softmax_providers(op: str):
@@ -80,12 +84,19 @@ def _softmax_plan(op, rows, cols, dtype, policy, target):
     return split or softmax_ops.plan(op, rows, cols, dtype, policy, target)
 
 
+def _softmax_axis_plan(op, outer, cols, inner, dtype, policy, target):
+    """auto reduces a non-last axis in place where the axis kernel applies (fresh, aligned arrays)."""
+    return softmax_axis.plan(op, outer, cols, inner, dtype, target) if policy == "auto" else None
+
+
 def _softmax_entry(op: str) -> OpEntry:
     backward = op.endswith("_backward")
     return OpEntry(
         plan=lambda rows, cols, dtype, policy, target: _softmax_plan(op, rows, cols, dtype, policy, target),
         arrays_moved=3 if backward else 2,
         providers=_softmax_backward_providers(op) if backward else _softmax_providers(op),
+        axis_plan=lambda outer, cols, inner, dtype, policy, target:
+            _softmax_axis_plan(op, outer, cols, inner, dtype, policy, target),
     )
 
 

@@ -10,6 +10,7 @@ from conftest import GPU
 
 from cupyops.cli.main import main
 from cupyops.launch import Target
+from cupyops.ops import softmax_axis
 from cupyops.ops.softmax import plan
 
 EXPLAIN_KEYS = {"op", "impl", "pack_size", "cols_per_thread", "thread_group_width",
@@ -47,6 +48,29 @@ def test_explain_rows_are_the_other_axes():
     info = explain_json("softmax", "--shape", "8,1000,6", "--axis", "1", "--device", "a100",
                         "--dtype", "float32")
     assert info == plan("softmax", 48, 1000, "f32", "auto", Target.profile("a100")).explain()
+    assert softmax_axis.plan("softmax", 8, 1000, 6, "f32", Target.profile("a100")) is None
+
+
+@pytest.mark.parametrize("op", ["softmax", "softmax_backward"])
+def test_explain_non_last_axis_is_the_axis_kernel(op):
+    # (64, 4096, 256) over axis 1: auto reduces it in place; oneflow copies it to 16384 rows
+    shape = ("--shape", "64,4096,256", "--axis", "1", "--device", "h200")
+    info = explain_json(op, *shape)
+    assert info == softmax_axis.plan(op, 64, 4096, 256, "f16", Target.profile("h200")).explain()
+    assert info["impl"] == "axis" and (info["outer"], info["cols"], info["inner"]) == (64, 4096, 256)
+    text = run("explain", op, *shape).output
+    assert info["kernel"] in text and "copied" not in text
+    text = run("explain", op, *shape, "--policy", "oneflow").output
+    assert plan(op, 16384, 4096, "f16", "oneflow", Target.profile("h200")).spec.name in text
+    assert "first copied to rows" in text
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm_backward"])
+def test_explain_norm_takes_only_the_last_axis(op):
+    result = run("explain", op, "--shape", "8,1000,64", "--axis", "1", "--device", "h100")
+    assert result.exit_code == 2 and "not the last" in result.output, result.output
+    assert explain_json(op, "--shape", "8,1000,64", "--axis", "2", "--device", "h100") == \
+        explain_json(op, "--shape", "8000,64", "--device", "h100")
 
 
 def test_explain_oneflow_warp_limit():
