@@ -307,4 +307,11 @@ template <> __device__ __forceinline__ double quiet_nan<double>() { return __lon
 __device__ __forceinline__ float exp_(float x) { return __expf(x); }
 __device__ __forceinline__ double exp_(double x) { return exp(x); }
 
+// 2^t by the special-function unit (MUFU.EX2, as __expf uses it: ~2 ulp).
+__device__ __forceinline__ float exp2_(float t) {
+  float result;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(result) : "f"(t));
+  return result;
+}
+
 }  // namespace cupyops

@@ -18,41 +18,76 @@ namespace cupyops {
 
 enum class Algorithm { kSoftmax, kLogSoftmax };
 
+// exp(x - m) for a row maximum m, in the form that every term, rescale and
+// output of one row must share. A form has shift(m), a value computed once a
+// row; term(x, shift), exp(x - m) from it; between(shift_a, shift_b),
+// exp(a - b) for the maxima a and b.
+//   NaturalExp: shift(m) = m, term = __expf(x - m): FADD, FMUL, MUFU.EX2.
+//   Base2Exp (float): shift(m) = m * log2(e) rounded once (__fmul_rn: never
+//     contracted into a neighbouring FMA, so every term and rescale sees the
+//     same bits), term = 2^(x * log2(e) - shift): FFMA, MUFU.EX2. Every term
+//     then carries the same factor 2^(m * log2(e) - shift(m)), which the
+//     division by the sum cancels: softmax only (log_softmax subtracts the
+//     natural sum's log). shift overflows for |m| > 2.3e38: for float16 input.
+//     NaN and +-inf give what the natural form gives.
+template <typename T>
+struct NaturalExp {
+  static constexpr bool natural = true;
+  static __device__ __forceinline__ T shift(T m) { return m; }
+  static __device__ __forceinline__ T term(T x, T shift) { return exp_(x - shift); }
+  static __device__ __forceinline__ T between(T shift_a, T shift_b) { return exp_(shift_a - shift_b); }
+};
+
+struct Base2Exp {
+  static constexpr bool natural = false;
+  static constexpr float kLog2e = 1.4426950408889634f;
+  static __device__ __forceinline__ float shift(float m) { return __fmul_rn(m, kLog2e); }
+  static __device__ __forceinline__ float term(float x, float shift) { return exp2_(fmaf(x, kLog2e, -shift)); }
+  static __device__ __forceinline__ float between(float shift_a, float shift_b) { return exp2_(shift_a - shift_b); }
+};
+
 // Finishes one row from its maximum m and s = sum(exp(x - m)).
 // softmax:     y = exp(x - m) / s   (NaN for the whole row when m is not finite)
 // log-softmax: y = (x - m) - log(s), as SciPy computes it (x - m is exact where
 //              m + log(s) would round away a small log(s)); when m is +inf SciPy
 //              shifts by 0, so finite x give -inf and x = +inf gives NaN.
-template <Algorithm algorithm, typename T>
+// Exp is the form of exp(x - m) (NaturalExp, or Base2Exp for softmax).
+template <Algorithm algorithm, typename T, typename Exp = NaturalExp<T>>
 struct RowSoftmax {
-  T max, scale;   // softmax: 1 / s; log-softmax: log(s)
+  static_assert(algorithm == Algorithm::kSoftmax || Exp::natural, "log-softmax needs the natural sum");
+  T max, shift, scale;   // shift: Exp::shift(max); scale: softmax 1 / s, log-softmax log(s)
   RowSoftmax() = default;
-  __device__ __forceinline__ RowSoftmax(T row_max, T row_sum) : max(row_max) {
+  __device__ __forceinline__ void set_max(T row_max) {
+    max = row_max;
+    shift = Exp::shift(row_max);
+  }
+  __device__ __forceinline__ void set_sum(T row_sum) {
     if (algorithm == Algorithm::kSoftmax) {
       scale = T(1) / row_sum;
     } else {
-      scale = row_max == infinity<T>() ? T(0) : log(row_sum);
+      scale = max == infinity<T>() ? T(0) : log(row_sum);
     }
   }
   // Term added to the row sum for an element x.
-  static __device__ __forceinline__ T exp_term(T x, T row_max) { return exp_(x - row_max); }
+  __device__ __forceinline__ T exp_term(T x) const { return Exp::term(x, shift); }
   // Output for an element whose cached value is x (or, when the cache holds
   // exp(x - m) for softmax, that value).
   __device__ __forceinline__ T from_input(T x) const {
-    return algorithm == Algorithm::kSoftmax ? exp_(x - max) * scale : (x - max) - scale;
+    return algorithm == Algorithm::kSoftmax ? exp_term(x) * scale : (x - max) - scale;
   }
   __device__ __forceinline__ T from_cached_exp(T e) const { return e * scale; }
 };
 
-// Running (max, sum of exp(x - max)) of the online softmax.
-template <typename T>
+// Running (max, sum of exp(x - max)) of the online softmax, exp in the form Exp.
+template <typename T, typename Exp = NaturalExp<T>>
 struct OnlineSoftmaxState {
   T max, sum;
   // Combines another (max, sum) pair into this one.
   __device__ __forceinline__ void add(T other_max, T other_sum) {
     const T new_max = MaxOp<T>()(max, other_max);
     if (new_max == -infinity<T>()) return;  // nothing but -inf so far: the sum stays 0
-    sum = sum * exp_(max - new_max) + other_sum * exp_(other_max - new_max);
+    const T new_shift = Exp::shift(new_max);
+    sum = sum * Exp::between(Exp::shift(max), new_shift) + other_sum * Exp::between(Exp::shift(other_max), new_shift);
     max = new_max;
   }
   // Adds a pack of values: its max, then its terms relative to that max.
@@ -63,8 +98,9 @@ struct OnlineSoftmaxState {
     for (int i = 1; i < pack_size; ++i) pack_max = MaxOp<T>()(pack_max, values[i]);
     T pack_sum = 0;
     if (pack_max != -infinity<T>()) {
+      const T shift = Exp::shift(pack_max);
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) pack_sum += exp_(values[i] - pack_max);
+      for (int i = 0; i < pack_size; ++i) pack_sum += Exp::term(values[i], shift);
     }
     add(pack_max, pack_sum);
   }
@@ -77,7 +113,7 @@ struct OnlineSoftmaxState {
   template <int block_size>
   __device__ __forceinline__ OnlineSoftmaxState block_all_reduce() const {
     const T block_max = cupyops::block_all_reduce<MaxOp, T, block_size>(max);
-    const T rescaled = max == -infinity<T>() ? T(0) : sum * exp_(max - block_max);
+    const T rescaled = max == -infinity<T>() ? T(0) : sum * Exp::between(Exp::shift(max), Exp::shift(block_max));
     return {block_max, cupyops::block_all_reduce<SumOp, T, block_size>(rescaled)};
   }
 };
@@ -90,21 +126,22 @@ struct OnlineSoftmaxState {
 //                it may replace the element's cached inputs by what out reuses
 //   out<cache>   an element's output from its (possibly replaced) inputs
 
-// y = softmax(x) or log_softmax(x); inputs: x.
-template <Algorithm algorithm, typename C>
+// y = softmax(x) or log_softmax(x); inputs: x. Exp: the form of exp(x - m).
+template <Algorithm algorithm, typename C, typename ExpForm = NaturalExp<C>>
 struct SoftmaxForward {
+  typedef ExpForm Exp;
   static constexpr int num_inputs = 1;
   static constexpr bool needs_max = true;
   static __device__ __forceinline__ C pad() { return -infinity<C>(); }
-  RowSoftmax<algorithm, C> finish;
-  __device__ __forceinline__ void set_max(C row_max) { finish.max = row_max; }
+  RowSoftmax<algorithm, C, Exp> finish;
+  __device__ __forceinline__ void set_max(C row_max) { finish.set_max(row_max); }
   template <bool cache>
   __device__ __forceinline__ C term(C (&v)[1]) const {
-    const C e = RowSoftmax<algorithm, C>::exp_term(v[0], finish.max);
+    const C e = finish.exp_term(v[0]);
     if (cache && algorithm == Algorithm::kSoftmax) v[0] = e;
     return e;
   }
-  __device__ __forceinline__ void set_sum(C row_sum) { finish = RowSoftmax<algorithm, C>(finish.max, row_sum); }
+  __device__ __forceinline__ void set_sum(C row_sum) { finish.set_sum(row_sum); }
   template <bool cache>
   __device__ __forceinline__ C out(const C (&v)[1]) const {
     return cache && algorithm == Algorithm::kSoftmax ? finish.from_cached_exp(v[0]) : finish.from_input(v[0]);

@@ -136,7 +136,7 @@ template <typename Op, typename C, int pack_size, int block_x, int block_y, int 
 __device__ __forceinline__ void cluster_slice_reduce(Op (&ops)[pack_size], const C (&block_max)[pack_size],
                                                      C (&slice_sum)[pack_size], unsigned parity) {
   if constexpr (Op::needs_max) {
-    typedef OnlineSoftmaxState<C> State;
+    typedef OnlineSoftmaxState<C, typename Op::Exp> State;
     State state[pack_size];
 #pragma unroll
     for (int i = 0; i < pack_size; ++i) {
@@ -277,6 +277,7 @@ __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_in
     C slice_max[pack_size];   // forward: the block's maxima
     C slice_sum[pack_size];
     if constexpr (Op::needs_max && !cached) {
+      static_assert(Op::Exp::natural, "the running sums are natural exponentials");
       RunningSoftmax<C> state[pack_size];
       if (active) {
         for_each_row([&](int64, const Packs& packs) {

@@ -52,7 +52,8 @@ def variant(op, dtype, pack, block_x, block_y, cluster, cached, block_bytes, fac
     pack_bytes = pack * dtypes.BY_SHORT[dtype].itemsize
     loads = sa.loads_in_flight(threads, len(INPUTS[op]) * pack_bytes, pack_bytes, cached)
     min_blocks = sa.resident_blocks(facts, block_bytes, threads, UNBOUND_REGISTERS) if cached else 1
-    return sa.SoftmaxAxisSpec(op, dtype, pack, block_x, block_y, loads, cached, cluster, min_blocks)
+    return sa.SoftmaxAxisSpec(op, dtype, pack, block_x, block_y, loads, cached, cluster, min_blocks,
+                              base2_exp=sa.base2_terms(op, dtype, cached))
 
 
 def candidates(op, outer, cols, inner, dtype, target, row_bytes_list=ROW_BYTES, pack_bytes_list=(16,)):

@@ -90,6 +90,8 @@ def force_clusters(monkeypatch, size: int) -> None:
      "softmax_axis_f32_f32_p4_b2x128_async_cached_c4_m3"),
     (SoftmaxAxisSpec("log_softmax_backward", "bf16", 1, 16, 32, 8, True, cluster_size=8),
      "log_softmax_backward_axis_bf16_f32_p1_b16x32_l8_cached_c8"),
+    (SoftmaxAxisSpec("softmax", "f16", 8, 8, 32, 0, True, cluster_size=8, min_blocks=3, base2_exp=True),
+     "softmax_axis_f16_f32_p8_b8x32_async_cached_c8_m3_e2"),
 ])
 def test_golden_names(spec, name):
     assert spec.name == name
@@ -104,6 +106,22 @@ def test_render_names_the_kernel_and_fingerprint():
     assert "cupyops::half_t" in source and "Algorithm::kLogSoftmax" in source
     assert "__cluster_dims__" not in source and "true, 1>(inputs" in source
     assert "{{" not in source and "}}" not in source
+
+
+@pytest.mark.parametrize("base2", [False, True])
+def test_render_exp_form(base2):
+    spec = SoftmaxAxisSpec("softmax", "f16", 8, 8, 32, 0, True, base2_exp=base2)
+    form = "Base2Exp" if base2 else "NaturalExp<float>"
+    assert f"SoftmaxForward<Algorithm::kSoftmax, C, {form}> Op;" in jit.render(spec)
+
+
+@pytest.mark.parametrize("op, dtype, cached", [("log_softmax", "f16", True), ("softmax", "bf16", True),
+                                               ("softmax", "f32", True), ("softmax", "f16", False),
+                                               ("softmax_backward", "f16", True)])
+def test_base2_terms_only_for_float16_softmax_cached(op, dtype, cached):
+    assert not sa.base2_terms(op, dtype, cached)
+    with pytest.raises(ValueError, match="base-2 terms"):
+        SoftmaxAxisSpec(op, dtype, 8, 8, 32, 0, cached, base2_exp=True)
 
 
 def test_render_cluster():
@@ -137,9 +155,9 @@ PLAN_GOLDEN = [
     # tile is over a 16-bit forward block's 64 KB alone, so a cluster of 8
     # blocks of 64 KB; 233472 // (65536 + 1024) = 3 resident, so 256 threads
     # (3 x 512 x 64 registers exceed 65536), bound to 3 blocks an SM;
-    # 64 x 4 tiles x 8 blocks
+    # 64 x 4 tiles x 8 blocks; float16 softmax over a cached tile: base-2 terms
     (("softmax", 64, 4096, 256, "f16", 16),
-     ("softmax_axis_f16_f32_p8_b8x32_async_cached_c8_m3", (8, 32, 1), 2048, 65536)),
+     ("softmax_axis_f16_f32_p8_b8x32_async_cached_c8_m3_e2", (8, 32, 1), 2048, 65536)),
     (("log_softmax", 64, 4096, 256, "bf16", 16),
      ("log_softmax_axis_bf16_f32_p8_b8x32_async_cached_c8_m3", (8, 32, 1), 2048, 65536)),
     (("softmax", 64, 4096, 256, "f32", 16),
@@ -150,7 +168,7 @@ PLAN_GOLDEN = [
     # (64 bytes); the 256 KB tile in clusters of 4 blocks of 64 KB, cached
     # through registers (cp.async needs 4 bytes at least)
     (("softmax", 64, 4096, 256, "f16", 2),
-     ("softmax_axis_f16_f32_p1_b32x8_l8_cached_c4_m3", (32, 8, 1), 2048, 65536)),
+     ("softmax_axis_f16_f32_p1_b32x8_l8_cached_c4_m3_e2", (32, 8, 1), 2048, 65536)),
     # 1.6 MB tiles of 32 bytes a row (200 KB a block even in clusters of 8),
     # 128 of them: read twice; 1024 threads get 32 bytes in flight
     (("softmax", 4, 100000, 512, "f16", 16),
@@ -159,17 +177,17 @@ PLAN_GOLDEN = [
     # blocks of 64 KB; 4096 tiles x 8 blocks, the grid capped at 32 waves of
     # 256-thread blocks (132 x 8 x 32 = 33792)
     (("softmax", 4096, 8192, 64, "f16", 16),
-     ("softmax_axis_f16_f32_p8_b4x64_async_cached_c8_m3", (4, 64, 1), 33792, 65536)),
+     ("softmax_axis_f16_f32_p8_b4x64_async_cached_c8_m3_e2", (4, 64, 1), 33792, 65536)),
     # no wide tile fits 8 blocks of 64 KB: the 32-byte tile, 8 x 64 KB
     (("softmax", 16, 16384, 256, "f16", 16),
-     ("softmax_axis_f16_f32_p8_b2x128_async_cached_c8_m3", (2, 128, 1), 2048, 65536)),
+     ("softmax_axis_f16_f32_p8_b2x128_async_cached_c8_m3_e2", (2, 128, 1), 2048, 65536)),
     # odd inner: 1-element packs; 17 rows take 16 threads, the rest widen the
     # tile; bound to the 2 blocks of 512 threads 64 registers allow
     (("softmax", 2, 17, 1025, "f32", 16),
      ("softmax_axis_f32_f32_p1_b32x16_async_cached_m2", (32, 16, 1), 66, 17 * 32 * 4)),
     # cols = 1: a warp along inner, 32 of them an SM
     (("softmax", 64, 1, 256, "f16", 16),
-     ("softmax_axis_f16_f32_p8_b32x1_async_cached_m32", (32, 1, 1), 64, 32 * 16)),
+     ("softmax_axis_f16_f32_p8_b32x1_async_cached_m32_e2", (32, 1, 1), 64, 32 * 16)),
     # 16 packs of 8 bytes (128 bytes) a row, 42 KB alone; 49 tiles: 1024 threads
     (("log_softmax", 7, 333, 97, "f64", 8),
      ("log_softmax_axis_f64_f64_p1_b16x64_async_cached", (16, 64, 1), 49, 333 * 16 * 8)),
@@ -209,7 +227,7 @@ PLAN_GOLDEN_A100 = [
     # no tile fits 64 KB alone: the 32-byte tile's 128 KB in one block (one
     # per SM: 512 threads)
     (("softmax", 64, 4096, 256, "f16", 16),
-     ("softmax_axis_f16_f32_p8_b2x256_async_cached", (2, 256, 1), 1024, 131072)),
+     ("softmax_axis_f16_f32_p8_b2x256_async_cached_e2", (2, 256, 1), 1024, 131072)),
     # 256 KB: over the cache, read twice; 1024 tiles x 256 threads fill 108 SMs
     (("softmax_backward", 64, 4096, 256, "f16", 16),
      ("softmax_backward_axis_f16_f32_p8_b2x128_l2_online", (2, 128, 1), 1024, 0)),
@@ -239,12 +257,12 @@ def test_rows_path_chosen(shape):
 def test_explain():
     info = plan("softmax", 64, 4096, 256, "f16", H100).explain()
     assert info == {"op": "softmax", "impl": "axis", "outer": 64, "cols": 4096, "inner": 256,
-                    "pack_size": 8, "cached": True, "cluster_size": 8, "block": [8, 32, 1],
-                    "grid": [2048, 1, 1], "smem_bytes": 65536,
-                    "kernel": "softmax_axis_f16_f32_p8_b8x32_async_cached_c8_m3"}
+                    "pack_size": 8, "cached": True, "cluster_size": 8, "base2_exp": True,
+                    "block": [8, 32, 1], "grid": [2048, 1, 1], "smem_bytes": 65536,
+                    "kernel": "softmax_axis_f16_f32_p8_b8x32_async_cached_c8_m3_e2"}
     info = plan("softmax_backward", 64, 4096, 256, "f16", A100).explain()
     assert info == {"op": "softmax_backward", "impl": "axis", "outer": 64, "cols": 4096,
-                    "inner": 256, "pack_size": 8, "cached": False, "cluster_size": 1,
+                    "inner": 256, "pack_size": 8, "cached": False, "cluster_size": 1, "base2_exp": False,
                     "block": [2, 128, 1], "grid": [1024, 1, 1], "smem_bytes": 0,
                     "kernel": "softmax_backward_axis_f16_f32_p8_b2x128_l2_online"}
 
@@ -355,6 +373,7 @@ def test_plan_invariants(arch, op, dtype, align):
         tiles = outer * math.ceil(inner // spec.pack_size / spec.block_x)
         assert cluster <= p.grid[0] <= tiles * cluster and p.grid[0] % cluster == 0
         assert p.block == (spec.block_x, spec.block_y, 1)
+        assert spec.base2_exp == (op == "softmax" and dtype == "f16" and spec.cached)
         # the tile of rule 3 (block_x widened only where cols leave threads
         # over; backward tiles read twice on sm_90 the widest of about one an
         # SM, rule 3d); clusters on sm_90 only, for tiles over a block's limit
@@ -565,10 +584,31 @@ def check_nan_and_inf_slices(op, dtype, rng):
         lambda s: (s.__setitem__(slice(0, 19), -numpy.inf), s.__setitem__(30, numpy.inf)),
     ]
     for k, make in enumerate(special):
-        make(host[k % outer, :, 4 * k + 1])   # slices of several threads and tiles
+        make(host[k % outer, :, 5 * k])   # slices of several threads and tiles, every pack position
     exact = host.astype(numpy.float64)
     y = run_checked(op, cupy.asarray(host), 1)
     assert_close(y.get(), reference(op, exact, 1), NUMPY_DTYPES[dtype])
+
+
+@pytest.mark.gpu
+def test_float16_softmax_base2_terms(rng, axis_everywhere):
+    """float16 softmax over a cached tile sums base-2 terms: slices far from
+    zero (offsets up to 5e4, spread 400, where m log2(e) is rounded to 2^-7 and
+    every term and rescale must share that rounding), in a block alone and in
+    a cluster; log_softmax (natural terms) beside it."""
+    import cupy
+
+    target = Target.live(cupy.cuda.Device().id)
+    for shape in [(3, 300, 64), (8, 4096, 256)]:
+        chosen = plan("softmax", *shape, "f16", target)
+        assert chosen.spec.base2_exp
+        if shape[1] == 4096:
+            assert (chosen.spec.cluster_size > 1) == has_clusters(target)
+        offsets = rng.choice([-5e4, -2e4, 0.0, 2e4, 5e4], size=(shape[0], 1, shape[2]))
+        host = (offsets + 400.0 * rng.standard_normal(shape)).astype(numpy.float16)
+        for op in OPS:
+            y = run_checked(op, cupy.asarray(host), 1)
+            assert_close(y.get(), reference(op, host.astype(numpy.float64), 1), numpy.float16)
 
 
 @pytest.mark.gpu

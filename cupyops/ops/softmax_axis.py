@@ -24,7 +24,8 @@ Planner rule (tables below, tuned on an H200 with scripts/tune_axis.py):
    (x forward, dy and y backward). The first of these whose share fits wins
    (H200, (64, 4096, 256) float16 forward: 128-byte tiles in clusters of 8,
    67 % of copy (77 % since the cluster barriers order shared memory only,
-   kernels/cluster.cuh); 32-byte tiles in clusters of 2, 56 %; one block, 47 %):
+   kernels/cluster.cuh, 79 % with base-2 terms, rule 9; 16-block clusters,
+   non-portable, 76 %); 32-byte tiles in clusters of 2, 56 %; one block, 47 %):
    a. R in AXIS_TILE_ROW_BYTES (widest first; whole lines of a row read DRAM
       best), a block alone, within the alone limit: AXIS_ALONE_MAX_BYTES, or
       AXIS_ALONE_MAX_BYTES_16BIT_FORWARD for 16-bit forward (two exponentials
@@ -60,6 +61,7 @@ Planner rule (tables below, tuned on an H200 with scripts/tune_axis.py):
    long tiles leave most SMs idle while the rows path spreads the rows).
 8. grid: OneFlow's waves of blocks for the tiles x cluster_size blocks,
    rounded down to whole clusters.
+9. float16 softmax over a cached tile sums base-2 terms (base2_terms).
 """
 from __future__ import annotations
 
@@ -138,6 +140,12 @@ class SoftmaxAxisSpec(jit.KernelSpec):
     cached: bool            # tile kept in shared memory (one read) or read twice
     cluster_size: int = 1   # blocks of a thread-block cluster sharing a tile's cols (cached only)
     min_blocks: int = 1     # blocks per SM its registers must allow (__launch_bounds__)
+    base2_exp: bool = False  # terms 2^(x log2(e) - shift) (Base2Exp, kernels/softmax.cuh): base2_terms
+
+    def __post_init__(self):
+        if self.base2_exp and not base2_terms(self.op, self.dtype, self.cached):
+            raise ValueError(f"base-2 terms are for float16 softmax over a cached tile, not {self.op} "
+                             f"{self.dtype} {'cached' if self.cached else 'online'}")
 
     @property
     def ftype(self) -> dtypes.FloatType:
@@ -148,16 +156,18 @@ class SoftmaxAxisSpec(jit.KernelSpec):
         loads = f"_l{self.loads_in_flight}" if self.loads_in_flight else "_async"
         cluster = f"_c{self.cluster_size}" if self.cluster_size > 1 else ""
         min_blocks = f"_m{self.min_blocks}" if self.min_blocks > 1 else ""
+        exp = "_e2" if self.base2_exp else ""
         return (f"{self.op}_axis_{self.dtype}_{self.ftype.compute}_p{self.pack_size}"
                 f"_b{self.block_x}x{self.block_y}{loads}_{'cached' if self.cached else 'online'}"
-                f"{cluster}{min_blocks}")
+                f"{cluster}{min_blocks}{exp}")
 
     @property
     def threads_per_block(self) -> int:
         return self.block_x * self.block_y
 
     def template_args(self) -> dict:
-        return {**super().template_args(), "inputs": INPUTS[self.op],
+        exp_form = "Base2Exp" if self.base2_exp else f"NaturalExp<{self.ftype.compute_c_type}>"
+        return {**super().template_args(), "inputs": INPUTS[self.op], "exp_form": exp_form,
                 "backward": self.op.endswith("_backward"),
                 "algorithm": "kLogSoftmax" if self.op.startswith("log_") else "kSoftmax",
                 "storage_type": self.ftype.c_type, "compute_type": self.ftype.compute_c_type}
@@ -177,7 +187,8 @@ class SoftmaxAxisPlan:
         spec = self.spec
         return {"op": spec.op, "impl": "axis", "outer": self.outer, "cols": self.cols,
                 "inner": self.inner, "pack_size": spec.pack_size, "cached": spec.cached,
-                "cluster_size": spec.cluster_size, "block": list(self.block), "grid": list(self.grid),
+                "cluster_size": spec.cluster_size, "base2_exp": spec.base2_exp,
+                "block": list(self.block), "grid": list(self.grid),
                 "smem_bytes": self.smem_bytes, "kernel": spec.name}
 
 
@@ -187,6 +198,17 @@ def _next_power_of_two(n: int) -> int:
 
 def _prev_power_of_two(n: int) -> int:
     return 1 << (n.bit_length() - 1)
+
+
+def base2_terms(op: str, dtype: str, cached: bool) -> bool:
+    """Rule 9: whether the kernel sums base-2 terms (Base2Exp): float16 softmax over a cached tile.
+
+    Its compute passes bound it, and the base-2 term is an FFMA and an EX2
+    where the natural one is an FADD, an FMUL and an EX2 (H200, (64, 4096, 256)
+    over axis 1: 77.3 -> 79.4 % of copy; (32, 4096, 512) 77.0 -> 78.6). Not for
+    log_softmax (it subtracts the natural sum's log), bfloat16 and float32
+    (m log2(e) overflows past 2.3e38), nor the running sums of tiles read twice."""
+    return op == "softmax" and dtype == "f16" and cached
 
 
 def _tile_width(row_bytes: int, inner_packs: int, pack_bytes: int) -> int:
@@ -311,7 +333,8 @@ def plan(op: str, outer: int, cols: int, inner: int, dtype: str, target: Target,
     min_blocks = resident_blocks(facts, block_bytes, threads, AXIS_THREAD_REGISTERS)
     spec = SoftmaxAxisSpec(op, dtype, pack_size, block_x, block_y,
                            loads_in_flight(threads, row_pack_bytes, pack_bytes, cached=True),
-                           cached=True, cluster_size=cluster, min_blocks=min_blocks)
+                           cached=True, cluster_size=cluster, min_blocks=min_blocks,
+                           base2_exp=base2_terms(op, dtype, cached=True))
     if not (block_bytes <= AXIS_CACHE_MAX_BYTES
             and target.max_active_blocks(spec, threads, block_bytes, opt_in=True)):
         spec = SoftmaxAxisSpec(op, dtype, pack_size, block_x, block_y,
