@@ -282,6 +282,17 @@ template <int pending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
 }
+// cp_async_wait<pending> for a `pending` of 0 .. max_pending known once loops unroll.
+template <int max_pending>
+__device__ __forceinline__ void cp_async_wait_at_most(int pending) {
+  if constexpr (max_pending == 0) {
+    cp_async_wait<0>();
+  } else if (pending >= max_pending) {
+    cp_async_wait<max_pending>();
+  } else {
+    cp_async_wait_at_most<max_pending - 1>(pending);
+  }
+}
 // Waits for every cp.async this thread has issued.
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 

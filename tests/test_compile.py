@@ -183,3 +183,20 @@ def test_cluster_kernels_fence_shared_memory_in_the_loop_and_exit_relaxed(family
     else:
         assert "barrier.cluster.arrive.release" in ptx
         assert "barrier.cluster.arrive.relaxed" in ptx
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax", "softmax_backward"])
+def test_axis_forward_tiles_fill_in_stages(op):
+    """A cached forward tile is filled by cp.async in kAxisFillStages (2)
+    groups, the first waited for while the second is in flight
+    (kernels/softmax_axis.cuh); the backward waits for its whole tile."""
+    spec = softmax_axis.plan(op, 64, 4096, 256, "f16", Target.profile("h100")).spec
+    assert spec.cached and spec.loads_in_flight == 0, spec.name
+    ptx = jit.compile_ptx(spec, "sm_90")
+    if op.endswith("_backward"):
+        assert "cp.async.commit_group" in ptx and "cp.async.wait_all" in ptx
+        assert "cp.async.wait_group" not in ptx
+    else:
+        assert ptx.count("cp.async.commit_group") == 2
+        assert "cp.async.wait_group 1;" in ptx and "cp.async.wait_group 0;" in ptx
+        assert "cp.async.wait_all" not in ptx

@@ -566,7 +566,9 @@ def test_nan_and_inf_slices(op, dtype, cache, rng):
 
 def check_nan_and_inf_slices(op, dtype, rng):
     """Slices of a (3, 37, 48) array over axis 1 holding NaN and +-inf, each
-    against the float64 reference."""
+    against the float64 reference; the last four in the rows a cached forward
+    tile's second fill stage holds (rows 32-36 with 32 rows of threads), after
+    a first stage of finite values or of -inf."""
     import cupy
 
     outer, cols, inner = 3, 37, 48
@@ -582,9 +584,13 @@ def check_nan_and_inf_slices(op, dtype, rng):
         lambda s: (s.__setitem__(1, numpy.inf), s.__setitem__(2, -numpy.inf)),
         lambda s: (s.__setitem__(1, numpy.nan), s.__setitem__(2, numpy.inf)),
         lambda s: (s.__setitem__(slice(0, 19), -numpy.inf), s.__setitem__(30, numpy.inf)),
+        lambda s: s.__setitem__(33, numpy.inf),                        # +inf in the second stage
+        lambda s: s.__setitem__(34, numpy.nan),                        # NaN in the second stage
+        lambda s: s.__setitem__(36, 60.0),                             # the max in the second stage
+        lambda s: (s.__setitem__(slice(0, 32), -numpy.inf), s.__setitem__(32, 1.0)),
     ]
     for k, make in enumerate(special):
-        make(host[k % outer, :, 5 * k])   # slices of several threads and tiles, every pack position
+        make(host[k % outer, :, 5 * k % inner])   # slices of several threads and tiles, every pack position
     exact = host.astype(numpy.float64)
     y = run_checked(op, cupy.asarray(host), 1)
     assert_close(y.get(), reference(op, exact, 1), NUMPY_DTYPES[dtype])
