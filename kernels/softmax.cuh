@@ -109,12 +109,16 @@ struct OnlineSoftmaxState {
     a.add(b.max, b.sum);
     return a;
   }
+  // The sum relative to a maximum new_max >= max (0 while max is -inf: a sum
+  // relative to -inf is 0, or NaN from exp(-inf - -inf) terms).
+  __device__ __forceinline__ T rescaled_to(T new_max) const {
+    return max == -infinity<T>() ? T(0) : sum * Exp::between(Exp::shift(max), Exp::shift(new_max));
+  }
   // The state of the whole block (deterministic: the block reductions' order).
   template <int block_size>
   __device__ __forceinline__ OnlineSoftmaxState block_all_reduce() const {
     const T block_max = cupyops::block_all_reduce<MaxOp, T, block_size>(max);
-    const T rescaled = max == -infinity<T>() ? T(0) : sum * Exp::between(Exp::shift(max), Exp::shift(block_max));
-    return {block_max, cupyops::block_all_reduce<SumOp, T, block_size>(rescaled)};
+    return {block_max, cupyops::block_all_reduce<SumOp, T, block_size>(rescaled_to(block_max))};
   }
 };
 

@@ -305,28 +305,21 @@ __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_in
     C slice_max[pack_size];   // forward: the block's maxima
     C slice_sum[pack_size];
     if constexpr (Op::needs_max) {
-      typedef typename Op::Exp Exp;
-      C thread_sum[pack_size];
+      OnlineSoftmaxState<C, typename Op::Exp> state[pack_size];   // this thread's rows
       if constexpr (!cached) {
-        static_assert(Exp::natural, "the running sums are natural exponentials");
-        RunningSoftmax<C> state[pack_size];
+        static_assert(Op::Exp::natural, "the running sums are natural exponentials");
+        RunningSoftmax<C> running[pack_size];
         if (active) {
           for_each_row([&](int64, const Packs& packs) {
 #pragma unroll
-            for (int i = 0; i < pack_size; ++i) state[i].add(cast<C>(packs.input[0].elem[i]));
+            for (int i = 0; i < pack_size; ++i) running[i].add(cast<C>(packs.input[0].elem[i]));
           });
         }
 #pragma unroll
-        for (int i = 0; i < pack_size; ++i) {
-          slice_max[i] = state[i].max;
-          thread_sum[i] = state[i].sum;
-        }
+        for (int i = 0; i < pack_size; ++i) state[i] = {running[i].max, running[i].sum};
       } else {
 #pragma unroll
-        for (int i = 0; i < pack_size; ++i) {
-          slice_max[i] = -infinity<C>();
-          thread_sum[i] = C(0);
-        }
+        for (int i = 0; i < pack_size; ++i) state[i] = {-infinity<C>(), C(0)};
 #pragma unroll
         for (int stage = 0; stage < fill_stages; ++stage) {
           if constexpr (async_fill) cp_async_wait_at_most<fill_stages - 1>(fill_stages - 1 - stage);
@@ -337,13 +330,10 @@ __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_in
           for_stage_rows(stage, [&](int c) { running = pack_max<C>(running, cached_row(c).input[0]); });
 #pragma unroll
           for (int i = 0; i < pack_size; ++i) {
-            const C new_max = MaxOp<C>()(slice_max[i], cast<C>(running.elem[i]));
-            if (stage > 0) {   // the sum so far, to the new max (0 while all -inf: its terms were NaN)
-              thread_sum[i] = slice_max[i] == -infinity<C>() ? C(0)
-                              : thread_sum[i] * Exp::between(Exp::shift(slice_max[i]), Exp::shift(new_max));
-            }
+            const C new_max = MaxOp<C>()(state[i].max, cast<C>(running.elem[i]));
+            if (stage > 0) state[i].sum = state[i].rescaled_to(new_max);   // (the first starts at 0)
+            state[i].max = new_max;
             ops[i].set_max(new_max);
-            slice_max[i] = new_max;
           }
           for_stage_rows(stage, [&](int c) {
             const Packs packs = cached_row(c);
@@ -351,21 +341,18 @@ __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_in
             for (int i = 0; i < pack_size; ++i) {
               C v[N];
               element(packs, i, v);
-              thread_sum[i] += ops[i].template term<false>(v);
+              state[i].sum += ops[i].template term<false>(v);
             }
           });
         }
       }
-      C own_max[pack_size];
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) own_max[i] = slice_max[i];
+      for (int i = 0; i < pack_size; ++i) slice_max[i] = state[i].max;
       if (block_y > 1) column_all_reduce<MaxOp, C, pack_size, block_x, block_y>(slice_max);
 #pragma unroll
       for (int i = 0; i < pack_size; ++i) {
         ops[i].set_max(slice_max[i]);
-        slice_sum[i] = block_y == 1 ? thread_sum[i]
-                       : own_max[i] == -infinity<C>() ? C(0)
-                       : thread_sum[i] * Exp::between(Exp::shift(own_max[i]), Exp::shift(slice_max[i]));
+        slice_sum[i] = block_y == 1 ? state[i].sum : state[i].rescaled_to(slice_max[i]);
       }
     } else {
 #pragma unroll
