@@ -1,7 +1,8 @@
-"""`cupyops bench`: one op over a sweep of row lengths against its baselines.
+"""`cupyops bench`: one op over a sweep of row lengths, or over named shapes
+reduced over one axis, against its baselines.
 
 Bytes counted: each array the op must read or write, once
-(softmax forward: 2 * rows * cols * itemsize). Every figure is also given as
+(softmax forward: 2 * size * itemsize, size = rows * cols in a sweep). Every figure is also given as
 a fraction of the device-to-device copy ceiling measured in the same run
 (1 GiB). The "copy" baseline is a device-to-device copy moving the op's own
 bytes (half read, half written): what moving that much costs at this size,
@@ -9,6 +10,7 @@ where launch and ramp-up weigh on small shapes that a 1 GiB copy hides."""
 from __future__ import annotations
 
 import csv
+import math
 
 import click
 
@@ -17,7 +19,9 @@ from cupyops import bench as timing
 BASELINES = ("cupyx", "torch", "oneflow", "copy")
 
 
-def run(op: str, entry, dtype, rows: int, cols_list: list, baselines: list) -> dict:
+def run(op: str, entry, dtype, shapes: list, axis: int, baselines: list, rows=None) -> dict:
+    """Times OP over each shape, reduced over axis. rows: the rows of a sweep over cols (shapes
+    (rows, cols), axis -1), which the table then labels by cols; None for shapes given whole."""
     import cupy
 
     from cupyops.device import live_facts
@@ -26,16 +30,16 @@ def run(op: str, entry, dtype, rows: int, cols_list: list, baselines: list) -> d
     timer = timing.Timer()
     copy_gbs = timing.copy_ceiling_gbs(timer)
     notes, points = [], []
-    with click.progressbar(cols_list, label=f"{op} {dtype.name}", file=click.get_text_stream("stderr")) as bar:
-        for cols in bar:
-            num_bytes = entry.arrays_moved * rows * cols * dtype.itemsize
-            providers = entry.providers(rows, cols, dtype)
+    with click.progressbar(shapes, label=f"{op} {dtype.name}", file=click.get_text_stream("stderr")) as bar:
+        for shape in bar:
+            num_bytes = entry.arrays_moved * math.prod(shape) * dtype.itemsize
+            providers = entry.providers(tuple(shape), axis, dtype)
             if "copy" in baselines:
                 providers["copy"] = timing.device_copy(num_bytes // 2)
             for name in baselines:
                 if name not in providers and f"{name} missing" not in notes:
                     notes.append(f"{name} missing")
-            point = {"cols": cols, "bytes": num_bytes,
+            point = {"shape": list(shape), "cols": shape[axis], "bytes": num_bytes,
                      "compile_s": timing.compile_seconds(providers["cupyops"])}
             for name in ["cupyops", *baselines]:
                 if name in providers:
@@ -45,16 +49,24 @@ def run(op: str, entry, dtype, rows: int, cols_list: list, baselines: list) -> d
             points.append(point)
             del providers
             cupy.get_default_memory_pool().free_all_blocks()
-    return {"op": op, "dtype": dtype.name, "rows": rows, "device": facts.name,
+    return {"op": op, "dtype": dtype.name, "rows": rows, "axis": axis, "device": facts.name,
             "copy_gbs": copy_gbs, "baselines": [b for b in baselines if f"{b} missing" not in notes],
             "notes": notes, "points": points}
+
+
+def _label(result: dict, point: dict) -> str:
+    """A point's name: its cols in a sweep over cols, else its shape (and the axis)."""
+    if result["rows"] is not None:
+        return str(point["cols"])
+    return "x".join(map(str, point["shape"]))
 
 
 def _rows(result: dict):
     for point in result["points"]:
         ours = point["cupyops"]
-        row = {"cols": point["cols"], "us": ours["us"], "gbs": ours["gbs"],
-               "of_copy": ours["gbs"] / result["copy_gbs"], "compile_s": point["compile_s"]}
+        row = {"shape": _label(result, point), "cols": point["cols"], "us": ours["us"],
+               "gbs": ours["gbs"], "of_copy": ours["gbs"] / result["copy_gbs"],
+               "compile_s": point["compile_s"]}
         for name in result["baselines"]:
             if name in point:
                 row[f"{name}_us"] = point[name]["us"]
@@ -63,14 +75,19 @@ def _rows(result: dict):
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{result['op']} {result['dtype']} rows={result['rows']} on {result['device']}; "
+    over = (f"rows={result['rows']}" if result["rows"] is not None
+            else f"axis={result['axis']}")
+    lines = [f"{result['op']} {result['dtype']} {over} on {result['device']}; "
              f"copy ceiling {result['copy_gbs']:.0f} GB/s (read + write)"]
-    header = f"{'cols':>7} {'us':>9} {'GB/s':>7} {'copy':>6}"
+    rows = list(_rows(result))
+    label = "cols" if result["rows"] is not None else "shape"
+    width = max([7, *(len(row["shape"]) for row in rows)])
+    header = f"{label:>{width}} {'us':>9} {'GB/s':>7} {'copy':>6}"
     for name in result["baselines"]:
         header += f" {'x' + name:>9}"
     lines.append(header + f" {'compile s':>9}")
-    for row in _rows(result):
-        line = f"{row['cols']:>7} {row['us']:>9.1f} {row['gbs']:>7.0f} {row['of_copy']:>6.1%}"
+    for row in rows:
+        line = f"{row['shape']:>{width}} {row['us']:>9.1f} {row['gbs']:>7.0f} {row['of_copy']:>6.1%}"
         for name in result["baselines"]:
             line += f" {row.get('x_' + name, float('nan')):>9.2f}"
         lines.append(line + f" {row['compile_s']:>9.2f}")
@@ -82,11 +99,11 @@ def write_csv(result: dict, path: str) -> None:
     rows = list(_rows(result))
     fields = sorted({key for row in rows for key in row}, key=lambda k: (k != "cols", k))
     with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=["op", "dtype", "rows", "device", *fields])
+        writer = csv.DictWriter(handle, fieldnames=["op", "dtype", "rows", "axis", "device", *fields])
         writer.writeheader()
         for row in rows:
             writer.writerow({"op": result["op"], "dtype": result["dtype"], "rows": result["rows"],
-                             "device": result["device"], **row})
+                             "axis": result["axis"], "device": result["device"], **row})
 
 
 def plot(result: dict, path: str) -> None:
@@ -97,15 +114,21 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cols = [point["cols"] for point in result["points"]]
+    sweep = result["rows"] is not None
+    labels = [_label(result, point) for point in result["points"]]
+    where = [point["cols"] for point in result["points"]] if sweep else list(range(len(labels)))
     figure, axes = plt.subplots(figsize=(8, 4.5))
     for name in ["cupyops", *result["baselines"]]:
-        axes.plot(cols, [point[name]["gbs"] for point in result["points"]], marker="o", label=name)
+        axes.plot(where, [point[name]["gbs"] for point in result["points"]], marker="o", label=name)
     axes.axhline(result["copy_gbs"], color="gray", linestyle="--", label="copy ceiling")
-    axes.set_xscale("log", base=2)
-    axes.set_xlabel("cols")
+    if sweep:
+        axes.set_xscale("log", base=2)
+    else:
+        axes.set_xticks(where, labels)
+    axes.set_xlabel("cols" if sweep else "shape")
     axes.set_ylabel("GB/s")
-    axes.set_title(f"{result['op']} {result['dtype']}, rows={result['rows']}, {result['device']}")
+    over = f"rows={result['rows']}" if sweep else f"axis={result['axis']}"
+    axes.set_title(f"{result['op']} {result['dtype']}, {over}, {result['device']}")
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -24,6 +24,21 @@ def _int_list(text: str) -> list:
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _shape_and_axis(op: str, shape: str, axis: int) -> tuple:
+    """--shape and --axis checked: (dims, axis counted from the front)."""
+    dims = _int_list(shape)
+    if not dims or any(d < 1 for d in dims):
+        raise click.BadParameter(f"shape needs positive sizes, got {shape!r}", param_hint="--shape")
+    if not -len(dims) <= axis < len(dims):
+        raise click.BadParameter(f"axis {axis} is out of range for {len(dims)} dimensions",
+                                 param_hint="--axis")
+    axis %= len(dims)
+    if axis != len(dims) - 1 and OPS[op].axis_plan is None:
+        raise click.BadParameter(f"{op} normalises the last axis; axis {axis} of {len(dims)} is not "
+                                 "the last", param_hint="--axis")
+    return dims, axis
+
+
 def _target(device_name):
     if device_name is not None:
         return Target.profile(device_name)
@@ -60,21 +75,12 @@ def main():
 @click.option("--source", is_flag=True, help="Also print the rendered CUDA source.")
 def explain(op, shape, axis, dtype, policy, device_name, as_json, source):
     """Show the launch plan cupyops picks for OP on an array of SHAPE."""
-    dims = _int_list(shape)
-    if not dims or any(d < 1 for d in dims):
-        raise click.BadParameter(f"shape needs positive sizes, got {shape!r}", param_hint="--shape")
-    if not -len(dims) <= axis < len(dims):
-        raise click.BadParameter(f"axis {axis} is out of range for {len(dims)} dimensions",
-                                 param_hint="--axis")
-    axis %= len(dims)
+    dims, axis = _shape_and_axis(op, shape, axis)
     cols = dims[axis]
     rows = math.prod(dims) // cols
     target = _target(device_name)
     entry, dtype_short = OPS[op], dtypes.NAMES[dtype]
     last = axis == len(dims) - 1
-    if not last and entry.axis_plan is None:
-        raise click.BadParameter(f"{op} normalises the last axis; axis {axis} of {len(dims)} is not "
-                                 "the last", param_hint="--axis")
     plan = None if last else entry.axis_plan(math.prod(dims[:axis]), cols, math.prod(dims[axis + 1:]),
                                              dtype_short, policy, target)
     copied = plan is None and not last
@@ -130,16 +136,23 @@ def compile_(op, dtype, cols, rows, arch, policy):
 @main.command()
 @op_argument
 @dtype_option
-@click.option("--rows", default=49152, show_default=True, type=int)
-@click.option("--cols", default=DEFAULT_COLS, show_default=True, help="Comma-separated row lengths.")
+@click.option("--rows", default=None, type=int, help="Rows of the sweep over --cols  [default: 49152]")
+@click.option("--cols", default=None, help=f"Comma-separated row lengths  [default: {DEFAULT_COLS}]")
+@click.option("--shape", "shapes", multiple=True,
+              help="Time this shape instead of a sweep over cols (repeatable), e.g. 64,4096,256.")
+@click.option("--axis", default=-1, show_default=True, type=int,
+              help="Reduced axis of every --shape.")
 @click.option("--baseline", default="cupyx,torch,oneflow,copy", show_default=True,
               help="Providers to compare with: cupyx, torch, oneflow, copy (a device-to-device "
                    "copy moving the op's bytes).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Write the table as CSV.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write results as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG plot.")
-def bench(op, dtype, rows, cols, baseline, csv_path, json_path, plot_path):
-    """Time OP against baselines on the live GPU (L2 flushed, copy ceiling measured)."""
+def bench(op, dtype, rows, cols, shapes, axis, baseline, csv_path, json_path, plot_path):
+    """Time OP against baselines on the live GPU (L2 flushed, copy ceiling measured).
+
+    Either a sweep over row lengths (--rows, --cols) or the shapes given with --shape, each
+    reduced over --axis (softmax ops: any axis, in place; norms: the last)."""
     from . import benchmark
 
     baselines = [name.strip() for name in baseline.split(",") if name.strip()]
@@ -147,8 +160,26 @@ def bench(op, dtype, rows, cols, baseline, csv_path, json_path, plot_path):
     if unknown:
         raise click.BadParameter(f"unknown baseline(s) {sorted(unknown)}; "
                                  f"known: {', '.join(benchmark.BASELINES)}", param_hint="--baseline")
-    _target(None)
-    result = benchmark.run(op, OPS[op], dtypes.parse_dtype(dtype), rows, _int_list(cols), baselines)
+    if shapes:
+        if rows is not None or cols is not None:
+            raise click.UsageError("--shape names whole shapes: give it without --rows and --cols")
+        sweep = dict(shapes=[_shape_and_axis(op, shape, axis)[0] for shape in shapes], axis=axis,
+                     rows=None)
+    else:
+        if axis != -1:
+            raise click.UsageError("--axis applies to --shape; a sweep over --cols reduces rows")
+        rows = 49152 if rows is None else rows
+        if rows < 1:
+            raise click.BadParameter(f"rows must be positive, got {rows}", param_hint="--rows")
+        cols_list = _int_list(DEFAULT_COLS if cols is None else cols)
+        if not cols_list or min(cols_list) < 1:
+            raise click.BadParameter(f"cols must be positive, got {cols!r}", param_hint="--cols")
+        sweep = dict(shapes=[[rows, c] for c in cols_list], axis=-1, rows=rows)
+    import cupy
+
+    if not cupy.is_available():
+        raise click.UsageError("bench times the live GPU, and no GPU is usable here")
+    result = benchmark.run(op, OPS[op], dtypes.parse_dtype(dtype), baselines=baselines, **sweep)
     click.echo(benchmark.format_table(result))
     if csv_path:
         benchmark.write_csv(result, csv_path)

@@ -2,6 +2,7 @@
 moves, and the providers a benchmark compares."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -12,8 +13,8 @@ from cupyops.ops import softmax_axis, softmax_split
 @dataclass(frozen=True)
 class OpEntry:
     plan: Callable          # (rows, cols, dtype_short, policy, target) -> plan with .spec, .explain()
-    arrays_moved: int       # rows * cols arrays read or written once (softmax forward: x and y)
-    providers: Callable     # (rows, cols, numpy dtype) -> {name: callable}
+    arrays_moved: int       # arrays of the input's size read or written once (softmax forward: x, y)
+    providers: Callable     # (shape, axis, numpy dtype) -> {name: callable}, axis reduced
     # (outer, cols, inner, dtype_short, policy, target) -> the plan reducing the middle axis of
     # (outer, cols, inner) in place, or None where the op copies it to rows first; None for
     # ops that reduce only the last axes
@@ -21,20 +22,20 @@ class OpEntry:
 
 
 def _softmax_providers(op: str):
-    def providers(rows, cols, dtype):
+    def providers(shape, axis, dtype):
         import cupy
 
-        x = cupy.random.default_rng().standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
+        x = cupy.random.default_rng().standard_normal(shape, dtype=cupy.float32).astype(dtype)
         y = cupy.empty_like(x)
         ours = getattr(softmax_ops, op)
         found = {
-            "cupyops": lambda: ours(x, axis=-1, out=y),
-            "oneflow": lambda: ours(x, axis=-1, out=y, policy="oneflow"),
+            "cupyops": lambda: ours(x, axis=axis, out=y),
+            "oneflow": lambda: ours(x, axis=axis, out=y, policy="oneflow"),
         }
         try:
             import cupyx.scipy.special as special
 
-            found["cupyx"] = lambda: getattr(special, op)(x, axis=-1)
+            found["cupyx"] = lambda: getattr(special, op)(x, axis=axis)
         except (ImportError, AttributeError):
             pass
         try:
@@ -42,7 +43,7 @@ def _softmax_providers(op: str):
 
             tensor = torch.from_dlpack(x)
             torch_op = torch.softmax if op == "softmax" else torch.log_softmax
-            found["torch"] = lambda: torch_op(tensor, dim=-1)
+            found["torch"] = lambda: torch_op(tensor, dim=axis)
         except ImportError:
             pass
         return found
@@ -52,18 +53,18 @@ def _softmax_providers(op: str):
 def _softmax_backward_providers(op: str):
     forward = op[: -len("_backward")]
 
-    def providers(rows, cols, dtype):
+    def providers(shape, axis, dtype):
         import cupy
 
         rng = cupy.random.default_rng()
-        y = getattr(softmax_ops, forward)(rng.standard_normal((rows, cols), dtype=cupy.float32)
-                                          .astype(dtype), axis=-1)
-        dy = rng.standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
+        y = getattr(softmax_ops, forward)(rng.standard_normal(shape, dtype=cupy.float32)
+                                          .astype(dtype), axis=axis)
+        dy = rng.standard_normal(shape, dtype=cupy.float32).astype(dtype)
         dx = cupy.empty_like(dy)
         ours = getattr(softmax_ops, op)
         found = {
-            "cupyops": lambda: ours(dy, y, axis=-1, out=dx),
-            "oneflow": lambda: ours(dy, y, axis=-1, out=dx, policy="oneflow"),
+            "cupyops": lambda: ours(dy, y, axis=axis, out=dx),
+            "oneflow": lambda: ours(dy, y, axis=axis, out=dx, policy="oneflow"),
         }
         try:
             import torch
@@ -71,7 +72,7 @@ def _softmax_backward_providers(op: str):
             tdy, ty = torch.from_dlpack(dy), torch.from_dlpack(y)
             torch_op = (torch._softmax_backward_data if forward == "softmax"
                         else torch._log_softmax_backward_data)
-            found["torch"] = lambda: torch_op(tdy, ty, -1, tdy.dtype)
+            found["torch"] = lambda: torch_op(tdy, ty, axis, tdy.dtype)
         except (ImportError, AttributeError):
             pass
         return found
@@ -111,11 +112,13 @@ from cupyops.ops import norm as norm_ops  # noqa: E402
 NORM_EPS = 1e-5
 
 
-def _norm_inputs(rows, cols, dtype):
+def _norm_inputs(shape, dtype):
+    """x as rows (a contiguous array normalised over its last axis is its rows), weight, bias."""
     import cupy
 
     rng = cupy.random.default_rng()
-    x = rng.standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
+    cols = shape[-1]
+    x = rng.standard_normal((math.prod(shape) // cols, cols), dtype=cupy.float32).astype(dtype)
     weight = (1 + 0.1 * rng.standard_normal(cols, dtype=cupy.float32)).astype(dtype)
     bias = (0.1 * rng.standard_normal(cols, dtype=cupy.float32)).astype(dtype)
     return x, weight, bias
@@ -138,10 +141,11 @@ def _cupy_norm_forward(x, weight, bias, centered):
 def _norm_forward_providers(op: str):
     centered = op == "layer_norm"
 
-    def providers(rows, cols, dtype):
+    def providers(shape, axis, dtype):   # axis: the last (OpEntry.axis_plan is None)
         import cupy
 
-        x, weight, bias = _norm_inputs(rows, cols, dtype)
+        x, weight, bias = _norm_inputs(shape, dtype)
+        cols = shape[-1]
         bias = bias if centered else None
         y = cupy.empty_like(x)
         ours = getattr(norm_ops, op)
@@ -171,11 +175,12 @@ def _norm_backward_providers(op: str):
     centered = op == "layer_norm_backward"
     forward = "layer_norm" if centered else "rms_norm"
 
-    def providers(rows, cols, dtype):
+    def providers(shape, axis, dtype):   # axis: the last (OpEntry.axis_plan is None)
         import cupy
 
-        x, weight, bias = _norm_inputs(rows, cols, dtype)
-        dy = cupy.random.default_rng().standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
+        x, weight, bias = _norm_inputs(shape, dtype)
+        cols = shape[-1]
+        dy = cupy.random.default_rng().standard_normal(x.shape, dtype=cupy.float32).astype(dtype)
         affine = (weight, bias) if centered else (weight,)
         stats = getattr(norm_ops, forward)(x, *affine, eps=NORM_EPS, return_stats=True)[1:]
         ours = getattr(norm_ops, op)

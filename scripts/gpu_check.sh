@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: GPU tests, compute-sanitizer over every path, and
-# the benchmark sweeps, results under $OUT (at most 7 files).
-# Usage (repository root): OUT=/some/dir bash scripts/gpu_check.sh [all|tests|sanitize|bench-forward|bench-rest]
+# the benchmarks, results under $OUT (at most 8 files).
+# Usage (repository root): OUT=/some/dir bash scripts/gpu_check.sh MODE, where MODE is
+#   close          tests, then targets: the GPU tests and the issues' figures in one call (~7 min)
+#   tests | sanitize | targets | bench-forward | bench-rest (the full sweeps over cols) | all
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-$PWD/out}"
 mode="${1:-all}"
 mkdir -p "$OUT/json"
-run() { [ "$mode" = all ] || [ "$mode" = "$1" ]; }
+run() { [ "$mode" = all ] || [ "$mode" = "$1" ] || { [ "$mode" = close ] && [[ "$1" =~ ^(tests|targets)$ ]]; }; }
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/device.txt" 2>&1
 python -m cupyops.cli info >> "$OUT/device.txt" 2>&1
@@ -28,21 +30,44 @@ if run sanitize; then
   done
 fi
 
-sweep() {   # op dtype [cols]
-  python -m cupyops.cli bench "$1" --dtype "$2" --rows 49152 ${3:+--cols "$3"} \
-    --json "$OUT/json/bench_$1_$2.json" 2>/dev/null | tee -a "$OUT/bench.txt"
+bench() {   # op dtype label [bench options]: one table into bench.txt, its JSON kept
+  local op="$1" dtype="$2" label="$3"; shift 3
+  python -m cupyops.cli bench "$op" --dtype "$dtype" "$@" \
+    --json "$OUT/json/bench_${op}_${dtype}_${label}.json" 2>/dev/null | tee -a "$OUT/bench.txt"
 }
+if run targets; then   # the shapes and cols the issues set targets for
+  for dtype in float16 bfloat16 float32; do
+    bench softmax "$dtype" rows --cols 256,1024,2048,4096,32768 --baseline torch,copy
+    bench softmax "$dtype" long --shape 16384,65536 --shape 8192,131072 --shape 4096,262144 \
+      --shape 8,1048576 --baseline torch,copy
+    for op in softmax log_softmax softmax_backward; do
+      bench "$op" "$dtype" axis --shape 64,4096,256 --axis 1 --baseline torch,oneflow,copy
+    done
+    bench softmax_backward "$dtype" rows --cols 1024,2048,32768 --baseline torch,copy
+    for op in layer_norm rms_norm; do
+      bench "$op" "$dtype" rows --cols 32,128,256,1024,2048,4096,16384,32768 --baseline torch,copy
+      bench "${op}_backward" "$dtype" rows --cols 1024,16384 --baseline torch,copy
+    done
+  done
+fi
 if run bench-forward; then
   python scripts/call_overhead.py 2>&1 | tee "$OUT/call_overhead.txt"
   for op in softmax log_softmax; do
-    for dtype in float16 bfloat16 float32; do sweep "$op" "$dtype"; done
+    for dtype in float16 bfloat16 float32; do bench "$op" "$dtype" sweep --rows 49152; done
   done
 fi
 if run bench-rest; then
   for op in softmax_backward log_softmax_backward layer_norm rms_norm layer_norm_backward rms_norm_backward; do
-    for dtype in float16 bfloat16 float32; do sweep "$op" "$dtype" "32,128,256,1024,2048,4096,8192,12345,16384,32768"; done
+    for dtype in float16 bfloat16 float32; do
+      bench "$op" "$dtype" sweep --rows 49152 --cols 32,128,256,1024,2048,4096,8192,12345,16384,32768
+    done
   done
-  python scripts/bench_shapes.py --dtypes float16,bfloat16,float32 --ops softmax,softmax_backward \
-    --policies auto 2>&1 | tee "$OUT/shapes.txt"
+  for dtype in float16 bfloat16 float32; do
+    for op in softmax log_softmax softmax_backward; do
+      bench "$op" "$dtype" long --shape 16384,65536 --shape 8192,131072 --shape 4096,262144 \
+        --shape 8,1048576 --baseline torch,oneflow,copy
+      bench "$op" "$dtype" axis --shape 64,4096,256 --axis 1 --baseline torch,oneflow,copy
+    done
+  done
 fi
 tar -C "$OUT" -czf "$OUT/bench_json_$mode.tgz" json && rm -r "$OUT/json"

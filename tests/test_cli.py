@@ -1,7 +1,9 @@
 """CPU tests of the `cupyops` command line (click): explain, compile, info, bench."""
 from __future__ import annotations
 
+import csv
 import json
+import math
 import re
 
 import pytest
@@ -175,31 +177,66 @@ def test_info_prints_the_cache(tmp_path):
 
 
 @pytest.mark.skipif(GPU, reason="a GPU is present: bench would run")
-def test_bench_without_gpu_fails_cleanly():
-    result = run("bench", "softmax", "--cols", "32", "--baseline", "cupyx")
-    assert result.exit_code != 0
+@pytest.mark.parametrize("args", [["--cols", "32"], ["--shape", "4,96,64", "--axis", "1"]],
+                         ids=["cols", "shape"])
+def test_bench_without_gpu_fails_cleanly(args):
+    result = run("bench", "softmax", *args, "--baseline", "cupyx")
+    assert result.exit_code == 2, result.output
     assert isinstance(result.exception, SystemExit), result.exception   # no uncaught error
     assert "Traceback" not in result.output
-    assert "GPU" in result.output
+    assert "no GPU is usable" in result.output
 
 
-def test_bench_rejects_unknown_baseline():
-    result = run("bench", "softmax", "--cols", "32", "--baseline", "tensorflow")
-    assert result.exit_code == 2 and "tensorflow" in result.output
+@pytest.mark.parametrize("op, args, message", [
+    ("softmax", ["--baseline", "tensorflow"], "tensorflow"),
+    ("softmax", ["--shape", "64,4096,256", "--cols", "32"], "without --rows and --cols"),
+    ("softmax", ["--shape", "64,4096,256", "--rows", "8"], "without --rows and --cols"),
+    ("softmax", ["--axis", "0"], "--axis applies to --shape"),
+    ("softmax", ["--shape", "64,0,256"], "positive"),
+    ("softmax", ["--shape", "64,4096", "--shape", "8,64,4096", "--axis", "2"], "out of range"),
+    ("softmax", ["--cols", "32,0"], "positive"),
+    ("softmax", ["--rows", "0"], "positive"),
+    ("rms_norm", ["--shape", "64,4096,256", "--axis", "1"], "not the last"),
+], ids=["baseline", "shape-and-cols", "shape-and-rows", "axis-alone", "shape-zero",
+        "axis-of-one-shape", "cols-zero", "rows-zero", "norm-axis"])
+def test_bench_bad_arguments(op, args, message):
+    result = run("bench", op, *args)
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def _bench_result(**over) -> dict:
+    point = {"shape": [64, 256], "cols": 256, "bytes": 4_000_000, "compile_s": 0.5,
+             "cupyops": {"us": 2.0, "reps": 10, "gbs": 2000.0},
+             "torch": {"us": 3.0, "reps": 10, "gbs": 1333.3},
+             "copy": {"us": 1.6, "reps": 10, "gbs": 2500.0}}
+    result = {"op": "softmax", "dtype": "float16", "rows": 64, "axis": -1, "device": "GPU",
+              "copy_gbs": 4000.0, "baselines": ["torch", "copy"], "notes": [], "points": [point]}
+    point.update(over.pop("point", {}))
+    return {**result, **over}
 
 
 def test_bench_table_gives_each_baseline_as_a_speedup():
     from cupyops.cli import benchmark
 
-    point = {"cols": 256, "bytes": 4_000_000, "compile_s": 0.5,
-             "cupyops": {"us": 2.0, "reps": 10, "gbs": 2000.0},
-             "torch": {"us": 3.0, "reps": 10, "gbs": 1333.3},
-             "copy": {"us": 1.6, "reps": 10, "gbs": 2500.0}}
-    result = {"op": "softmax", "dtype": "float16", "rows": 64, "device": "GPU", "copy_gbs": 4000.0,
-              "baselines": ["torch", "copy"], "notes": [], "points": [point]}
-    header, row = benchmark.format_table(result).splitlines()[1:]
+    title, header, row = benchmark.format_table(_bench_result()).splitlines()
+    assert title.startswith("softmax float16 rows=64 on GPU")
     assert header.split() == ["cols", "us", "GB/s", "copy", "xtorch", "xcopy", "compile", "s"]
     assert row.split() == ["256", "2.0", "2000", "50.0%", "1.50", "0.80", "0.50"]
+
+
+def test_bench_table_names_shapes_and_axis(tmp_path):
+    from cupyops.cli import benchmark
+
+    result = _bench_result(rows=None, axis=1, point={"shape": [64, 4096, 256], "cols": 4096})
+    title, header, row = benchmark.format_table(result).splitlines()
+    assert title.startswith("softmax float16 axis=1 on GPU")
+    assert header.split()[0] == "shape" and row.split()[:2] == ["64x4096x256", "2.0"]
+    path = tmp_path / "bench.csv"
+    benchmark.write_csv(result, str(path))
+    (line,) = csv.DictReader(path.open())
+    assert (line["shape"], line["cols"], line["axis"], line["rows"]) == ("64x4096x256", "4096", "1", "")
+    assert float(line["x_torch"]) == 1.5
 
 
 @pytest.mark.gpu
@@ -210,8 +247,27 @@ def test_bench_times_a_copy_of_the_same_bytes(tmp_path):
     assert result.exit_code == 0, result.output
     assert "xcopy" in result.output
     (point,) = json.loads(path.read_text())["points"]
-    assert point["bytes"] == 3 * 64 * 96 * 4
+    assert point["bytes"] == 3 * 64 * 96 * 4 and point["shape"] == [64, 96]
     assert point["copy"]["us"] > 0 and point["copy"]["gbs"] == pytest.approx(point["bytes"] / point["copy"]["us"] / 1e3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["softmax", "softmax_backward"])
+def test_bench_times_a_shape_over_an_axis(tmp_path, op):
+    pytest.importorskip("torch", reason="the torch baseline needs torch")
+    path = tmp_path / "bench.json"
+    result = run("bench", op, "--shape", "4,96,64", "--shape", "2,3,40,32", "--axis", "-2",
+                 "--dtype", "float32", "--baseline", "copy,torch", "--json", str(path))
+    assert result.exit_code == 0, result.output
+    assert "axis=-2" in result.output and "4x96x64" in result.output and "2x3x40x32" in result.output
+    saved = json.loads(path.read_text())
+    assert (saved["rows"], saved["axis"]) == (None, -2)
+    arrays = 3 if op.endswith("_backward") else 2
+    for point, shape in zip(saved["points"], ([4, 96, 64], [2, 3, 40, 32])):
+        assert point["shape"] == shape and point["cols"] == shape[-2]
+        assert point["bytes"] == arrays * math.prod(shape) * 4
+        assert point["cupyops"]["us"] > 0 and point["copy"]["us"] > 0
+        assert point["torch"]["us"] > 0      # torch's op over the same axis
 
 
 def test_help_lists_the_commands():
