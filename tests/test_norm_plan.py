@@ -79,6 +79,28 @@ def test_oneflow_warp_grid_uses_occupancy():
     assert small.main.block == (8, 16, 1) and small.main.grid == (1, 1, 1)
 
 
+def test_auto_forward_warp_blocks_hold_two_warps():
+    """auto's forward warp path with groups of a whole warp launches 64-thread
+    blocks, compiled for them (launch bounds 64, 16 blocks an SM: still 64
+    registers a thread); narrower groups, OneFlow's and the backward's keep 128."""
+    for op, cols, dtype in (("layer_norm", 1024, "f32"), ("rms_norm", 256, "f16"), ("layer_norm", 128, "f32")):
+        launch = norm.plan(op, ROWS, cols, dtype, "auto", H100).main
+        spec = launch.spec
+        assert spec.impl == "warp" and spec.threads_per_block == 64 and spec.name.endswith(
+            f"_b64_{'affine' if op == 'layer_norm' else 'weight'}")
+        assert launch.block == (32, 2, 1)
+        assert launch.grid == (-(-ROWS // (2 * spec.rows_per_access)), 1, 1)
+        assert spec.min_blocks_per_sm == 16
+        assert "__launch_bounds__(64, 16)" in jit.render(spec)
+    narrow = norm.plan("rms_norm", ROWS, 32, "f32", "auto", H100).main
+    assert narrow.spec.thread_group_width == 8 and narrow.block == (8, 16, 1)
+    assert "_b" not in narrow.spec.name.split("nopad")[1]
+    oneflow = norm.plan("layer_norm", ROWS, 1024, "f32", "oneflow", H100).main
+    assert oneflow.block == (32, 4, 1) and "_b" not in oneflow.spec.name.split("nopad")[1]
+    backward = norm.plan("layer_norm_backward", ROWS, 1024, "f32", "oneflow", H100).main
+    assert backward.spec.impl == "warp" and backward.block == (32, 4, 1)
+
+
 def test_oneflow_backward_reduces_params_apart():
     chosen = norm.plan("layer_norm_backward", ROWS, 1024, "f16", "oneflow", H100)
     assert chosen.main.spec.impl == "warp" and not chosen.main.spec.fuse_param_grad
@@ -506,7 +528,7 @@ def test_golden_names():
     assert (norm.plan("layer_norm_backward", ROWS, 4096, "f32", "auto", H100).spec.name
             == "layer_norm_grad_block_regs_f32_f32_p4_k2_b512_cached_weight_pgradsmem")
     assert (norm.plan("layer_norm", ROWS, 1024, "f32", "auto", H100, weight=False, bias=False).spec.name
-            == "layer_norm_warp_f32_f32_p4_c32_g32_r1_nopad")
+            == "layer_norm_warp_f32_f32_p4_c32_g32_r1_nopad_b64")
     assert (norm.plan("layer_norm", ROWS, 32768, "bf16", "auto", H100, residual=False).spec.name
             == "layer_norm_block_async_bf16_f32_p8_b512_t8_affine")
     assert (norm.plan("rms_norm", 64, 65536, "f16", "auto", H100, residual=True).spec.name

@@ -84,7 +84,16 @@ FORWARD_OPS = ("layer_norm", "rms_norm")
 BACKWARD_OPS = ("layer_norm_backward", "rms_norm_backward")
 OPS = FORWARD_OPS + BACKWARD_OPS
 
-WARP_BLOCK_THREADS = 128
+WARP_BLOCK_THREADS = 128             # OneFlow's, and the backward's
+# auto, forward, warp path with groups of a whole warp: blocks of two warps
+# (the same kernel, but for its launch bounds). H200, rows 49152, % of copy
+# against blocks of 128 threads, five interleaved rounds, bitwise the same
+# output: LayerNorm 1024 cols f16 88.3 / 87.4 (another run 89.5 / 88.0),
+# bf16 89.8 / 88.5, f32 93.1 / 92.7; 512 cols f16 77.2 / 76.4, f32 90.5 /
+# 88.7; RMSNorm f32 512 cols 91.1 / 89.1; 128 .. 256 cols within -0.5 .. +1.6.
+# Groups of 4 or 8 lanes (32 cols) lost: RMSNorm f32 37.0 / 40.4, f16 23.8 /
+# 24.5. Blocks of one warp: LayerNorm f16 1024 cols 89.2, 512 cols 66.8.
+AUTO_FORWARD_WARP_BLOCK_THREADS = 64
 UNCACHED_BLOCK_SIZE = 1024
 PARAM_GRAD_BLOCK = (32, 32)          # kParamGradRows in kernels/norm.cuh
 PARAM_GRADS = {"layer_norm": 2, "rms_norm": 1}   # dweight (and dbias)
@@ -293,7 +302,7 @@ class NormSpec(jit.KernelSpec):
     thread_group_width: int = 0      # warp
     rows_per_access: int = 1         # warp; backward block_regs, cached: rows loaded together
     padding: bool = False            # warp
-    block_size: int = 0              # block paths
+    block_size: int = 0              # block paths; warp: threads a block (0: WARP_BLOCK_THREADS)
     packs_per_thread: int = 0        # block_regs
     packed_cache: bool = False       # forward block_smem: cache the storage type
     peel: bool = False               # block_regs: rows start off the 16-byte grid
@@ -334,6 +343,7 @@ class NormSpec(jit.KernelSpec):
                 cols += f"m{self.min_cols_per_thread}"
             pad = "pad" if self.padding else "nopad"
             path = f"_{cols}_g{self.thread_group_width}_r{self.rows_per_access}_{pad}"
+            path += f"_b{self.block_size}" if self.block_size else ""
         elif self.impl == "block_regs":
             path = f"_k{self.packs_per_thread}_b{self.block_size}"
             path += "_peel" if self.peel else ""
@@ -367,7 +377,7 @@ class NormSpec(jit.KernelSpec):
     @property
     def threads_per_block(self) -> int:
         if self.impl == "warp":
-            return WARP_BLOCK_THREADS
+            return self.block_size or WARP_BLOCK_THREADS
         if self.impl in ("param_grad", "param_grad_finish"):
             return PARAM_GRAD_BLOCK[0] * PARAM_GRAD_BLOCK[1]
         if self.impl == "weight_phases":
@@ -523,20 +533,22 @@ def _oneflow_grid(target: Target, spec: NormSpec, block_threads: int, smem: int,
 
 
 def _warp_launch(spec_fields: dict, rows: int, cols: int, pack_size: int, ladder, target: Target,
-                 policy: str, smem_per_group_col: int = 0) -> KernelLaunch:
+                 policy: str, smem_per_group_col: int = 0, block_threads: int = 0) -> KernelLaunch:
+    """block_threads: threads a block, 0 for WARP_BLOCK_THREADS (and a name without it)."""
     max_cols, min_cols, width, rows_per_access = ladder
     padding = cols != max_cols * width
     spec = NormSpec(impl="warp", pack_size=pack_size, cols_per_thread=max_cols,
                     min_cols_per_thread=min_cols if padding else max_cols, thread_group_width=width,
-                    rows_per_access=rows_per_access, padding=padding, **spec_fields)
-    groups_per_block = WARP_BLOCK_THREADS // width
+                    rows_per_access=rows_per_access, padding=padding, block_size=block_threads,
+                    **spec_fields)
+    groups_per_block = spec.threads_per_block // width
     smem = smem_per_group_col * groups_per_block * cols
     if policy == "oneflow":
         needed = _ceil_div(rows // rows_per_access, groups_per_block)
-        grid = _oneflow_grid(target, spec, WARP_BLOCK_THREADS, smem, False, needed)
+        grid = _oneflow_grid(target, spec, spec.threads_per_block, smem, False, needed)
     else:
         needed = _ceil_div(_ceil_div(rows, rows_per_access), groups_per_block)
-        grid = get_num_blocks(target.facts, WARP_BLOCK_THREADS, needed)
+        grid = get_num_blocks(target.facts, spec.threads_per_block, needed)
     return KernelLaunch(spec, (width, groups_per_block, 1), (grid, 1, 1), smem)
 
 
@@ -630,7 +642,9 @@ def _auto_registers(fields, rows, cols, align, target, direction, block_ladder, 
     regs_first = (pack * ftype.itemsize == 16
                   and cols >= AUTO_REGS_FROM_COLS.get((fields["op"], ftype.itemsize), cols + 1))
     if ladder is not None and not regs_first:
-        return _warp_launch(fields, rows, cols, pack, ladder, target, "auto"), pack
+        whole_warp = ladder[2] == 32
+        block_threads = AUTO_FORWARD_WARP_BLOCK_THREADS if direction == "forward" and whole_warp else 0
+        return _warp_launch(fields, rows, cols, pack, ladder, target, "auto", block_threads=block_threads), pack
     peel = peel_allowed and pack * ftype.itemsize < 16
     regs_pack = 16 // ftype.itemsize if peel else pack
     for block_size, max_bytes, extra, spill_checked in (peeled_ladder or block_ladder) if peel else block_ladder:
