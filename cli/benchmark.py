@@ -55,10 +55,15 @@ def run(op: str, entry, dtype, shapes: list, axis: int, baselines: list, rows=No
 
 
 def _label(result: dict, point: dict) -> str:
-    """A point's name: its cols in a sweep over cols, else its shape (and the axis)."""
+    """A point's name: its cols in a sweep over cols, else its shape."""
     if result["rows"] is not None:
         return str(point["cols"])
     return "x".join(map(str, point["shape"]))
+
+
+def _over(result: dict) -> str:
+    """What the points share: the rows of a sweep over cols, else the reduced axis."""
+    return f"rows={result['rows']}" if result["rows"] is not None else f"axis={result['axis']}"
 
 
 def _rows(result: dict):
@@ -75,9 +80,7 @@ def _rows(result: dict):
 
 
 def format_table(result: dict) -> str:
-    over = (f"rows={result['rows']}" if result["rows"] is not None
-            else f"axis={result['axis']}")
-    lines = [f"{result['op']} {result['dtype']} {over} on {result['device']}; "
+    lines = [f"{result['op']} {result['dtype']} {_over(result)} on {result['device']}; "
              f"copy ceiling {result['copy_gbs']:.0f} GB/s (read + write)"]
     rows = list(_rows(result))
     label = "cols" if result["rows"] is not None else "shape"
@@ -127,8 +130,7 @@ def plot(result: dict, path: str) -> None:
         axes.set_xticks(where, labels)
     axes.set_xlabel("cols" if sweep else "shape")
     axes.set_ylabel("GB/s")
-    over = f"rows={result['rows']}" if sweep else f"axis={result['axis']}"
-    axes.set_title(f"{result['op']} {result['dtype']}, {over}, {result['device']}")
+    axes.set_title(f"{result['op']} {result['dtype']}, {_over(result)}, {result['device']}")
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)

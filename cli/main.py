@@ -14,6 +14,7 @@ from cupyops.launch import Target
 
 from .ops import OPS
 
+DEFAULT_ROWS = 49152
 DEFAULT_COLS = "32,64,128,256,512,1000,1024,1536,2048,3000,4096,8192,12345,16384,32768"
 
 
@@ -39,15 +40,20 @@ def _shape_and_axis(op: str, shape: str, axis: int) -> tuple:
     return dims, axis
 
 
-def _target(device_name):
-    if device_name is not None:
-        return Target.profile(device_name)
+def _live_device(no_gpu_message: str) -> int:
+    """The current device's id, or a usage error saying no_gpu_message where no GPU is usable."""
     import cupy
 
     if not cupy.is_available():
-        raise click.UsageError("no GPU here: name a device profile with --device "
-                               f"({', '.join(PROFILES)})")
-    return Target.live(cupy.cuda.runtime.getDevice())
+        raise click.UsageError(no_gpu_message)
+    return cupy.cuda.runtime.getDevice()
+
+
+def _target(device_name):
+    if device_name is not None:
+        return Target.profile(device_name)
+    return Target.live(_live_device("no GPU here: name a device profile with --device "
+                                    f"({', '.join(PROFILES)})"))
 
 
 op_argument = click.argument("op", type=click.Choice(sorted(OPS)))
@@ -106,7 +112,7 @@ def explain(op, shape, axis, dtype, policy, device_name, as_json, source):
 @op_argument
 @dtype_option
 @click.option("--cols", default=DEFAULT_COLS, show_default=True, help="Comma-separated row lengths.")
-@click.option("--rows", default=49152, show_default=True, type=int)
+@click.option("--rows", default=DEFAULT_ROWS, show_default=True, type=int)
 @click.option("--arch", default="sm_90", show_default=True, type=click.Choice(sorted(ARCH_PROFILES)))
 @policy_option
 def compile_(op, dtype, cols, rows, arch, policy):
@@ -136,7 +142,7 @@ def compile_(op, dtype, cols, rows, arch, policy):
 @main.command()
 @op_argument
 @dtype_option
-@click.option("--rows", default=None, type=int, help="Rows of the sweep over --cols  [default: 49152]")
+@click.option("--rows", default=None, type=int, help=f"Rows of the sweep over --cols  [default: {DEFAULT_ROWS}]")
 @click.option("--cols", default=None, help=f"Comma-separated row lengths  [default: {DEFAULT_COLS}]")
 @click.option("--shape", "shapes", multiple=True,
               help="Time this shape instead of a sweep over cols (repeatable), e.g. 64,4096,256.")
@@ -168,17 +174,14 @@ def bench(op, dtype, rows, cols, shapes, axis, baseline, csv_path, json_path, pl
     else:
         if axis != -1:
             raise click.UsageError("--axis applies to --shape; a sweep over --cols reduces rows")
-        rows = 49152 if rows is None else rows
+        rows = DEFAULT_ROWS if rows is None else rows
         if rows < 1:
             raise click.BadParameter(f"rows must be positive, got {rows}", param_hint="--rows")
         cols_list = _int_list(DEFAULT_COLS if cols is None else cols)
         if not cols_list or min(cols_list) < 1:
             raise click.BadParameter(f"cols must be positive, got {cols!r}", param_hint="--cols")
         sweep = dict(shapes=[[rows, c] for c in cols_list], axis=-1, rows=rows)
-    import cupy
-
-    if not cupy.is_available():
-        raise click.UsageError("bench times the live GPU, and no GPU is usable here")
+    _live_device("bench times the live GPU, and no GPU is usable here")
     result = benchmark.run(op, OPS[op], dtypes.parse_dtype(dtype), baselines=baselines, **sweep)
     click.echo(benchmark.format_table(result))
     if csv_path:

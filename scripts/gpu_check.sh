@@ -30,6 +30,7 @@ if run sanitize; then
   done
 fi
 
+LONG_ROWS=(--shape 16384,65536 --shape 8192,131072 --shape 4096,262144 --shape 8,1048576)
 bench() {   # op dtype label [bench options]: one table into bench.txt, its JSON kept
   local op="$1" dtype="$2" label="$3"; shift 3
   python -m cupyops.cli bench "$op" --dtype "$dtype" "$@" \
@@ -38,8 +39,7 @@ bench() {   # op dtype label [bench options]: one table into bench.txt, its JSON
 if run targets; then   # the shapes and cols the issues set targets for
   for dtype in float16 bfloat16 float32; do
     bench softmax "$dtype" rows --cols 256,1024,2048,4096,32768 --baseline torch,copy
-    bench softmax "$dtype" long --shape 16384,65536 --shape 8192,131072 --shape 4096,262144 \
-      --shape 8,1048576 --baseline torch,copy
+    bench softmax "$dtype" long "${LONG_ROWS[@]}" --baseline torch,copy
     for op in softmax log_softmax softmax_backward; do
       bench "$op" "$dtype" axis --shape 64,4096,256 --axis 1 --baseline torch,oneflow,copy
     done
@@ -64,8 +64,7 @@ if run bench-rest; then
   done
   for dtype in float16 bfloat16 float32; do
     for op in softmax log_softmax softmax_backward; do
-      bench "$op" "$dtype" long --shape 16384,65536 --shape 8192,131072 --shape 4096,262144 \
-        --shape 8,1048576 --baseline torch,oneflow,copy
+      bench "$op" "$dtype" long "${LONG_ROWS[@]}" --baseline torch,oneflow,copy
       bench "$op" "$dtype" axis --shape 64,4096,256 --axis 1 --baseline torch,oneflow,copy
     done
   done
