@@ -45,7 +45,7 @@ if run targets; then   # the shapes and cols the issues set targets for
     done
     bench softmax_backward "$dtype" rows --cols 1024,2048,32768 --baseline torch,copy
     for op in layer_norm rms_norm; do
-      bench "$op" "$dtype" rows --cols 32,128,256,1024,2048,4096,16384,32768 --baseline torch,copy
+      bench "$op" "$dtype" rows --cols 32,128,256,512,1024,2048,4096,16384,32768 --baseline torch,copy
       bench "${op}_backward" "$dtype" rows --cols 1024,16384 --baseline torch,copy
     done
   done

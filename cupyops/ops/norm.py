@@ -39,7 +39,9 @@ the results agree within rounding):
 
 policy="auto" (default): 16-byte packs; warp groups of 1 .. 32 lanes with two
 rows per access (odd row counts included, the last row guarded) and lanes
-holding up to 128 bytes (backward: 64); then the register block path (forward:
+holding up to 128 bytes (backward: 64), forward groups of a whole warp in
+blocks of two warps bound to 18 blocks an SM (MIN_RESIDENT_THREADS); then the
+register block path (forward:
 rows that allow no 16-byte pack, e.g. odd cols, peel their edges and read
 16-byte packs when every row operand has the same phase, weight and bias
 realigned in registers, a thread's packs that every row fills unchecked
@@ -86,13 +88,14 @@ OPS = FORWARD_OPS + BACKWARD_OPS
 
 WARP_BLOCK_THREADS = 128             # OneFlow's, and the backward's
 # auto, forward, warp path with groups of a whole warp: blocks of two warps
-# (the same kernel, but for its launch bounds). H200, rows 49152, % of copy
-# against blocks of 128 threads, five interleaved rounds, bitwise the same
-# output: LayerNorm 1024 cols f16 88.3 / 87.4 (another run 89.5 / 88.0),
-# bf16 89.8 / 88.5, f32 93.1 / 92.7; 512 cols f16 77.2 / 76.4, f32 90.5 /
-# 88.7; RMSNorm f32 512 cols 91.1 / 89.1; 128 .. 256 cols within -0.5 .. +1.6.
-# Groups of 4 or 8 lanes (32 cols) lost: RMSNorm f32 37.0 / 40.4, f16 23.8 /
-# 24.5. Blocks of one warp: LayerNorm f16 1024 cols 89.2, 512 cols 66.8.
+# (the same kernel, but for its launch bounds: MIN_RESIDENT_THREADS). H200,
+# rows 49152, % of copy against blocks of 128 threads, five interleaved
+# rounds, bitwise the same output (both bound to 1024 threads an SM):
+# LayerNorm 1024 cols f16 88.3 / 87.4 (another run 89.5 / 88.0), bf16 89.8 /
+# 88.5, f32 93.1 / 92.7; 512 cols f16 77.2 / 76.4, f32 90.5 / 88.7; RMSNorm
+# f32 512 cols 91.1 / 89.1; 128 .. 256 cols within -0.5 .. +1.6. Groups of 4
+# or 8 lanes (32 cols) lost: RMSNorm f32 37.0 / 40.4, f16 23.8 / 24.5.
+# Blocks of one warp: LayerNorm f16 1024 cols 89.2, 512 cols 66.8.
 AUTO_FORWARD_WARP_BLOCK_THREADS = 64
 UNCACHED_BLOCK_SIZE = 1024
 PARAM_GRAD_BLOCK = (32, 32)          # kParamGradRows in kernels/norm.cuh
@@ -100,8 +103,15 @@ PARAM_GRADS = {"layer_norm": 2, "rms_norm": 1}   # dweight (and dbias)
 # Threads per SM each kernel is compiled to leave room for (the second
 # argument of __launch_bounds__): 64 registers a thread forward, 128 backward
 # (dy, x and partial sums live in registers), 64 backward with the partial
-# sums in shared memory (the registers hold rows in flight).
-MIN_RESIDENT_THREADS = {"forward": 1024, "backward": 512, "backward_smem_partials": 1024}
+# sums in shared memory (the registers hold rows in flight). auto's two-warp
+# forward warp blocks: 18 an SM, 56 registers a thread, no spills (every
+# instantiation up to 1024 cols). H200, rows 49152, five interleaved rounds
+# against 16 blocks, bitwise the same output, % of copy: LayerNorm f16 512
+# cols 78.9 / 77.0, bf16 78.5 / 76.4; 256 cols f16 61.5 / 60.3, bf16 61.1 /
+# 60.4; f16 1024 cols with a residual (4 arrays counted) 90.9 / 89.3; the
+# other LayerNorm and RMSNorm cols 128 .. 1024 within -0.3 .. +0.2.
+MIN_RESIDENT_THREADS = {"forward": 1024, "forward_two_warp": 1152, "backward": 512,
+                        "backward_smem_partials": 1024}
 ONEFLOW_WARP_MAX_COLS = 1024
 
 # OneFlow's warp ladder: group widths of the narrow stage, then the
@@ -389,8 +399,11 @@ class NormSpec(jit.KernelSpec):
         """__launch_bounds__' second argument (MIN_RESIDENT_THREADS per SM, in
         whole blocks), so ptxas neither spills to reach full occupancy nor
         spends registers past it."""
-        kind = ("forward" if self.op in FORWARD_OPS
-                else "backward_smem_partials" if self.smem_partials else "backward")
+        if self.op in FORWARD_OPS:
+            two_warp = self.impl == "warp" and self.block_size == AUTO_FORWARD_WARP_BLOCK_THREADS
+            kind = "forward_two_warp" if two_warp else "forward"
+        else:
+            kind = "backward_smem_partials" if self.smem_partials else "backward"
         return _ceil_div(MIN_RESIDENT_THREADS[kind], self.threads_per_block)
 
     def explain_extra(self) -> dict:
