@@ -655,9 +655,11 @@ def _auto_registers(fields, rows, cols, align, target, direction, block_ladder, 
     regs_first = (pack * ftype.itemsize == 16
                   and cols >= AUTO_REGS_FROM_COLS.get((fields["op"], ftype.itemsize), cols + 1))
     if ladder is not None and not regs_first:
-        whole_warp = ladder[2] == 32
-        block_threads = AUTO_FORWARD_WARP_BLOCK_THREADS if direction == "forward" and whole_warp else 0
-        return _warp_launch(fields, rows, cols, pack, ladder, target, "auto", block_threads=block_threads), pack
+        group_width = ladder[2]
+        two_warp = direction == "forward" and group_width == WARP_SIZE
+        block_threads = AUTO_FORWARD_WARP_BLOCK_THREADS if two_warp else 0
+        launch = _warp_launch(fields, rows, cols, pack, ladder, target, "auto", block_threads=block_threads)
+        return launch, pack
     peel = peel_allowed and pack * ftype.itemsize < 16
     regs_pack = 16 // ftype.itemsize if peel else pack
     for block_size, max_bytes, extra, spill_checked in (peeled_ladder or block_ladder) if peel else block_ladder:
