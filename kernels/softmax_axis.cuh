@@ -377,18 +377,36 @@ __device__ __forceinline__ void softmax_axis(const T* const (&inputs)[Op::num_in
 
     // Outputs, from the shared-memory tile or from the arrays again. A thread
     // reads only the elements it writes (and the cache slots it filled), so
-    // out may be an input and the cache needs no further barrier.
-    if (active) {
+    // out may be an input and the cache needs no further barrier. Where every
+    // slice of the thread folds (Op::can_fold), through folded_out: H200,
+    // (64, 4096, 256) float16 softmax, 78.7 -> 80.3 % of copy.
+    const auto write_outputs = [&](auto folded) {
       for_each_row([&](int64 c, const Packs& packs) {
         P result;
 #pragma unroll
         for (int i = 0; i < pack_size; ++i) {
           C v[N];
           element(packs, i, v);
-          result.elem[i] = cast<T>(ops[i].template out<false>(v));
+          result.elem[i] = cast<T>(uncached_out<decltype(folded)::get>(ops[i], v));
         }
         store_pack(out + slice_offset + c * inner, result);   // one vector store (a struct copy may split)
       });
+    };
+    if (active) {
+      if constexpr (Op::can_fold) {
+        bool folds = true;
+#pragma unroll
+        for (int i = 0; i < pack_size; ++i) folds = folds && ops[i].folds();
+        if (folds) {
+          write_outputs(Constant<true>());
+        } else {
+#pragma unroll
+          for (int i = 0; i < pack_size; ++i) ops[i].unfold();
+          write_outputs(Constant<false>());
+        }
+      } else {
+        write_outputs(Constant<false>());
+      }
     }
   }
   // No block leaves while another of its cluster may still read its published totals.

@@ -618,6 +618,29 @@ def test_float16_softmax_base2_terms(rng, axis_everywhere):
 
 
 @pytest.mark.gpu
+def test_float16_softmax_folded_scale_rounds_within_half_an_ulp(rng, axis_everywhere):
+    """float16 softmax over a cached tile writes 2^(x log2(e) - (shift + log2 s))
+    where |shift + log2 s| < 256 (kernels/softmax.cuh, RowSoftmax), else
+    2^(x log2(e) - shift) / s: either way each output is the float64 result
+    rounded to float16, within half an ulp and 2e-5 of itself (a folded shift
+    rounded at 2^11 would be off by 2e-4). Slice maxima on both sides of the
+    limit (m log2(e) about +-245, +-257, +-260) and far from it, threads of
+    both kinds in one tile."""
+    import cupy
+
+    shape = (4, 300, 64)
+    offsets = rng.choice([0.0, 170.0, -170.0, 178.0, -178.0, 180.0, -180.0, 3000.0, -3000.0],
+                         size=(shape[0], 1, shape[2]))
+    host = (offsets + 2.0 * rng.standard_normal(shape)).astype(numpy.float16)
+    chosen = plan("softmax", *shape, "f16", Target.live(cupy.cuda.Device().id))
+    assert chosen.spec.base2_exp and chosen.spec.cached
+    y = run_checked("softmax", cupy.asarray(host), 1).get().astype(numpy.float64)
+    exact = reference("softmax", host.astype(numpy.float64), 1)
+    half_ulp = 0.5 * numpy.spacing(numpy.abs(exact).astype(numpy.float16)).astype(numpy.float64)
+    assert numpy.all(numpy.abs(y - exact) <= half_ulp + 2e-5 * numpy.abs(exact))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", OPS)
 def test_out_poisoned_and_in_place(op, dtype, rng, axis_everywhere):

@@ -61,7 +61,10 @@ Planner rule (tables below, tuned on an H200 with scripts/tune_axis.py):
    long tiles leave most SMs idle while the rows path spreads the rows).
 8. grid: OneFlow's waves of blocks for the tiles x cluster_size blocks,
    rounded down to whole clusters.
-9. float16 softmax over a cached tile sums base-2 terms (base2_terms).
+9. float16 softmax over a cached tile sums base-2 terms (base2_terms), and
+   its threads write 2^(x log2(e) - (shift + log2 s)) where every slice they
+   hold allows it (kernels/softmax.cuh, RowSoftmax): 80.7 % of copy at
+   (64, 4096, 256), 79.1 % dividing by the sum.
 """
 from __future__ import annotations
 
