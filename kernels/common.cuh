@@ -116,6 +116,15 @@ template <int value>
 struct Constant {
   static constexpr int get = value;
 };
+// Calls body(Constant<i>()) for i = first .. last - 1, in order: indices a body
+// can use as template arguments.
+template <int first, int last, typename Body>
+__device__ __forceinline__ void for_each_constant(const Body& body) {
+  if constexpr (first < last) {
+    body(Constant<first>());
+    for_each_constant<first + 1, last>(body);
+  }
+}
 template <typename Body>
 __device__ __forceinline__ void with_word_shift(unsigned offset, const Body& body) {
   switch ((offset & 15u) / 4u) {
@@ -262,19 +271,27 @@ struct DirectStore {
   }
 };
 
-// Asynchronous copy of one 4-, 8- or 16-byte pack, global -> shared (sm_80+);
-// 16-byte copies bypass L1. The "memory" clobbers keep the compiler from
-// moving this thread's shared-memory accesses across the copy or the wait.
+// Asynchronous copy of the 4-, 8- or 16-byte pack `global_offset` bytes past
+// global_base to `shared_offset` bytes past shared_base (a shared-state-space
+// address), global -> shared (sm_80+); 16-byte copies bypass L1. The offsets
+// ride in the instruction, so copies from one base hold no register for each
+// address. The "memory" clobbers keep the compiler from moving this thread's
+// shared-memory accesses across the copy or the wait.
+template <int bytes, int shared_offset, int global_offset>
+__device__ __forceinline__ void cp_async_pack_at(unsigned shared_base, const void* global_base) {
+  static_assert(bytes == 4 || bytes == 8 || bytes == 16, "cp.async moves 4, 8 or 16 bytes");
+  if constexpr (bytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0+%2], [%1+%3], 16;" ::"r"(shared_base), "l"(global_base),
+                 "n"(shared_offset), "n"(global_offset) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0+%2], [%1+%3], %4;" ::"r"(shared_base), "l"(global_base),
+                 "n"(shared_offset), "n"(global_offset), "n"(bytes) : "memory");
+  }
+}
+// One pack, from a generic shared-memory pointer.
 template <int bytes>
 __device__ __forceinline__ void cp_async_pack(void* shared, const void* global) {
-  static_assert(bytes == 4 || bytes == 8 || bytes == 16, "cp.async moves 4, 8 or 16 bytes");
-  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-  if constexpr (bytes == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(address), "l"(global) : "memory");
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(address), "l"(global), "n"(bytes)
-                 : "memory");
-  }
+  cp_async_pack_at<bytes, 0, 0>(static_cast<unsigned>(__cvta_generic_to_shared(shared)), global);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Waits until at most `pending` committed groups of this thread are still in flight.

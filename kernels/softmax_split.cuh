@@ -188,6 +188,13 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* address) {
 // combines the row's partials (combine_row_partials) and writes the outputs
 // from registers: each element is read once and written once.
 //
+// prefetch: once a block has written a row's partial it starts copying its
+// chunk of the slot's next row into dynamic shared memory by cp.async (the
+// thread's own packs, [k][input][thread]), so the next row's reads overlap
+// this row's wait, combine and writes; the next row is then loaded from
+// there. A thread reads back only the slots it filled, after its own wait,
+// and refills them only after using what it read: no barrier.
+//
 // Workspace: partials [slots][2][splits][size], by round parity (a block that
 // runs ahead writes the other half, never partials its slot still reads: it
 // cannot pass the next row's wait before every block of the slot has
@@ -196,7 +203,7 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* address) {
 // slot to leave resets both, once every block of the slot has passed its last
 // wait.
 template <typename Op, typename T, typename Load, typename Store, typename C, int pack_size,
-          int packs_per_thread, int block_size>
+          int packs_per_thread, int block_size, bool prefetch>
 __device__ __forceinline__ void softmax_split_coop(const Load (&loads)[Op::num_inputs], const Store& store,
                                                    C* partials, unsigned* counters, int64 rows, int64 cols,
                                                    int64 splits, int64 chunk_cols) {
@@ -211,19 +218,33 @@ __device__ __forceinline__ void softmax_split_coop(const Load (&loads)[Op::num_i
   const int64 first_pack = split * chunk_packs + threadIdx.x;
   unsigned* const arrivals = counters + slot;
   unsigned* const departures = counters + slots + slot;
+  extern __shared__ __align__(16) unsigned char shared_buf[];
+  P* const next_chunk = reinterpret_cast<P*>(shared_buf);   // prefetch: [packs_per_thread][N][block_size]
+  const auto own_slot = [&](int k, int j) -> P& { return next_chunk[(k * N + j) * block_size + threadIdx.x]; };
+  // Calls f(Constant<k>, Constant<j>, first) for pack k of input j of this
+  // thread's chunk of `row`, first its first pack of input j: pack k lies
+  // k * block_size packs past it (a constant offset, no register for each).
+  const auto for_chunk = [&](int64 row, const auto& f) {
+    for_each_constant<0, N>([&](auto input) {
+      const T* const first = loads[input.get].src + row * loads[input.get].row_stride + first_pack * pack_size;
+      for_each_constant<0, packs_per_thread>([&](auto pack) {
+        if (first_pack + pack.get * block_size < end_pack) f(pack, input, first);
+      });
+    });
+  };
   P cache[packs_per_thread][N];
   unsigned round = 0;
+  bool prefetched = false;
   for (int64 row = slot; row < rows; row += slots, ++round) {
-#pragma unroll
-    for (int k = 0; k < packs_per_thread; ++k) {
-      const int64 pack = first_pack + static_cast<int64>(k) * block_size;
-      if (pack < end_pack) {
-#pragma unroll
-        for (int j = 0; j < N; ++j) {
-          cache[k][j] = load_pack<T, pack_size>(loads[j].src + row * loads[j].row_stride + pack * pack_size);
-        }
+    for_chunk(row, [&](auto pack, auto input, const T* first) {
+      constexpr int k = decltype(pack)::get, j = decltype(input)::get;
+      if (prefetch && prefetched) {
+        if (k == 0 && j == 0) cp_async_wait_all();
+        cache[k][j] = load_pack<T, pack_size>(own_slot(k, j).elem);
+      } else {
+        cache[k][j] = load_pack<T, pack_size>(first + k * block_size * pack_size);
       }
-    }
+    });
     // values[j][i]: element i of cached pack k of input j in compute type.
     const auto values_of = [&](int k, C (&values)[N][pack_size]) {
 #pragma unroll
@@ -243,6 +264,18 @@ __device__ __forceinline__ void softmax_split_coop(const Load (&loads)[Op::num_i
     }
     C* const round_partials = partials + (slot * 2 + (round & 1)) * splits * size;
     partial.template block_write<block_size>(round_partials + split * size);
+    if constexpr (prefetch) {
+      prefetched = row + slots < rows;
+      if (prefetched) {
+        const unsigned shared_base = static_cast<unsigned>(__cvta_generic_to_shared(&own_slot(0, 0)));
+        for_chunk(row + slots, [&](auto pack, auto input, const T* first) {
+          constexpr int k = decltype(pack)::get, j = decltype(input)::get;
+          cp_async_pack_at<sizeof(P), (k * N + j) * block_size * sizeof(P), k * block_size * sizeof(P)>(
+              shared_base, first);
+        });
+        cp_async_commit();
+      }
+    }
     if (threadIdx.x == 0) {
       __threadfence();
       atomicAdd(arrivals, 1u);

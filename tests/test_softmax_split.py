@@ -79,6 +79,8 @@ def split_everywhere(monkeypatch):
     (SoftmaxSplitSpec("softmax_backward", "finish", "f64", 2, 256, 4),
      "softmax_backward_split_finish_f64_f64_p2_b256_l4"),
     (SoftmaxSplitSpec("softmax", "coop", "f16", 8, 512, 4), "softmax_split_coop_f16_f32_p8_b512_l4"),
+    (SoftmaxSplitSpec("log_softmax", "coop", "f32", 4, 512, 4, min_blocks=3, prefetch=True),
+     "log_softmax_split_coop_f32_f32_p4_b512_l4_m3_pf"),
 ])
 def test_golden_names(spec, name):
     assert spec.name == name
@@ -103,6 +105,18 @@ def test_render_names_the_kernel_and_fingerprint(op):
         assert ("const cupyops::half_t* x, float* partials" in source) == (
             stage == "partials" and inputs == ("x",))
         assert "{%" not in source and "{{ " not in source
+
+
+@pytest.mark.parametrize("stage", ["partials", "finish"])
+def test_only_coop_prefetches(stage):
+    with pytest.raises(ValueError, match="only the coop stage prefetches"):
+        SoftmaxSplitSpec("softmax", stage, "f32", 4, 512, 4, prefetch=True)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_render_coop_prefetch(prefetch):
+    source = jit.render(SoftmaxSplitSpec("softmax", "coop", "f32", 4, 512, 4, prefetch=prefetch))
+    assert f"512, {'true' if prefetch else 'false'}>(loads, store, partials, counters, rows," in source
 
 
 # -- the planner ----------------------------------------------------------------------
@@ -201,15 +215,32 @@ def test_rows_need_two_chunks(split_everywhere, monkeypatch):
     assert ss.coop_plan("softmax", 8, 264, "f16", H100).splits == 2
 
 
-# Coop, worked from rule 3 for the H100 profile: f16 softmax threads hold 128
+# Coop, worked from rule 3 for the H100 profile. f16 softmax threads hold 128
 # bytes (8 packs); 2 such 512-thread blocks fit an SM by registers (NVRTC for
 # sm_90): 264 resident; 2**20 / (512 x 64) = 32 splits, 264 // 32 = 8 slots.
-def test_coop_explain():
-    info = plan("softmax", 8, 2**20, "f16", H100).explain()
-    assert info == {"op": "softmax", "impl": "split", "pack_size": 8, "splits": 32,
-                    "chunk_cols": 32768, "slots": 8, "packs_per_thread": 8, "block": [512, 1, 1],
-                    "grid": [256, 1, 1], "smem_bytes": 0, "kernel": "softmax_split_coop_f16_f32_p8_b512_l8",
-                    "cooperative": True}
+# f32 softmax threads hold 64 bytes (4 packs), 3 blocks an SM (40 registers,
+# __launch_bounds__(512, 3)), prefetching 512 x 4 x 16 bytes: 396 resident;
+# 2**20 / (512 x 16) = 128 splits, 396 // 128 = 3 slots for 8 rows.
+@pytest.mark.parametrize("dtype, expected", [
+    ("f16", {"pack_size": 8, "splits": 32, "chunk_cols": 32768, "slots": 8, "packs_per_thread": 8,
+             "prefetch": False, "grid": [256, 1, 1], "smem_bytes": 0,
+             "kernel": "softmax_split_coop_f16_f32_p8_b512_l8"}),
+    ("f32", {"pack_size": 4, "splits": 128, "chunk_cols": 8192, "slots": 3, "packs_per_thread": 4,
+             "prefetch": True, "grid": [384, 1, 1], "smem_bytes": 32768,
+             "kernel": "softmax_split_coop_f32_f32_p4_b512_l4_m3_pf"}),
+])
+def test_coop_explain(dtype, expected):
+    info = plan("softmax", 8, 2**20, dtype, H100).explain()
+    assert info == {"op": "softmax", "impl": "split", "block": [512, 1, 1], "cooperative": True, **expected}
+
+
+@pytest.mark.parametrize("op, rows, dtype", [("softmax", 3, "f32"), ("softmax", 200, "f32"),
+                                             ("softmax_backward", 8, "f32"), ("softmax", 8, "f16")])
+def test_coop_prefetch_only_for_several_rounds_of_few_rows(op, rows, dtype):
+    """One round (rows <= slots), many rows (slots drift apart), backward
+    and 16-bit (not in COOP_PREFETCH): no prefetch."""
+    p = ss.coop_plan(op, rows, 2**20, dtype, H100)
+    assert isinstance(p, ss.CoopPlan) and not p.spec.prefetch and p.smem_bytes == 0
 
 
 def test_two_launch_explain():
@@ -262,10 +293,17 @@ def check_coop_plan(p, op, rows, cols, dtype, align):
     spec = p.spec
     assert spec.stage == "coop" and spec.block_size == ss.COOP_BLOCK_SIZE
     assert p.chunk_cols == ss.COOP_BLOCK_SIZE * spec.loads_in_flight * spec.pack_size
-    resident = H100.facts.sm_count * H100.max_active_blocks(spec, ss.COOP_BLOCK_SIZE, 0, False)
+    resident = H100.facts.sm_count * H100.max_active_blocks(spec, ss.COOP_BLOCK_SIZE, p.smem_bytes, True)
     assert p.slots == min(rows, resident // p.splits) >= 1
     assert p.grid == (p.slots * p.splits, 1, 1) and p.grid[0] <= resident
     itemsize = ITEMSIZE[dtype]
+    inputs = len(ss.INPUTS[op])
+    if spec.prefetch:   # few rows, more than one round, a prefetching dtype: a chunk of every input
+        assert (itemsize, inputs) in ss.COOP_PREFETCH and p.slots < rows < H100.facts.sm_count
+        assert H100.resources(spec)["local_bytes"] == 0
+        assert p.smem_bytes == inputs * spec.loads_in_flight * ss.COOP_BLOCK_SIZE * spec.pack_size * itemsize
+    else:
+        assert p.smem_bytes == 0
     preferred = ss.COOP_BYTES_PER_THREAD[(itemsize, len(ss.INPUTS[op]))]
     held = spec.loads_in_flight * spec.pack_size * itemsize
     assert held in [max(preferred << d, spec.pack_size * itemsize) for d in range(ss.COOP_DOUBLINGS + 1)]
@@ -571,6 +609,23 @@ def test_in_place(op, dtype, rng, split_kind):
         inputs = [cupy.asarray(a) for a in host]
         run_split(op, inputs, inputs[position], split_kind)
         check(op, inputs[position].get(), expected, NUMPY_DTYPES[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_coop_prefetch(op, in_place, rng):
+    """float32 rows in several rounds a slot, each next row prefetched into
+    shared memory: 16-byte packs with a short last chunk, and 4-byte packs."""
+    import cupy
+
+    for shape in [(16, 2**20 + 4), (8, 2**20 + 7)]:
+        host = host_inputs(rng, op, shape, numpy.float32)
+        x = cupy.asarray(host[0])
+        chosen = plan(op, *shape, "f32", Target.live(x.device.id), 16 if shape[1] % 4 == 0 else 4)
+        assert isinstance(chosen, ss.CoopPlan) and chosen.spec.prefetch and chosen.slots < shape[0]
+        out = run_split(op, [x], x if in_place else poisoned_like(x), "coop")
+        check(op, out.get(), reference(op, host), numpy.float32)
 
 
 @pytest.mark.gpu

@@ -36,6 +36,11 @@ Planner rule (thresholds are data, tuned on an H200 with scripts/tune_long_rows.
    of all inputs together; packs of at least COOP_MIN_PACK_BYTES):
    resident = occupancy x SMs, splits = ceil(cols / chunk_cols) (2 ..
    resident), slots = min(rows, resident // splits), grid = slots x splits.
+   Where slots take more than one row each and rows are few (fewer than
+   COOP_PREFETCH_MAX_ROWS_PER_SM x SMs: the slots move in step), blocks of
+   the dtypes and ops in COOP_PREFETCH prefetch the slot's next row into
+   shared memory while they finish a row (prefetch), unless that kernel's
+   registers or shared memory leave fewer slots resident or it spills.
 4. otherwise two launches: blocks of SPLIT_BLOCK_SIZE threads; resident =
    the partials kernel's occupancy x SMs; splits = enough chunks for
    SPLIT_WAVES full waves (ceil(SPLIT_WAVES x resident / rows)), fewer where a
@@ -94,6 +99,16 @@ COOP_MIN_BLOCKS = 3
 # Rows of at least this many bytes (all inputs together) are split even when
 # many rows fill the GPU: longer than the ordinary paths keep on chip.
 COOP_MIN_ROW_BYTES = 256 * 1024
+# Coop slots with several rows each prefetch the next one (rule 3) below this
+# many rows an SM, for the (itemsize, number of inputs) in COOP_PREFETCH.
+# H200, % of copy, prefetching / reading each row after the last: float32
+# softmax 8 x 2^20 53.3 / 48.5, 16 x 2^20 58.6 / 52.3, 4 x 2^21 48.1 / 43.2,
+# 32 x 2^18 56.8 / 54.1; log_softmax 53.9 / 44.0, 58.9 / 47.3, 48.3 / 43.3,
+# 56.8 / 48.8. Not taken: float32 softmax_backward (-1.2 .. -1.4 points, one
+# block an SM either way), float64 softmax 8 x 2^20 (30.9 / 31.5); 16-bit
+# forward kernels need more registers to prefetch, leaving fewer blocks.
+COOP_PREFETCH_MAX_ROWS_PER_SM = 1
+COOP_PREFETCH = {(4, 1)}
 
 
 @dataclass(frozen=True)
@@ -108,6 +123,11 @@ class SoftmaxSplitSpec(jit.KernelSpec):
     loads_in_flight: int    # packs of each input loaded before the first is used
                             # (coop: all the packs a thread holds)
     min_blocks: int = 1     # blocks an SM the registers must leave room for (__launch_bounds__)
+    prefetch: bool = False  # coop: the next row's chunk is copied to shared memory ahead
+
+    def __post_init__(self):
+        if self.prefetch and self.stage != "coop":
+            raise ValueError(f"only the coop stage prefetches, not {self.stage!r}")
 
     @property
     def ftype(self) -> dtypes.FloatType:
@@ -116,8 +136,16 @@ class SoftmaxSplitSpec(jit.KernelSpec):
     @property
     def name(self) -> str:
         blocks = f"_m{self.min_blocks}" if self.min_blocks > 1 else ""
+        prefetch = "_pf" if self.prefetch else ""
         return (f"{self.op}_split_{self.stage}_{self.dtype}_{self.ftype.compute}_p{self.pack_size}"
-                f"_b{self.block_size}_l{self.loads_in_flight}{blocks}")
+                f"_b{self.block_size}_l{self.loads_in_flight}{blocks}{prefetch}")
+
+    @property
+    def prefetch_bytes(self) -> int:
+        """Dynamic shared memory of a prefetching coop block: its chunk of every input."""
+        if not self.prefetch:
+            return 0
+        return len(INPUTS[self.op]) * self.loads_in_flight * self.block_size * self.pack_size * self.ftype.itemsize
 
     @property
     def threads_per_block(self) -> int:
@@ -170,12 +198,17 @@ class CoopPlan:
     block: tuple
     grid: tuple             # slots * splits blocks, all resident
 
+    @property
+    def smem_bytes(self) -> int:
+        return self.spec.prefetch_bytes
+
     def explain(self) -> dict:
         spec = self.spec
         return {"op": spec.op, "impl": "split", "pack_size": spec.pack_size,
                 "splits": self.splits, "chunk_cols": self.chunk_cols, "slots": self.slots,
-                "packs_per_thread": spec.loads_in_flight, "block": list(self.block),
-                "grid": list(self.grid), "smem_bytes": 0, "kernel": spec.name, "cooperative": True}
+                "packs_per_thread": spec.loads_in_flight, "prefetch": spec.prefetch,
+                "block": list(self.block), "grid": list(self.grid), "smem_bytes": self.smem_bytes,
+                "kernel": spec.name, "cooperative": True}
 
 
 def _round_up(value: int, unit: int) -> int:
@@ -199,17 +232,33 @@ def coop_candidate(op: str, rows: int, cols: int, dtype: str, target: Target, al
     packs_per_thread = max(1, bytes_per_thread // (pack_size * itemsize))
     if pack_size * itemsize < COOP_MIN_PACK_BYTES or packs_per_thread * len(INPUTS[op]) > COOP_MAX_CACHED_PACKS:
         return None
-    spec = SoftmaxSplitSpec(op, "coop", dtype, pack_size, COOP_BLOCK_SIZE, packs_per_thread)
-    denser = replace(spec, min_blocks=COOP_MIN_BLOCKS)
-    if target.resources(denser)["local_bytes"] == 0:
-        spec = denser
-    resident = facts.sm_count * target.max_active_blocks(spec, COOP_BLOCK_SIZE, 0, opt_in=False)
     chunk_cols = COOP_BLOCK_SIZE * packs_per_thread * pack_size
     splits = -(-cols // chunk_cols)
-    if not 2 <= splits <= resident or rows * splits > MAX_GRID_X:
+    if splits < 2 or rows * splits > MAX_GRID_X:
         return None
-    slots = min(rows, resident // splits)
-    return CoopPlan(spec, splits, chunk_cols, slots, (COOP_BLOCK_SIZE, 1, 1), (slots * splits, 1, 1))
+
+    def candidate(prefetch: bool) -> Optional[CoopPlan]:
+        spec = SoftmaxSplitSpec(op, "coop", dtype, pack_size, COOP_BLOCK_SIZE, packs_per_thread,
+                                prefetch=prefetch)
+        denser = replace(spec, min_blocks=COOP_MIN_BLOCKS)
+        if target.resources(denser)["local_bytes"] == 0:
+            spec = denser
+        elif prefetch and target.resources(spec)["local_bytes"] > 0:
+            return None
+        resident = facts.sm_count * target.max_active_blocks(spec, COOP_BLOCK_SIZE, spec.prefetch_bytes,
+                                                             opt_in=True)
+        if splits > resident:
+            return None
+        slots = min(rows, resident // splits)
+        return CoopPlan(spec, splits, chunk_cols, slots, (COOP_BLOCK_SIZE, 1, 1), (slots * splits, 1, 1))
+
+    plain = candidate(prefetch=False)
+    if plain is not None and (itemsize, len(INPUTS[op])) in COOP_PREFETCH and \
+            plain.slots < rows < COOP_PREFETCH_MAX_ROWS_PER_SM * facts.sm_count:
+        prefetching = candidate(prefetch=True)
+        if prefetching is not None and plain.slots <= prefetching.slots < rows:
+            return prefetching
+    return plain
 
 
 @functools.lru_cache(maxsize=4096)
@@ -288,8 +337,9 @@ def _launch_config(op, rows, cols, dtype, align, device_id):
 
 def functions_of(chosen, device_id: int) -> tuple:
     """The compiled functions of a CoopPlan or SplitPlan, in launch order."""
-    specs = (chosen.spec,) if isinstance(chosen, CoopPlan) else (chosen.partials, chosen.finish)
-    return tuple(live_function(spec, device_id) for spec in specs)
+    if isinstance(chosen, CoopPlan):
+        return (live_function(chosen.spec, device_id, chosen.smem_bytes),)
+    return tuple(live_function(spec, device_id) for spec in (chosen.partials, chosen.finish))
 
 
 # Coop launches' arrival / departure counters per (device, stream): zero
@@ -342,7 +392,7 @@ def launch(chosen, functions, inputs, output, rows: int, cols: int) -> None:
         counters = _coop_counters(chosen.slots, first.device.id, cupy.cuda.get_current_stream().ptr)
         functions[0](chosen.grid, chosen.block,
                      (*(o.array for o in operands), workspace, counters, numpy.int64(rows), *scalars,
-                      *strides), enable_cooperative_groups=True)
+                      *strides), shared_mem=chosen.smem_bytes, enable_cooperative_groups=True)
         return
     partials_function, finish_function = functions
     workspace = cupy.empty(rows * chosen.splits * chosen.spec.partial_size, compute_dtype)
