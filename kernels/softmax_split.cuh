@@ -236,10 +236,10 @@ __device__ __forceinline__ void softmax_split_coop(const Load (&loads)[Op::num_i
   unsigned round = 0;
   bool prefetched = false;
   for (int64 row = slot; row < rows; row += slots, ++round) {
+    if (prefetch && prefetched) cp_async_wait_all();   // this thread's copies of the row have landed
     for_chunk(row, [&](auto pack, auto input, const T* first) {
       constexpr int k = decltype(pack)::get, j = decltype(input)::get;
       if (prefetch && prefetched) {
-        if (k == 0 && j == 0) cp_async_wait_all();
         cache[k][j] = load_pack<T, pack_size>(own_slot(k, j).elem);
       } else {
         cache[k][j] = load_pack<T, pack_size>(first + k * block_size * pack_size);
