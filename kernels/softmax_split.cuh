@@ -221,15 +221,20 @@ __device__ __forceinline__ void softmax_split_coop(const Load (&loads)[Op::num_i
   extern __shared__ __align__(16) unsigned char shared_buf[];
   P* const next_chunk = reinterpret_cast<P*>(shared_buf);   // prefetch: [packs_per_thread][N][block_size]
   const auto own_slot = [&](int k, int j) -> P& { return next_chunk[(k * N + j) * block_size + threadIdx.x]; };
+  // Calls f(Constant<k>) for each pack k of this thread's chunk inside the
+  // row: pack first_pack + k * block_size.
+  const auto for_own_packs = [&](const auto& f) {
+    for_each_constant<0, packs_per_thread>([&](auto pack) {
+      if (first_pack + pack.get * block_size < end_pack) f(pack);
+    });
+  };
   // Calls f(Constant<k>, Constant<j>, first) for pack k of input j of this
   // thread's chunk of `row`, first its first pack of input j: pack k lies
   // k * block_size packs past it (a constant offset, no register for each).
   const auto for_chunk = [&](int64 row, const auto& f) {
     for_each_constant<0, N>([&](auto input) {
       const T* const first = loads[input.get].src + row * loads[input.get].row_stride + first_pack * pack_size;
-      for_each_constant<0, packs_per_thread>([&](auto pack) {
-        if (first_pack + pack.get * block_size < end_pack) f(pack, input, first);
-      });
+      for_own_packs([&](auto pack) { f(pack, input, first); });
     });
   };
   P cache[packs_per_thread][N];
@@ -254,14 +259,11 @@ __device__ __forceinline__ void softmax_split_coop(const Load (&loads)[Op::num_i
       }
     };
     ChunkPartial<Op, C> partial;
-#pragma unroll
-    for (int k = 0; k < packs_per_thread; ++k) {
-      if (first_pack + static_cast<int64>(k) * block_size < end_pack) {
-        C values[N][pack_size];
-        values_of(k, values);
-        partial.add(values);
-      }
-    }
+    for_own_packs([&](auto pack) {
+      C values[N][pack_size];
+      values_of(pack.get, values);
+      partial.add(values);
+    });
     C* const round_partials = partials + (slot * 2 + (round & 1)) * splits * size;
     partial.template block_write<block_size>(round_partials + split * size);
     if constexpr (prefetch) {
@@ -286,15 +288,11 @@ __device__ __forceinline__ void softmax_split_coop(const Load (&loads)[Op::num_i
     __syncthreads();
     Op op;
     combine_row_partials<Op, C, block_size>(round_partials, splits, op);
-#pragma unroll
-    for (int k = 0; k < packs_per_thread; ++k) {
-      const int64 pack = first_pack + static_cast<int64>(k) * block_size;
-      if (pack < end_pack) {
-        C values[N][pack_size];
-        values_of(k, values);
-        store_pack_outputs(op, store, values, row, pack * pack_size);
-      }
-    }
+    for_own_packs([&](auto pack) {
+      C values[N][pack_size];
+      values_of(pack.get, values);
+      store_pack_outputs(op, store, values, row, (first_pack + pack.get * block_size) * pack_size);
+    });
   }
   if (threadIdx.x == 0 && atomicAdd(departures, 1u) == static_cast<unsigned>(splits) - 1) {
     *arrivals = 0;
