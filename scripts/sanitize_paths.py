@@ -84,10 +84,10 @@ def main():
         # split rows in two rounds a slot, the next row prefetched (float32
         # forward): 16-byte packs, and 4-byte packs with a short last chunk
         for cols in (1 << 20, (1 << 20) + 1):
-            x = rng.standard_normal((4, cols), dtype=cupy.float32).astype(dtype)
+            x = rng.standard_normal((8, cols), dtype=cupy.float32).astype(dtype)
             for op in ("softmax", "log_softmax"):
-                chosen = softmax_split.plan(op, 4, cols, short, target)
-                print(f"{op:<21} auto     4x{cols:<7} {chosen.spec.name}", flush=True)
+                chosen = softmax_split.plan(op, 8, cols, short, target)
+                print(f"{op:<21} auto     8x{cols:<7} {chosen.spec.name}", flush=True)
                 getattr(cupyops, op)(x, axis=-1)
         x = rng.standard_normal((4, 4096, 64), dtype=cupy.float32).astype(dtype)
         dy = rng.standard_normal(x.shape, dtype=cupy.float32).astype(dtype)

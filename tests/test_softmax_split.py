@@ -79,8 +79,8 @@ def split_everywhere(monkeypatch):
     (SoftmaxSplitSpec("softmax_backward", "finish", "f64", 2, 256, 4),
      "softmax_backward_split_finish_f64_f64_p2_b256_l4"),
     (SoftmaxSplitSpec("softmax", "coop", "f16", 8, 512, 4), "softmax_split_coop_f16_f32_p8_b512_l4"),
-    (SoftmaxSplitSpec("log_softmax", "coop", "f32", 4, 512, 4, min_blocks=3, prefetch=True),
-     "log_softmax_split_coop_f32_f32_p4_b512_l4_m3_pf"),
+    (SoftmaxSplitSpec("log_softmax", "coop", "f32", 4, 256, 8, prefetch=True),
+     "log_softmax_split_coop_f32_f32_p4_b256_l8_pf"),
 ])
 def test_golden_names(spec, name):
     assert spec.name == name
@@ -215,23 +215,23 @@ def test_rows_need_two_chunks(split_everywhere, monkeypatch):
     assert ss.coop_plan("softmax", 8, 264, "f16", H100).splits == 2
 
 
-# Coop, worked from rule 3 for the H100 profile. f16 softmax threads hold 128
-# bytes (8 packs); 2 such 512-thread blocks fit an SM by registers (NVRTC for
-# sm_90): 264 resident; 2**20 / (512 x 64) = 32 splits, 264 // 32 = 8 slots.
-# f32 softmax threads hold 64 bytes (4 packs), 3 blocks an SM (40 registers,
-# __launch_bounds__(512, 3)), prefetching 512 x 4 x 16 bytes: 396 resident;
-# 2**20 / (512 x 16) = 128 splits, 396 // 128 = 3 slots for 8 rows.
+# Coop, worked from rule 3 for the H100 profile: 256-thread blocks whose
+# threads hold 128 bytes (f16: 8 packs of 8, 58 registers; f32: 8 packs of 4,
+# prefetching 256 x 8 x 16 bytes, 64 registers; NVRTC for sm_90), 4 blocks an
+# SM by registers: 528 resident. f16: 2**20 / (256 x 64) = 64 splits, 528 //
+# 64 = 8 slots; f32: 2**20 / (256 x 32) = 128 splits, 528 // 128 = 4 slots
+# for 8 rows (two rounds).
 @pytest.mark.parametrize("dtype, expected", [
-    ("f16", {"pack_size": 8, "splits": 32, "chunk_cols": 32768, "slots": 8, "packs_per_thread": 8,
-             "prefetch": False, "grid": [256, 1, 1], "smem_bytes": 0,
-             "kernel": "softmax_split_coop_f16_f32_p8_b512_l8"}),
-    ("f32", {"pack_size": 4, "splits": 128, "chunk_cols": 8192, "slots": 3, "packs_per_thread": 4,
-             "prefetch": True, "grid": [384, 1, 1], "smem_bytes": 32768,
-             "kernel": "softmax_split_coop_f32_f32_p4_b512_l4_m3_pf"}),
+    ("f16", {"pack_size": 8, "splits": 64, "chunk_cols": 16384, "slots": 8, "packs_per_thread": 8,
+             "prefetch": False, "grid": [512, 1, 1], "smem_bytes": 0,
+             "kernel": "softmax_split_coop_f16_f32_p8_b256_l8"}),
+    ("f32", {"pack_size": 4, "splits": 128, "chunk_cols": 8192, "slots": 4, "packs_per_thread": 8,
+             "prefetch": True, "grid": [512, 1, 1], "smem_bytes": 32768,
+             "kernel": "softmax_split_coop_f32_f32_p4_b256_l8_pf"}),
 ])
 def test_coop_explain(dtype, expected):
     info = plan("softmax", 8, 2**20, dtype, H100).explain()
-    assert info == {"op": "softmax", "impl": "split", "block": [512, 1, 1], "cooperative": True, **expected}
+    assert info == {"op": "softmax", "impl": "split", "block": [256, 1, 1], "cooperative": True, **expected}
 
 
 @pytest.mark.parametrize("op, rows, dtype", [("softmax", 3, "f32"), ("softmax", 200, "f32"),
@@ -295,6 +295,7 @@ def check_coop_plan(p, op, rows, cols, dtype, align):
     assert p.chunk_cols == ss.COOP_BLOCK_SIZE * spec.loads_in_flight * spec.pack_size
     resident = H100.facts.sm_count * H100.max_active_blocks(spec, ss.COOP_BLOCK_SIZE, p.smem_bytes, True)
     assert p.slots == min(rows, resident // p.splits) >= 1
+    assert H100.resources(spec)["local_bytes"] == 0   # the table's bytes fit the registers
     assert p.grid == (p.slots * p.splits, 1, 1) and p.grid[0] <= resident
     itemsize = ITEMSIZE[dtype]
     inputs = len(ss.INPUTS[op])
@@ -640,14 +641,3 @@ def test_repeatable(op, rng, split_kind):
     second = run_split(op, inputs, poisoned_like(inputs[0]), split_kind)
     assert cupy.array_equal(first, second)
 
-
-def test_coop_compiles_for_denser_residency_where_it_does_not_spill():
-    """COOP_MIN_BLOCKS blocks an SM by __launch_bounds__ where that needs no
-    local memory (float32 softmax), the compiler's own choice elsewhere."""
-    denser = ss.coop_plan("softmax", 16384, 65536, "f32", H100).spec
-    assert denser.min_blocks == ss.COOP_MIN_BLOCKS and denser.name.endswith(f"_m{ss.COOP_MIN_BLOCKS}")
-    assert H100.resources(denser)["local_bytes"] == 0
-    assert H100.max_active_blocks(denser, ss.COOP_BLOCK_SIZE, 0, opt_in=False) >= ss.COOP_MIN_BLOCKS
-    assert f"__launch_bounds__(512, {ss.COOP_MIN_BLOCKS})" in jit.render(denser)
-    plain = ss.coop_plan("softmax", 8192, 131072, "f16", H100).spec     # would spill
-    assert plain.min_blocks == 1 and "__launch_bounds__(512)\n" in jit.render(plain)

@@ -52,7 +52,7 @@ Planner rule (thresholds are data, tuned on an H200 with scripts/tune_long_rows.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy
@@ -81,32 +81,42 @@ SPLIT_MIN_ROW_BYTES = 128 * 1024
 SPLIT_BYTES_IN_FLIGHT = 64
 SPLIT_MAX_LOADS_IN_FLIGHT = 8
 
-COOP_BLOCK_SIZE = 512
+# Coop blocks of 256 threads. H200, % of copy, against 512-thread blocks
+# (float32 forward threads holding 64 bytes), three interleaved processes:
+# float32 softmax 8 x 2^20 58.1 / 53.3 (four slots of a row each instead of
+# three: two rounds instead of three), 16 x 2^20 64.9 / 58.6, 4 x 2^21
+# 56.0 / 48.4, 8 x 2^21 62.8 / 52.8, 32 x 2^18 59.3 / 56.1, 2 x 2^22
+# 53.7 / 53.9; log_softmax 8 x 2^20 58.2 / 49.9; float16 softmax 8 x 2^20
+# 47.2 / 45.2 and 16 x 2^20 56.3 / 52.0 (eight slots either way), 32 x 2^18
+# 46.2 / 46.3; softmax_backward float32 8 x 2^20 58.4 / 56.4, 32 x 2^18
+# 64.7 / 57.1, float16 8 x 2^20 53.0 / 52.5; float64 softmax 4096 x 2^18
+# 43.3 / 32.9, softmax_backward 32 x 2^18 70.1 / 60.1. Four float32 rows of
+# 2^20 held by 512 x 128 bytes or 384 x 128 lost 2-3 points against
+# 256 x 128; 192 x 128 and 128 x 128 lost more.
+COOP_BLOCK_SIZE = 256
 # Bytes of each input a coop thread keeps in registers, by (itemsize, number
-# of inputs): the fastest measured on an H200 (scripts/tune_long_rows.py,
-# rows of 128 KB to 2 MB); doubled, up to COOP_DOUBLINGS times, where a row's
-# chunks would outnumber the resident blocks.
-COOP_BYTES_PER_THREAD = {(2, 1): 128, (4, 1): 64, (8, 1): 64, (2, 2): 64, (4, 2): 128, (8, 2): 128}
+# of inputs); doubled, up to COOP_DOUBLINGS times, where a row's chunks would
+# outnumber the resident blocks. None needs local memory (sm_90: 4 blocks an
+# SM; 3 for float64 softmax and log_softmax_backward, 2 for float32 backward).
+COOP_BYTES_PER_THREAD = {(2, 1): 128, (4, 1): 128, (8, 1): 128, (2, 2): 64, (4, 2): 128, (8, 2): 64}
 COOP_DOUBLINGS = 2
 # Most packs (of all inputs together) a coop thread holds: each takes at least
 # a register, so narrow packs hold fewer bytes.
 COOP_MAX_CACHED_PACKS = 32
 # Narrower packs (odd cols, misaligned rows) take the two launches.
 COOP_MIN_PACK_BYTES = 4
-# Compile for this many resident blocks an SM where that needs no local memory
-# (float32 softmax: 40 registers and three blocks instead of 60 and two).
-COOP_MIN_BLOCKS = 3
 # Rows of at least this many bytes (all inputs together) are split even when
 # many rows fill the GPU: longer than the ordinary paths keep on chip.
 COOP_MIN_ROW_BYTES = 256 * 1024
 # Coop slots with several rows each prefetch the next one (rule 3) below this
 # many rows an SM, for the (itemsize, number of inputs) in COOP_PREFETCH.
 # H200, % of copy, prefetching / reading each row after the last: float32
-# softmax 8 x 2^20 53.3 / 48.5, 16 x 2^20 58.6 / 52.3, 4 x 2^21 48.1 / 43.2,
-# 32 x 2^18 56.8 / 54.1; log_softmax 53.9 / 44.0, 58.9 / 47.3, 48.3 / 43.3,
-# 56.8 / 48.8. Not taken: float32 softmax_backward (-1.2 .. -1.4 points, one
-# block an SM either way), float64 softmax 8 x 2^20 (30.9 / 31.5); 16-bit
-# forward kernels need more registers to prefetch, leaving fewer blocks.
+# softmax 8 x 2^20 58.0 / 56.4, 16 x 2^20 64.4 / 62.8, 4 x 2^21 55.9 / 53.8,
+# 8 x 2^21 62.4 / 58.5, 2 x 2^22 53.7 / 52.2, 32 x 2^18 59.1 / 59.3;
+# log_softmax 8 x 2^20 57.7 / 56.4, 16 x 2^20 64.8 / 63.4. Not taken: float64
+# softmax (8 x 2^20 32.6 / 31.8 but 32 x 2^18 34.9 / 37.0), float32
+# softmax_backward (spills); 16-bit forward kernels need more registers to
+# prefetch (80 instead of 58), leaving 3 blocks an SM instead of 4.
 COOP_PREFETCH_MAX_ROWS_PER_SM = 1
 COOP_PREFETCH = {(4, 1)}
 
@@ -122,7 +132,6 @@ class SoftmaxSplitSpec(jit.KernelSpec):
     block_size: int
     loads_in_flight: int    # packs of each input loaded before the first is used
                             # (coop: all the packs a thread holds)
-    min_blocks: int = 1     # blocks an SM the registers must leave room for (__launch_bounds__)
     prefetch: bool = False  # coop: the next row's chunk is copied to shared memory ahead
 
     def __post_init__(self):
@@ -135,10 +144,9 @@ class SoftmaxSplitSpec(jit.KernelSpec):
 
     @property
     def name(self) -> str:
-        blocks = f"_m{self.min_blocks}" if self.min_blocks > 1 else ""
         prefetch = "_pf" if self.prefetch else ""
         return (f"{self.op}_split_{self.stage}_{self.dtype}_{self.ftype.compute}_p{self.pack_size}"
-                f"_b{self.block_size}_l{self.loads_in_flight}{blocks}{prefetch}")
+                f"_b{self.block_size}_l{self.loads_in_flight}{prefetch}")
 
     @property
     def prefetch_bytes(self) -> int:
@@ -240,10 +248,7 @@ def coop_candidate(op: str, rows: int, cols: int, dtype: str, target: Target, al
     def candidate(prefetch: bool) -> Optional[CoopPlan]:
         spec = SoftmaxSplitSpec(op, "coop", dtype, pack_size, COOP_BLOCK_SIZE, packs_per_thread,
                                 prefetch=prefetch)
-        denser = replace(spec, min_blocks=COOP_MIN_BLOCKS)
-        if target.resources(denser)["local_bytes"] == 0:
-            spec = denser
-        elif prefetch and target.resources(spec)["local_bytes"] > 0:
+        if prefetch and target.resources(spec)["local_bytes"] > 0:
             return None
         resident = facts.sm_count * target.max_active_blocks(spec, COOP_BLOCK_SIZE, spec.prefetch_bytes,
                                                              opt_in=True)
