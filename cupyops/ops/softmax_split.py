@@ -82,7 +82,8 @@ SPLIT_BYTES_IN_FLIGHT = 64
 SPLIT_MAX_LOADS_IN_FLIGHT = 8
 
 # Coop blocks of 256 threads. H200, % of copy, against 512-thread blocks
-# (float32 forward threads holding 64 bytes), three interleaved processes:
+# (whose float32 and float64 forward threads held 64 bytes, float64 backward
+# threads 128 bytes of each input), three interleaved processes:
 # float32 softmax 8 x 2^20 58.1 / 53.3 (four slots of a row each instead of
 # three: two rounds instead of three), 16 x 2^20 64.9 / 58.6, 4 x 2^21
 # 56.0 / 48.4, 8 x 2^21 62.8 / 52.8, 32 x 2^18 59.3 / 56.1, 2 x 2^22
