@@ -81,7 +81,7 @@ def main():
                     softmax_ops.plan(op, rows, cols, short, "auto", target)
                 print(f"{op:<21} auto     {rows}x{cols:<7} {chosen.spec.name}", flush=True)
                 getattr(cupyops, op)(*((x, x) if op.endswith("_backward") else (x,)), axis=-1)
-        # split rows in two rounds a slot, the next row prefetched (float32
+        # split rows in more than one round a slot, the next row prefetched (float32
         # forward): 16-byte packs, and 4-byte packs with a short last chunk
         for cols in (1 << 20, (1 << 20) + 1):
             x = rng.standard_normal((8, cols), dtype=cupy.float32).astype(dtype)
