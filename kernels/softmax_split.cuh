@@ -181,19 +181,23 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* address) {
 
 // One launch, cooperative (every block resident at once): gridDim.x = slots *
 // splits blocks; block (slot, split) owns chunk `split` of rows slot,
-// slot + slots, ... For each row it loads its chunk into registers
-// (packs_per_thread packs of every input, storage type, all in flight),
-// writes the chunk's partial, announces it on the slot's arrival counter,
-// waits until the slot's `splits` blocks have all announced this row,
-// combines the row's partials (combine_row_partials) and writes the outputs
-// from registers: each element is read once and written once.
+// slot + slots, ... For each row it loads its chunk on chip: packs_per_thread
+// packs of every input into registers (storage type, all in flight) and,
+// with shared_packs > 0, the thread's next shared_packs packs into dynamic
+// shared memory by cp.async ([k][input][thread]: the thread's own slots, read
+// back only by it, after its own wait: no barrier); then it writes the
+// chunk's partial, announces it on the slot's arrival counter, waits until
+// the slot's `splits` blocks have all announced this row, combines the row's
+// partials (combine_row_partials) and writes the outputs from registers and
+// shared memory: each element is read once and written once. Shared packs
+// make a thread's chunk longer than its registers hold, so a row takes fewer
+// blocks and more rows are resident at once.
 //
-// prefetch: once a block has written a row's partial it starts copying its
-// chunk of the slot's next row into dynamic shared memory by cp.async (the
-// thread's own packs, [k][input][thread]), so the next row's reads overlap
-// this row's wait, combine and writes; the next row is then loaded from
-// there. A thread reads back only the slots it filled, after its own wait,
-// and refills them only after using what it read: no barrier.
+// prefetch (no shared packs): once a block has written a row's partial it
+// starts copying its chunk of the slot's next row into the same shared slots
+// by cp.async, so the next row's reads overlap this row's wait, combine and
+// writes; the next row is then loaded from there. A thread refills its slots
+// only after using what it read from them.
 //
 // Workspace: partials [slots][2][splits][size], by round parity (a block that
 // runs ahead writes the other half, never partials its slot still reads: it
@@ -203,12 +207,14 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* address) {
 // slot to leave resets both, once every block of the slot has passed its last
 // wait.
 template <typename Op, typename T, typename Load, typename Store, typename C, int pack_size,
-          int packs_per_thread, int block_size, bool prefetch>
+          int packs_per_thread, int shared_packs, int block_size, bool prefetch>
 __device__ __forceinline__ void softmax_split_coop(const Load (&loads)[Op::num_inputs], const Store& store,
                                                    C* partials, unsigned* counters, int64 rows, int64 cols,
                                                    int64 splits, int64 chunk_cols) {
+  static_assert(!(prefetch && shared_packs > 0), "prefetching blocks keep their chunk in registers");
   constexpr int N = Op::num_inputs;
   constexpr int size = split_partial_size<Op>();
+  constexpr int own_packs = packs_per_thread + shared_packs;   // of each input, in the thread's chunk
   typedef Pack<T, pack_size> P;
   const int64 slots = gridDim.x / splits;
   const int64 slot = blockIdx.x / splits;
@@ -219,30 +225,58 @@ __device__ __forceinline__ void softmax_split_coop(const Load (&loads)[Op::num_i
   unsigned* const arrivals = counters + slot;
   unsigned* const departures = counters + slots + slot;
   extern __shared__ __align__(16) unsigned char shared_buf[];
-  P* const next_chunk = reinterpret_cast<P*>(shared_buf);   // prefetch: [packs_per_thread][N][block_size]
-  const auto own_slot = [&](int k, int j) -> P& { return next_chunk[(k * N + j) * block_size + threadIdx.x]; };
-  // Calls f(Constant<k>) for each pack k of this thread's chunk inside the
-  // row: pack first_pack + k * block_size.
-  const auto for_own_packs = [&](const auto& f) {
-    for_each_constant<0, packs_per_thread>([&](auto pack) {
+  P* const shared_slots = reinterpret_cast<P*>(shared_buf);   // [shared_packs or packs_per_thread][N][block_size]
+  const auto own_slot = [&](int k, int j) -> P& { return shared_slots[(k * N + j) * block_size + threadIdx.x]; };
+  // Calls f(Constant<k>) for each pack k in [begin, end) of this thread's
+  // chunk inside the row: pack first_pack + k * block_size.
+  const auto for_own_packs = [&](auto begin, auto end, const auto& f) {
+    for_each_constant<decltype(begin)::get, decltype(end)::get>([&](auto pack) {
       if (first_pack + pack.get * block_size < end_pack) f(pack);
     });
   };
+  // Packs [zero, in_registers) of a thread's chunk are held in registers,
+  // [in_registers, all) in shared memory.
+  const Constant<0> zero;
+  const Constant<packs_per_thread> in_registers;
+  const Constant<own_packs> all;
   // Calls f(Constant<k>, Constant<j>, first) for pack k of input j of this
   // thread's chunk of `row`, first its first pack of input j: pack k lies
   // k * block_size packs past it (a constant offset, no register for each).
-  const auto for_chunk = [&](int64 row, const auto& f) {
+  const auto for_chunk = [&](int64 row, auto begin, auto end, const auto& f) {
     for_each_constant<0, N>([&](auto input) {
       const T* const first = loads[input.get].src + row * loads[input.get].row_stride + first_pack * pack_size;
-      for_own_packs([&](auto pack) { f(pack, input, first); });
+      for_own_packs(begin, end, [&](auto pack) { f(pack, input, first); });
     });
   };
+  // Starts the copy of packs [begin, end) of `row` into shared slots 0, 1, ...
+  const auto copy_to_shared = [&](int64 row, auto begin, auto end) {
+    const unsigned shared_base = static_cast<unsigned>(__cvta_generic_to_shared(&own_slot(0, 0)));
+    for_chunk(row, begin, end, [&](auto pack, auto input, const T* first) {
+      constexpr int k = decltype(pack)::get, j = decltype(input)::get;
+      constexpr int slot_k = k - decltype(begin)::get;
+      cp_async_pack_at<sizeof(P), (slot_k * N + j) * block_size * sizeof(P), k * block_size * sizeof(P)>(
+          shared_base, first);
+    });
+    cp_async_commit();
+  };
   P cache[packs_per_thread][N];
+  // values[j][i]: element i of pack k of input j in compute type (k is a
+  // constant once the callers' loops unroll: the branch folds away).
+  const auto values_of = [&](int k, C (&values)[N][pack_size]) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const P loaded = k < packs_per_thread ? cache[k < packs_per_thread ? k : 0][j]
+                                            : load_pack<T, pack_size>(own_slot(k - packs_per_thread, j).elem);
+#pragma unroll
+      for (int i = 0; i < pack_size; ++i) values[j][i] = cast<C>(loaded.elem[i]);
+    }
+  };
   unsigned round = 0;
   bool prefetched = false;
   for (int64 row = slot; row < rows; row += slots, ++round) {
+    if constexpr (shared_packs > 0) copy_to_shared(row, in_registers, all);
     if (prefetch && prefetched) cp_async_wait_all();   // this thread's copies of the row have landed
-    for_chunk(row, [&](auto pack, auto input, const T* first) {
+    for_chunk(row, zero, in_registers, [&](auto pack, auto input, const T* first) {
       constexpr int k = decltype(pack)::get, j = decltype(input)::get;
       if (prefetch && prefetched) {
         cache[k][j] = load_pack<T, pack_size>(own_slot(k, j).elem);
@@ -250,33 +284,22 @@ __device__ __forceinline__ void softmax_split_coop(const Load (&loads)[Op::num_i
         cache[k][j] = load_pack<T, pack_size>(first + k * block_size * pack_size);
       }
     });
-    // values[j][i]: element i of cached pack k of input j in compute type.
-    const auto values_of = [&](int k, C (&values)[N][pack_size]) {
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-#pragma unroll
-        for (int i = 0; i < pack_size; ++i) values[j][i] = cast<C>(cache[k][j].elem[i]);
-      }
-    };
     ChunkPartial<Op, C> partial;
-    for_own_packs([&](auto pack) {
+    const auto add = [&](auto pack) {
       C values[N][pack_size];
       values_of(pack.get, values);
       partial.add(values);
-    });
+    };
+    for_own_packs(zero, in_registers, add);
+    if constexpr (shared_packs > 0) {
+      cp_async_wait_all();
+      for_own_packs(in_registers, all, add);
+    }
     C* const round_partials = partials + (slot * 2 + (round & 1)) * splits * size;
     partial.template block_write<block_size>(round_partials + split * size);
     if constexpr (prefetch) {
       prefetched = row + slots < rows;
-      if (prefetched) {
-        const unsigned shared_base = static_cast<unsigned>(__cvta_generic_to_shared(&own_slot(0, 0)));
-        for_chunk(row + slots, [&](auto pack, auto input, const T* first) {
-          constexpr int k = decltype(pack)::get, j = decltype(input)::get;
-          cp_async_pack_at<sizeof(P), (k * N + j) * block_size * sizeof(P), k * block_size * sizeof(P)>(
-              shared_base, first);
-        });
-        cp_async_commit();
-      }
+      if (prefetched) copy_to_shared(row + slots, zero, in_registers);
     }
     if (threadIdx.x == 0) {
       __threadfence();
@@ -288,7 +311,7 @@ __device__ __forceinline__ void softmax_split_coop(const Load (&loads)[Op::num_i
     __syncthreads();
     Op op;
     combine_row_partials<Op, C, block_size>(round_partials, splits, op);
-    for_own_packs([&](auto pack) {
+    for_own_packs(zero, all, [&](auto pack) {
       C values[N][pack_size];
       values_of(pack.get, values);
       store_pack_outputs(op, store, values, row, (first_pack + pack.get * block_size) * pack_size);

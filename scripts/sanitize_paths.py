@@ -5,7 +5,7 @@ Each shape is chosen to reach one path of the auto or OneFlow plans (printed
 with the kernel name: for the norms, the main kernel of the plan with weight
 and bias), forward and backward, softmax and the norms, and the non-last-axis
 kernels and the long rows (a register tail; thread-block clusters on sm_90
-and newer; split rows, prefetching)."""
+and newer; split rows, prefetching, held partly in shared memory)."""
 from __future__ import annotations
 
 import cupy
@@ -81,13 +81,15 @@ def main():
                     softmax_ops.plan(op, rows, cols, short, "auto", target)
                 print(f"{op:<21} auto     {rows}x{cols:<7} {chosen.spec.name}", flush=True)
                 getattr(cupyops, op)(*((x, x) if op.endswith("_backward") else (x,)), axis=-1)
-        # split rows in more than one round a slot, the next row prefetched (float32
-        # forward): 16-byte packs, and 4-byte packs with a short last chunk
-        for cols in (1 << 20, (1 << 20) + 1):
-            x = rng.standard_normal((8, cols), dtype=cupy.float32).astype(dtype)
+        # split rows held partly in shared memory, one round (8 rows of 2^20 and
+        # a short last chunk of 12 columns); more than one round a slot, the
+        # next row prefetched (float32 forward): 16-byte packs, and 4-byte packs
+        # with a short last chunk
+        for rows, cols in ((8, 1 << 20), (8, (1 << 20) + 12), (16, 1 << 20), (16, (1 << 20) + 1)):
+            x = rng.standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
             for op in ("softmax", "log_softmax"):
-                chosen = softmax_split.plan(op, 8, cols, short, target)
-                print(f"{op:<21} auto     8x{cols:<7} {chosen.spec.name}", flush=True)
+                chosen = softmax_split.plan(op, rows, cols, short, target)
+                print(f"{op:<21} auto     {rows}x{cols:<7} {chosen.spec.name}", flush=True)
                 getattr(cupyops, op)(x, axis=-1)
         x = rng.standard_normal((4, 4096, 64), dtype=cupy.float32).astype(dtype)
         dy = rng.standard_normal(x.shape, dtype=cupy.float32).astype(dtype)

@@ -19,7 +19,7 @@ import numpy
 import pytest
 from conftest import TOLERANCES, assert_close
 
-from cupyops import dtypes, jit
+from cupyops import arrays, dtypes, jit
 from cupyops.dtypes import BFLOAT16
 from cupyops.launch import LaunchCache, Target
 from cupyops.ops import softmax as sm
@@ -81,6 +81,8 @@ def split_everywhere(monkeypatch):
     (SoftmaxSplitSpec("softmax", "coop", "f16", 8, 512, 4), "softmax_split_coop_f16_f32_p8_b512_l4"),
     (SoftmaxSplitSpec("log_softmax", "coop", "f32", 4, 256, 8, prefetch=True),
      "log_softmax_split_coop_f32_f32_p4_b256_l8_pf"),
+    (SoftmaxSplitSpec("softmax", "coop", "f32", 4, 256, 5, shared_packs=11),
+     "softmax_split_coop_f32_f32_p4_b256_l5_s11"),
 ])
 def test_golden_names(spec, name):
     assert spec.name == name
@@ -108,15 +110,25 @@ def test_render_names_the_kernel_and_fingerprint(op):
 
 
 @pytest.mark.parametrize("stage", ["partials", "finish"])
-def test_only_coop_prefetches(stage):
-    with pytest.raises(ValueError, match="only the coop stage prefetches"):
-        SoftmaxSplitSpec("softmax", stage, "f32", 4, 512, 4, prefetch=True)
+@pytest.mark.parametrize("fields", [{"prefetch": True}, {"shared_packs": 4}])
+def test_only_coop_prefetches_or_holds_shared_packs(stage, fields):
+    with pytest.raises(ValueError, match="only the coop stage prefetches or holds shared packs"):
+        SoftmaxSplitSpec("softmax", stage, "f32", 4, 512, 4, **fields)
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_render_coop_prefetch(prefetch):
-    source = jit.render(SoftmaxSplitSpec("softmax", "coop", "f32", 4, 512, 4, prefetch=prefetch))
-    assert f"512, {'true' if prefetch else 'false'}>(loads, store, partials, counters, rows," in source
+def test_prefetching_coop_holds_no_shared_packs():
+    with pytest.raises(ValueError, match="holds no shared packs"):
+        SoftmaxSplitSpec("softmax", "coop", "f32", 4, 256, 4, prefetch=True, shared_packs=4)
+
+
+@pytest.mark.parametrize("prefetch, shared_packs", [(False, 0), (True, 0), (False, 11)])
+def test_render_coop_prefetch_and_shared_packs(prefetch, shared_packs):
+    spec = SoftmaxSplitSpec("softmax", "coop", "f32", 4, 256, 5, prefetch=prefetch, shared_packs=shared_packs)
+    source = jit.render(spec)
+    assert (f"4, 5,\n                     {shared_packs}, 256, {'true' if prefetch else 'false'}>(loads, store, "
+            "partials, counters, rows,") in source
+    # dynamic shared memory: the shared packs, or the prefetched register chunk, of every input
+    assert spec.shared_bytes == (shared_packs + 5 * prefetch) * 256 * 16
 
 
 # -- the planner ----------------------------------------------------------------------
@@ -217,20 +229,28 @@ def test_rows_need_two_chunks(split_everywhere, monkeypatch):
 
 # Coop, worked from rule 3 for the H100 profile: 256-thread blocks whose
 # threads hold 128 bytes (f16: 8 packs of 8, 58 registers; f32: 8 packs of 4,
-# prefetching 256 x 8 x 16 bytes, 64 registers; NVRTC for sm_90), 4 blocks an
-# SM by registers: 528 resident. f16: 2**20 / (256 x 64) = 64 splits, 528 //
-# 64 = 8 slots; f32: 2**20 / (256 x 32) = 128 splits, 528 // 128 = 4 slots
-# for 8 rows (two rounds).
-@pytest.mark.parametrize("dtype, expected", [
-    ("f16", {"pack_size": 8, "splits": 64, "chunk_cols": 16384, "slots": 8, "packs_per_thread": 8,
-             "prefetch": False, "grid": [512, 1, 1], "smem_bytes": 0,
-             "kernel": "softmax_split_coop_f16_f32_p8_b256_l8"}),
-    ("f32", {"pack_size": 4, "splits": 128, "chunk_cols": 8192, "slots": 4, "packs_per_thread": 8,
-             "prefetch": True, "grid": [512, 1, 1], "smem_bytes": 32768,
-             "kernel": "softmax_split_coop_f32_f32_p4_b256_l8_pf"}),
+# 58 registers; NVRTC for sm_90), 4 blocks an SM by registers: 528 resident.
+# f16: 2**20 / (256 x 64) = 64 splits, 528 // 64 = 8 slots: one round. f32:
+# 2**20 / (256 x 32) = 128 splits, 4 slots for 8 rows, two rounds; so one
+# round of 528 // 8 = 66 blocks a row, chunks of ceil(2**20 / 4 / 66 / 256) =
+# 16 packs a thread: 80 bytes (5 packs) in registers, 11 packs in shared
+# memory (256 x 11 x 16 = 45056 bytes a block, 58 registers, still 4 blocks
+# an SM), 2**20 / (256 x 16 x 4) = 64 splits, 8 slots. f32 16 rows need more
+# than one round either way: the plain plan, its next row prefetched
+# (256 x 8 x 16 bytes of shared memory, 64 registers).
+@pytest.mark.parametrize("dtype, rows, expected", [
+    ("f16", 8, {"pack_size": 8, "splits": 64, "chunk_cols": 16384, "slots": 8, "packs_per_thread": 8,
+                "shared_packs": 0, "prefetch": False, "grid": [512, 1, 1], "smem_bytes": 0,
+                "kernel": "softmax_split_coop_f16_f32_p8_b256_l8"}),
+    ("f32", 8, {"pack_size": 4, "splits": 64, "chunk_cols": 16384, "slots": 8, "packs_per_thread": 5,
+                "shared_packs": 11, "prefetch": False, "grid": [512, 1, 1], "smem_bytes": 45056,
+                "kernel": "softmax_split_coop_f32_f32_p4_b256_l5_s11"}),
+    ("f32", 16, {"pack_size": 4, "splits": 128, "chunk_cols": 8192, "slots": 4, "packs_per_thread": 8,
+                 "shared_packs": 0, "prefetch": True, "grid": [512, 1, 1], "smem_bytes": 32768,
+                 "kernel": "softmax_split_coop_f32_f32_p4_b256_l8_pf"}),
 ])
-def test_coop_explain(dtype, expected):
-    info = plan("softmax", 8, 2**20, dtype, H100).explain()
+def test_coop_explain(dtype, rows, expected):
+    info = plan("softmax", rows, 2**20, dtype, H100).explain()
     assert info == {"op": "softmax", "impl": "split", "block": [256, 1, 1], "cooperative": True, **expected}
 
 
@@ -292,20 +312,31 @@ def check_coop_plan(p, op, rows, cols, dtype, align):
     """Every block resident; the chunks cover the rows; the table's bytes, doubled only when needed."""
     spec = p.spec
     assert spec.stage == "coop" and spec.block_size == ss.COOP_BLOCK_SIZE
-    assert p.chunk_cols == ss.COOP_BLOCK_SIZE * spec.loads_in_flight * spec.pack_size
+    assert p.chunk_cols == ss.COOP_BLOCK_SIZE * (spec.loads_in_flight + spec.shared_packs) * spec.pack_size
     resident = H100.facts.sm_count * H100.max_active_blocks(spec, ss.COOP_BLOCK_SIZE, p.smem_bytes, True)
     assert p.slots == min(rows, resident // p.splits) >= 1
     assert H100.resources(spec)["local_bytes"] == 0   # the table's bytes fit the registers
     assert p.grid == (p.slots * p.splits, 1, 1) and p.grid[0] <= resident
     itemsize = ITEMSIZE[dtype]
     inputs = len(ss.INPUTS[op])
+    pack_bytes = spec.pack_size * itemsize
+    preferred = ss.COOP_BYTES_PER_THREAD[(itemsize, len(ss.INPUTS[op]))]
     if spec.prefetch:   # few rows, more than one round, a prefetching dtype: a chunk of every input
         assert (itemsize, inputs) in ss.COOP_PREFETCH and p.slots < rows < H100.facts.sm_count
-        assert H100.resources(spec)["local_bytes"] == 0
-        assert p.smem_bytes == inputs * spec.loads_in_flight * ss.COOP_BLOCK_SIZE * spec.pack_size * itemsize
+        assert p.smem_bytes == inputs * spec.loads_in_flight * ss.COOP_BLOCK_SIZE * pack_bytes
+    elif spec.shared_packs:   # one round, where the table's bytes in registers alone take more
+        assert (itemsize, inputs) in ss.COOP_SHARED and p.slots == rows
+        plain = SoftmaxSplitSpec(op, "coop", dtype, spec.pack_size, ss.COOP_BLOCK_SIZE,
+                                 max(1, preferred // pack_bytes))
+        plain_resident = H100.facts.sm_count * H100.max_active_blocks(plain, ss.COOP_BLOCK_SIZE, 0, True)
+        assert rows * math.ceil(cols / (ss.COOP_BLOCK_SIZE * plain.loads_in_flight * spec.pack_size)) > \
+            plain_resident
+        assert spec.loads_in_flight == max(1, ss.COOP_SHARED_REGISTER_BYTES // pack_bytes)
+        assert 0 < spec.shared_packs * pack_bytes <= ss.COOP_MAX_SHARED_BYTES
+        assert p.smem_bytes == inputs * spec.shared_packs * ss.COOP_BLOCK_SIZE * pack_bytes
+        return
     else:
         assert p.smem_bytes == 0
-    preferred = ss.COOP_BYTES_PER_THREAD[(itemsize, len(ss.INPUTS[op]))]
     held = spec.loads_in_flight * spec.pack_size * itemsize
     assert held in [max(preferred << d, spec.pack_size * itemsize) for d in range(ss.COOP_DOUBLINGS + 1)]
     if held > max(preferred, spec.pack_size * itemsize):
@@ -373,6 +404,10 @@ def test_instantiations_compile(arch, dtype):
             assert coop is not None or cols % 2 or (dtype, arch) == ("f64", "sm_80")
             if coop is not None:
                 specs.add(coop.spec)
+        # twice the rows: more than one round however held (float32 forward prefetching)
+        coop = ss.coop_plan(op, 16, 2**20, dtype, target)
+        if coop is not None:
+            specs.add(coop.spec)
     assert len(specs) >= len(OPS) * (len(COMPILE_SHAPES) * 2 + ((dtype, arch) != ("f64", "sm_80")))
     assert {spec.pack_size for spec in specs} == {1, 16 // ITEMSIZE[dtype]}
     problems = []
@@ -627,6 +662,28 @@ def test_coop_prefetch(op, in_place, rng):
         assert isinstance(chosen, ss.CoopPlan) and chosen.spec.prefetch and chosen.slots < shape[0]
         out = run_split(op, [x], x if in_place else poisoned_like(x), "coop")
         check(op, out.get(), reference(op, host), numpy.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+def test_coop_shared_packs(op, in_place, rng):
+    """Rows in one round, each thread's chunk held partly in shared memory:
+    16-byte packs of float32 and float16 whose last chunk ends in a thread's
+    first register pack (2**20 + 4 and 2**20 + 8 columns) or among the
+    threads' shared packs (63 x 16384 + 7180 columns), and 4-byte float32
+    packs (2**20 + 7 columns)."""
+    import cupy
+
+    for dtype, shape in [("f32", (8, 2**20 + 4)), ("f32", (8, 63 * 16384 + 7180)), ("f16", (16, 2**20 + 8)),
+                         ("f32", (3, 2**20 + 7))]:
+        host = host_inputs(rng, op, shape, NUMPY_DTYPES[dtype])
+        x = cupy.asarray(host[0])
+        align = arrays.alignment(x.data.ptr, x.strides[0])
+        chosen = plan(op, *shape, dtype, Target.live(x.device.id), align)
+        assert isinstance(chosen, ss.CoopPlan) and chosen.spec.shared_packs > 0 and chosen.slots == shape[0]
+        out = run_split(op, [x], x if in_place else poisoned_like(x), "coop")
+        check(op, out.get(), reference(op, host), NUMPY_DTYPES[dtype])
 
 
 @pytest.mark.gpu

@@ -8,10 +8,10 @@ chunk (kernels/softmax_split.cuh), in one of two ways:
 
 - "coop", one cooperative launch (every block resident at once): blocks form
   slots of `splits`; a slot takes rows slot, slot + slots, ...; each block
-  keeps its chunk in registers, publishes its partial, waits on the slot's
-  counter for the others, combines the row's partials and writes its chunk.
-  Each element is read once. Needs the chunks of a row to fit the resident
-  blocks (splits <= resident blocks).
+  keeps its chunk on chip (in registers, or partly in shared memory),
+  publishes its partial, waits on the slot's counter for the others, combines
+  the row's partials and writes its chunk. Each element is read once. Needs
+  the chunks of a row to fit the resident blocks (splits <= resident blocks).
 - two launches over rows * splits blocks: "partials" reduces each chunk to a
   partial in a workspace, "finish" combines the row's partials in a fixed
   order, reads its chunk again and writes the outputs, walking the chunks in
@@ -36,11 +36,17 @@ Planner rule (thresholds are data, tuned on an H200 with scripts/tune_long_rows.
    of all inputs together; packs of at least COOP_MIN_PACK_BYTES):
    resident = occupancy x SMs, splits = ceil(cols / chunk_cols) (2 ..
    resident), slots = min(rows, resident // splits), grid = slots x splits.
-   Where slots take more than one row each and rows are few (fewer than
-   COOP_PREFETCH_MAX_ROWS_PER_SM x SMs: the slots move in step), blocks of
-   the dtypes and ops in COOP_PREFETCH prefetch the slot's next row into
-   shared memory while they finish a row (prefetch), unless that kernel's
-   registers or shared memory leave fewer slots resident or it spills.
+   Where slots take more than one row each, blocks of the dtypes and ops in
+   COOP_SHARED take longer chunks, enough for resident // rows blocks a row,
+   holding COOP_SHARED_REGISTER_BYTES of each input a thread in registers
+   and the rest (shared_packs, at most COOP_MAX_SHARED_BYTES) in shared
+   memory, if every row is then resident at once (one round) and the kernel
+   needs no local memory. Otherwise, where slots take more than one row each
+   and rows are few (fewer than COOP_PREFETCH_MAX_ROWS_PER_SM x SMs: the
+   slots move in step), blocks of the dtypes and ops in COOP_PREFETCH
+   prefetch the slot's next row into shared memory while they finish a row
+   (prefetch), unless that kernel's registers or shared memory leave fewer
+   slots resident or it spills.
 4. otherwise two launches: blocks of SPLIT_BLOCK_SIZE threads; resident =
    the partials kernel's occupancy x SMs; splits = enough chunks for
    SPLIT_WAVES full waves (ceil(SPLIT_WAVES x resident / rows)), fewer where a
@@ -120,6 +126,24 @@ COOP_MIN_ROW_BYTES = 256 * 1024
 # prefetch (80 instead of 58), leaving 3 blocks an SM instead of 4.
 COOP_PREFETCH_MAX_ROWS_PER_SM = 1
 COOP_PREFETCH = {(4, 1)}
+# Where the plain coop plan takes more than one round, threads of these
+# (itemsize, number of inputs) hold COOP_SHARED_REGISTER_BYTES of a longer
+# chunk in registers and the rest (at most COOP_MAX_SHARED_BYTES of each
+# input) in shared memory when that makes every row resident at once: one
+# round (rule 3). H200, % of copy, one round / the plan without shared packs
+# (prefetching where float32), seven interleaved samples: float32 softmax
+# 8 x 2^20 60.2 / 58.3, log_softmax 59.9 / 58.2, 4 x 2^21 59.1 / 56.1,
+# 2 x 2^22 56.9 / 53.6, 32 x 2^18 61.0 / 59.6, 6 x 2^20 54.9 / 49.5,
+# 40 x 2^17 51.8 / 45.0, 100 x 2^16 57.2 / 53.2, 3 x (2^20 + 7) (4-byte
+# packs) 32.3 / 26.9; float16 softmax 12 x 2^20 53.0 / 46.7, 4 x 2^22
+# 56.2 / 52.0, 64 x 2^18 59.3 / 56.8, 8 x (2^20 + 4) (8-byte packs)
+# 37.4 / 35.1; bfloat16 100 x 100000 49.4 / 38.6; the worst float16 16 x 2^20
+# 56.9 / 57.7. Registers holding 80 bytes (f32 8 x 2^20: 60.2) against 96
+# (60.0; log_softmax spills), 48 (58.7) and 32 (47.4: 57 KB of shared
+# memory a block leave 3 blocks an SM, two rounds).
+COOP_SHARED = {(4, 1), (2, 1)}
+COOP_SHARED_REGISTER_BYTES = 80
+COOP_MAX_SHARED_BYTES = 192
 
 
 @dataclass(frozen=True)
@@ -134,10 +158,14 @@ class SoftmaxSplitSpec(jit.KernelSpec):
     loads_in_flight: int    # packs of each input loaded before the first is used
                             # (coop: all the packs a thread holds)
     prefetch: bool = False  # coop: the next row's chunk is copied to shared memory ahead
+    shared_packs: int = 0   # coop: packs of each input a thread holds in shared memory
+                            # past its loads_in_flight in registers
 
     def __post_init__(self):
-        if self.prefetch and self.stage != "coop":
-            raise ValueError(f"only the coop stage prefetches, not {self.stage!r}")
+        if (self.prefetch or self.shared_packs) and self.stage != "coop":
+            raise ValueError(f"only the coop stage prefetches or holds shared packs, not {self.stage!r}")
+        if self.prefetch and self.shared_packs:
+            raise ValueError("a prefetching coop kernel holds no shared packs")
 
     @property
     def ftype(self) -> dtypes.FloatType:
@@ -146,15 +174,16 @@ class SoftmaxSplitSpec(jit.KernelSpec):
     @property
     def name(self) -> str:
         prefetch = "_pf" if self.prefetch else ""
+        shared = f"_s{self.shared_packs}" if self.shared_packs else ""
         return (f"{self.op}_split_{self.stage}_{self.dtype}_{self.ftype.compute}_p{self.pack_size}"
-                f"_b{self.block_size}_l{self.loads_in_flight}{prefetch}")
+                f"_b{self.block_size}_l{self.loads_in_flight}{shared}{prefetch}")
 
     @property
-    def prefetch_bytes(self) -> int:
-        """Dynamic shared memory of a prefetching coop block: its chunk of every input."""
-        if not self.prefetch:
-            return 0
-        return len(INPUTS[self.op]) * self.loads_in_flight * self.block_size * self.pack_size * self.ftype.itemsize
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory of a coop block: its shared packs of every
+        input, or the register chunk it prefetches."""
+        packs = self.shared_packs + (self.loads_in_flight if self.prefetch else 0)
+        return len(INPUTS[self.op]) * packs * self.block_size * self.pack_size * self.ftype.itemsize
 
     @property
     def threads_per_block(self) -> int:
@@ -209,13 +238,14 @@ class CoopPlan:
 
     @property
     def smem_bytes(self) -> int:
-        return self.spec.prefetch_bytes
+        return self.spec.shared_bytes
 
     def explain(self) -> dict:
         spec = self.spec
         return {"op": spec.op, "impl": "split", "pack_size": spec.pack_size,
                 "splits": self.splits, "chunk_cols": self.chunk_cols, "slots": self.slots,
-                "packs_per_thread": spec.loads_in_flight, "prefetch": spec.prefetch,
+                "packs_per_thread": spec.loads_in_flight, "shared_packs": spec.shared_packs,
+                "prefetch": spec.prefetch,
                 "block": list(self.block), "grid": list(self.grid), "smem_bytes": self.smem_bytes,
                 "kernel": spec.name, "cooperative": True}
 
@@ -238,29 +268,59 @@ def coop_candidate(op: str, rows: int, cols: int, dtype: str, target: Target, al
     facts = target.facts
     itemsize = dtypes.BY_SHORT[dtype].itemsize
     pack_size = vector_pack_size(cols, itemsize, align)
-    packs_per_thread = max(1, bytes_per_thread // (pack_size * itemsize))
-    if pack_size * itemsize < COOP_MIN_PACK_BYTES or packs_per_thread * len(INPUTS[op]) > COOP_MAX_CACHED_PACKS:
-        return None
-    chunk_cols = COOP_BLOCK_SIZE * packs_per_thread * pack_size
-    splits = -(-cols // chunk_cols)
-    if splits < 2 or rows * splits > MAX_GRID_X:
+    pack_bytes = pack_size * itemsize
+    packs_per_thread = max(1, bytes_per_thread // pack_bytes)
+    if pack_bytes < COOP_MIN_PACK_BYTES or packs_per_thread * len(INPUTS[op]) > COOP_MAX_CACHED_PACKS:
         return None
 
-    def candidate(prefetch: bool) -> Optional[CoopPlan]:
-        spec = SoftmaxSplitSpec(op, "coop", dtype, pack_size, COOP_BLOCK_SIZE, packs_per_thread,
-                                prefetch=prefetch)
-        if prefetch and target.resources(spec)["local_bytes"] > 0:
+    def candidate(register_packs: int, shared_packs: int = 0, prefetch: bool = False) -> Optional[CoopPlan]:
+        chunk_cols = COOP_BLOCK_SIZE * (register_packs + shared_packs) * pack_size
+        splits = -(-cols // chunk_cols)
+        if splits < 2 or rows * splits > MAX_GRID_X:
             return None
-        resident = facts.sm_count * target.max_active_blocks(spec, COOP_BLOCK_SIZE, spec.prefetch_bytes,
+        spec = SoftmaxSplitSpec(op, "coop", dtype, pack_size, COOP_BLOCK_SIZE, register_packs,
+                                prefetch=prefetch, shared_packs=shared_packs)
+        if (prefetch or shared_packs) and target.resources(spec)["local_bytes"] > 0:
+            return None
+        resident = facts.sm_count * target.max_active_blocks(spec, COOP_BLOCK_SIZE, spec.shared_bytes,
                                                              opt_in=True)
         if splits > resident:
             return None
         slots = min(rows, resident // splits)
         return CoopPlan(spec, splits, chunk_cols, slots, (COOP_BLOCK_SIZE, 1, 1), (slots * splits, 1, 1))
 
-    plain = candidate(prefetch=False)
-    if plain is not None and (itemsize, len(INPUTS[op])) in COOP_PREFETCH and \
-            plain.slots < rows < COOP_PREFETCH_MAX_ROWS_PER_SM * facts.sm_count:
+    plain = candidate(packs_per_thread)
+    if plain is None or plain.slots >= rows:
+        return plain
+    kind = (itemsize, len(INPUTS[op]))
+    if kind in COOP_SHARED:
+        # one round: a chunk for each of the plain kernel's resident blocks
+        resident = facts.sm_count * target.max_active_blocks(plain.spec, COOP_BLOCK_SIZE, 0, opt_in=True)
+        own_packs = -(-cols // pack_size // max(1, resident // rows) // COOP_BLOCK_SIZE)
+        register_packs = min(packs_per_thread, max(1, COOP_SHARED_REGISTER_BYTES // pack_bytes))
+        shared_packs = own_packs - register_packs
+        if 0 < shared_packs * pack_bytes <= COOP_MAX_SHARED_BYTES:
+            one_round = candidate(register_packs, shared_packs)
+            if one_round is not None and one_round.slots >= rows:
+                return one_round
+    if kind in COOP_PREFETCH and rows < COOP_PREFETCH_MAX_ROWS_PER_SM * facts.sm_count:
+        prefetching = candidate(packs_per_thread, prefetch=True)
+        if prefetching is not None and plain.slots <= prefetching.slots < rows:
+            return prefetching
+    return plain
+    kind = (itemsize, len(INPUTS[op]))
+    if kind in COOP_SHARED:
+        # One round: as many blocks a row as leave every row resident at the
+        # plain kernel's blocks an SM, the rest of each chunk in shared memory.
+        resident = facts.sm_count * target.max_active_blocks(plain.spec, COOP_BLOCK_SIZE, 0, opt_in=True)
+        splits = resident // rows
+        chunk_packs = -(-num_packs // max(splits, 1))
+        shared_packs = -(-chunk_packs // COOP_BLOCK_SIZE) - packs_per_thread
+        if splits >= 2 and 0 < shared_packs <= COOP_MAX_SHARED_PACKS:
+            one_round = candidate(shared_packs=shared_packs)
+            if one_round is not None and one_round.slots >= rows:
+                return one_round
+    if kind in COOP_PREFETCH and rows < COOP_PREFETCH_MAX_ROWS_PER_SM * facts.sm_count:
         prefetching = candidate(prefetch=True)
         if prefetching is not None and plain.slots <= prefetching.slots < rows:
             return prefetching
