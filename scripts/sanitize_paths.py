@@ -81,16 +81,18 @@ def main():
                     softmax_ops.plan(op, rows, cols, short, "auto", target)
                 print(f"{op:<21} auto     {rows}x{cols:<7} {chosen.spec.name}", flush=True)
                 getattr(cupyops, op)(*((x, x) if op.endswith("_backward") else (x,)), axis=-1)
-        # split rows held partly in shared memory, one round (8 rows of 2^20 and
-        # a short last chunk of 12 columns); more than one round a slot, the
-        # next row prefetched (float32 forward): 16-byte packs, and 4-byte packs
-        # with a short last chunk
-        for rows, cols in ((8, 1 << 20), (8, (1 << 20) + 12), (16, 1 << 20), (16, (1 << 20) + 1)):
+        # split rows held partly in shared memory, one round (forward: 8 rows of
+        # 2^20 and a short last chunk of 12 columns; backward: 32 MB of each
+        # input); more than one round a slot, the next row prefetched (float32
+        # forward): 16-byte packs, and 4-byte packs with a short last chunk
+        forward, backward = ("softmax", "log_softmax"), ("softmax_backward", "log_softmax_backward")
+        for rows, cols, ops in ((8, 1 << 20, forward), (8, (1 << 20) + 12, forward), (16, 1 << 20, forward),
+                                (16, (1 << 20) + 1, forward), (8 * 2 // itemsize, 1 << 20, backward)):
             x = rng.standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
-            for op in ("softmax", "log_softmax"):
+            for op in ops:
                 chosen = softmax_split.plan(op, rows, cols, short, target)
                 print(f"{op:<21} auto     {rows}x{cols:<7} {chosen.spec.name}", flush=True)
-                getattr(cupyops, op)(x, axis=-1)
+                getattr(cupyops, op)(*((x, x) if op.endswith("_backward") else (x,)), axis=-1)
         x = rng.standard_normal((4, 4096, 64), dtype=cupy.float32).astype(dtype)
         dy = rng.standard_normal(x.shape, dtype=cupy.float32).astype(dtype)
         for axis in (0, 1):

@@ -331,8 +331,8 @@ def check_coop_plan(p, op, rows, cols, dtype, align):
         plain_resident = H100.facts.sm_count * H100.max_active_blocks(plain, ss.COOP_BLOCK_SIZE, 0, True)
         assert rows * math.ceil(cols / (ss.COOP_BLOCK_SIZE * plain.loads_in_flight * spec.pack_size)) > \
             plain_resident
-        assert spec.loads_in_flight == max(1, ss.COOP_SHARED_REGISTER_BYTES // pack_bytes)
-        assert 0 < spec.shared_packs * pack_bytes <= ss.COOP_MAX_SHARED_BYTES
+        assert spec.loads_in_flight == max(1, ss.COOP_SHARED[(itemsize, inputs)] // pack_bytes)
+        assert 0 < spec.shared_packs * inputs <= ss.COOP_MAX_SHARED_PACKS
         assert p.smem_bytes == inputs * spec.shared_packs * ss.COOP_BLOCK_SIZE * pack_bytes
         return
     else:
@@ -664,25 +664,33 @@ def test_coop_prefetch(op, in_place, rng):
         check(op, out.get(), reference(op, host), numpy.float32)
 
 
+# (dtype, shape) whose rows take one round with chunks held partly in
+# shared memory: 16-byte packs whose last chunk ends in a thread's first
+# register pack (2**20 + 4 and 2**20 + 8 columns) or among the threads'
+# shared packs (63 x 16384 + 7180 columns), 4-byte float32 packs
+# (2**20 + 7 columns) and 8-byte bfloat16 packs (2**20 + 4).
+SHARED_PACK_CASES = {
+    "forward": [("f32", (8, 2**20 + 4)), ("f32", (8, 63 * 16384 + 7180)), ("f16", (16, 2**20 + 8)),
+                ("f32", (3, 2**20 + 7))],
+    "backward": [("f16", (8, 2**20 + 8)), ("f32", (4, 63 * 16384 + 7180)), ("bf16", (8, 2**20 + 4))],
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("in_place", [False, True])
-@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("op", OPS)
 def test_coop_shared_packs(op, in_place, rng):
-    """Rows in one round, each thread's chunk held partly in shared memory:
-    16-byte packs of float32 and float16 whose last chunk ends in a thread's
-    first register pack (2**20 + 4 and 2**20 + 8 columns) or among the
-    threads' shared packs (63 x 16384 + 7180 columns), and 4-byte float32
-    packs (2**20 + 7 columns)."""
+    """Rows in one round, each thread's chunk held partly in shared memory
+    (SHARED_PACK_CASES); in place: out = x forward, out = y backward."""
     import cupy
 
-    for dtype, shape in [("f32", (8, 2**20 + 4)), ("f32", (8, 63 * 16384 + 7180)), ("f16", (16, 2**20 + 8)),
-                         ("f32", (3, 2**20 + 7))]:
+    for dtype, shape in SHARED_PACK_CASES["backward" if op in FORWARD else "forward"]:
         host = host_inputs(rng, op, shape, NUMPY_DTYPES[dtype])
-        x = cupy.asarray(host[0])
-        align = arrays.alignment(x.data.ptr, x.strides[0])
-        chosen = plan(op, *shape, dtype, Target.live(x.device.id), align)
+        inputs = [cupy.asarray(a) for a in host]
+        align = arrays.alignment(*(value for a in inputs for value in (a.data.ptr, a.strides[0])))
+        chosen = plan(op, *shape, dtype, Target.live(inputs[0].device.id), align)
         assert isinstance(chosen, ss.CoopPlan) and chosen.spec.shared_packs > 0 and chosen.slots == shape[0]
-        out = run_split(op, [x], x if in_place else poisoned_like(x), "coop")
+        out = run_split(op, inputs, inputs[-1] if in_place else poisoned_like(inputs[0]), "coop")
         check(op, out.get(), reference(op, host), NUMPY_DTYPES[dtype])
 
 

@@ -38,8 +38,8 @@ Planner rule (thresholds are data, tuned on an H200 with scripts/tune_long_rows.
    resident), slots = min(rows, resident // splits), grid = slots x splits.
    Where slots take more than one row each, blocks of the dtypes and ops in
    COOP_SHARED take longer chunks, enough for resident // rows blocks a row,
-   holding COOP_SHARED_REGISTER_BYTES of each input a thread in registers
-   and the rest (shared_packs, at most COOP_MAX_SHARED_BYTES) in shared
+   holding the table's bytes of each input a thread in registers and the
+   rest (shared_packs, at most COOP_MAX_SHARED_PACKS of all inputs) in shared
    memory, if every row is then resident at once (one round) and the kernel
    needs no local memory. Otherwise, where slots take more than one row each
    and rows are few (fewer than COOP_PREFETCH_MAX_ROWS_PER_SM x SMs: the
@@ -126,24 +126,29 @@ COOP_MIN_ROW_BYTES = 256 * 1024
 # prefetch (80 instead of 58), leaving 3 blocks an SM instead of 4.
 COOP_PREFETCH_MAX_ROWS_PER_SM = 1
 COOP_PREFETCH = {(4, 1)}
-# Where the plain coop plan takes more than one round, threads of these
-# (itemsize, number of inputs) hold COOP_SHARED_REGISTER_BYTES of a longer
-# chunk in registers and the rest (at most COOP_MAX_SHARED_BYTES of each
-# input) in shared memory when that makes every row resident at once: one
-# round (rule 3). H200, % of copy, one round / the plan without shared packs
-# (prefetching where float32), seven interleaved samples: float32 softmax
-# 8 x 2^20 60.2 / 58.3, log_softmax 59.9 / 58.2, 4 x 2^21 59.1 / 56.1,
-# 2 x 2^22 56.9 / 53.6, 32 x 2^18 61.0 / 59.6, 6 x 2^20 54.9 / 49.5,
-# 40 x 2^17 51.8 / 45.0, 100 x 2^16 57.2 / 53.2, 3 x (2^20 + 7) (4-byte
-# packs) 32.3 / 26.9; float16 softmax 12 x 2^20 53.0 / 46.7, 4 x 2^22
-# 56.2 / 52.0, 64 x 2^18 59.3 / 56.8, 8 x (2^20 + 4) (8-byte packs)
-# 37.4 / 35.1; bfloat16 100 x 100000 49.4 / 38.6; the worst float16 16 x 2^20
-# 56.9 / 57.7. Registers holding 80 bytes (f32 8 x 2^20: 60.2) against 96
-# (60.0; log_softmax spills), 48 (58.7) and 32 (47.4: 57 KB of shared
-# memory a block leave 3 blocks an SM, two rounds).
-COOP_SHARED = {(4, 1), (2, 1)}
-COOP_SHARED_REGISTER_BYTES = 80
-COOP_MAX_SHARED_BYTES = 192
+# Where the plain coop plan takes more than one round, threads of the
+# (itemsize, number of inputs) in COOP_SHARED hold its bytes of each input of
+# a longer chunk in registers and the rest (shared_packs, at most
+# COOP_MAX_SHARED_PACKS of all inputs together) in shared memory when that
+# makes every row resident at once: one round (rule 3). H200, % of copy, one
+# round / the plan without shared packs (prefetching where float32 forward),
+# interleaved samples: float32 softmax 8 x 2^20 60.2 / 58.3, log_softmax
+# 59.9 / 58.2, 4 x 2^21 59.1 / 56.1, 2 x 2^22 56.9 / 53.6, 32 x 2^18
+# 61.0 / 59.6, 6 x 2^20 54.9 / 49.5, 40 x 2^17 51.8 / 45.0, 100 x 2^16
+# 57.2 / 53.2, 3 x (2^20 + 7) (4-byte packs) 32.3 / 26.9; float16 softmax
+# 12 x 2^20 53.0 / 46.7, 4 x 2^22 56.2 / 52.0, 64 x 2^18 59.3 / 56.8,
+# 8 x (2^20 + 4) (8-byte packs) 37.4 / 35.1; bfloat16 100 x 100000
+# 49.4 / 38.6; the worst float16 16 x 2^20 56.9 / 57.7. softmax_backward
+# float16 8 x 2^20 57.7 / 53.2, 4 x 2^21 57.5 / 50.1, 64 x 2^17 59.0 / 55.1,
+# log_softmax_backward 56.3 / 53.2; float32 4 x 2^20 56.4 / 51.5, 2 x 2^21
+# 56.2 / 51.3, 32 x 2^17 58.2 / 55.5. Register bytes, f32 softmax 8 x 2^20:
+# 80 (60.2) against 96 (60.0; log_softmax spills), 48 (58.7) and 32 (47.4:
+# 57 KB of shared memory a block leave 3 blocks an SM, two rounds); f16
+# softmax_backward 8 x 2^20: 32 (57.7) against 48 (57.4) and 64 (57.0;
+# log_softmax_backward 48.0: 76 registers, 3 blocks an SM); f32
+# softmax_backward: 48 and 80 within 0.7 of each other.
+COOP_SHARED = {(2, 1): 80, (4, 1): 80, (2, 2): 32, (4, 2): 48}
+COOP_MAX_SHARED_PACKS = 32
 
 
 @dataclass(frozen=True)
@@ -296,32 +301,16 @@ def coop_candidate(op: str, rows: int, cols: int, dtype: str, target: Target, al
     if kind in COOP_SHARED:
         # one round: a chunk for each of the plain kernel's resident blocks
         resident = facts.sm_count * target.max_active_blocks(plain.spec, COOP_BLOCK_SIZE, 0, opt_in=True)
-        own_packs = -(-cols // pack_size // max(1, resident // rows) // COOP_BLOCK_SIZE)
-        register_packs = min(packs_per_thread, max(1, COOP_SHARED_REGISTER_BYTES // pack_bytes))
-        shared_packs = own_packs - register_packs
-        if 0 < shared_packs * pack_bytes <= COOP_MAX_SHARED_BYTES:
+        blocks_a_row = resident // rows
+        chunk_packs = -(-(cols // pack_size) // max(1, blocks_a_row))
+        register_packs = min(packs_per_thread, max(1, COOP_SHARED[kind] // pack_bytes))
+        shared_packs = -(-chunk_packs // COOP_BLOCK_SIZE) - register_packs
+        if blocks_a_row >= 2 and 0 < shared_packs * len(INPUTS[op]) <= COOP_MAX_SHARED_PACKS:
             one_round = candidate(register_packs, shared_packs)
             if one_round is not None and one_round.slots >= rows:
                 return one_round
     if kind in COOP_PREFETCH and rows < COOP_PREFETCH_MAX_ROWS_PER_SM * facts.sm_count:
         prefetching = candidate(packs_per_thread, prefetch=True)
-        if prefetching is not None and plain.slots <= prefetching.slots < rows:
-            return prefetching
-    return plain
-    kind = (itemsize, len(INPUTS[op]))
-    if kind in COOP_SHARED:
-        # One round: as many blocks a row as leave every row resident at the
-        # plain kernel's blocks an SM, the rest of each chunk in shared memory.
-        resident = facts.sm_count * target.max_active_blocks(plain.spec, COOP_BLOCK_SIZE, 0, opt_in=True)
-        splits = resident // rows
-        chunk_packs = -(-num_packs // max(splits, 1))
-        shared_packs = -(-chunk_packs // COOP_BLOCK_SIZE) - packs_per_thread
-        if splits >= 2 and 0 < shared_packs <= COOP_MAX_SHARED_PACKS:
-            one_round = candidate(shared_packs=shared_packs)
-            if one_round is not None and one_round.slots >= rows:
-                return one_round
-    if kind in COOP_PREFETCH and rows < COOP_PREFETCH_MAX_ROWS_PER_SM * facts.sm_count:
-        prefetching = candidate(prefetch=True)
         if prefetching is not None and plain.slots <= prefetching.slots < rows:
             return prefetching
     return plain
