@@ -521,7 +521,7 @@ def test_auto_paths_in_order_along_the_sweep():
     ("softmax", "f64", 32768, 1024, 3, 1),                           # f64: 4 packs would spill
     ("softmax", "f32", 131072, 1024, 8, 2), ("softmax", "f32", 262144, 1024, 8, 4),  # clusters
     ("softmax", "f16", 262144, 512, 7, 4),        # 8 packs leave one block an SM, not two
-    ("softmax_backward", "f32", 32768, 256, 4, 1), ("softmax_backward", "f16", 65536, 256, 4, 1),
+    ("softmax_backward", "f32", 32768, 256, 4, 1), ("softmax_backward", "f16", 65536, 1024, 4, 1),
     ("log_softmax_backward", "bf16", 58104, 256, 0, 1),             # 2 x 113.5 KB: one block
     ("softmax_backward", "f32", 36864, 1024, 4, 1),                 # 2 x 144 KB
     ("softmax_backward", "f32", 65536, 256, 8, 4), ("log_softmax_backward", "f16", 262144, 256, 8, 8),

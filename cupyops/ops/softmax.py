@@ -107,15 +107,25 @@ AUTO_ASYNC_MIN_ROW_BYTES = 24 * 1024
 #     8192 x 131072 f16 / f32 95.9 / 93.9 (clusters of 4 / 8) against 87.3 /
 #     83.7; 4096 x 262144 f16 91.2 (clusters of 8) against 87.7, f32 83.9
 #     (8 x 512 x 8) against 75.9; 4096 x 45056 f32 at 1024 x 4 98.8 against
-#     81.8 split; rows one block holds 102-103 as before.
+#     81.8 split; rows one block holds 102-103 as before. 16-bit rows past
+#     one 256-thread block's shared memory go to 1024 threads with a register
+#     tail, not 256: log_softmax_backward (an exponential an output) f16
+#     16384 x 65536 103.4 against 89.1, 16384 x 60000 103.2 against 84.8,
+#     bf16 103.4 / 103.2 against 88.1 / 81.2; softmax_backward f16 / bf16
+#     16384 x 60000 103.1 / 103.2 against 100.8 / 97.1. float32 within 0.6
+#     either way; float64 log_softmax_backward 16384 x 16384 gains too (102.7
+#     against 78.1) but 16384 x 15000 does not (94.9 either way), nor 512
+#     threads at 18000 cols (94.6 against 102.7 in clusters of 4).
 _BACKWARD_ASYNC_LADDER = ((1, 256, 0, 1), (1, 256, 4, 1), (1, 1024, 4, 1),
                           (4, 256, 8, 2), (8, 256, 8, 2), (8, 512, 8, 1))
+_BACKWARD_ASYNC_LADDER_16BIT = ((1, 256, 0, 1), (1, 1024, 4, 1),
+                                (4, 256, 8, 2), (8, 256, 8, 2), (8, 512, 8, 1))
 AUTO_ASYNC_LADDERS = {   # (inputs, itemsize) -> rungs
     (1, 2): ((1, 512, 0, 2), (1, 512, 8, 2), (1, 1024, 8, 1), (4, 512, 8, 2), (8, 512, 8, 2)),
     (1, 4): ((1, 512, 0, 1), (1, 1024, 8, 1), (2, 1024, 8, 1), (4, 1024, 8, 1), (8, 1024, 8, 1)),
     # float64 as float32, its tails up to 3 packs (4 spill at 1024 threads)
     (1, 8): ((1, 512, 0, 1), (1, 1024, 3, 1), (2, 1024, 3, 1), (4, 1024, 3, 1), (8, 1024, 3, 1)),
-    (2, 2): _BACKWARD_ASYNC_LADDER,
+    (2, 2): _BACKWARD_ASYNC_LADDER_16BIT,
     (2, 4): _BACKWARD_ASYNC_LADDER,
     (2, 8): _BACKWARD_ASYNC_LADDER,
 }
