@@ -269,7 +269,9 @@ def _check(op, rows, cols):
 def coop_candidate(op: str, rows: int, cols: int, dtype: str, target: Target, align: int,
                    bytes_per_thread: int) -> Optional[CoopPlan]:
     """The CoopPlan with threads holding `bytes_per_thread` bytes of each
-    input, or None when it cannot be (rule 3)."""
+    input in registers (or, where that takes more than one round, a longer
+    chunk partly in shared memory, or prefetching), or None when it cannot be
+    (rule 3)."""
     facts = target.facts
     itemsize = dtypes.BY_SHORT[dtype].itemsize
     pack_size = vector_pack_size(cols, itemsize, align)
