@@ -276,9 +276,13 @@ def coop_candidate(op: str, rows: int, cols: int, dtype: str, target: Target, al
     itemsize = dtypes.BY_SHORT[dtype].itemsize
     pack_size = vector_pack_size(cols, itemsize, align)
     pack_bytes = pack_size * itemsize
+    num_inputs = len(INPUTS[op])
     packs_per_thread = max(1, bytes_per_thread // pack_bytes)
-    if pack_bytes < COOP_MIN_PACK_BYTES or packs_per_thread * len(INPUTS[op]) > COOP_MAX_CACHED_PACKS:
+    if pack_bytes < COOP_MIN_PACK_BYTES or packs_per_thread * num_inputs > COOP_MAX_CACHED_PACKS:
         return None
+
+    def resident_blocks(spec: SoftmaxSplitSpec) -> int:
+        return facts.sm_count * target.max_active_blocks(spec, COOP_BLOCK_SIZE, spec.shared_bytes, opt_in=True)
 
     def candidate(register_packs: int, shared_packs: int = 0, prefetch: bool = False) -> Optional[CoopPlan]:
         chunk_cols = COOP_BLOCK_SIZE * (register_packs + shared_packs) * pack_size
@@ -289,8 +293,7 @@ def coop_candidate(op: str, rows: int, cols: int, dtype: str, target: Target, al
                                 prefetch=prefetch, shared_packs=shared_packs)
         if (prefetch or shared_packs) and target.resources(spec)["local_bytes"] > 0:
             return None
-        resident = facts.sm_count * target.max_active_blocks(spec, COOP_BLOCK_SIZE, spec.shared_bytes,
-                                                             opt_in=True)
+        resident = resident_blocks(spec)
         if splits > resident:
             return None
         slots = min(rows, resident // splits)
@@ -299,15 +302,14 @@ def coop_candidate(op: str, rows: int, cols: int, dtype: str, target: Target, al
     plain = candidate(packs_per_thread)
     if plain is None or plain.slots >= rows:
         return plain
-    kind = (itemsize, len(INPUTS[op]))
+    kind = (itemsize, num_inputs)
     if kind in COOP_SHARED:
         # one round: a chunk for each of the plain kernel's resident blocks
-        resident = facts.sm_count * target.max_active_blocks(plain.spec, COOP_BLOCK_SIZE, 0, opt_in=True)
-        blocks_a_row = resident // rows
+        blocks_a_row = resident_blocks(plain.spec) // rows
         chunk_packs = -(-(cols // pack_size) // max(1, blocks_a_row))
         register_packs = min(packs_per_thread, max(1, COOP_SHARED[kind] // pack_bytes))
         shared_packs = -(-chunk_packs // COOP_BLOCK_SIZE) - register_packs
-        if blocks_a_row >= 2 and 0 < shared_packs * len(INPUTS[op]) <= COOP_MAX_SHARED_PACKS:
+        if blocks_a_row >= 2 and 0 < shared_packs * num_inputs <= COOP_MAX_SHARED_PACKS:
             one_round = candidate(register_packs, shared_packs)
             if one_round is not None and one_round.slots >= rows:
                 return one_round
