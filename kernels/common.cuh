@@ -324,6 +324,18 @@ struct RowHead {
   }
 };
 
+// The rows a block of a row-per-block kernel owns: rows_per_block rows a
+// block (one per threadIdx.y), first() and every step() after it.
+template <int block_size, int rows_per_block>
+struct BlockRows {
+  static_assert(rows_per_block == 1 || block_size == 32,
+                "rows share a block only as a warp each: their reductions take no block barrier");
+  __device__ __forceinline__ int64 first() const {
+    return static_cast<int64>(blockIdx.x) * rows_per_block + (rows_per_block > 1 ? threadIdx.y : 0);
+  }
+  __device__ __forceinline__ int64 step() const { return static_cast<int64>(gridDim.x) * rows_per_block; }
+};
+
 template <typename T> __device__ __forceinline__ T infinity();
 template <> __device__ __forceinline__ float infinity<float>() { return __int_as_float(0x7f800000); }
 template <> __device__ __forceinline__ double infinity<double>() { return __longlong_as_double(0x7ff0000000000000LL); }

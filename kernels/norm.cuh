@@ -364,9 +364,9 @@ __device__ __forceinline__ void norm_warp(const Input& in, const Output& out, co
 // realigned 16-byte packs (Affine::realigned: one branch a row picks the
 // word shift). full_packs: every row has block_size x full_packs packs (the
 // planner checks it from cols), so a thread's first full_packs packs are not
-// checked against the row.
+// checked against the row. rows_per_block: as softmax_block_regs (BlockRows).
 template <typename Stats, typename Input, typename Output, typename C, int pack_size, int packs_per_thread,
-          int block_size, bool peel, bool packed, int full_packs, typename RowHead>
+          int block_size, int rows_per_block, bool peel, bool packed, int full_packs, typename RowHead>
 __device__ __forceinline__ void norm_block_regs(const Input& in, const Output& out,
                                                 const MomentsOutput<C>& moments_out, int64 rows, int64 cols,
                                                 C eps, const RowHead& row_head) {
@@ -378,7 +378,8 @@ __device__ __forceinline__ void norm_block_regs(const Input& in, const Output& o
     parity ^= 1;
     return block_all_reduce_state<block_size>(SumState<C>{value}, parity).sum;
   };
-  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+  const BlockRows<block_size, rows_per_block> block_rows;
+  for (int64 row = block_rows.first(); row < rows; row += block_rows.step()) {
     const int head = peel ? row_head(row) : 0;
     int64 num_packs = (cols - head) / pack_size;   // peeled: at most the packs held (BlockRowColumns)
     if (peel && num_packs > static_cast<int64>(block_size) * packs_per_thread) {

@@ -330,15 +330,18 @@ __device__ __forceinline__ void softmax_warp(const Load (&loads)[Op::num_inputs]
 // the packs, so the packs' loads are all in flight first.
 // storage_cache: the packs are held as loaded (RegisterRow) and converted in
 // each pass; softmax then takes exp(x - m) again for the outputs.
+// rows_per_block > 1 (blocks of one warp a row only, no block barrier):
+// warp threadIdx.y of a block owns its own rows (BlockRows).
 template <typename Op, typename Load, typename Store, typename C, int pack_size, int packs_per_thread,
-          int block_size, bool peel, bool storage_cache, typename RowHead>
+          int block_size, int rows_per_block, bool peel, bool storage_cache, typename RowHead>
 __device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_inputs], const Store& store,
                                                    int64 rows, int64 cols, const RowHead& row_head) {
   constexpr int N = Op::num_inputs;
   // The storage cache keeps no exp(x - m) between passes: out<false> recomputes it.
   constexpr bool reuse = !storage_cache;
   RegisterRow<typename Load::Storage, C, N, packs_per_thread, pack_size, storage_cache> buf;
-  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+  const BlockRows<block_size, rows_per_block> block_rows;
+  for (int64 row = block_rows.first(); row < rows; row += block_rows.step()) {
     const int head = peel ? row_head(row) : 0;
     const int64 num_packs = (cols - head) / pack_size;
     const auto pack_col = [&](int k) { return head + (static_cast<int64>(k) * block_size + threadIdx.x) * pack_size; };

@@ -272,8 +272,9 @@ def test_trailing_axes_views_and_offsets(rng):
                  _reference(x64.reshape(15, 48), None, None, 1, True)[0], numpy.float32, scale=4)
 
 
-# odd cols: warp rows (1, 3, 17) and register-block rows whose edges are peeled
-PEEL_COLS = (1, 3, 17, 1025, 2049, 12345)
+# odd cols: warp rows (1, 3, 17, 253) and register-block rows whose edges are
+# peeled: one warp a row, two a block (255, 1023, 1055), two warps (1057, 2049), the ladder
+PEEL_COLS = (1, 3, 17, 253, 255, 1023, 1055, 1057, 2049, 12345)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -303,10 +304,11 @@ def test_rows_off_the_16_byte_grid(rng, op, cols, dtype):
     itemsize = numpy.dtype(dtype).itemsize
     peeled = norm.plan(op, rows, cols, dtypes.float_type(dtype).short, "auto", Target.live(0), itemsize,
                        bias=centered).spec
-    # past the warp path's 1024 columns a register block peels the row edges;
-    # float64 rows of 12345 (over 16 doubles a thread at 1024 threads) go to shared memory
-    assert peeled.peel == (cols > 1024 and peeled.impl == "block_regs")
-    assert peeled.impl == "block_regs" or cols <= 1024 or itemsize == 8
+    # from AUTO_PEELED_SMALL_MIN_COLS a register block peels the row edges; float64
+    # rows of 12345 (over 16 doubles a thread at 1024 threads) go to shared memory
+    assert peeled.peel == (cols >= norm.AUTO_PEELED_SMALL_MIN_COLS and peeled.impl == "block_regs")
+    assert peeled.impl == "block_regs" or cols < norm.AUTO_PEELED_SMALL_MIN_COLS or itemsize == 8
+    assert peeled.rows_per_block == (2 if peeled.peel and peeled.block_size == 32 else 1)
 
     x, x64 = _data(rng, (rows, cols), dtype)
     y, *stats = run(x, **affine, eps=EPS, return_stats=True)

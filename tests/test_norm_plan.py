@@ -115,8 +115,10 @@ def test_oneflow_backward_reduces_params_apart():
 def test_auto_uses_16_byte_packs_and_falls_back_on_alignment():
     assert norm.plan("layer_norm", ROWS, 1024, "f16", "auto", H100).spec.pack_size == 8
     assert norm.plan("layer_norm", ROWS, 1024, "f32", "auto", H100).spec.pack_size == 4
-    assert norm.plan("layer_norm", ROWS, 1024, "f16", "auto", H100, align=4).spec.pack_size == 2
-    assert norm.plan("layer_norm", ROWS, 1001, "f16", "auto", H100).spec.pack_size == 1
+    # the warp path where the operands' phases differ (else the rows peel: 16-byte packs)
+    assert norm.plan("layer_norm", ROWS, 1024, "f16", "auto", H100, align=4, same_phase=False).spec.pack_size == 2
+    assert norm.plan("layer_norm", ROWS, 1001, "f16", "auto", H100, same_phase=False).spec.pack_size == 1
+    assert norm.plan("layer_norm", ROWS, 1001, "f16", "auto", H100).spec.pack_size == 8
 
 
 @pytest.mark.parametrize("rows", [7, 8])
@@ -223,15 +225,42 @@ def test_auto_peels_rows_off_the_16_byte_grid(op):
     else:
         assert (full.block_size, full.packs_per_thread, full.packed) == (128, 4, True)
     assert f16.spec.name.endswith("_peel_packed_full6_affine" if op == "layer_norm" else "_peel_packed_full6_weight")
+    # 2049 cols: two warps of four packs a thread in float (AUTO_PEELED_SMALL_*)
     short = norm.plan(op, ROWS, 2049, "f16", "auto", H100, align=2).spec
-    assert (short.block_size, short.packs_per_thread, short.peel) == (64, 4, True)
-    assert short.packed == (op == "rms_norm")    # LayerNorm 2049: 64 x 4 in float
+    assert (short.block_size, short.packs_per_thread, short.peel, short.packed) == (64, 4, True, False)
     unpeeled = norm.plan(op, ROWS, 12345, "f16", "auto", H100, align=2, same_phase=False).spec
     assert (unpeeled.pack_size, unpeeled.peel) == (1, False)
     aligned = norm.plan(op, ROWS, 12352, "f16", "auto", H100).spec
     assert (aligned.pack_size, aligned.peel) == (8, False)
-    assert norm.plan(op, ROWS, 1023, "f16", "auto", H100, align=2).spec.impl == "warp"   # warp: no peel
     assert not norm.plan(op, ROWS, 12345, "f16", "oneflow", H100, align=2).spec.peel
+
+
+@pytest.mark.parametrize("op", norm.FORWARD_OPS)
+def test_auto_peels_short_rows_before_the_warp_path(op):
+    """Forward rows off the 16-byte grid from AUTO_PEELED_SMALL_MIN_COLS cols
+    take the softmax's rule before the warp path: a peeled register block of
+    one warp a row, two rows a block, while a thread holds at most four
+    16-byte packs (and one single element past them), else two warps; in
+    float, the packs every row fills unchecked. Shorter rows, operands at
+    different phases, rows on the grid and the backward keep their paths."""
+    flags = "_affine" if op == "layer_norm" else "_weight"
+    f16 = norm.plan(op, ROWS, 1023, "f16", "auto", H100, align=2).main
+    assert f16.spec.name == f"{op}_block_regs_f16_f32_p8_k4_b32x2_peel_full3{flags}"
+    assert (f16.block, f16.grid, f16.smem_bytes) == ((32, 2, 1), (ROWS // 2, 1, 1), 0)
+    assert f16.spec.min_blocks_per_sm * 64 >= norm.MIN_RESIDENT_THREADS["forward"]
+    # 1056 cols: 4 packs and an element a lane at the last head; 1057: two warps
+    assert norm.plan(op, ROWS, 1055, "bf16", "auto", H100, align=2).spec.block_size == 32
+    assert norm.plan(op, ROWS, 1057, "bf16", "auto", H100, align=2).spec.block_size == 64
+    f32 = norm.plan(op, 9, 1023, "f32", "auto", H100, align=4, residual=True).main
+    assert f32.spec.name == f"{op}_block_regs_f32_f32_p4_k4_b64_peel_full3{flags}_residual"
+    assert (f32.block, f32.grid) == ((64, 1, 1), (9, 1, 1))
+    odd = norm.plan(op, 9, 255, "f64", "auto", H100, align=8).main
+    assert odd.spec.name.startswith(f"{op}_block_regs_f64_f64_p2_k4_b32x2_peel") and odd.grid == (5, 1, 1)
+    assert norm.plan(op, ROWS, 253, "f16", "auto", H100, align=2).spec.impl == "warp"
+    assert norm.plan(op, ROWS, 1023, "f16", "auto", H100, align=2, same_phase=False).spec.impl == "warp"
+    assert norm.plan(op, ROWS, 1016, "f16", "auto", H100).spec.impl == "warp"
+    assert norm.plan(op, ROWS, 1023, "f16", "oneflow", H100, align=2).spec.impl == "warp"
+    assert norm.plan(op + "_backward", ROWS, 1023, "f16", "auto", H100, align=2).spec.rows_per_block == 1
 
 
 def test_auto_fits_block_sizes_to_peeled_layer_norm_16_bit_rows():
@@ -572,9 +601,11 @@ def _compile_sweep(job) -> list:
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_peeled_kernels_compile_for_every_dtype(arch):
-    """The peeled register path (its float64 instantiation is outside the sweep)."""
+    """The peeled register path (its float64 instantiation is outside the sweep),
+    and its one- and two-warp blocks of short rows."""
     target = Target.profile(ARCH_PROFILES[arch])
-    for dtype, cols in (("f16", 4097), ("bf16", 12345), ("f32", 12345), ("f64", 4097)):
+    for dtype, cols in (("f16", 4097), ("bf16", 12345), ("f32", 12345), ("f64", 4097),
+                        ("f16", 1023), ("bf16", 1057), ("f32", 1023), ("f64", 255)):
         for op in norm.FORWARD_OPS:
             for residual in (False, True):
                 spec = norm.plan(op, ROWS, cols, dtype, "auto", target, align=2, residual=residual).spec

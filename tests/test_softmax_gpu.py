@@ -8,6 +8,8 @@ computed from the rounded values, so only the kernel's arithmetic is measured.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy
 import pytest
 from conftest import assert_close
@@ -133,6 +135,13 @@ def boundary_groups(policy, dtype, facts) -> dict:
         compute = COMPUTE_ITEMSIZE[itemsize]
         warp = 32 * sm.AUTO_WARP_MAX_BYTES_PER_LANE // compute
         groups["warp-limit"] = [warp - 1, warp, warp + 1]
+        # odd rows (off the 16-byte grid): the warp path below AUTO_PEELED_SMALL_MIN_COLS,
+        # then peeled blocks of one warp a row (two rows a block) and of two warps while
+        # a thread holds at most AUTO_PEELED_SMALL_MAX_PACKS packs, then the register ladder
+        small = sm.AUTO_PEELED_SMALL_MIN_COLS | 1
+        most = sm.AUTO_PEELED_SMALL_MAX_PACKS * vec
+        groups["peeled-short"] = [small - 2, small, small + 2, 32 * most + vec - 1, 32 * most + vec + 1,
+                                  64 * most + vec - 1, 64 * most + vec + 1]
         max_packs = max(sm.AUTO_BLOCK_REGS_MAX_PACKS.get((itemsize, inputs), 4) for inputs in (1, 2))
         regs = sorted({bs * vec * min(max_packs, sm.AUTO_BLOCK_REGS_MAX_BYTES // (vec * compute * bs))
                        for bs in sm.AUTO_BLOCK_REGS_SIZES} - {0})
@@ -146,8 +155,8 @@ def boundary_groups(policy, dtype, facts) -> dict:
     return groups
 
 
-GROUP_NAMES = ["narrow", "warp-limit", "smem-limit", "regs-limits", "past-regs", "optin-limit",
-               "huge"]
+GROUP_NAMES = ["narrow", "warp-limit", "peeled-short", "smem-limit", "regs-limits", "past-regs",
+               "optin-limit", "huge"]
 
 
 @pytest.mark.parametrize("group", GROUP_NAMES)
@@ -225,6 +234,24 @@ def test_async_grid_walks_its_rows(op, stages, cluster_size, tail_packs, rng):
     out = poisoned(host.shape, dtype)
     run_plan(chosen, x, out)
     assert_close(to_host(out), REFERENCES[op](host.astype(numpy.float64), axis=-1), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("op", sorted(FUNCTIONS))
+def test_peeled_warp_rows_walk_the_grid(op, dtype, rng):
+    """Peeled rows of one warp, two a block (AUTO_PEELED_SMALL_*), on fewer
+    blocks than row pairs: each warp walks its rows grid-stride, every row at
+    its own phase (odd cols), the last block's second warp past the rows."""
+    import cupy
+
+    cols = {2: 1023, 4: 513, 8: 255}[dtype.itemsize]    # four 16-byte packs a lane at most
+    chosen = sm.plan(op, 64, cols, short(dtype), "auto", live_target())
+    assert chosen.spec.peel and chosen.block == (32, 2, 1), chosen.spec.name
+    rows = 2 * 5 * 3 + 1
+    host, exact = random_input(rng, (rows, cols), dtype)
+    out = poisoned((rows, cols), dtype)
+    run_plan(replace(chosen, grid=(5, 1, 1)), cupy.asarray(host), out)
+    assert_close(to_host(out), REFERENCES[op](exact, axis=-1), dtype)
 
 
 def check_long_rows(op, dtype, cols, rows, rng, expect):

@@ -311,10 +311,25 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
         oneflow = plan(op, rows, cols, dtype, "oneflow", target, align)
         if oneflow.spec.impl != "block_uncached":
             return {"impl": "oneflow", "plan": oneflow}
-    # 1. warp: while a lane holds at most 128 bytes of compute values
+    # 1. rows off the 16-byte grid (input and output the same way) of at least
+    # AUTO_PEELED_SMALL_MIN_COLS: a peeled register block of 32 threads (two
+    # rows a block, a warp each), else 64, the first giving a thread at most
+    # AUTO_PEELED_SMALL_MAX_PACKS 16-byte packs; 16-bit rows held as loaded
+    vec = 16 // itemsize
+    if pack < vec and same_phase and cols >= sm.AUTO_PEELED_SMALL_MIN_COLS:
+        for block_size, rows_per_block in ((32, sm.AUTO_PEELED_SMALL_WARP_ROWS), (64, 1)):
+            per_thread = ceil_div(cols // vec, block_size)
+            if per_thread <= sm.AUTO_PEELED_SMALL_MAX_PACKS:
+                spec = SoftmaxSpec(op, "block_regs", dtype, vec, block_size=block_size,
+                                   packs_per_thread=per_thread, rows_per_block=rows_per_block, peel=True,
+                                   storage_cache=itemsize == 2)
+                assert occupancy(target, spec, 0, False) * block_size * rows_per_block >= 384
+                return {"impl": "block_regs", "spec": spec, "smem_bytes": 0,
+                        "grid": get_num_blocks(facts, block_size * rows_per_block, ceil_div(rows, rows_per_block))}
+    # 2. warp: while a lane holds at most 128 bytes of compute values
     if cols <= 32 * pack or pack * ceil_div(cols, 32 * pack) * compute <= sm.AUTO_WARP_MAX_BYTES_PER_LANE:
         return {"impl": "warp", "pack_size": pack}
-    # 2. cp.async into shared memory (16-byte packs only), the maximum and sum in
+    # 3. cp.async into shared memory (16-byte packs only), the maximum and sum in
     # one pass: the first rung (cluster, threads, most tail packs, blocks an SM)
     # of the type's ladder that holds the row, each block of the cluster (sm_90+)
     # holding a part of the row, its last packs (the largest tail up to `most`
@@ -345,7 +360,7 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
 
     if cols * itemsize >= 24 * 1024 and async_plan() is not None:
         return async_plan()
-    # 3. register block: 16-byte packs (peeling the row's edges when the row is
+    # 4. register block: 16-byte packs (peeling the row's edges when the row is
     # off the 16-byte grid the same way for input and output), the smallest block
     # giving a thread at most MAX_PACKS packs (PEELED_MAX_PACKS when peeled; by
     # itemsize and inputs) within MAX_BYTES a block, with MIN_RESIDENT threads of
@@ -369,13 +384,13 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
     if async_plan() is not None:
         return async_plan()
     row_bytes = cols * itemsize
-    # 4. shared memory filled through registers, the input's own type cached
+    # 5. shared memory filled through registers, the input's own type cached
     spec = SoftmaxSpec(op, "block_smem", dtype, pack, block_size=sm.AUTO_SMEM_BLOCK_SIZE,
                        storage_cache=True)
     if occupancy(target, spec, row_bytes, True):
         return {"impl": "block_smem", "spec": spec, "smem_bytes": row_bytes,
                 "grid": get_num_blocks(facts, spec.block_size, rows)}
-    # 5. two passes over global memory, online max and sum
+    # 6. two passes over global memory, online max and sum
     spec = SoftmaxSpec(op, "block_uncached", dtype, pack, block_size=1024, online=True)
     return {"impl": "block_uncached", "spec": spec, "smem_bytes": 0,
             "grid": get_num_blocks(facts, 1024, rows)}
@@ -388,8 +403,8 @@ def _optin_cols(target, dtype):
     return [limit - 32 * step, limit - 8 * step, limit, limit + step, limit + 1]
 
 
-AUTO_BOUNDARY_COLS = (1, 2, 31, 33, 511, 512, 513, 1023, 1025, 2049, 4097, 8193, 16385, 16392,
-                      32769)
+AUTO_BOUNDARY_COLS = (1, 2, 31, 33, 253, 255, 257, 511, 512, 513, 521, 1023, 1025, 1029, 1031, 1033, 2049,
+                      2057, 4097, 8193, 16385, 16392, 32769)
 
 
 @pytest.mark.parametrize("rows", [49152, 49151])
@@ -419,20 +434,52 @@ def test_auto_rules(profile, dtype, rows):
                           ceil_div(rows, rows_per_access), 128 // width)), 1, 1))
             else:
                 spec = expected["spec"]
-                ok = (p.spec == spec and p.block == (spec.block_size, 1, 1)
+                ok = (p.spec == spec and p.block == (spec.block_size, spec.rows_per_block, 1)
                       and p.grid == (expected["grid"], 1, 1) and p.smem_bytes == expected["smem_bytes"])
             if not ok:
                 wrong.append(f"{op} cols={cols}: got {p}, expected {expected}")
     assert not wrong, f"{len(wrong)} plans differ:\n" + "\n".join(wrong[:5])
 
 
+def test_auto_peels_short_rows_off_the_16_byte_grid():
+    """Rows off the 16-byte grid from AUTO_PEELED_SMALL_MIN_COLS cols take a
+    peeled register block before the warp path: one warp a row, two rows a
+    block, while a thread holds at most four 16-byte packs; then two warps a
+    row; then the register ladder. Shorter rows, operands at different
+    phases and rows on the grid keep their paths."""
+    rows = 49152
+    assert (sm.AUTO_PEELED_SMALL_BLOCKS, sm.AUTO_PEELED_SMALL_MAX_PACKS, sm.AUTO_PEELED_SMALL_WARP_ROWS,
+            sm.AUTO_PEELED_SMALL_MIN_COLS) == ((32, 64), 4, 2, 255)
+    f16 = plan("softmax", rows, 1023, "f16", "auto", H100, align=2)
+    assert f16.spec.name == "softmax_block_regs_f16_f32_p8_k4_b32x2_peel_packed"
+    assert (f16.block, f16.grid, f16.smem_bytes) == ((32, 2, 1), (rows // 2, 1, 1), 0)
+    assert f16.spec.threads_per_block == 64
+    # 1031 cols: 128 packs, four a lane; 1033: 129, three a thread of two warps
+    assert plan("softmax", rows, 1031, "bf16", "auto", H100, align=2).spec.block_size == 32
+    wide = plan("log_softmax", rows, 1033, "bf16", "auto", H100, align=2)
+    assert wide.spec.name == "log_softmax_block_regs_bf16_f32_p8_k3_b64_peel_packed"
+    assert wide.block == (64, 1, 1)
+    f32 = plan("softmax_backward", rows, 1023, "f32", "auto", H100, align=4)
+    assert f32.spec.name == "softmax_backward_block_regs_f32_f32_p4_k4_b64_peel" and f32.block == (64, 1, 1)
+    few = plan("log_softmax", 7, 255, "f64", "auto", H100, align=8)
+    assert few.spec.name == "log_softmax_block_regs_f64_f64_p2_k4_b32x2_peel"
+    assert (few.block, few.grid) == ((32, 2, 1), (4, 1, 1))     # the last block's second warp has no row
+    # past two warps of four packs: the register ladder (128 threads, up to eight packs)
+    assert plan("softmax", rows, 2057, "f16", "auto", H100, align=2).spec.name.endswith("_k3_b128_peel_packed")
+    assert plan("softmax", rows, 253, "f16", "auto", H100, align=2).spec.impl == "warp"
+    assert plan("softmax", rows, 1023, "f16", "auto", H100, align=2, same_phase=False).spec.impl == "warp"
+    assert plan("softmax", rows, 1016, "f16", "auto", H100).spec.impl == "warp"
+    assert plan("softmax", rows, 1023, "f16", "oneflow", H100, align=2).spec.impl == "warp"
+
+
 @pytest.mark.parametrize("dtype, last_warp", [("f16", 1024), ("bf16", 1024), ("f32", 1024),
                                               ("f64", 512)])
 def test_auto_warp_holds_at_most_128_bytes_per_lane(dtype, last_warp):
     # 128 bytes of float32 are 32 values a lane (1024 a warp), of float64 16 (512);
-    # log-softmax: float32 softmax at 1024 cols takes OneFlow's shared-memory plan
+    # log-softmax: float32 softmax at 1024 cols takes OneFlow's shared-memory plan.
+    # Odd rows whose operands share a phase peel (test_auto_peels_short_rows_off_the_16_byte_grid)
     for cols in (last_warp - 1, last_warp):
-        p = plan("log_softmax", 64, cols, dtype, "auto", H100).spec
+        p = plan("log_softmax", 64, cols, dtype, "auto", H100, same_phase=cols % 2 == 0).spec
         assert p.impl == "warp" and p.cols_per_thread * COMPUTE_ITEMSIZE[dtype] <= 128
     assert plan("log_softmax", 64, last_warp + 1, dtype, "auto", H100).spec.impl != "warp"
     assert plan("log_softmax", 64, 2 * last_warp + 512, dtype, "auto", H100).spec.impl == "block_regs"
@@ -444,14 +491,18 @@ def test_auto_warp_holds_at_most_128_bytes_per_lane(dtype, last_warp):
                                                ("f32", 1024, 4), ("f32", 1022, 2), ("f64", 256, 2),
                                                ("f16", 1001, 1)])
 def test_auto_warp_uses_16_byte_packs(dtype, cols, pack):
-    assert plan("log_softmax", 64, cols, dtype, "auto", H100).spec.pack_size == pack
+    # rows off the 16-byte grid with operands at different phases (else they peel)
+    chosen = plan("log_softmax", 64, cols, dtype, "auto", H100, same_phase=pack * ITEMSIZE[dtype] == 16).spec
+    assert (chosen.impl, chosen.pack_size) == ("warp", pack)
 
 
 def test_auto_alignment_and_phase():
-    # a float16 row at a 2-byte offset: no vector pack on the warp path ...
-    assert plan("softmax", 64, 1024, "f16", "auto", H100, align=2).spec.pack_size == 1
-    assert plan("softmax", 64, 1024, "f16", "auto", H100, align=4).spec.pack_size == 2
-    assert plan("softmax", 64, 1024, "f16", "auto", H100, align=8).spec.pack_size == 4
+    # a float16 row at a 2-byte offset, output at another phase: no vector pack on the warp path ...
+    assert plan("softmax", 64, 1024, "f16", "auto", H100, align=2, same_phase=False).spec.pack_size == 1
+    assert plan("softmax", 64, 1024, "f16", "auto", H100, align=4, same_phase=False).spec.pack_size == 2
+    assert plan("softmax", 64, 1024, "f16", "auto", H100, align=8, same_phase=False).spec.pack_size == 4
+    # ... at the same phase, a peeled register block of one warp a row (16-byte packs)
+    assert plan("softmax", 64, 1024, "f16", "auto", H100, align=2).spec.name.endswith("_p8_k4_b32x2_peel_packed")
     # ... while the register block path peels the row's edges and keeps 16-byte
     # packs when input and output are off the grid by the same amount
     peeled = plan("softmax", 64, 4096, "f16", "auto", H100, align=2, same_phase=True).spec

@@ -37,7 +37,10 @@ the results agree within rounding):
 - backward: dx the same way (smem caches dy and xhat: 2 * cols * sizeof(compute));
   dweight / dbias by a separate column-reduction kernel, as OneFlow does.
 
-policy="auto" (default): 16-byte packs; warp groups of 1 .. 32 lanes with two
+policy="auto" (default): 16-byte packs. Forward rows off the 16-byte grid
+(every operand at the same phase) of at least AUTO_PEELED_SMALL_MIN_COLS
+first take a peeled register block of one warp (two rows a block) or two
+(the softmax's AUTO_PEELED_SMALL_* rule); then warp groups of 1 .. 32 lanes with two
 rows per access (odd row counts included, the last row guarded) and lanes
 holding up to 128 bytes (backward: 64), forward groups of a whole warp in
 blocks of two warps bound to 18 blocks an SM (MIN_RESIDENT_THREADS); then the
@@ -80,7 +83,8 @@ from .. import arrays, async_row, dtypes, jit, rowwise
 from ..device import WARP_SIZE
 from ..launch import (BLOCK_SIZE_LADDER, MAX_GRID_X, KernelLaunch, Target, choose_block_size, get_num_blocks,
                       live_function)
-from .softmax import vector_pack_size
+from .softmax import (AUTO_PEELED_SMALL_BLOCKS, AUTO_PEELED_SMALL_MAX_PACKS, AUTO_PEELED_SMALL_MIN_COLS,
+                      AUTO_PEELED_SMALL_WARP_ROWS, vector_pack_size)
 
 FORWARD_OPS = ("layer_norm", "rms_norm")
 BACKWARD_OPS = ("layer_norm_backward", "rms_norm_backward")
@@ -314,6 +318,7 @@ class NormSpec(jit.KernelSpec):
     padding: bool = False            # warp
     block_size: int = 0              # block paths; warp: threads a block (0: WARP_BLOCK_THREADS)
     packs_per_thread: int = 0        # block_regs
+    rows_per_block: int = 1          # forward block_regs of 32 threads: rows a block, a warp each
     packed_cache: bool = False       # forward block_smem: cache the storage type
     peel: bool = False               # block_regs: rows start off the 16-byte grid
     packed: bool = False             # forward block_regs: the row held as loaded (storage type)
@@ -356,6 +361,7 @@ class NormSpec(jit.KernelSpec):
             path += f"_b{self.block_size}" if self.block_size else ""
         elif self.impl == "block_regs":
             path = f"_k{self.packs_per_thread}_b{self.block_size}"
+            path += f"x{self.rows_per_block}" if self.rows_per_block > 1 else ""
             path += "_peel" if self.peel else ""
             path += "_packed" if self.packed else ""
             path += f"_full{self.full_packs}" if self.full_packs else ""
@@ -392,7 +398,7 @@ class NormSpec(jit.KernelSpec):
             return PARAM_GRAD_BLOCK[0] * PARAM_GRAD_BLOCK[1]
         if self.impl == "weight_phases":
             return WEIGHT_PHASES_BLOCK
-        return self.block_size
+        return self.block_size * self.rows_per_block
 
     @property
     def min_blocks_per_sm(self) -> int:
@@ -570,8 +576,9 @@ def _block_launch(spec: NormSpec, rows: int, smem: int, target: Target, policy: 
     if policy == "oneflow":
         grid = _oneflow_grid(target, spec, spec.block_size, smem, opt_in, rows)
     else:
-        grid = get_num_blocks(target.facts, spec.block_size, _ceil_div(rows, spec.rows_per_access))
-    return KernelLaunch(spec, (spec.block_size, 1, 1), (grid, 1, 1), smem)
+        grid = get_num_blocks(target.facts, spec.threads_per_block,
+                              _ceil_div(rows, spec.rows_per_access * spec.rows_per_block))
+    return KernelLaunch(spec, (spec.block_size, spec.rows_per_block, 1), (grid, 1, 1), smem)
 
 
 def _max_occupancy_block_size(target, spec_of, smem: int, opt_in: bool) -> Optional[int]:
@@ -651,6 +658,15 @@ def _auto_registers(fields, rows, cols, align, target, direction, block_ladder, 
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     pack = vector_pack_size(cols, ftype.itemsize, align)
     max_cols_per_thread = max(AUTO_WARP_MAX_BYTES_PER_LANE[direction] // compute_itemsize, pack)
+    peel = peel_allowed and pack * ftype.itemsize < 16
+    regs_pack = 16 // ftype.itemsize if peel else pack
+    if peel and cols >= AUTO_PEELED_SMALL_MIN_COLS:
+        small_rungs = [(block_size, AUTO_PEELED_SMALL_MAX_PACKS * regs_pack * compute_itemsize,
+                        {"rows_per_block": AUTO_PEELED_SMALL_WARP_ROWS if block_size == WARP_SIZE else 1}, True)
+                       for block_size in AUTO_PEELED_SMALL_BLOCKS]
+        launch = _first_register_rung(fields, rows, cols, target, direction, small_rungs, regs_pack, peel)
+        if launch is not None:
+            return launch, pack
     ladder = auto_warp_ladder(cols, pack, max_cols_per_thread)
     regs_first = (pack * ftype.itemsize == 16
                   and cols >= AUTO_REGS_FROM_COLS.get((fields["op"], ftype.itemsize), cols + 1))
@@ -660,9 +676,16 @@ def _auto_registers(fields, rows, cols, align, target, direction, block_ladder, 
         block_threads = AUTO_FORWARD_WARP_BLOCK_THREADS if two_warp else 0
         launch = _warp_launch(fields, rows, cols, pack, ladder, target, "auto", block_threads=block_threads)
         return launch, pack
-    peel = peel_allowed and pack * ftype.itemsize < 16
-    regs_pack = 16 // ftype.itemsize if peel else pack
-    for block_size, max_bytes, extra, spill_checked in (peeled_ladder or block_ladder) if peel else block_ladder:
+    rungs = (peeled_ladder or block_ladder) if peel else block_ladder
+    return _first_register_rung(fields, rows, cols, target, direction, rungs, regs_pack, peel), pack
+
+
+def _first_register_rung(fields, rows, cols, target, direction, rungs, regs_pack, peel) -> Optional[KernelLaunch]:
+    """The register block launch of the first of `rungs` (as _auto_registers
+    takes them) that holds the row, or None."""
+    ftype = dtypes.BY_SHORT[fields["dtype"]]
+    compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
+    for block_size, max_bytes, extra, spill_checked in rungs:
         packs_per_thread = block_packs_per_thread(cols, block_size, regs_pack, peel)
         held_itemsize = ftype.itemsize if extra.get("packed") else compute_itemsize
         if packs_per_thread * regs_pack * held_itemsize <= max_bytes:
@@ -688,8 +711,8 @@ def _auto_registers(fields, rows, cols, align, target, direction, block_ladder, 
             spec = NormSpec(impl="block_regs", pack_size=regs_pack, block_size=block_size,
                             packs_per_thread=packs_per_thread, peel=peel, full_packs=full_packs, **extra, **fields)
             if not (spill_checked and _uses_local_memory(spec, target)):
-                return _block_launch(spec, rows, 0, target, "auto", False), pack
-    return None, pack
+                return _block_launch(spec, rows, 0, target, "auto", False)
+    return None
 
 
 def _async_launch(spec_fields, rows, cols, pack_size, target, rungs, whole_rows) -> Optional[KernelLaunch]:

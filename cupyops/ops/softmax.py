@@ -9,7 +9,9 @@ leaves two blocks an SM; auto only),
 "block_smem" (a row per block, shared memory filled through registers) and
 "block_uncached" (a row per block, re-read from global memory).
 policy="oneflow" reproduces OneFlow's dispatch exactly; "auto" uses 16-byte
-accesses, the register and async block paths, shared memory beyond 48 KB and
+accesses (rows off the 16-byte grid peel their edges: from 255 cols in a
+register block of one or two warps a row, before the warp path), the register
+and async block paths, shared memory beyond 48 KB and
 a two-pass online fallback; its thresholds are the measured winners of
 scripts/tune_softmax.py on an H200.
 """
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 import numpy
 
 from .. import arrays, async_row, dtypes, jit, rowwise
-from ..device import has_clusters
+from ..device import WARP_SIZE, has_clusters
 from ..launch import (MAX_GRID_X, KernelLaunch, LaunchCache, Target, choose_block_size, get_num_blocks,
                       live_function)
 
@@ -63,6 +65,36 @@ AUTO_BLOCK_REGS_LARGEST = {"log_softmax": 512}
 AUTO_BLOCK_REGS_MAX_PACKS = {(2, 1): 4, (4, 1): 16, (8, 1): 4}   # (itemsize, inputs); else 4
 AUTO_PEELED_MAX_PACKS = {(2, 1): 8, (4, 1): 16, (8, 1): 8}       # else 8
 AUTO_BLOCK_REGS_MAX_BYTES = 64 * 1024
+# Rows off the 16-byte grid (odd cols, offset views) of at least
+# AUTO_PEELED_SMALL_MIN_COLS, before the warp path (whose packs would narrow
+# to the rows' alignment): a peeled register block of the first of
+# AUTO_PEELED_SMALL_BLOCKS giving a thread at most AUTO_PEELED_SMALL_MAX_PACKS
+# 16-byte packs; blocks of one warp a row hold AUTO_PEELED_SMALL_WARP_ROWS
+# rows (twice the warps resident: an SM runs at most 32 blocks). Shared with
+# the norms' forward. H200, rows 49152, % of copy, against the plan before
+# (the warp path in narrow packs up to 1024 cols, then 128-thread blocks):
+#   softmax f16 255 / 385 / 513 / 777 / 1023 / 1025 / 1500 cols 60.1 / 68.2
+#     / 79.0 / 84.1 / 87.9 / 88.2 / 92.2 against 54.9 / 59.4 / 64.4 / 68.4 /
+#     69.2 / 75.3 / 82.2; log_softmax f16 1023 88.3 against 59.7;
+#     softmax_backward f16 255 / 513 / 1023 72.5 / 84.6 / 92.0 against 63.9
+#     / 74.4 / 79.3; f32 385 / 1023 87.4 / 94.4 against 86.5 / 92.1 (257 /
+#     301 80.4 / 83.4 against 81.0 / 84.1); f64 255 88.7 against 81.6;
+#   LayerNorm f16 385 / 513 / 1023 / 1025 54.2 / 67.3 / 84.8 / 86.0 against
+#     51.1 / 55.2 / 62.4 / 70.6; f32 257 / 385 / 1023 75.3 / 83.4 / 92.5
+#     against 70.2 / 74.4 / 71.0; RMSNorm f16 255 / 513 / 1023 56.9 / 75.1 /
+#     87.3 against 50.1 / 58.4 / 64.7, f32 257 / 513 78.3 / 87.9 against
+#     71.9 / 78.6;
+#   shorter rows lose (the warp path's groups take several rows a warp):
+#   softmax f16 193 cols 46.3 against 53.3, f32 129 61.8 against 67.2, f64
+#   97 55.9 against 61.5.
+# One row a block of one warp: softmax f16 513 cols 69.1, LayerNorm f16 513
+# 65.6, f32 257 66.1 (four rows: within 1 of two; eight lose up to 4);
+# 128 threads a row: softmax f16 1023 74.9; LayerNorm f32 1023 takes two
+# warps (four packs a thread): 92.5 against 89.4 at one warp and eight.
+AUTO_PEELED_SMALL_BLOCKS = (32, 64)
+AUTO_PEELED_SMALL_MAX_PACKS = 4
+AUTO_PEELED_SMALL_WARP_ROWS = 2
+AUTO_PEELED_SMALL_MIN_COLS = 255
 AUTO_BLOCK_REGS_MIN_RESIDENT = 384
 # then cp.async into shared memory (16-byte packs), a block or a cluster per
 # row (the GPU's scheduler starts the next row's block as one leaves, rather
@@ -156,6 +188,7 @@ class SoftmaxSpec(jit.KernelSpec):
     padding: bool = False         # warp
     block_size: int = 0           # block paths
     packs_per_thread: int = 0     # block_regs
+    rows_per_block: int = 1       # block_regs of 32 threads: rows a block, a warp each
     peel: bool = False            # block_regs: rows start off the 16-byte grid
     storage_cache: bool = False   # block_smem, block_regs: cache packs of the input's type
     stages: int = 0               # block_async: rows in flight per block
@@ -181,7 +214,8 @@ class SoftmaxSpec(jit.KernelSpec):
         if self.impl == "block_regs":
             peel = "_peel" if self.peel else ""
             storage = "_packed" if self.storage_cache else ""
-            return f"{head}_k{self.packs_per_thread}_b{self.block_size}{peel}{storage}"
+            rows = f"x{self.rows_per_block}" if self.rows_per_block > 1 else ""
+            return f"{head}_k{self.packs_per_thread}_b{self.block_size}{rows}{peel}{storage}"
         if self.impl == "block_smem":
             return f"{head}_b{self.block_size}_{'packed' if self.storage_cache else 'strided'}"
         if self.impl == "block_async":
@@ -194,7 +228,7 @@ class SoftmaxSpec(jit.KernelSpec):
 
     @property
     def threads_per_block(self) -> int:
-        return WARP_BLOCK_THREADS if self.impl == "warp" else self.block_size
+        return WARP_BLOCK_THREADS if self.impl == "warp" else self.block_size * self.rows_per_block
 
     def explain_extra(self) -> dict:
         if self.impl != "block_async":
@@ -245,8 +279,8 @@ def warp_plan(op, dtype, rows, cols, pack_size, ladder, target) -> SoftmaxPlan:
 
 
 def _block_plan(spec: SoftmaxSpec, rows: int, smem: int, target) -> SoftmaxPlan:
-    grid = get_num_blocks(target.facts, spec.block_size, rows)
-    return SoftmaxPlan(spec, (spec.block_size, 1, 1), (grid, 1, 1), smem)
+    grid = get_num_blocks(target.facts, spec.threads_per_block, -(-rows // spec.rows_per_block))
+    return SoftmaxPlan(spec, (spec.block_size, spec.rows_per_block, 1), (grid, 1, 1), smem)
 
 
 def _oneflow_smem_plan(op, dtype, rows, cols, pack_size, target):
@@ -289,27 +323,36 @@ def vector_pack_size(cols: int, itemsize: int, align: int) -> int:
     return pack
 
 
-def _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target):
-    """A block per row cached in registers, or None where no block size fits."""
+def _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target, small_peeled=False):
+    """A block per row cached in registers, or None where no block size fits.
+    small_peeled: only AUTO_PEELED_SMALL_BLOCKS, for rows off the 16-byte grid."""
     ftype = dtypes.BY_SHORT[dtype]
     num_inputs = len(INPUTS[op])
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     # Rows off the 16-byte grid still take 16-byte packs when input and output
     # are off by the same amount: the register path peels each row's edges.
     peel = pack_size * ftype.itemsize < 16 and same_phase
+    if small_peeled and not peel:
+        return None
     regs_pack = 16 // ftype.itemsize if peel else pack_size
     num_packs = cols // regs_pack
-    max_packs = (AUTO_PEELED_MAX_PACKS.get((ftype.itemsize, num_inputs), 8) if peel
-                 else AUTO_BLOCK_REGS_MAX_PACKS.get((ftype.itemsize, num_inputs), 4))
-    largest = AUTO_BLOCK_REGS_LARGEST.get(op, AUTO_BLOCK_REGS_SIZES[-1])
-    for block_size in (size for size in AUTO_BLOCK_REGS_SIZES if size <= largest):
+    if small_peeled:
+        block_sizes, max_packs = AUTO_PEELED_SMALL_BLOCKS, AUTO_PEELED_SMALL_MAX_PACKS
+    else:
+        largest = AUTO_BLOCK_REGS_LARGEST.get(op, AUTO_BLOCK_REGS_SIZES[-1])
+        block_sizes = [size for size in AUTO_BLOCK_REGS_SIZES if size <= largest]
+        max_packs = (AUTO_PEELED_MAX_PACKS.get((ftype.itemsize, num_inputs), 8) if peel
+                     else AUTO_BLOCK_REGS_MAX_PACKS.get((ftype.itemsize, num_inputs), 4))
+    for block_size in block_sizes:
         packs_per_thread = -(-num_packs // block_size)
         if (packs_per_thread <= max_packs and
                 packs_per_thread * regs_pack * compute_itemsize * block_size <= AUTO_BLOCK_REGS_MAX_BYTES):
+            rows_per_block = AUTO_PEELED_SMALL_WARP_ROWS if small_peeled and block_size == WARP_SIZE else 1
             spec = SoftmaxSpec(op, "block_regs", dtype, regs_pack, block_size=block_size,
-                               packs_per_thread=packs_per_thread, peel=peel,
+                               packs_per_thread=packs_per_thread, rows_per_block=rows_per_block, peel=peel,
                                storage_cache=ftype.itemsize < compute_itemsize)
-            resident = target.max_active_blocks(spec, block_size, 0, False) * block_size
+            threads = spec.threads_per_block
+            resident = target.max_active_blocks(spec, threads, 0, False) * threads
             if resident >= AUTO_BLOCK_REGS_MIN_RESIDENT:
                 return _block_plan(spec, rows, 0, target)
     return None
@@ -357,6 +400,10 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     pack_size = vector_pack_size(cols, ftype.itemsize, align)
     max_cols_per_thread = max(AUTO_WARP_MAX_BYTES_PER_LANE // compute_itemsize, pack_size)
+    if cols >= AUTO_PEELED_SMALL_MIN_COLS:
+        small_plan = _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target, small_peeled=True)
+        if small_plan is not None:
+            return small_plan
     ladder = warp_ladder(cols, rows, pack_size, max_cols_per_thread)
     if ladder is not None:
         cols_per_thread, width, rows_per_access = ladder
