@@ -29,12 +29,13 @@ from cupyops.ops import softmax_axis, softmax_split
 # 1023 cols two at a time, the last pair of some blocks one row short; the
 # forward's short peeled rows: one warp a row, two a block, the last block's
 # second warp without a row at 7 x 255 and 2999 x 1023 (float32 1023: two
-# warps a row), two warps at 16-bit 7 x 2055), registers, cp.async (the
+# warps a row), two warps at 16-bit 7 x 2055; the 16-bit backward's blocks
+# fitted to rows of 3000 cols, 192 threads), registers, cp.async (the
 # norms' 16-bit rows of 32768 cols whole in a register tail, 65536 cols a
 # tail and shared memory, also with a residual), shared memory, uncached,
 # split rows
 ROW_SHAPES = [(6, 100), (2500, 4223), (40, 12543), (40, 3590), (40, 20001), (2999, 1023), (7, 255), (7, 2055),
-              (4, 4096), (600, 2048),
+              (40, 3000), (4, 4096), (600, 2048),
               (3, 32768), (3, 65536), (3, 40001), (2, 300000), (2, 1 << 19)]
 DTYPES = (cupy.float16, cupy.float32)
 

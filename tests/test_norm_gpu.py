@@ -500,7 +500,7 @@ def check_backward(rng, centered, rows, cols, dtype, policy, weight=None):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-@pytest.mark.parametrize("cols", [1023, 1024, 2048, 4096, 4097, 12345, 12543])
+@pytest.mark.parametrize("cols", [1023, 1024, 2048, 3000, 4096, 4097, 5000, 12345, 12543])
 @pytest.mark.parametrize("centered", [True, False], ids=["layer_norm", "rms_norm"])
 def test_backward_register_paths_walk_their_rows(rng, centered, cols, dtype):
     """Rows past the grid (two rounds and a partial one) through the register
@@ -510,7 +510,8 @@ def test_backward_register_paths_walk_their_rows(rng, centered, cols, dtype):
     grid (1023, 4097, 12345 and 12543 cols: the grid a multiple of the rows'
     phase period, each thread owning the same columns in every row, up to
     255 of them single elements past the packs, the weight read at the rows'
-    phase)."""
+    phase); 16-bit rows of 3000 and 5000 cols in blocks fitted to the row (192
+    and 320 threads, AUTO_GRAD_FITTED_ITEMSIZES)."""
     op = "layer_norm_backward" if centered else "rms_norm_backward"
     short = dtypes.float_type(numpy.dtype(dtype)).short
     chosen = norm.plan(op, 1 << 20, cols, short, "auto", Target.live(0)).main
@@ -518,6 +519,8 @@ def test_backward_register_paths_walk_their_rows(rng, centered, cols, dtype):
     assert chosen.spec.peel == (cols % 2 == 1), chosen.spec.name
     if cols in (2048, 4096):
         assert chosen.spec.smem_partials and chosen.spec.cached, chosen.spec.name
+    if cols in (3000, 5000) and short != "f32":
+        assert chosen.spec.block_size == {3000: 192, 5000: 320}[cols], chosen.spec.name
     assert chosen.spec.rows_per_access == (2 if cols <= 1024 and short != "f32" else 1), chosen.spec.name
     rows = 2 * chosen.grid[0] + 3
     assert norm.plan(op, rows, cols, short, "auto", Target.live(0)).main.spec == chosen.spec
@@ -525,7 +528,7 @@ def test_backward_register_paths_walk_their_rows(rng, centered, cols, dtype):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("cols", [64, 1024, 4096, 16384, 40000])
+@pytest.mark.parametrize("cols", [64, 1024, 3000, 4096, 16384, 40000])
 def test_backward_is_deterministic(rng, cols, policy):
     cupy = _cupy()
     x, _ = _data(rng, (3001, cols), BFLOAT16)

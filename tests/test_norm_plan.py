@@ -506,6 +506,28 @@ def test_auto_register_block_before_warp_for_rms_norm_16_bit_1024():
     assert norm.plan("rms_norm", ROWS, 1024, "f32", "auto", H100).spec.impl == "warp"
 
 
+def test_auto_backward_fits_16_bit_blocks_to_the_row():
+    """16-bit backward rows with fused partials take the fewest whole warps
+    (at least 64) that hold the row at their rung's packs a thread, where
+    that compiles without local memory and stays resident; else the rung's
+    power-of-two block. float32 keeps the power-of-two blocks."""
+    assert norm.AUTO_GRAD_FITTED_ITEMSIZES == (2,) and norm.AUTO_GRAD_FITTED_MIN_BLOCK == 64
+    for op in norm.BACKWARD_OPS:
+        for cols, block_size in ((1536, 96), (3000, 192), (5000, 320), (6000, 384), (4096, 256), (1024, 64)):
+            spec = norm.plan(op, ROWS, cols, "bf16", "auto", H100).spec
+            assert (spec.block_size, spec.packs_per_thread, spec.fuse_param_grad) == (block_size, 2, True), spec.name
+            assert spec.min_blocks_per_sm * block_size >= norm.MIN_RESIDENT_THREADS[
+                "backward_smem_partials" if spec.smem_partials else "backward"]
+        # 20000 cols: 864 threads of three packs spill under their bounds (two blocks an SM): 1024
+        long = norm.plan(op, ROWS, 20000, "f16", "auto", H100).spec
+        assert (long.block_size, long.packs_per_thread, long.fuse_param_grad) == (1024, 3, True), long.name
+        assert norm.plan(op, ROWS, 3000, "f32", "auto", H100).spec.block_size == 512
+    assert norm.fitted_grad_block_size(3000, 8, 2, False) == 192
+    assert norm.fitted_grad_block_size(3001, 8, 2, True) == 192      # 6 warps x (16 + 1) x 32 >= 3001
+    assert norm.fitted_grad_block_size(3300, 8, 2, True) == 224
+    assert norm.fitted_grad_block_size(100, 8, 2, False) == 64
+
+
 def test_auto_backward_keeps_partial_sums_in_shared_memory():
     """From 2048 cols the fused partial sums sit in shared memory, a float32
     value per column and gradient, leaving 64 registers a thread: two
