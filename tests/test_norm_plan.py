@@ -522,10 +522,11 @@ def test_auto_backward_fits_16_bit_blocks_to_the_row():
         long = norm.plan(op, ROWS, 20000, "f16", "auto", H100).spec
         assert (long.block_size, long.packs_per_thread, long.fuse_param_grad) == (1024, 3, True), long.name
         assert norm.plan(op, ROWS, 3000, "f32", "auto", H100).spec.block_size == 512
-    assert norm.fitted_grad_block_size(3000, 8, 2, False) == 192
-    assert norm.fitted_grad_block_size(3001, 8, 2, True) == 192      # 6 warps x (16 + 1) x 32 >= 3001
-    assert norm.fitted_grad_block_size(3300, 8, 2, True) == 224
-    assert norm.fitted_grad_block_size(100, 8, 2, False) == 64
+    assert norm.fitted_grad_block_size(3000, 8, 2) == 192 and norm.fitted_grad_block_size(3080, 8, 2) == 224
+    assert norm.fitted_grad_block_size(100, 8, 2) == 64
+    # peeled rows keep the rung's block: 3001 cols at 256 x 2 packs
+    peeled = norm.plan("layer_norm_backward", ROWS, 3001, "f16", "auto", H100, align=2).spec
+    assert (peeled.peel, peeled.block_size, peeled.packs_per_thread) == (True, 256, 2), peeled.name
 
 
 def test_auto_backward_keeps_partial_sums_in_shared_memory():

@@ -283,8 +283,9 @@ def _grad_ladder(rung_at_512: tuple) -> tuple:
 
 AUTO_GRAD_BLOCK_LADDER = {"layer_norm": _grad_ladder((512, 48, "cached", "smem", 1)),
                           "rms_norm": _grad_ladder((512, 64, "cached", "smem", 1))}
-# auto, backward with fused partials: storage itemsizes whose rungs first
-# take the fewest whole warps (fitted_grad_block_size) that hold the row at
+# auto, backward with fused partials: storage itemsizes whose rows on the
+# 16-byte grid (peeled rows keep their rungs' blocks, not measured fitted)
+# first take the fewest whole warps (fitted_grad_block_size) that hold the row at
 # the rung's packs a thread, then the rung's block (where the fitted one
 # spills or leaves no block resident). H200, rows 49152, % of copy, against
 # the power-of-two blocks (threads past the row idle): LayerNorm f16 1536 /
@@ -510,14 +511,11 @@ def fitted_block_size(cols: int, pack_size: int, packs_per_thread: int) -> int:
     return max(AUTO_PEELED_FULL_MIN_BLOCK, WARP_SIZE * _ceil_div(cols, per_warp))
 
 
-def fitted_grad_block_size(cols: int, pack_size: int, packs_per_thread: int, peel: bool) -> int:
+def fitted_grad_block_size(cols: int, pack_size: int, packs_per_thread: int) -> int:
     """The fewest threads, in whole warps and at least
-    AUTO_GRAD_FITTED_MIN_BLOCK, that hold a row of `cols` at packs_per_thread
-    packs a thread (block_packs_per_thread: peeled rows, one single element
-    a thread past the packs)."""
-    per_warp = WARP_SIZE * packs_per_thread * pack_size + (WARP_SIZE if peel else 0)
-    needed = cols if peel else cols // pack_size * pack_size
-    return max(AUTO_GRAD_FITTED_MIN_BLOCK, WARP_SIZE * _ceil_div(needed, per_warp))
+    AUTO_GRAD_FITTED_MIN_BLOCK, that hold a row of `cols` (whole packs) at
+    packs_per_thread packs a thread."""
+    return max(AUTO_GRAD_FITTED_MIN_BLOCK, WARP_SIZE * _ceil_div(cols // pack_size, WARP_SIZE * packs_per_thread))
 
 
 def full_packs_per_thread(cols: int, block_size: int, pack_size: int, peel: bool) -> int:
@@ -876,8 +874,8 @@ def _auto_backward_fused(spec_fields, rows, cols, align, same_phase, target) -> 
             if packs_per_thread * pack_size * ftype.itemsize > max_bytes:
                 continue
             block_sizes = [block_size]
-            if ftype.itemsize in AUTO_GRAD_FITTED_ITEMSIZES:
-                fitted = fitted_grad_block_size(cols, pack_size, packs_per_thread, peel)
+            if ftype.itemsize in AUTO_GRAD_FITTED_ITEMSIZES and not peel:
+                fitted = fitted_grad_block_size(cols, pack_size, packs_per_thread)
                 block_sizes = [fitted, block_size] if fitted < block_size else block_sizes
             for threads in block_sizes:
                 spec = NormSpec(impl="block_regs", pack_size=pack_size, block_size=threads,
