@@ -85,7 +85,7 @@ from ..device import WARP_SIZE
 from ..launch import (BLOCK_SIZE_LADDER, MAX_GRID_X, KernelLaunch, Target, choose_block_size, get_num_blocks,
                       live_function)
 from .softmax import (AUTO_PEELED_SMALL_BLOCKS, AUTO_PEELED_SMALL_MAX_PACKS, AUTO_PEELED_SMALL_MIN_COLS,
-                      AUTO_PEELED_SMALL_WARP_ROWS, vector_pack_size)
+                      peeled_small_rows_per_block, vector_pack_size)
 
 FORWARD_OPS = ("layer_norm", "rms_norm")
 BACKWARD_OPS = ("layer_norm_backward", "rms_norm_backward")
@@ -502,20 +502,25 @@ def block_packs_per_thread(cols: int, block_size: int, pack_size: int, elements_
     return _ceil_div(cols // pack_size, block_size)
 
 
+def _fewest_warps(items: int, items_per_thread: int, least: int) -> int:
+    """The fewest threads, in whole warps and at least `least`, holding
+    `items` at items_per_thread a thread."""
+    return max(least, WARP_SIZE * _ceil_div(items, WARP_SIZE * items_per_thread))
+
+
 def fitted_block_size(cols: int, pack_size: int, packs_per_thread: int) -> int:
     """The fewest threads, in whole warps and at least
     AUTO_PEELED_FULL_MIN_BLOCK, that hold a peeled row of `cols` at
     packs_per_thread packs a thread and one single element each past the
     packs (block_packs_per_thread)."""
-    per_warp = WARP_SIZE * (packs_per_thread * pack_size + 1)
-    return max(AUTO_PEELED_FULL_MIN_BLOCK, WARP_SIZE * _ceil_div(cols, per_warp))
+    return _fewest_warps(cols, packs_per_thread * pack_size + 1, AUTO_PEELED_FULL_MIN_BLOCK)
 
 
 def fitted_grad_block_size(cols: int, pack_size: int, packs_per_thread: int) -> int:
     """The fewest threads, in whole warps and at least
     AUTO_GRAD_FITTED_MIN_BLOCK, that hold a row of `cols` (whole packs) at
     packs_per_thread packs a thread."""
-    return max(AUTO_GRAD_FITTED_MIN_BLOCK, WARP_SIZE * _ceil_div(cols // pack_size, WARP_SIZE * packs_per_thread))
+    return _fewest_warps(cols // pack_size, packs_per_thread, AUTO_GRAD_FITTED_MIN_BLOCK)
 
 
 def full_packs_per_thread(cols: int, block_size: int, pack_size: int, peel: bool) -> int:
@@ -684,7 +689,7 @@ def _auto_registers(fields, rows, cols, align, target, direction, block_ladder, 
     regs_pack = 16 // ftype.itemsize if peel else pack
     if peel and cols >= AUTO_PEELED_SMALL_MIN_COLS:
         small_rungs = [(block_size, AUTO_PEELED_SMALL_MAX_PACKS * regs_pack * compute_itemsize,
-                        {"rows_per_block": AUTO_PEELED_SMALL_WARP_ROWS if block_size == WARP_SIZE else 1}, True)
+                        {"rows_per_block": peeled_small_rows_per_block(block_size)}, True)
                        for block_size in AUTO_PEELED_SMALL_BLOCKS]
         launch = _first_register_rung(fields, rows, cols, target, direction, small_rungs, regs_pack, peel)
         if launch is not None:

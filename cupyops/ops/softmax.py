@@ -323,6 +323,12 @@ def vector_pack_size(cols: int, itemsize: int, align: int) -> int:
     return pack
 
 
+def peeled_small_rows_per_block(block_size: int) -> int:
+    """Rows a block of AUTO_PEELED_SMALL_BLOCKS holds: blocks of one warp
+    AUTO_PEELED_SMALL_WARP_ROWS (a warp each), wider blocks one."""
+    return AUTO_PEELED_SMALL_WARP_ROWS if block_size == WARP_SIZE else 1
+
+
 def _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target, small_peeled=False):
     """A block per row cached in registers, or None where no block size fits.
     small_peeled: only AUTO_PEELED_SMALL_BLOCKS, for rows off the 16-byte grid."""
@@ -347,7 +353,7 @@ def _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target, small_peele
         packs_per_thread = -(-num_packs // block_size)
         if (packs_per_thread <= max_packs and
                 packs_per_thread * regs_pack * compute_itemsize * block_size <= AUTO_BLOCK_REGS_MAX_BYTES):
-            rows_per_block = AUTO_PEELED_SMALL_WARP_ROWS if small_peeled and block_size == WARP_SIZE else 1
+            rows_per_block = peeled_small_rows_per_block(block_size) if small_peeled else 1
             spec = SoftmaxSpec(op, "block_regs", dtype, regs_pack, block_size=block_size,
                                packs_per_thread=packs_per_thread, rows_per_block=rows_per_block, peel=peel,
                                storage_cache=ftype.itemsize < compute_itemsize)
