@@ -63,6 +63,22 @@ __device__ __forceinline__ void cluster_sync_before_exit() {
   asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 }
 
+// The rows a block walks, first, first + step, ...: its own (blockIdx.x,
+// gridDim.x apart), or with cluster_size > 1 its cluster's, and its rank in
+// the cluster (0 without one). Index: the type first and step are kept in.
+template <int cluster_size, typename Index>
+struct ClusterRows {
+  int rank = 0;
+  Index first = blockIdx.x, step = gridDim.x;
+  __device__ __forceinline__ ClusterRows() {
+    if constexpr (cluster_size > 1) {
+      rank = static_cast<int>(cluster_rank());
+      first = cluster_index_x();
+      step = num_clusters_x();
+    }
+  }
+};
+
 // `value`, a variable in this block's shared memory, as block `rank` of the
 // cluster holds it: the address mapped into that block's shared memory, read
 // one 32-bit word at a time (the values exchanged are a few words).

@@ -45,6 +45,16 @@ __device__ __forceinline__ half_t cast<half_t, half_t>(half_t v) { return v; }
 template <>
 __device__ __forceinline__ bfloat16_t cast<bfloat16_t, bfloat16_t>(bfloat16_t v) { return v; }
 
+// IfTrue where `condition`, else IfFalse (std::conditional, without the header).
+template <bool condition, typename IfTrue, typename IfFalse>
+struct Select {
+  typedef IfTrue type;
+};
+template <typename IfTrue, typename IfFalse>
+struct Select<false, IfTrue, IfFalse> {
+  typedef IfFalse type;
+};
+
 // N consecutive elements moved as one access (N * sizeof(T) <= 16 bytes).
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {

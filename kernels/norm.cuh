@@ -28,6 +28,7 @@
 // in a fixed order: deterministic, no atomics.
 #pragma once
 #include "async_row.cuh"
+#include "cluster.cuh"
 #include "common.cuh"
 #include "welford.cuh"
 
@@ -851,10 +852,10 @@ struct ParamGradPartials {
     }
   }
   // Writes the sums of pack k for gradient `grad` (0: dweight, 1: dbias) to
-  // partials[blockIdx.x][col, col + pack_size); aligned = false: col is off the
+  // partials[part][col, col + pack_size); aligned = false: col is off the
   // vector grid (a peeled row's packs), element by element.
   template <bool aligned>
-  __device__ __forceinline__ void store(C* partials, int grad, int k, int64 cols, int64 col) {
+  __device__ __forceinline__ void store(C* partials, int64 part, int grad, int k, int64 cols, int64 col) {
     C values[pack_size];
 #pragma unroll
     for (int v = 0; v < planes; ++v) {
@@ -863,10 +864,10 @@ struct ParamGradPartials {
       for (int i = 0; i < vector_size; ++i) values[v * vector_size + i] = sum[i];
     }
     if constexpr (aligned) {
-      DirectStore<C, C>{partials, cols}.template store<pack_size>(values, blockIdx.x, col);
+      DirectStore<C, C>{partials, cols}.template store<pack_size>(values, part, col);
     } else {
 #pragma unroll
-      for (int i = 0; i < pack_size; ++i) partials[blockIdx.x * cols + col + i] = values[i];
+      for (int i = 0; i < pack_size; ++i) partials[part * cols + col + i] = values[i];
     }
   }
 };
@@ -878,18 +879,24 @@ struct ParamGradPartials {
 // the elements outside them, the head and the rest past the last pack, are
 // single "edge" elements held by threads 0, 1, ..., at most one a thread:
 // the planner keeps cols <= block_size * (packs_per_thread * pack_size + 1)
-// (norm.py: block_packs_per_thread).
-template <int pack_size, int packs_per_thread, int block_size, bool peel>
+// (norm.py: block_packs_per_thread). cluster_size > 1 (rows on the 16-byte
+// grid): block `rank` of a thread-block cluster owns the rank-th span of
+// block_size * packs_per_thread packs of the row, from column `head` (the
+// planner leaves the last block at least one pack).
+template <int pack_size, int packs_per_thread, int block_size, bool peel, int cluster_size = 1>
 struct BlockRowColumns {
+  static_assert(!peel || cluster_size == 1, "a cluster's rows are on the 16-byte grid");
+  static constexpr int span_packs = block_size * packs_per_thread;
   int head;
-  int64 num_packs;   // packs in the row (>= 1)
+  int64 num_packs;   // packs of the row this block owns (>= 1)
   bool has_edge;
   int64 edge_col;    // 0 without an edge
 
-  __device__ __forceinline__ BlockRowColumns(int64 cols, int row_head) : head(peel ? row_head : 0) {
+  __device__ __forceinline__ BlockRowColumns(int64 cols, int row_head, int rank = 0)
+      : head(peel ? row_head : rank * span_packs * pack_size) {
     num_packs = (cols - head) / pack_size;
-    if (peel && num_packs > static_cast<int64>(block_size) * packs_per_thread) {
-      num_packs = static_cast<int64>(block_size) * packs_per_thread;
+    if ((peel || cluster_size > 1) && num_packs > span_packs) {
+      num_packs = span_packs;
     }
     const int64 tail = head + num_packs * pack_size;
     has_edge = peel && threadIdx.x < head + (cols - tail);
@@ -922,8 +929,14 @@ struct BlockRowColumns {
 // between single-element edges). The weight is read at those columns from
 // a copy in shared memory at the rows' phase or from its phase copies in
 // global memory, weight_phase_stride elements apart (weight_source).
-template <typename IO, typename C, int pack_size, int packs_per_thread, int block_size, int rows_per_access,
-          bool held, bool fuse_param_grad, bool smem_partials, bool peel, int weight_source, typename RowHead>
+// cluster_size > 1 (sm_90 and newer, rows on the 16-byte grid): the blocks
+// of a thread-block cluster share each row, block `rank` owning the rank-th
+// span of its columns (BlockRowColumns); their row sums meet through
+// distributed shared memory (cluster_all_reduce), and a cluster's blocks
+// write the columns of one workspace row (the cluster's index).
+template <typename IO, typename C, int pack_size, int packs_per_thread, int block_size, int cluster_size,
+          int rows_per_access, bool held, bool fuse_param_grad, bool smem_partials, bool peel, int weight_source,
+          typename RowHead>
 __device__ __forceinline__ void norm_grad_block_regs(const IO& global_io, int64 rows, int64 cols,
                                                      const RowHead& row_head, int64 weight_phase_stride) {
   typedef typename IO::Storage T;
@@ -932,8 +945,17 @@ __device__ __forceinline__ void norm_grad_block_regs(const IO& global_io, int64 
                             smem_partials> Partials;
   static_assert(held || rows_per_access == 1, "rows in flight together are held");
   static_assert(!peel || !IO::has_weight || weight_source != WEIGHT_DIRECT, "peeled rows read a weight copy");
-  const BlockRowColumns<pack_size, packs_per_thread, block_size, peel> columns(
-      cols, peel && blockIdx.x < rows ? row_head(blockIdx.x) : 0);
+  // The block's rows are first_row, + row_step, ...; with a cluster, its
+  // blocks' rows, indexed and stepped in 32-bit ints (with the grid's
+  // unsigned indices stepped in 64 bits, ptxas spilled the float32 LayerNorm
+  // block of 1024 x 4 packs).
+  typedef typename Select<(cluster_size > 1), int, unsigned>::type RowIndex;
+  typedef typename Select<(cluster_size > 1), int, int64>::type RowStep;
+  const ClusterRows<cluster_size, RowIndex> block_rows;
+  const int rank = block_rows.rank;
+  const RowIndex first_row = block_rows.first, row_step = block_rows.step;
+  const BlockRowColumns<pack_size, packs_per_thread, block_size, peel, cluster_size> columns(
+      cols, peel && blockIdx.x < rows ? row_head(blockIdx.x) : 0, rank);
   const auto in_row = [&](int k) { return columns.in_row(k); };
   const auto pack_col = [&](int k) { return columns.pack_col(k); };
   const bool has_edge = columns.has_edge;
@@ -978,12 +1000,12 @@ __device__ __forceinline__ void norm_grad_block_regs(const IO& global_io, int64 
     io.template weights_of<pack_size>(owned_weight(k), w);
     io.template convert<pack_size>(row_pack(r, k, row), w, dy, xhat, sums, m);
   };
-  // The block's rows are blockIdx.x, + gridDim.x, ...; rows_per_access of
-  // them are loaded before their sums share one block reduction.
+  // rows_per_access of the block's rows are loaded before their sums share
+  // one block reduction.
   int parity = 0;
-  for (int64 first = blockIdx.x; first < rows; first += static_cast<int64>(gridDim.x) * rows_per_access,
+  for (int64 first = first_row; first < rows; first += static_cast<RowStep>(row_step) * rows_per_access,
              parity ^= 1) {
-    const auto row_of = [&](int r) { return first + static_cast<int64>(r) * gridDim.x; };
+    const auto row_of = [&](int r) { return first + static_cast<RowStep>(r) * row_step; };
     RowMoments<C> m[rows_per_access];
     typename IO::template Fetched<1> edge[rows_per_access]{};
 #pragma unroll
@@ -1017,7 +1039,13 @@ __device__ __forceinline__ void norm_grad_block_regs(const IO& global_io, int64 
         if (has_edge) sums.part[r].combine(edge_sums);
       }
     }
-    const auto totals = block_all_reduce_state<block_size>(sums, parity);
+    auto totals = block_all_reduce_state<block_size>(sums, parity);
+    if constexpr (cluster_size > 1) {
+      totals = cluster_all_reduce<cluster_size>(totals, parity, [](auto total, const auto& next) {
+        total.combine(next);
+        return total;
+      });
+    }
 #pragma unroll
     for (int r = 0; r < rows_per_access; ++r) {
       const int64 row = row_of(r);
@@ -1047,11 +1075,13 @@ __device__ __forceinline__ void norm_grad_block_regs(const IO& global_io, int64 
       if (workspaces[g] == nullptr) continue;
 #pragma unroll
       for (int k = 0; k < packs_per_thread; ++k) {
-        if (in_row(k)) partials.template store<!peel>(workspaces[g], g, k, cols, pack_col(k));
+        if (in_row(k)) partials.template store<!peel>(workspaces[g], first_row, g, k, cols, pack_col(k));
       }
-      if (has_edge) edge_partials.template store<false>(workspaces[g], g, 0, cols, edge_col);
+      if (has_edge) edge_partials.template store<false>(workspaces[g], first_row, g, 0, cols, edge_col);
     }
   }
+  // No block leaves while another of its cluster may still read its published sums.
+  if constexpr (cluster_size > 1) cluster_sync_before_exit();
 }
 
 // Backward, block-shared-memory path (dx only): dy and xhat of the row cached

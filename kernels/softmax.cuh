@@ -422,13 +422,9 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
   static_assert(cluster_size == 1 || online || !Op::needs_max, "a cluster combines one (max, sum) pass");
   constexpr int N = Op::num_inputs;
   extern __shared__ __align__(16) unsigned char shared_buf[];
-  int rank = 0;
-  int64 first_row = blockIdx.x, row_step = gridDim.x;
-  if constexpr (cluster_size > 1) {
-    rank = static_cast<int>(cluster_rank());
-    first_row = cluster_index_x();
-    row_step = num_clusters_x();
-  }
+  const ClusterRows<cluster_size, int64> block_rows;
+  const int rank = block_rows.rank;
+  const int64 first_row = block_rows.first, row_step = block_rows.step;
   typedef AsyncRowCache<T, C, N, pack_size, block_size, stages, cluster_size, tail_packs> Cache;
   const Cache cache(shared_buf, cols, rank);
   typename Cache::Tail tail;

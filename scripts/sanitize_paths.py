@@ -32,11 +32,13 @@ from cupyops.ops import softmax_axis, softmax_split
 # warps a row), two warps at 16-bit 7 x 2055; the 16-bit backward's blocks
 # fitted to rows of 3000 cols, 192 threads), registers, cp.async (the
 # norms' 16-bit rows of 32768 cols whole in a register tail, 65536 cols a
-# tail and shared memory, also with a residual), shared memory, uncached,
+# tail and shared memory, also with a residual), the norm backward's
+# thread-block clusters of two sharing rows (67 x 32768: the first cluster
+# walks two rows; 40001 cols peeled, without), shared memory, uncached,
 # split rows
 ROW_SHAPES = [(6, 100), (2500, 4223), (40, 12543), (40, 3590), (40, 20001), (2999, 1023), (7, 255), (7, 2055),
               (40, 3000), (4, 4096), (600, 2048),
-              (3, 32768), (3, 65536), (3, 40001), (2, 300000), (2, 1 << 19)]
+              (67, 32768), (3, 65536), (3, 40001), (2, 300000), (2, 1 << 19)]
 DTYPES = (cupy.float16, cupy.float32)
 
 

@@ -8,7 +8,7 @@ from cupy.cuda import nvrtc
 from cupyops import device, jit
 from cupyops.device import PROFILES, max_active_blocks
 from cupyops.launch import Target
-from cupyops.ops import softmax_axis
+from cupyops.ops import norm, softmax_axis
 from cupyops.ops.softmax import OPS, SoftmaxSpec, plan
 
 ROWS = 49152
@@ -161,7 +161,7 @@ def test_profile_target_occupancy_uses_the_compiled_kernel():
     assert target.resources(spec)["registers"] == report.registers
 
 
-@pytest.mark.parametrize("family", ["rows", "axis"])
+@pytest.mark.parametrize("family", ["rows", "axis", "norm_grad"])
 def test_cluster_kernels_fence_shared_memory_in_the_loop_and_exit_relaxed(family):
     """A cluster's blocks combine their partials through a barrier whose
     release is a fence on shared memory only (a relaxed barrier alone lets a
@@ -171,6 +171,8 @@ def test_cluster_kernels_fence_shared_memory_in_the_loop_and_exit_relaxed(family
     target = Target.profile("h100")
     if family == "rows":
         spec = plan("softmax", ROWS, 262144, "f16", "auto", target).spec
+    elif family == "norm_grad":
+        spec = norm.plan("layer_norm_backward", ROWS, 32768, "f16", "auto", target).spec
     else:
         spec = softmax_axis.plan("softmax_backward", 64, 4096, 256, "f16", target).spec
     assert spec.cluster_size > 1, spec.name

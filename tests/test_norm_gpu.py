@@ -6,6 +6,7 @@ import pytest
 
 from conftest import DTYPES, TOLERANCES, assert_close
 from cupyops import dtypes
+from cupyops.device import has_clusters
 from cupyops.dtypes import BFLOAT16
 from cupyops.launch import Target
 from cupyops.ops import norm
@@ -525,6 +526,66 @@ def test_backward_register_paths_walk_their_rows(rng, centered, cols, dtype):
     rows = 2 * chosen.grid[0] + 3
     assert norm.plan(op, rows, cols, short, "auto", Target.live(0)).main.spec == chosen.spec
     check_backward(rng, centered, rows, cols, dtype, "auto")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("cols", [20000, 24576, 32768, 32776, 40000])
+@pytest.mark.parametrize("centered", [True, False], ids=["layer_norm", "rms_norm"])
+def test_backward_clusters_share_long_rows(rng, centered, cols, dtype):
+    """Rows no block holds with fused dweight / dbias, up to twice the
+    longest one block holds (16-bit 24577 .. 49152 cols, float32 16385 ..
+    32768), shared by the two blocks of a thread-block cluster: one row (one
+    cluster), and rows past the resident clusters (two rounds and a partial
+    one). The second block's span is a pack short of the first's at 32776
+    16-bit cols, and of its threads' packs at 20000 float32 cols (1928 of
+    3072); float32 rows of 32776 and 40000 cols, too long for a cluster of
+    two, keep the kernels without one."""
+    op = "layer_norm_backward" if centered else "rms_norm_backward"
+    short = dtypes.float_type(numpy.dtype(dtype)).short
+    target = Target.live(0)
+    chosen = norm.plan(op, 1 << 20, cols, short, "auto", target).main
+    longest_block_row = 16384 if short == "f32" else 24576
+    clustered = longest_block_row < cols <= 2 * longest_block_row and has_clusters(target.facts.arch)
+    assert chosen.spec.cluster_size == (2 if clustered else 1), chosen.spec.name
+    assert chosen.spec.fuse_param_grad == (clustered or cols <= longest_block_row), chosen.spec.name
+    for rows in (1, chosen.grid[0] + 3):
+        check_backward(rng, centered, rows, cols, dtype, "auto")
+
+
+def _max_active_clusters(launch) -> int:
+    """The driver's count of co-resident clusters of a planned launch
+    (cuOccupancyMaxActiveClusters; CuPy has no binding)."""
+    import ctypes
+
+    class LaunchConfig(ctypes.Structure):   # CUlaunchConfig
+        _fields_ = [(name, ctypes.c_uint) for name in ("grid_x", "grid_y", "grid_z", "block_x", "block_y",
+                                                       "block_z", "smem")] + \
+                   [("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+    from cupyops.launch import live_function
+    function = live_function(launch.spec, 0, launch.smem_bytes)
+    config = LaunchConfig(*launch.grid, *launch.block, launch.smem_bytes, None, None, 0)
+    count = ctypes.c_int()
+    status = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters(
+        ctypes.byref(count), ctypes.c_void_p(function.ptr), ctypes.byref(config))
+    assert status == 0, f"cuOccupancyMaxActiveClusters: CUresult {status}"
+    return count.value
+
+
+@pytest.mark.parametrize("short", ["f16", "bf16", "f32", "f64"])
+@pytest.mark.parametrize("op", norm.BACKWARD_OPS)
+def test_planned_clusters_are_resident_at_once(op, short):
+    """Each block walks its rows and writes one workspace row, so a cluster
+    left for a second wave would run its rows after all the others: every
+    planned cluster must be co-resident (clusters of two fill the SMs in
+    pairs, at one and at two blocks an SM)."""
+    target = Target.live(0)
+    if not has_clusters(target.facts.arch):
+        pytest.skip("thread-block clusters need sm_90")
+    for cols in (8192, 20000, 24576, 32768, 40000, 65536):
+        launch = norm.plan(op, 1 << 20, cols, short, "auto", target).main
+        if launch.spec.cluster_size > 1:
+            assert _max_active_clusters(launch) >= launch.grid[0] // launch.spec.cluster_size, launch.spec.name
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -529,6 +529,71 @@ def test_auto_backward_fits_16_bit_blocks_to_the_row():
     assert (peeled.peel, peeled.block_size, peeled.packs_per_thread) == (True, 256, 2), peeled.name
 
 
+CLUSTER_PLANS = (   # op, dtype, cols: the kernel sharing each row between the two blocks of a cluster
+    ("layer_norm_backward", "f16", 32768, "layer_norm_grad_block_regs_f16_f32_p8_k2_b1024_c2_cached_weight_pgradsmem"),
+    ("layer_norm_backward", "bf16", 40000, "layer_norm_grad_block_regs_bf16_f32_p8_k3_b1024_c2_cached_weight_pgradsmem"),
+    ("layer_norm_backward", "f32", 32768, "layer_norm_grad_block_regs_f32_f32_p4_k4_b1024_c2_cached_weight_pgradsmem"),
+    ("layer_norm_backward", "f32", 20000, "layer_norm_grad_block_regs_f32_f32_p4_k3_b1024_c2_cached_weight_pgradsmem"),
+    ("rms_norm_backward", "f16", 32768, "rms_norm_grad_block_regs_f16_f32_p8_k4_b512_c2_cached_weight_pgradsmem"),
+    ("rms_norm_backward", "f32", 24576, "rms_norm_grad_block_regs_f32_f32_p4_k3_b1024_c2_cached_weight_pgradsmem"),
+    ("layer_norm_backward", "f64", 8192, "layer_norm_grad_block_regs_f64_f64_p2_k2_b1024_c2_cached_weight_pgradsmem"),
+)
+
+
+@pytest.mark.parametrize("op, dtype, cols, name", CLUSTER_PLANS)
+def test_auto_backward_shares_long_rows_in_clusters_of_two(op, dtype, cols, name):
+    """Rows on the 16-byte grid that no rung of one block holds share a
+    thread-block cluster of two on sm_90: each block a rung's span of the
+    row (half of it in whole packs, the last block at least one pack), one
+    resident wave of clusters, a workspace row a cluster (the finish kernel
+    sums num_parts rows). Clusters of four measured a second wave (30 of 33
+    resident on an H200) and are not planned."""
+    assert norm.AUTO_GRAD_CLUSTER_SIZES == (2,)
+    chosen = norm.plan(op, ROWS, cols, dtype, "auto", H100)
+    main = chosen.main
+    assert main.spec.name == name and main.spec.fuse_param_grad and chosen.param_grad is None
+    assert norm.cluster_shares_rows(main.spec, cols)
+    norm.check_block_covers(main.spec, cols)
+    active = H100.max_active_blocks(main.spec, main.spec.block_size, main.smem_bytes, True)
+    assert main.grid[0] == active * H100.facts.sm_count and chosen.num_parts * 2 == main.grid[0]
+    assert main.smem_bytes == norm._grad_smem_bytes(main.spec, cols)
+    # a cluster a row where rows are fewer than the resident clusters
+    few = norm.plan(op, 3, cols, dtype, "auto", H100)
+    assert (few.main.spec, few.main.grid[0], few.num_parts) == (main.spec, 6, 3)
+    # sm_80 has no clusters; rows off the 16-byte grid keep their kernels
+    assert norm.plan(op, ROWS, cols, dtype, "auto", Target.profile("a100")).main.spec.cluster_size == 1
+    assert norm.plan(op, ROWS, cols + 1, dtype, "auto", H100, align=2).main.spec.cluster_size == 1
+    assert "_c2_" in name and jit.render(main.spec).count("__cluster_dims__(2, 1, 1)") == 1
+
+
+def test_auto_backward_takes_one_block_where_a_rung_holds_the_row():
+    """A cluster is the last resort: rows one block holds keep it (H200, %
+    of copy, one block against a cluster of two: RMSNorm f16 16384 cols 95.1
+    / 83.3, f32 12288 98.4 / 92.3, LayerNorm f32 16384 97.3 / 84.6)."""
+    for op, dtype, cols in (("layer_norm_backward", "f16", 24576), ("rms_norm_backward", "f16", 24576),
+                            ("layer_norm_backward", "f32", 16384), ("rms_norm_backward", "f32", 16384),
+                            ("layer_norm_backward", "f64", 4096)):
+        spec = norm.plan(op, ROWS, cols, dtype, "auto", H100).main.spec
+        assert spec.cluster_size == 1 and spec.impl == "block_regs" and spec.fuse_param_grad, spec.name
+    # no fused partials wanted: the dx kernels without clusters
+    assert norm.plan("layer_norm_backward", ROWS, 32768, "f16", "auto", H100,
+                     param_grad=False).main.spec.cluster_size == 1
+
+
+def test_cluster_spec_must_leave_each_block_a_part_of_the_row():
+    spec = norm.plan("layer_norm_backward", ROWS, 32768, "f16", "auto", H100).main.spec
+    for wrong in ({"impl": "block_uncached"}, {"op": "layer_norm"}, {"peel": True}):
+        with pytest.raises(ValueError, match="cluster"):
+            replace(spec, **wrong)
+    assert (spec.block_size, spec.packs_per_thread, spec.cluster_size) == (1024, 2, 2)
+    norm.check_block_covers(spec, 32768 - 8)       # the last block one pack short
+    norm.check_block_covers(spec, 16384 + 8)       # the last block one pack
+    for cols in (16384, 32768 + 8, 32768 - 4):      # nothing left / too long / not whole packs
+        assert not norm.cluster_shares_rows(spec, cols)
+        with pytest.raises(ValueError, match="cluster"):
+            norm.check_block_covers(spec, cols)
+
+
 def test_auto_backward_keeps_partial_sums_in_shared_memory():
     """From 2048 cols the fused partial sums sit in shared memory, a float32
     value per column and gradient, leaving 64 registers a thread: two

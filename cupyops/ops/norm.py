@@ -61,7 +61,9 @@ backward pass folds dweight / dbias partial sums into the dx kernel while they
 fit in registers or shared memory, in one wave of resident blocks (one
 workspace row each): rungs that keep the row in registers or read it twice,
 with the partial sums in registers or shared memory (AUTO_GRAD_BLOCK_LADDER;
-16-bit rows first in the fewest whole warps that hold them, AUTO_GRAD_FITTED_ITEMSIZES);
+16-bit rows first in the fewest whole warps that hold them, AUTO_GRAD_FITTED_ITEMSIZES;
+rows on the 16-byte grid no block holds shared by a thread-block cluster of
+two on sm_90 and newer, each block a rung's half of the row, AUTO_GRAD_CLUSTER_SIZES);
 16-bit and float32 rows off the 16-byte grid peel (AUTO_GRAD_PEEL_ITEMSIZES),
 on a grid of whole phase periods, with
 the weight copied to shared memory at the rows' phase, or read from its
@@ -81,7 +83,7 @@ from typing import Optional
 import numpy
 
 from .. import arrays, async_row, dtypes, jit, rowwise
-from ..device import WARP_SIZE
+from ..device import WARP_SIZE, has_clusters
 from ..launch import (BLOCK_SIZE_LADDER, MAX_GRID_X, KernelLaunch, Target, choose_block_size, get_num_blocks,
                       live_function)
 from .softmax import (AUTO_PEELED_SMALL_BLOCKS, AUTO_PEELED_SMALL_MAX_PACKS, AUTO_PEELED_SMALL_MIN_COLS,
@@ -297,6 +299,25 @@ AUTO_GRAD_BLOCK_LADDER = {"layer_norm": _grad_ladder((512, 48, "cached", "smem",
 # under the launch bounds' rounding up (MIN_RESIDENT_THREADS).
 AUTO_GRAD_FITTED_ITEMSIZES = (2,)
 AUTO_GRAD_FITTED_MIN_BLOCK = 64
+# auto, backward with fused partials: rows on the 16-byte grid that no rung
+# of one block holds are shared by the blocks of a thread-block cluster
+# (sm_90 and newer) of the first of these sizes where a rung holds each
+# block's span of the row (a cluster_size-th, in whole packs); the blocks
+# combine their row sums through distributed shared memory. H200, rows
+# 49152, cupyops bench, % of copy, against the dx kernel alone and the
+# column reduction (before): LayerNorm f16 / bf16 32768 cols 75.3 / 75.3
+# against 44.7 / 43.0, f32 20000 / 24576 / 32768 85.7 / 94.5 / 94.0 against
+# 52.5 / 52.6 / 47.7, f64 8192 79.1 against 60.0; RMSNorm f16 / bf16 32768
+# 92.3 / 95.1 against 43.4 / 43.0, f32 24576 / 32768 91.8 / 90.4 against
+# 52.6 / 47.7. Only clusters of two: a block walks its rows and writes one
+# workspace row, so every cluster must be resident at once, and the driver
+# counts 30 of 33 clusters of four (15 of 16 of eight) at one 1024-thread
+# block an SM, where clusters of two fill the SMs in pairs (66 of 66, and
+# 132 of 132 at two blocks an SM). One block wins where it holds the row
+# (A/B, 3 rounds: RMSNorm f16 16384 cols 95.1 against 83.3 in a cluster,
+# LayerNorm f32 16384 97.3 against 84.6), but for LayerNorm 16-bit rows
+# of 24576 cols (76.5 against 80.7 in a cluster; 20000 cols: a tie).
+AUTO_GRAD_CLUSTER_SIZES = (2,)
 # Where a backward register block reads the weight (kernels/norm.cuh,
 # WEIGHT_*): name -> (device constant, kernel name suffix). Peeled rows read
 # a copy (fused_grad_launch picks it), rows on the 16-byte grid the weight.
@@ -346,6 +367,13 @@ class NormSpec(jit.KernelSpec):
     bias: bool = False
     residual: bool = False
     fuse_param_grad: bool = False    # backward: dweight / dbias partials in the dx kernel
+    cluster_size: int = 1            # backward block_regs, fused: blocks of a thread-block cluster sharing a row
+
+    def __post_init__(self):
+        if self.cluster_size > 1 and not (self.op in ("layer_norm_grad", "rms_norm_grad")
+                                          and self.impl == "block_regs" and not self.peel):
+            raise ValueError(f"only the backward register block shares rows on the 16-byte grid in a cluster, "
+                             f"not {self.op} {self.impl}{' peeled' if self.peel else ''}")
 
     @property
     def ftype(self) -> dtypes.FloatType:
@@ -377,6 +405,7 @@ class NormSpec(jit.KernelSpec):
         elif self.impl == "block_regs":
             path = f"_k{self.packs_per_thread}_b{self.block_size}"
             path += f"x{self.rows_per_block}" if self.rows_per_block > 1 else ""
+            path += f"_c{self.cluster_size}" if self.cluster_size > 1 else ""
             path += "_peel" if self.peel else ""
             path += "_packed" if self.packed else ""
             path += f"_full{self.full_packs}" if self.full_packs else ""
@@ -531,6 +560,16 @@ def full_packs_per_thread(cols: int, block_size: int, pack_size: int, peel: bool
     return fewest_packs // block_size
 
 
+def cluster_shares_rows(spec: NormSpec, cols: int) -> bool:
+    """Whether the blocks of a backward register kernel's cluster, each
+    owning a span of block_size x packs_per_thread packs (BlockRowColumns in
+    kernels/norm.cuh), together cover a row of `cols` (whole packs) and each
+    own a part of it."""
+    span_packs = spec.block_size * spec.packs_per_thread
+    num_packs, whole = divmod(cols, spec.pack_size)
+    return whole == 0 and (spec.cluster_size - 1) * span_packs < num_packs <= spec.cluster_size * span_packs
+
+
 @functools.lru_cache(maxsize=4096)
 def check_block_covers(spec: NormSpec, cols: int) -> None:
     """Refuses a register block plan whose threads would not reach every
@@ -538,8 +577,12 @@ def check_block_covers(spec: NormSpec, cols: int) -> None:
     may not fill (a hand-built spec; the planner's never do)."""
     if spec.impl != "block_regs":
         return
-    if spec.packs_per_thread < block_packs_per_thread(cols, spec.block_size, spec.pack_size,
-                                                      spec.elements_past_packs):
+    if spec.cluster_size > 1:
+        if not cluster_shares_rows(spec, cols):
+            raise ValueError(f"{spec.name} does not leave each block of its cluster a part of rows of "
+                             f"{cols} columns")
+    elif spec.packs_per_thread < block_packs_per_thread(cols, spec.block_size, spec.pack_size,
+                                                        spec.elements_past_packs):
         raise ValueError(f"{spec.name} holds too few packs a thread for rows of {cols} columns")
     if spec.full_packs > min(spec.packs_per_thread,
                              full_packs_per_thread(cols, spec.block_size, spec.pack_size, spec.peel)):
@@ -839,11 +882,12 @@ def _resident_launch(spec: NormSpec, block: tuple, rows_per_block: int, rows: in
     """One wave of as many blocks as can be resident, each walking its rows:
     what a block sets up once (a workspace row of partial sums, a copy of
     the weight in shared memory) serves all of them, no block waits for a second
-    wave, and the workspace is no larger than the blocks that run at once."""
+    wave, and the workspace is no larger than the blocks that run at once.
+    A cluster of spec.cluster_size blocks walks rows as one block does."""
     threads = block[0] * block[1]
     active = max(1, target.max_active_blocks(spec, threads, smem, smem > 0))
-    grid = max(1, min(_ceil_div(rows, rows_per_block), active * target.facts.sm_count))
-    return KernelLaunch(spec, block, (grid, 1, 1), smem)
+    clusters = max(1, min(_ceil_div(rows, rows_per_block), active * target.facts.sm_count // spec.cluster_size))
+    return KernelLaunch(spec, block, (clusters * spec.cluster_size, 1, 1), smem)
 
 
 def _grad_holding(held: str, partials: str = "regs", rows_per_access: int = 1) -> dict:
@@ -873,28 +917,42 @@ def _auto_backward_fused(spec_fields, rows, cols, align, same_phase, target) -> 
         return _resident_launch(warp.spec, warp.block, groups * warp.spec.rows_per_access, rows,
                                 warp.smem_bytes, target)
 
-    def first_rung(pack_size: int, peel: bool) -> Optional[KernelLaunch]:
-        for block_size, max_bytes, *holding in AUTO_GRAD_BLOCK_LADDER[family_of(spec_fields["op"])]:
-            packs_per_thread = block_packs_per_thread(cols, block_size, pack_size, peel)
-            if packs_per_thread * pack_size * ftype.itemsize > max_bytes:
-                continue
-            block_sizes = [block_size]
-            if ftype.itemsize in AUTO_GRAD_FITTED_ITEMSIZES and not peel:
-                fitted = fitted_grad_block_size(cols, pack_size, packs_per_thread)
-                block_sizes = [fitted, block_size] if fitted < block_size else block_sizes
-            for threads in block_sizes:
-                spec = NormSpec(impl="block_regs", pack_size=pack_size, block_size=threads,
-                                packs_per_thread=packs_per_thread, peel=peel, **_grad_holding(*holding),
-                                **spec_fields)
-                launch = fused_grad_launch(spec, rows, cols, target)
-                if launch is not None and not _uses_local_memory(launch.spec, target):
-                    return launch
-        return None
-
-    launch = first_rung(pack, False)
+    launch = first_grad_rung(spec_fields, rows, cols, pack, False, 1, target)
     if same_phase and pack * ftype.itemsize < 16 and ftype.itemsize in AUTO_GRAD_PEEL_ITEMSIZES:
-        launch = first_rung(16 // ftype.itemsize, True) or launch
+        launch = first_grad_rung(spec_fields, rows, cols, 16 // ftype.itemsize, True, 1, target) or launch
+    if launch is None and pack * ftype.itemsize == 16 and has_clusters(target.facts.arch):
+        for cluster_size in AUTO_GRAD_CLUSTER_SIZES:
+            launch = first_grad_rung(spec_fields, rows, cols, pack, False, cluster_size, target)
+            if launch is not None:
+                break
     return launch
+
+
+def first_grad_rung(spec_fields, rows, cols, pack_size, peel, cluster_size, target) -> Optional[KernelLaunch]:
+    """The first rung of AUTO_GRAD_BLOCK_LADDER (16-bit rows on the 16-byte
+    grid first at the fewest whole warps holding the row) whose block holds
+    its span of a row, all of it or a cluster_size-th in whole packs, in a
+    fused dx kernel that needs no local memory; None where none does."""
+    ftype = dtypes.BY_SHORT[spec_fields["dtype"]]
+    span_cols = cols if cluster_size == 1 else _ceil_div(cols // pack_size, cluster_size) * pack_size
+    for block_size, max_bytes, *holding in AUTO_GRAD_BLOCK_LADDER[family_of(spec_fields["op"])]:
+        packs_per_thread = block_packs_per_thread(span_cols, block_size, pack_size, peel)
+        if packs_per_thread * pack_size * ftype.itemsize > max_bytes:
+            continue
+        block_sizes = [block_size]
+        if ftype.itemsize in AUTO_GRAD_FITTED_ITEMSIZES and not peel:
+            fitted = fitted_grad_block_size(span_cols, pack_size, packs_per_thread)
+            block_sizes = [fitted, block_size] if fitted < block_size else block_sizes
+        for threads in block_sizes:
+            spec = NormSpec(impl="block_regs", pack_size=pack_size, block_size=threads,
+                            packs_per_thread=packs_per_thread, peel=peel, cluster_size=cluster_size,
+                            **_grad_holding(*holding), **spec_fields)
+            if cluster_size > 1 and not cluster_shares_rows(spec, cols):
+                continue
+            launch = fused_grad_launch(spec, rows, cols, target)
+            if launch is not None and not _uses_local_memory(launch.spec, target):
+                return launch
+    return None
 
 
 def shifted_copy_elements(pack_size: int, cols: int) -> int:
@@ -955,10 +1013,11 @@ def fused_grad_launch(spec: NormSpec, rows: int, cols: int, target: Target) -> O
 
 def fused_grad_plan(main: KernelLaunch, cols: int) -> NormGradPlan:
     """The backward plan around a dx kernel with fused partials: the weight's
-    phase copies it may read, its workspace row a block, the finish kernel."""
+    phase copies it may read, its workspace row a block (a cluster), the
+    finish kernel."""
     spec = main.spec
-    return NormGradPlan(main, None, _finish_launch(family_of(spec.op), spec.dtype, cols), main.grid[0], 0,
-                        weight_phases_launch(spec, cols))
+    return NormGradPlan(main, None, _finish_launch(family_of(spec.op), spec.dtype, cols),
+                        main.grid[0] // spec.cluster_size, 0, weight_phases_launch(spec, cols))
 
 
 def _param_grad_launches(family, dtype, rows, cols, target):
