@@ -518,12 +518,23 @@ def test_auto_backward_fits_16_bit_blocks_to_the_row():
             assert (spec.block_size, spec.packs_per_thread, spec.fuse_param_grad) == (block_size, 2, True), spec.name
             assert spec.min_blocks_per_sm * block_size >= norm.MIN_RESIDENT_THREADS[
                 "backward_smem_partials" if spec.smem_partials else "backward"]
-        # 20000 cols: 864 threads of three packs spill under their bounds (two blocks an SM): 1024
+        # 20000 cols: 864 threads of three packs spill under bounds of two blocks an SM: one
         long = norm.plan(op, ROWS, 20000, "f16", "auto", H100).spec
-        assert (long.block_size, long.packs_per_thread, long.fuse_param_grad) == (1024, 3, True), long.name
+        assert (long.block_size, long.packs_per_thread, long.fuse_param_grad) == (864, 3, True), long.name
+        assert (long.min_blocks, long.min_blocks_per_sm) == (1, 1) and long.name.endswith(
+            "_k3_b864_mb1_cached_weight_pgradsmem"), long.name
+        report = jit.compile_cubin(long, "sm_90")
+        assert report.spill_bytes == 0 and report.registers > 65536 // (2 * 864), long.name
         assert norm.plan(op, ROWS, 3000, "f32", "auto", H100).spec.block_size == 512
     assert norm.fitted_grad_block_size(3000, 8, 2) == 192 and norm.fitted_grad_block_size(3080, 8, 2) == 224
     assert norm.fitted_grad_block_size(100, 8, 2) == 64
+    # rounded down only where rounding up spills: LayerNorm f16 6912 cols at 448
+    # threads, two blocks an SM (three spill); RMSNorm keeps three (no spill)
+    ln, rms = (norm.plan(op, ROWS, 6912, "f16", "auto", H100).spec for op in norm.BACKWARD_OPS)
+    assert (ln.block_size, ln.min_blocks_per_sm, ln.min_blocks) == (448, 2, 2), ln.name
+    assert (rms.block_size, rms.min_blocks_per_sm, rms.min_blocks) == (448, 3, 0), rms.name
+    rounded_up = replace(ln, min_blocks=0)
+    assert rounded_up.min_blocks_per_sm == 3 and jit.compile_cubin(rounded_up, "sm_90").spill_bytes > 0
     # peeled rows keep the rung's block: 3001 cols at 256 x 2 packs
     peeled = norm.plan("layer_norm_backward", ROWS, 3001, "f16", "auto", H100, align=2).spec
     assert (peeled.peel, peeled.block_size, peeled.packs_per_thread) == (True, 256, 2), peeled.name
@@ -531,7 +542,7 @@ def test_auto_backward_fits_16_bit_blocks_to_the_row():
 
 CLUSTER_PLANS = (   # op, dtype, cols: the kernel sharing each row between the two blocks of a cluster
     ("layer_norm_backward", "f16", 32768, "layer_norm_grad_block_regs_f16_f32_p8_k2_b1024_c2_cached_weight_pgradsmem"),
-    ("layer_norm_backward", "bf16", 40000, "layer_norm_grad_block_regs_bf16_f32_p8_k3_b1024_c2_cached_weight_pgradsmem"),
+    ("layer_norm_backward", "bf16", 40000, "layer_norm_grad_block_regs_bf16_f32_p8_k3_b864_c2_mb1_cached_weight_pgradsmem"),
     ("layer_norm_backward", "f32", 32768, "layer_norm_grad_block_regs_f32_f32_p4_k4_b1024_c2_cached_weight_pgradsmem"),
     ("layer_norm_backward", "f32", 20000, "layer_norm_grad_block_regs_f32_f32_p4_k3_b1024_c2_cached_weight_pgradsmem"),
     ("rms_norm_backward", "f16", 32768, "rms_norm_grad_block_regs_f16_f32_p8_k4_b512_c2_cached_weight_pgradsmem"),

@@ -299,6 +299,18 @@ AUTO_GRAD_BLOCK_LADDER = {"layer_norm": _grad_ladder((512, 48, "cached", "smem",
 # under the launch bounds' rounding up (MIN_RESIDENT_THREADS).
 AUTO_GRAD_FITTED_ITEMSIZES = (2,)
 AUTO_GRAD_FITTED_MIN_BLOCK = 64
+# A fitted block that needs local memory under launch bounds of
+# MIN_RESIDENT_THREADS rounded up to whole blocks (864 threads: two blocks an
+# SM, 32 registers a thread) is tried again with them rounded down (one
+# block, 72 registers; spec field min_blocks) before the rung's power-of-two
+# block. H200, rows 49152, % of copy, 3 rounds, rounded down against the
+# power-of-two block: LayerNorm f16 6912 / 10240 / 12800 / 14080 / 17408 /
+# 20000 / 22016 cols 84.1 / 87.6 / 74.5 / 77.9 / 81.0 / 75.1 / 76.4 against
+# 82.2 / 86.6 / 70.6 / 75.5 / 73.9 / 70.7 / 70.0, 40000 (clusters of two, 864
+# threads) 66.8 against 57.6; bf16 12800 / 20000 73.8 / 76.0 against 72.4 /
+# 71.0; RMSNorm (5 rounds) f16 / bf16 17408 cols 87.9 / 88.9 against 86.3 /
+# 87.3, 40000 83.4 / 84.0 against 73.0 / 79.8, 12800 +0.8 / +0.2, 20000 and
+# 22016 -0.3 .. -1.0 (taken: the same rule for both norms).
 # auto, backward with fused partials: rows on the 16-byte grid that no rung
 # of one block holds are shared by the blocks of a thread-block cluster
 # (sm_90 and newer) of the first of these sizes where a rung holds each
@@ -368,6 +380,7 @@ class NormSpec(jit.KernelSpec):
     residual: bool = False
     fuse_param_grad: bool = False    # backward: dweight / dbias partials in the dx kernel
     cluster_size: int = 1            # backward block_regs, fused: blocks of a thread-block cluster sharing a row
+    min_blocks: int = 0              # __launch_bounds__' blocks an SM where not MIN_RESIDENT_THREADS rounded up
 
     def __post_init__(self):
         if self.cluster_size > 1 and not (self.op in ("layer_norm_grad", "rms_norm_grad")
@@ -406,6 +419,7 @@ class NormSpec(jit.KernelSpec):
             path = f"_k{self.packs_per_thread}_b{self.block_size}"
             path += f"x{self.rows_per_block}" if self.rows_per_block > 1 else ""
             path += f"_c{self.cluster_size}" if self.cluster_size > 1 else ""
+            path += f"_mb{self.min_blocks}" if self.min_blocks else ""
             path += "_peel" if self.peel else ""
             path += "_packed" if self.packed else ""
             path += f"_full{self.full_packs}" if self.full_packs else ""
@@ -445,16 +459,23 @@ class NormSpec(jit.KernelSpec):
         return self.block_size * self.rows_per_block
 
     @property
-    def min_blocks_per_sm(self) -> int:
-        """__launch_bounds__' second argument (MIN_RESIDENT_THREADS per SM, in
-        whole blocks), so ptxas neither spills to reach full occupancy nor
-        spends registers past it."""
+    def resident_threads(self) -> int:
+        """The threads an SM this kind of kernel is compiled to leave room
+        for (MIN_RESIDENT_THREADS)."""
         if self.op in FORWARD_OPS:
             two_warp = self.impl == "warp" and self.block_size == AUTO_FORWARD_WARP_BLOCK_THREADS
             kind = "forward_two_warp" if two_warp else "forward"
         else:
             kind = "backward_smem_partials" if self.smem_partials else "backward"
-        return _ceil_div(MIN_RESIDENT_THREADS[kind], self.threads_per_block)
+        return MIN_RESIDENT_THREADS[kind]
+
+    @property
+    def min_blocks_per_sm(self) -> int:
+        """__launch_bounds__' second argument: resident_threads in whole
+        blocks, rounded up, so ptxas neither spills to reach full occupancy
+        nor spends registers past it; or min_blocks where set (a fitted
+        backward block rounding down, first_grad_rung)."""
+        return self.min_blocks or _ceil_div(self.resident_threads, self.threads_per_block)
 
     def explain_extra(self) -> dict:
         return {"min_cols_per_thread": self.min_cols_per_thread}
@@ -930,9 +951,10 @@ def _auto_backward_fused(spec_fields, rows, cols, align, same_phase, target) -> 
 
 def first_grad_rung(spec_fields, rows, cols, pack_size, peel, cluster_size, target) -> Optional[KernelLaunch]:
     """The first rung of AUTO_GRAD_BLOCK_LADDER (16-bit rows on the 16-byte
-    grid first at the fewest whole warps holding the row) whose block holds
-    its span of a row, all of it or a cluster_size-th in whole packs, in a
-    fused dx kernel that needs no local memory; None where none does."""
+    grid first at the fewest whole warps holding the row, with launch bounds
+    rounded up, then down) whose block holds its span of a row, all of it or
+    a cluster_size-th in whole packs, in a fused dx kernel that needs no
+    local memory; None where none does."""
     ftype = dtypes.BY_SHORT[spec_fields["dtype"]]
     span_cols = cols if cluster_size == 1 else _ceil_div(cols // pack_size, cluster_size) * pack_size
     for block_size, max_bytes, *holding in AUTO_GRAD_BLOCK_LADDER[family_of(spec_fields["op"])]:
@@ -949,9 +971,14 @@ def first_grad_rung(spec_fields, rows, cols, pack_size, peel, cluster_size, targ
                             **_grad_holding(*holding), **spec_fields)
             if cluster_size > 1 and not cluster_shares_rows(spec, cols):
                 continue
-            launch = fused_grad_launch(spec, rows, cols, target)
-            if launch is not None and not _uses_local_memory(launch.spec, target):
-                return launch
+            specs = [spec]
+            rounded_down = max(1, spec.resident_threads // threads)
+            if threads != block_size and rounded_down < spec.min_blocks_per_sm:
+                specs.append(replace(spec, min_blocks=rounded_down))
+            for candidate in specs:
+                launch = fused_grad_launch(candidate, rows, cols, target)
+                if launch is not None and not _uses_local_memory(launch.spec, target):
+                    return launch
     return None
 
 
