@@ -297,8 +297,6 @@ AUTO_GRAD_BLOCK_LADDER = {"layer_norm": _grad_ladder((512, 48, "cached", "smem",
 # / 5000 / 6000 85.6 / 83.2 / 88.8 / 90.9 against 79.2 / 72.8 / 67.6 / 74.3.
 # float32 not measured: its fitted blocks (960 threads at 12345 cols) spill
 # under the launch bounds' rounding up (MIN_RESIDENT_THREADS).
-AUTO_GRAD_FITTED_ITEMSIZES = (2,)
-AUTO_GRAD_FITTED_MIN_BLOCK = 64
 # A fitted block that needs local memory under launch bounds of
 # MIN_RESIDENT_THREADS rounded up to whole blocks (864 threads: two blocks an
 # SM, 32 registers a thread) is tried again with them rounded down (one
@@ -311,6 +309,8 @@ AUTO_GRAD_FITTED_MIN_BLOCK = 64
 # 71.0; RMSNorm (5 rounds) f16 / bf16 17408 cols 87.9 / 88.9 against 86.3 /
 # 87.3, 40000 83.4 / 84.0 against 73.0 / 79.8, 12800 +0.8 / +0.2, 20000 and
 # 22016 -0.3 .. -1.0 (taken: the same rule for both norms).
+AUTO_GRAD_FITTED_ITEMSIZES = (2,)
+AUTO_GRAD_FITTED_MIN_BLOCK = 64
 # auto, backward with fused partials: rows on the 16-byte grid that no rung
 # of one block holds are shared by the blocks of a thread-block cluster
 # (sm_90 and newer) of the first of these sizes where a rung holds each
