@@ -919,12 +919,15 @@ def _grad_holding(held: str, partials: str = "regs", rows_per_access: int = 1) -
 
 def _auto_backward_fused(spec_fields, rows, cols, align, same_phase, target) -> Optional[KernelLaunch]:
     """The dx kernel with dweight / dbias partials fused (in registers or
-    shared memory), if they fit.
+    shared memory), if they fit: the warp path, else the first register
+    block rung that holds the row (first_grad_rung).
 
-    16-bit rows that allow no 16-byte pack (dy, x and dx at the same phase)
-    peel their edges in the register block path (AUTO_GRAD_PEEL_ITEMSIZES);
-    a block's rows then all start at the same phase: one row each, or a grid
-    that is a multiple of the phase period."""
+    Rows that allow no 16-byte pack (dy, x and dx at the same phase) peel
+    their edges in the register block path (AUTO_GRAD_PEEL_ITEMSIZES); a
+    block's rows then all start at the same phase: one row each, or a grid
+    that is a multiple of the phase period. Rows on the 16-byte grid that no
+    block holds are shared by the blocks of a thread-block cluster on sm_90
+    and newer (AUTO_GRAD_CLUSTER_SIZES)."""
     ftype = dtypes.BY_SHORT[spec_fields["dtype"]]
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     pack = vector_pack_size(cols, ftype.itemsize, align)
