@@ -26,7 +26,7 @@ if run sanitize; then
       > "$OUT/sanitize_$tool.log" 2>&1
     echo "exit $?" | tee -a "$OUT/sanitize.txt"
     grep -E "ERROR SUMMARY|all paths ran|Error|error" "$OUT/sanitize_$tool.log" | tail -n 5 | tee -a "$OUT/sanitize.txt"
-    rm -f "$OUT/sanitize_$tool.log"
+    tail -n 30 "$OUT/sanitize_$tool.log" | grep -v "^=========     " > "$OUT/sanitize_${tool}_tail.txt"; rm -f "$OUT/sanitize_$tool.log"
   done
 fi
 

@@ -34,11 +34,16 @@ from cupyops.ops import softmax_axis, softmax_split
 # norms' 16-bit rows of 32768 cols whole in a register tail, 65536 cols a
 # tail and shared memory, also with a residual), the norm backward's
 # thread-block clusters of two sharing rows (67 x 32768: the first cluster
-# walks two rows; 40001 cols peeled, without), shared memory, uncached,
-# split rows
+# walks two rows; 40001 cols peeled, without), and reading them twice with
+# their partial sums in shared memory (float32 RMSNorm 3 x 65536 in
+# clusters; 16-bit RMSNorm 3 x 40001 peeled in one block), shared memory,
+# uncached, split rows
 ROW_SHAPES = [(6, 100), (2500, 4223), (40, 12543), (40, 3590), (40, 20001), (2999, 1023), (7, 255), (7, 2055),
               (40, 3000), (4, 4096), (600, 2048),
               (67, 32768), (3, 65536), (3, 40001), (2, 300000), (2, 1 << 19)]
+# norm backward only (racecheck's host memory): float32 rows read twice in
+# clusters of two, some clusters walking two rows
+NORM_BACKWARD_SHAPES = [(70, 40000)]
 DTYPES = (cupy.float16, cupy.float32)
 
 
@@ -69,6 +74,17 @@ def main():
                 cupyops.layer_norm_backward(dy, x, mean, rstd, weight, policy=policy)
                 y, rstd = cupyops.rms_norm(x, weight, return_stats=True, policy=policy)
                 cupyops.rms_norm_backward(dy, x, rstd, weight, policy=policy)
+        for rows, cols in NORM_BACKWARD_SHAPES:
+            x = rng.standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
+            dy = rng.standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
+            weight = rng.standard_normal(cols, dtype=cupy.float32).astype(dtype)
+            for op in norm_ops.BACKWARD_OPS:
+                kernel = norm_ops.plan(op, rows, cols, short, "auto", target).explain()["kernel"]
+                print(f"{op:<21} auto     {rows}x{cols:<7} {kernel}", flush=True)
+            y, mean, rstd = cupyops.layer_norm(x, weight, weight, return_stats=True)
+            cupyops.layer_norm_backward(dy, x, mean, rstd, weight)
+            y, rstd = cupyops.rms_norm(x, weight, return_stats=True)
+            cupyops.rms_norm_backward(dy, x, rstd, weight)
         # rows no block's shared memory holds (as many rows as SMs, else they
         # are split), one block with a register tail: forward rows of 256 KB,
         # backward rows of 128 KB of each input; forward rows of 8 x 64 KB and

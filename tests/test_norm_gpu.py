@@ -532,24 +532,58 @@ def test_backward_register_paths_walk_their_rows(rng, centered, cols, dtype):
 @pytest.mark.parametrize("cols", [20000, 24576, 32768, 32776, 40000])
 @pytest.mark.parametrize("centered", [True, False], ids=["layer_norm", "rms_norm"])
 def test_backward_clusters_share_long_rows(rng, centered, cols, dtype):
-    """Rows no block holds with fused dweight / dbias, up to twice the
-    longest one block holds (16-bit 24577 .. 49152 cols, float32 16385 ..
-    32768), shared by the two blocks of a thread-block cluster: one row (one
-    cluster), and rows past the resident clusters (two rounds and a partial
-    one). The second block's span is a pack short of the first's at 32776
-    16-bit cols, and of its threads' packs at 20000 float32 cols (1928 of
-    3072); float32 rows of 32776 and 40000 cols, too long for a cluster of
-    two, keep the kernels without one."""
+    """Rows no block holds with fused dweight / dbias (16-bit past 24576
+    cols, float32 past 16384) shared by the two blocks of a thread-block
+    cluster: one row (one cluster), and rows past the resident clusters (two
+    rounds and a partial one). The second block's span is a pack short of
+    the first's at 32776 16-bit cols, and of its threads' packs at 20000
+    float32 cols (1928 of 3072); float32 rows of 32776 and 40000 cols, too
+    long for the pair to hold, are read twice (AUTO_GRAD_LONG_ROW_LADDER)."""
     op = "layer_norm_backward" if centered else "rms_norm_backward"
     short = dtypes.float_type(numpy.dtype(dtype)).short
     target = Target.live(0)
     chosen = norm.plan(op, 1 << 20, cols, short, "auto", target).main
     longest_block_row = 16384 if short == "f32" else 24576
-    clustered = longest_block_row < cols <= 2 * longest_block_row and has_clusters(target.facts.arch)
+    clustered = longest_block_row < cols and has_clusters(target.facts.arch)
     assert chosen.spec.cluster_size == (2 if clustered else 1), chosen.spec.name
     assert chosen.spec.fuse_param_grad == (clustered or cols <= longest_block_row), chosen.spec.name
+    assert chosen.spec.cached == (cols <= 2 * longest_block_row), chosen.spec.name
     for rows in (1, chosen.grid[0] + 3):
         check_backward(rng, centered, rows, cols, dtype, "auto")
+
+
+# (op, dtype, cols, cluster_size) of rows no held rung holds, in one block
+# or a pair, read twice with their partials in shared memory
+# (AUTO_GRAD_LONG_ROW_LADDER): peeled rows in one block, rows on the
+# 16-byte grid in a cluster of two (the last block's span short of the
+# first's at 40000 and 57000 cols; RMSNorm float64 16384 cols, which one
+# block would hold at 8 packs a thread).
+LONG_ROWS_READ_TWICE = [
+    ("layer_norm_backward", "float32", 20001, 1), ("rms_norm_backward", "float32", 32767, 1),
+    ("rms_norm_backward", "float16", 49151, 1), ("rms_norm_backward", "float64", 16384, 2),
+    ("layer_norm_backward", "float32", 40000, 2), ("layer_norm_backward", "float32", 57000, 2),
+    ("rms_norm_backward", "float32", 65536, 2), ("rms_norm_backward", "bfloat16", 98304, 2),
+    ("layer_norm_backward", "float64", 24576, 2), ("rms_norm_backward", "float64", 32760, 2),
+]
+
+
+@pytest.mark.parametrize("op,dtype,cols,cluster_size", LONG_ROWS_READ_TWICE)
+def test_backward_long_rows_read_twice(rng, op, dtype, cols, cluster_size):
+    """Rows too long for a held rung, in one block or a cluster, keep their
+    dweight / dbias partials in shared memory and read dy and x a second time
+    for dx: one row, and rows past the resident blocks (two rounds and a
+    partial one), against float64."""
+    short = dtypes.float_type(numpy.dtype(dtype)).short
+    target = Target.live(0)
+    if cluster_size > 1 and not has_clusters(target.facts.arch):
+        pytest.skip("thread-block clusters need sm_90 or newer")
+    chosen = norm.plan(op, 1 << 20, cols, short, "auto", target).main
+    spec = chosen.spec
+    assert (spec.impl, spec.cached, spec.smem_partials, spec.cluster_size) == \
+        ("block_regs", False, True, cluster_size), spec.name
+    assert spec.peel == (cols % 2 == 1), spec.name
+    for rows in (1, chosen.grid[0] // cluster_size * 2 + 3):
+        check_backward(rng, op == "layer_norm_backward", rows, cols, dtype, "auto")
 
 
 def _max_active_clusters(launch) -> int:

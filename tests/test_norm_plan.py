@@ -591,6 +591,52 @@ def test_auto_backward_takes_one_block_where_a_rung_holds_the_row():
                      param_grad=False).main.spec.cluster_size == 1
 
 
+LONG_ROW_PLANS = (   # op, dtype, cols: rows no held rung holds, read twice, partial sums in shared memory
+    ("layer_norm_backward", "f32", 40000, "layer_norm_grad_block_regs_f32_f32_p4_k5_b1024_c2_reread_weight_pgradsmem"),
+    ("layer_norm_backward", "f32", 57344, "layer_norm_grad_block_regs_f32_f32_p4_k7_b1024_c2_reread_weight_pgradsmem"),
+    ("rms_norm_backward", "bf16", 98304, "rms_norm_grad_block_regs_bf16_f32_p8_k6_b1024_c2_reread_weight_pgradsmem"),
+    ("rms_norm_backward", "f64", 16384, "rms_norm_grad_block_regs_f64_f64_p2_k4_b1024_c2_reread_weight_pgradsmem"),
+    ("layer_norm_backward", "f32", 20001,
+     "layer_norm_grad_block_regs_f32_f32_p4_k5_b1024_peel_reread_wphases_weight_pgradsmem"),
+    ("rms_norm_backward", "f16", 49151, "rms_norm_grad_block_regs_f16_f32_p8_k6_b1024_peel_reread_wphases_weight_pgradsmem"),
+)
+
+
+@pytest.mark.parametrize("op, dtype, cols, name", LONG_ROW_PLANS)
+def test_auto_backward_reads_long_rows_twice(op, dtype, cols, name):
+    """Rows that no held rung holds, in one block or a cluster, are read
+    twice with their partial sums in shared memory (one value a column and
+    gradient): in a cluster of two first where the row is on the 16-byte
+    grid (RMSNorm f64 16384 cols fits one block of 8 packs a thread but
+    takes the pair), peeled rows in one block; compiled without spills."""
+    chosen = norm.plan(op, ROWS, cols, dtype, "auto", H100)
+    spec = chosen.main.spec
+    assert spec.name == name and chosen.param_grad is None
+    assert (spec.cached, spec.smem_partials, spec.fuse_param_grad) == (False, True, True)
+    grads = norm.PARAM_GRADS[norm.family_of(spec.op)]
+    compute_itemsize = 8 if dtype == "f64" else 4
+    partials = grads * spec.block_size * spec.packs_per_thread * spec.pack_size * compute_itemsize
+    assert chosen.main.smem_bytes - partials in (0, norm._weight_copy_bytes(spec, cols))
+    assert partials >= grads * cols // spec.cluster_size * compute_itemsize
+    norm.check_block_covers(spec, cols)
+    assert jit.compile_cubin(spec, "sm_90").spill_bytes == 0
+
+
+def test_auto_backward_long_rows_past_the_rungs_keep_the_column_reduction():
+    """Without clusters (sm_80) rows on the 16-byte grid are read twice in
+    one block; rows whose partial sums leave no block resident even in a
+    pair (LayerNorm float32 65536 cols: 256 KiB a block), and unpeeled rows
+    off the 16-byte grid (LayerNorm f16 28001 cols, 1-element packs: 27.3 %
+    of copy against 29.6), keep the dx kernel and the column reduction."""
+    a100 = norm.plan("rms_norm_backward", ROWS, 16384, "f64", "auto", Target.profile("a100")).main.spec
+    assert (a100.cluster_size, a100.cached, a100.packs_per_thread) == (1, False, 8), a100.name
+    for op, dtype, cols, kwargs in (("layer_norm_backward", "f32", 65536, {}),
+                                    ("layer_norm_backward", "f16", 28001, {"same_phase": False}),
+                                    ("layer_norm_backward", "f16", 28001, {})):
+        chosen = norm.plan(op, ROWS, cols, dtype, "auto", H100, **kwargs)
+        assert chosen.param_grad is not None and not chosen.main.spec.fuse_param_grad, chosen.main.spec.name
+
+
 def test_cluster_spec_must_leave_each_block_a_part_of_the_row():
     spec = norm.plan("layer_norm_backward", ROWS, 32768, "f16", "auto", H100).main.spec
     for wrong in ({"impl": "block_uncached"}, {"op": "layer_norm"}, {"peel": True}):

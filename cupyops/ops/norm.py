@@ -64,6 +64,8 @@ with the partial sums in registers or shared memory (AUTO_GRAD_BLOCK_LADDER;
 16-bit rows first in the fewest whole warps that hold them, AUTO_GRAD_FITTED_ITEMSIZES;
 rows on the 16-byte grid no block holds shared by a thread-block cluster of
 two on sm_90 and newer, each block a rung's half of the row, AUTO_GRAD_CLUSTER_SIZES);
+rows no held rung holds read twice, their partial sums in shared memory,
+AUTO_GRAD_LONG_ROW_LADDER;
 16-bit and float32 rows off the 16-byte grid peel (AUTO_GRAD_PEEL_ITEMSIZES),
 on a grid of whole phase periods, with
 the weight copied to shared memory at the rows' phase, or read from its
@@ -330,6 +332,23 @@ AUTO_GRAD_FITTED_MIN_BLOCK = 64
 # LayerNorm f32 16384 97.3 against 84.6), but for LayerNorm 16-bit rows
 # of 24576 cols (76.5 against 80.7 in a cluster; 20000 cols: a tie).
 AUTO_GRAD_CLUSTER_SIZES = (2,)
+# auto, backward with fused partials: rows that no held rung holds, in one
+# block or a cluster, read dy and x twice (the second time from L2) with
+# the partial sums in shared memory (which bounds the row: LayerNorm
+# float32 28672 cols a block): rows on the 16-byte grid in a cluster of
+# AUTO_GRAD_CLUSTER_SIZES (sm_90 and newer), then one block; peeled rows
+# in one block. H200, rows 49152, % of copy, against the dx kernel and the
+# column reduction: LayerNorm f32 20001 / 24577 / 40000 / 49152 / 57344 cols
+# 67.0 / 65.7 / 68.8 / 71.9 / 58.4 against 44.5 / 46.3 / 45.1 / 44.6 /
+# 44.0, f64 16384 / 24576 77.1 / 69.6 against 49.1 / 45.0; RMSNorm f32
+# 20001 / 32767 / 40000 / 65536 67.6 / 65.8 / 68.9 / 66.3 against 43.7 /
+# 34.9 / 45.9 / 43.6, f16 49151 / 98304 64.9 / 69.8 against 27.7 / 36.0,
+# bf16 40001 64.1 against 31.2, f64 16384 / 32768 75.2 / 65.8 against 48.9
+# / 44.2. A cluster before one block: RMSNorm f64 16384 cols 75.2 against
+# 67.7. Unpeeled rows off the 16-byte grid keep the dx kernel: LayerNorm
+# f16 28001 cols (too long to peel) 27.3 in one block of 1-element packs
+# against 29.6.
+AUTO_GRAD_LONG_ROW_LADDER = ((1024, 128, "reread", "smem", 1),)
 # Where a backward register block reads the weight (kernels/norm.cuh,
 # WEIGHT_*): name -> (device constant, kernel name suffix). Peeled rows read
 # a copy (fused_grad_launch picks it), rows on the 16-byte grid the weight.
@@ -927,7 +946,8 @@ def _auto_backward_fused(spec_fields, rows, cols, align, same_phase, target) -> 
     block's rows then all start at the same phase: one row each, or a grid
     that is a multiple of the phase period. Rows on the 16-byte grid that no
     block holds are shared by the blocks of a thread-block cluster on sm_90
-    and newer (AUTO_GRAD_CLUSTER_SIZES)."""
+    and newer (AUTO_GRAD_CLUSTER_SIZES). Rows that no held rung holds are
+    read twice, in a cluster or one block (AUTO_GRAD_LONG_ROW_LADDER)."""
     ftype = dtypes.BY_SHORT[spec_fields["dtype"]]
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     pack = vector_pack_size(cols, ftype.itemsize, align)
@@ -941,26 +961,33 @@ def _auto_backward_fused(spec_fields, rows, cols, align, same_phase, target) -> 
         return _resident_launch(warp.spec, warp.block, groups * warp.spec.rows_per_access, rows,
                                 warp.smem_bytes, target)
 
-    launch = first_grad_rung(spec_fields, rows, cols, pack, False, 1, target)
-    if same_phase and pack * ftype.itemsize < 16 and ftype.itemsize in AUTO_GRAD_PEEL_ITEMSIZES:
-        launch = first_grad_rung(spec_fields, rows, cols, 16 // ftype.itemsize, True, 1, target) or launch
-    if launch is None and pack * ftype.itemsize == 16 and has_clusters(target.facts.arch):
-        for cluster_size in AUTO_GRAD_CLUSTER_SIZES:
-            launch = first_grad_rung(spec_fields, rows, cols, pack, False, cluster_size, target)
+    on_grid = pack * ftype.itemsize == 16
+    peeled = [(16 // ftype.itemsize, True, 1)] if (same_phase and not on_grid and
+                                                   ftype.itemsize in AUTO_GRAD_PEEL_ITEMSIZES) else []
+    one_block = [(pack, False, 1)]
+    clusters = [(pack, False, size) for size in AUTO_GRAD_CLUSTER_SIZES] if (
+        on_grid and has_clusters(target.facts.arch)) else []
+    family = family_of(spec_fields["op"])
+    for rungs, tries in ((AUTO_GRAD_BLOCK_LADDER[family], peeled + one_block + clusters),
+                         (AUTO_GRAD_LONG_ROW_LADDER, peeled + clusters + (one_block if on_grid else []))):
+        for pack_size, peel, cluster_size in tries:
+            launch = first_grad_rung(rungs, spec_fields, rows, cols, pack_size, peel, cluster_size, target)
             if launch is not None:
-                break
-    return launch
+                return launch
+    return None
 
 
-def first_grad_rung(spec_fields, rows, cols, pack_size, peel, cluster_size, target) -> Optional[KernelLaunch]:
-    """The first rung of AUTO_GRAD_BLOCK_LADDER (16-bit rows on the 16-byte
+def first_grad_rung(ladder, spec_fields, rows, cols, pack_size, peel, cluster_size,
+                    target) -> Optional[KernelLaunch]:
+    """The first rung of `ladder` (AUTO_GRAD_BLOCK_LADDER's or
+    AUTO_GRAD_LONG_ROW_LADDER; 16-bit rows on the 16-byte
     grid first at the fewest whole warps holding the row, with launch bounds
     rounded up, then down) whose block holds its span of a row, all of it or
     a cluster_size-th in whole packs, in a fused dx kernel that needs no
     local memory; None where none does."""
     ftype = dtypes.BY_SHORT[spec_fields["dtype"]]
     span_cols = cols if cluster_size == 1 else _ceil_div(cols // pack_size, cluster_size) * pack_size
-    for block_size, max_bytes, *holding in AUTO_GRAD_BLOCK_LADDER[family_of(spec_fields["op"])]:
+    for block_size, max_bytes, *holding in ladder:
         packs_per_thread = block_packs_per_thread(span_cols, block_size, pack_size, peel)
         if packs_per_thread * pack_size * ftype.itemsize > max_bytes:
             continue
