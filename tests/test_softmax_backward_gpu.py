@@ -20,7 +20,7 @@ FORWARD = {"softmax_backward": "softmax", "log_softmax_backward": "log_softmax"}
 # limit (1024), its 48 KB shared-memory limit for two float32 rows (6144), auto's
 # peeled one- and two-warp rows (odd cols from 255: 16-bit up to 1031 / 2055),
 # warp / register / cp.async / shared-memory limits, and the uncached path.
-COLS = [1, 2, 31, 32, 33, 253, 255, 511, 512, 513, 1023, 1024, 1025, 1033, 2048, 2057, 3001, 6144, 6145,
+COLS = [1, 2, 3, 5, 7, 31, 32, 33, 253, 255, 511, 512, 513, 1023, 1024, 1025, 1033, 2048, 2057, 3001, 6144, 6145,
         8192, 16384, 20000, 28000, 70000]
 
 

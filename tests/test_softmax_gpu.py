@@ -123,7 +123,7 @@ def rows_for(cols: int, even: bool = False) -> int:
 def boundary_groups(policy, dtype, facts) -> dict:
     """Named groups of column counts at every path boundary (and one past it)."""
     itemsize = dtype.itemsize
-    groups = {"narrow": [1, 2, 3, 31, 32, 33]}
+    groups = {"narrow": [1, 2, 3, 5, 7, 31, 32, 33]}
     if policy == "oneflow":
         # warp while cols < 1024 (softmax) / <= 1024 (log-softmax); then a float32
         # cache in at most 48 KB of shared memory (12288 columns, less the block

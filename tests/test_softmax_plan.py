@@ -326,7 +326,13 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
                 assert occupancy(target, spec, 0, False) * block_size * rows_per_block >= 384
                 return {"impl": "block_regs", "spec": spec, "smem_bytes": 0,
                         "grid": get_num_blocks(facts, block_size * rows_per_block, ceil_div(rows, rows_per_block))}
-    # 2. warp: while a lane holds at most 128 bytes of compute values
+    # 2. warp: while a lane holds at most 128 bytes of compute values; rows of
+    # at most 8 odd cols (16-bit, float32) in the narrowest group whose lanes
+    # hold at most 5 elements (forward) or 4 (backward)
+    if pack == 1 and cols <= 8 and itemsize in (2, 4):
+        most = 4 if op.endswith("_backward") else 5
+        width = next(w for w in (1, 2, 4, 8) if ceil_div(cols, w) <= most)
+        return {"impl": "warp", "pack_size": pack, "narrow": (ceil_div(cols, width), width)}
     if cols <= 32 * pack or pack * ceil_div(cols, 32 * pack) * compute <= sm.AUTO_WARP_MAX_BYTES_PER_LANE:
         return {"impl": "warp", "pack_size": pack}
     # 3. cp.async into shared memory (16-byte packs only), the maximum and sum in
@@ -384,9 +390,11 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
     if async_plan() is not None:
         return async_plan()
     row_bytes = cols * itemsize
-    # 5. shared memory filled through registers, the input's own type cached
-    spec = SoftmaxSpec(op, "block_smem", dtype, pack, block_size=sm.AUTO_SMEM_BLOCK_SIZE,
-                       storage_cache=True)
+    # 5. shared memory filled through registers, the input's own type cached,
+    # 1024 threads but for 16-bit forward rows (and float64: 256)
+    inputs = 2 if op.endswith("_backward") else 1
+    block_size = 256 if (inputs == 1 and itemsize == 2) or itemsize == 8 else 1024
+    spec = SoftmaxSpec(op, "block_smem", dtype, pack, block_size=block_size, storage_cache=True)
     if occupancy(target, spec, row_bytes, True):
         return {"impl": "block_smem", "spec": spec, "smem_bytes": row_bytes,
                 "grid": get_num_blocks(facts, spec.block_size, rows)}
@@ -403,7 +411,7 @@ def _optin_cols(target, dtype):
     return [limit - 32 * step, limit - 8 * step, limit, limit + step, limit + 1]
 
 
-AUTO_BOUNDARY_COLS = (1, 2, 31, 33, 253, 255, 257, 511, 512, 513, 521, 1023, 1025, 1029, 1031, 1033, 2049,
+AUTO_BOUNDARY_COLS = (1, 2, 3, 5, 6, 7, 9, 31, 33, 253, 255, 257, 511, 512, 513, 521, 1023, 1025, 1029, 1031, 1033, 2049,
                       2057, 4097, 8193, 16385, 16392, 32769)
 
 
@@ -424,6 +432,9 @@ def test_auto_rules(profile, dtype, rows):
             elif expected["impl"] == "warp":
                 pack = expected["pack_size"]
                 _, cols_per_thread, width, rows_per_access, padding = warp_shape(cols, rows, pack)
+                if "narrow" in expected:
+                    cols_per_thread, width = expected["narrow"]
+                    padding = cols != cols_per_thread * width
                 # auto takes one row per access for 16-bit types
                 rows_per_access = sm.AUTO_WARP_ROWS_PER_ACCESS.get(ITEMSIZE[dtype], rows_per_access)
                 ok = (p.spec == SoftmaxSpec(op, "warp", dtype, pack, cols_per_thread=cols_per_thread,

@@ -161,8 +161,30 @@ AUTO_ASYNC_LADDERS = {   # (inputs, itemsize) -> rungs
     (2, 4): _BACKWARD_ASYNC_LADDER,
     (2, 8): _BACKWARD_ASYNC_LADDER,
 }
-# rows that allow no 16-byte pack: shared memory filled through registers.
+# rows that allow no 16-byte pack: shared memory filled through registers,
+# blocks of AUTO_SMEM_BLOCK_SIZES[(inputs, itemsize)] threads, else
+# AUTO_SMEM_BLOCK_SIZE. A row's cache leaves few blocks an SM, and 256
+# threads of 2- and 4-byte loads keep too few in flight. H200, % of copy,
+# 1024 against 256 threads: log_softmax_backward f16 / f32 459 x 18246 (rows
+# at 4- and 8-byte phases) 51.2 / 59.4 against 38.4 / 37.3, f16 49152 x 18246
+# 91.3 against 76.8; softmax_backward f16 2048 x 55758 64.9 against 42.1,
+# f32 4096 x 20001 68.1 against 43.1; float32 forward 287 / 16384 x 40001
+# 45.8 / 67.0 against 34.7 / 49.2; 16-bit forward keeps 256 (f16 459 /
+# 49152 x 20001: 36.4 / 66.7, 1024 threads 34.3 / 56.1).
 AUTO_SMEM_BLOCK_SIZE = 256
+AUTO_SMEM_BLOCK_SIZES = {(2, 2): 1024, (2, 4): 1024, (1, 4): 1024}
+# Rows of at most AUTO_NARROW_MAX_COLS cols in 1-element packs (odd cols)
+# of 16-bit and float32 types take the narrowest group of lanes each holding
+# at most AUTO_NARROW_LANE_ELEMENTS[inputs] elements (a lane a row for 3
+# cols), instead of a lane an element with the group padded to a power of
+# two. H200, % of copy, rows x cols = 2^25, forward f16 / f32 and backward
+# f16 / f32: 3 cols (a lane) 60.4 / 89.7 and 78.3 / 96.5 against 24.3 / 45.5
+# and 37.7 / 65.0; 5 cols 72.5 / 93.0 (a lane) and 71.1 / 95.9 (two lanes of
+# 3) against 19.9 / 37.9 and 31.9 / 57.2; 7 cols (two lanes of 4) 64.0 /
+# 90.8 and 70.5 / 91.8 against 26.3 / 48.8 and 41.3 / 69.3 (a lane of 7:
+# 26.6 / 38.9 and 36.9 / 53.2).
+AUTO_NARROW_MAX_COLS = 8
+AUTO_NARROW_LANE_ELEMENTS = {1: 5, 2: 4}
 # float32 forward rows of these cols, 16-byte aligned, take OneFlow's plan
 # (unless it reads the row twice): its shared-memory plan for softmax at 1024
 # cols (96.4 % of copy against 95.3 % on the warp path) and 2048 cols (97.6 %
@@ -263,6 +285,16 @@ def warp_ladder(cols: int, rows: int, pack_size: int, max_cols_per_thread: int):
         if cols <= cols_per_thread * 32:
             return cols_per_thread, 32, 1
     return None
+
+
+def narrow_ladder(cols: int, num_inputs: int):
+    """(cols_per_thread, thread_group_width, rows_per_access) of rows of
+    AUTO_NARROW_MAX_COLS cols or fewer in 1-element packs: the narrowest
+    power-of-two group whose lanes hold at most AUTO_NARROW_LANE_ELEMENTS."""
+    width = 1
+    while -(-cols // width) > AUTO_NARROW_LANE_ELEMENTS[num_inputs]:
+        width *= 2
+    return -(-cols // width), width, 1
 
 
 def warp_plan(op, dtype, rows, cols, pack_size, ladder, target) -> SoftmaxPlan:
@@ -411,6 +443,8 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
         if small_plan is not None:
             return small_plan
     ladder = warp_ladder(cols, rows, pack_size, max_cols_per_thread)
+    if pack_size == 1 and cols <= AUTO_NARROW_MAX_COLS and ftype.itemsize in AUTO_WARP_ROWS_PER_ACCESS:
+        ladder = narrow_ladder(cols, num_inputs)
     if ladder is not None:
         cols_per_thread, width, rows_per_access = ladder
         rows_per_access = AUTO_WARP_ROWS_PER_ACCESS.get(ftype.itemsize, rows_per_access)
@@ -426,8 +460,8 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
         if async_plan is not None:
             return async_plan
     row_bytes = num_inputs * cols * ftype.itemsize
-    spec = SoftmaxSpec(op, "block_smem", dtype, pack_size, block_size=AUTO_SMEM_BLOCK_SIZE,
-                       storage_cache=True)
+    block_size = AUTO_SMEM_BLOCK_SIZES.get((num_inputs, ftype.itemsize), AUTO_SMEM_BLOCK_SIZE)
+    spec = SoftmaxSpec(op, "block_smem", dtype, pack_size, block_size=block_size, storage_cache=True)
     if target.max_active_blocks(spec, spec.block_size, row_bytes, True):
         return _block_plan(spec, rows, row_bytes, target)
     return _uncached_plan(op, dtype, rows, pack_size, True, target)
