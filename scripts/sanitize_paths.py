@@ -16,7 +16,8 @@ from cupyops.ops import norm as norm_ops
 from cupyops.ops import softmax as softmax_ops
 from cupyops.ops import softmax_axis, softmax_split
 
-# (rows, cols): warp, peeled registers (the norm forward's weight and bias
+# (rows, cols): warp (rows of 3 and 7 cols in groups of one and two lanes
+# holding several elements each), peeled registers (the norm forward's weight and bias
 # realigned to each row's phase, also at different offsets, and at 12543
 # cols 255 single elements past its packs in every row, no pack checked
 # against the row (full_packs), at 3590 cols LayerNorm 16-bit's last pack a
@@ -38,7 +39,7 @@ from cupyops.ops import softmax_axis, softmax_split
 # their partial sums in shared memory (float32 RMSNorm 3 x 65536 in
 # clusters; 16-bit RMSNorm 3 x 40001 peeled in one block), shared memory,
 # uncached, split rows
-ROW_SHAPES = [(6, 100), (2500, 4223), (40, 12543), (40, 3590), (40, 20001), (2999, 1023), (7, 255), (7, 2055),
+ROW_SHAPES = [(6, 3), (9, 7), (6, 100), (2500, 4223), (40, 12543), (40, 3590), (40, 20001), (2999, 1023), (7, 255), (7, 2055),
               (40, 3000), (4, 4096), (600, 2048),
               (67, 32768), (3, 65536), (3, 40001), (2, 300000), (2, 1 << 19)]
 # norm backward only (racecheck's host memory): float32 rows read twice in
