@@ -173,17 +173,18 @@ AUTO_ASYNC_LADDERS = {   # (inputs, itemsize) -> rungs
 # 49152 x 20001: 36.4 / 66.7, 1024 threads 34.3 / 56.1).
 AUTO_SMEM_BLOCK_SIZE = 256
 AUTO_SMEM_BLOCK_SIZES = {(2, 2): 1024, (2, 4): 1024, (1, 4): 1024}
-# Rows of at most AUTO_NARROW_MAX_COLS cols in 1-element packs (odd cols)
-# of 16-bit and float32 types take the narrowest group of lanes each holding
-# at most AUTO_NARROW_LANE_ELEMENTS[inputs] elements (a lane a row for 3
-# cols), instead of a lane an element with the group padded to a power of
-# two. H200, % of copy, rows x cols = 2^25, forward f16 / f32 and backward
-# f16 / f32: 3 cols (a lane) 60.4 / 89.7 and 78.3 / 96.5 against 24.3 / 45.5
-# and 37.7 / 65.0; 5 cols 72.5 / 93.0 (a lane) and 71.1 / 95.9 (two lanes of
-# 3) against 19.9 / 37.9 and 31.9 / 57.2; 7 cols (two lanes of 4) 64.0 /
-# 90.8 and 70.5 / 91.8 against 26.3 / 48.8 and 41.3 / 69.3 (a lane of 7:
-# 26.6 / 38.9 and 36.9 / 53.2).
+# Rows of at most AUTO_NARROW_MAX_COLS cols in 1-element packs (odd cols) of
+# 16-bit and float32 types (AUTO_NARROW_ITEMSIZES) take the narrowest group of
+# lanes each holding at most AUTO_NARROW_LANE_ELEMENTS[inputs] elements (a
+# lane a row for 3 cols), instead of a lane an element with the group padded
+# to a power of two. H200, % of copy, rows x cols = 2^25, forward f16 / f32
+# and backward f16 / f32: 3 cols (a lane) 60.4 / 89.7 and 78.3 / 96.5 against
+# 24.3 / 45.5 and 37.7 / 65.0; 5 cols 72.5 / 93.0 (a lane) and 71.1 / 95.9
+# (two lanes of 3) against 19.9 / 37.9 and 31.9 / 57.2; 7 cols (two lanes of
+# 4) 64.0 / 90.8 and 70.5 / 91.8 against 26.3 / 48.8 and 41.3 / 69.3 (a lane
+# of 7: 26.6 / 38.9 and 36.9 / 53.2).
 AUTO_NARROW_MAX_COLS = 8
+AUTO_NARROW_ITEMSIZES = (2, 4)
 AUTO_NARROW_LANE_ELEMENTS = {1: 5, 2: 4}
 # float32 forward rows of these cols, 16-byte aligned, take OneFlow's plan
 # (unless it reads the row twice): its shared-memory plan for softmax at 1024
@@ -442,9 +443,10 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
         small_plan = _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target, small_peeled=True)
         if small_plan is not None:
             return small_plan
-    ladder = warp_ladder(cols, rows, pack_size, max_cols_per_thread)
-    if pack_size == 1 and cols <= AUTO_NARROW_MAX_COLS and ftype.itemsize in AUTO_WARP_ROWS_PER_ACCESS:
+    if pack_size == 1 and cols <= AUTO_NARROW_MAX_COLS and ftype.itemsize in AUTO_NARROW_ITEMSIZES:
         ladder = narrow_ladder(cols, num_inputs)
+    else:
+        ladder = warp_ladder(cols, rows, pack_size, max_cols_per_thread)
     if ladder is not None:
         cols_per_thread, width, rows_per_access = ladder
         rows_per_access = AUTO_WARP_ROWS_PER_ACCESS.get(ftype.itemsize, rows_per_access)
