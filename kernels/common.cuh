@@ -334,6 +334,40 @@ struct RowHead {
   }
 };
 
+// A row of a row-per-block kernel as packs of pack_size elements from column
+// `head`, the same for every operand. peel (rows off the 16-byte grid): head
+// is the row's RowHead and the elements outside the packs, the head and the
+// rest past the last whole pack (fewer than 2 * pack_size, so at most one a
+// thread of a block of 32 or more), are single "edge" elements held by
+// threads 0, 1, ...; without peel, head is 0 and the packs cover the row.
+// (The register paths compute the edges after issuing their packs' loads
+// instead: given first, ptxas issued some of those loads late.)
+template <int pack_size, bool peel>
+struct PeeledRow {
+  int head;
+  int64 num_packs;
+  int num_edges;
+  int64 edge_col;    // this thread's edge, where has_edge()
+
+  __device__ __forceinline__ PeeledRow(int64 cols, int row_head) : head(peel ? row_head : 0) {
+    num_packs = (cols - head) / pack_size;   // a row shorter than its head: 0, every element an edge
+    const int64 tail = head + num_packs * pack_size;
+    num_edges = peel ? static_cast<int>(cols - num_packs * pack_size) : 0;
+    edge_col = threadIdx.x < head ? threadIdx.x : tail + threadIdx.x - head;
+  }
+  __device__ __forceinline__ int64 pack_col(int64 pack) const { return head + pack * pack_size; }
+  __device__ __forceinline__ bool has_edge() const { return peel && static_cast<int>(threadIdx.x) < num_edges; }
+  // This thread's edge element of every input, or pad where it holds none.
+  template <typename Load, typename C, int N>
+  __device__ __forceinline__ void load_edges(const Load (&loads)[N], int64 row, C pad, C (&edge)[N]) const {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      edge[j] = pad;
+      if (has_edge()) loads[j].template load<1>(&edge[j], row, edge_col);
+    }
+  }
+};
+
 // The rows a block of a row-per-block kernel owns: rows_per_block rows a
 // block (one per threadIdx.y), first() and every step() after it.
 template <int block_size, int rows_per_block>

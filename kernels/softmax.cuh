@@ -148,6 +148,7 @@ struct OnlineSoftmaxState {
 
 // ---------------------------------------------------------------------------
 // Row operations. Each reads num_inputs arrays of one layout and writes one:
+//   sum_inputs   the leading inputs term() reads (the others only out())
 //   needs_max    a max over input 0 comes before the sum (set_max)
 //   pad()        the value of an element outside the row (adds nothing)
 //   term<cache>  an element's term of the row sum (set_sum); with cache = true
@@ -162,6 +163,7 @@ template <Algorithm algorithm, typename C, typename ExpForm = NaturalExp<C>>
 struct SoftmaxForward {
   typedef ExpForm Exp;
   static constexpr int num_inputs = 1;
+  static constexpr int sum_inputs = 1;
   static constexpr bool needs_max = true;
   static __device__ __forceinline__ C pad() { return -infinity<C>(); }
   RowSoftmax<algorithm, C, Exp> finish;
@@ -189,6 +191,7 @@ struct SoftmaxForward {
 template <Algorithm algorithm, typename C>
 struct SoftmaxBackward {
   static constexpr int num_inputs = 2;
+  static constexpr int sum_inputs = algorithm == Algorithm::kSoftmax ? 2 : 1;   // dy * y, or dy
   static constexpr bool needs_max = false;
   static constexpr bool can_fold = false;
   static __device__ __forceinline__ C pad() { return C(0); }
@@ -480,33 +483,45 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
 }
 
 // ---------------------------------------------------------------------------
-// Block-shared-memory path: a block owns a row, every input cached in dynamic
-// shared memory (input j at [j * cols ...]). Thread t fills and reads only the
-// packs t, t + block_size, ..., so the cache needs no barriers of its own.
+// Block-shared-memory path: a block owns a row, its first `cached` inputs in
+// dynamic shared memory (input j at [j * cache_cols ...], cache_cols: the
+// row's whole packs); inputs past them (those only the outputs read, at
+// least Op::sum_inputs cached) are read from global memory by the output
+// pass. Thread t fills and reads only the packs t, t + block_size, ..., so
+// the cache needs no barriers of its own.
 // packed_cache = false: OneFlow's layout, compute type, element i of pack p at
 //   [i * num_packs + p]; softmax keeps exp(x - max) there after the sum pass.
 // packed_cache = true: packs of type Cache (the input's storage type: half the
 //   shared memory for 16-bit inputs) stored whole at [p]; outputs recomputed.
+// peel: rows need not start on a pack boundary (odd cols of a contiguous
+// array: each row at its own phase, every operand at the same one). The
+// aligned packs between a row's edges are cached; the edges (PeeledRow) stay
+// in their threads' registers.
 template <typename Op, typename Load, typename Store, typename C, typename Cache, bool packed_cache,
-          int pack_size, int block_size>
+          int pack_size, int block_size, int cached, bool peel, typename RowHead>
 __device__ __forceinline__ void softmax_block_smem(const Load (&loads)[Op::num_inputs], const Store& store,
-                                                   int64 rows, int64 cols) {
+                                                   int64 rows, int64 cols, const RowHead& row_head) {
   constexpr int N = Op::num_inputs;
+  static_assert(Op::sum_inputs <= cached && cached <= N, "the sum reads cached inputs only");
   extern __shared__ __align__(16) unsigned char shared_buf[];
   typedef Pack<Cache, pack_size> P;
-  const int num_packs = static_cast<int>(cols / pack_size);
+  const int64 cache_cols = peel ? cols / pack_size * pack_size : cols;   // 16-byte aligned regions
   Cache* const cache = reinterpret_cast<Cache*>(shared_buf);
-  // Where element i of pack p of input j lives.
-  auto slot = [&](int j, int p, int i) -> Cache& {
-    return packed_cache ? cache[j * cols + p * pack_size + i] : cache[j * cols + i * num_packs + p];
-  };
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    C thread_max = -infinity<C>();
+    const PeeledRow<pack_size, peel> packs(cols, peel ? row_head(row) : 0);
+    const int num_packs = static_cast<int>(packs.num_packs);
+    // Where element i of pack p of input j lives.
+    auto slot = [&](int j, int p, int i) -> Cache& {
+      return packed_cache ? cache[j * cache_cols + p * pack_size + i] : cache[j * cache_cols + i * num_packs + p];
+    };
+    C edge[N];
+    packs.load_edges(loads, row, Op::pad(), edge);
+    C thread_max = edge[0];
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
 #pragma unroll
-      for (int j = 0; j < N; ++j) {
+      for (int j = 0; j < cached; ++j) {
         C values[pack_size];
-        loads[j].template load<pack_size>(values, row, static_cast<int64>(p) * pack_size);
+        loads[j].template load<pack_size>(values, row, packs.pack_col(p));
         if (Op::needs_max && j == 0) {
 #pragma unroll
           for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, values[i]);
@@ -515,7 +530,7 @@ __device__ __forceinline__ void softmax_block_smem(const Load (&loads)[Op::num_i
           P packed;
 #pragma unroll
           for (int i = 0; i < pack_size; ++i) packed.elem[i] = cast<Cache>(values[i]);
-          store_pack_shared(cache + j * cols + p * pack_size, packed);
+          store_pack_shared(cache + j * cache_cols + p * pack_size, packed);
         } else {
 #pragma unroll
           for (int i = 0; i < pack_size; ++i) slot(j, p, i) = values[i];
@@ -524,30 +539,39 @@ __device__ __forceinline__ void softmax_block_smem(const Load (&loads)[Op::num_i
     }
     Op op;
     if (Op::needs_max) op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
-    C thread_sum = 0;
+    C thread_sum = packs.has_edge() ? op.template term<true>(edge) : C(0);
     C v[N];
+#pragma unroll
+    for (int j = cached; j < N; ++j) v[j] = Op::pad();   // not read by term()
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
 #pragma unroll
       for (int i = 0; i < pack_size; ++i) {
 #pragma unroll
-        for (int j = 0; j < N; ++j) v[j] = cast<C>(slot(j, p, i));
+        for (int j = 0; j < cached; ++j) v[j] = cast<C>(slot(j, p, i));
         thread_sum += op.template term<!packed_cache>(v);
         if constexpr (!packed_cache) {
 #pragma unroll
-          for (int j = 0; j < N; ++j) slot(j, p, i) = v[j];
+          for (int j = 0; j < cached; ++j) slot(j, p, i) = v[j];
         }
       }
     }
     op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
+    if (packs.has_edge()) {
+      const C value = op.template out<true>(edge);
+      store.template store<1>(&value, row, packs.edge_col);
+    }
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
+      C read[N][pack_size];   // the inputs past the cache
+#pragma unroll
+      for (int j = cached; j < N; ++j) loads[j].template load<pack_size>(read[j], row, packs.pack_col(p));
       C values[pack_size];
 #pragma unroll
       for (int i = 0; i < pack_size; ++i) {
 #pragma unroll
-        for (int j = 0; j < N; ++j) v[j] = cast<C>(slot(j, p, i));
+        for (int j = 0; j < N; ++j) v[j] = j < cached ? cast<C>(slot(j, p, i)) : read[j][i];
         values[i] = op.template out<!packed_cache>(v);
       }
-      store.template store<pack_size>(values, row, static_cast<int64>(p) * pack_size);
+      store.template store<pack_size>(values, row, packs.pack_col(p));
     }
   }
 }
@@ -556,25 +580,31 @@ __device__ __forceinline__ void softmax_block_smem(const Load (&loads)[Op::num_i
 // Uncached path: a block owns a row and reads it from global memory again for
 // every pass. Forward: online = false is OneFlow's three passes (max, sum,
 // output); online = true two, the first keeping a running (max, sum).
-// Backward: two passes (sum, output).
+// Backward: two passes (sum, output). peel: as softmax_block_smem, the edges
+// read once and held in registers.
 template <typename Op, typename Load, typename Store, typename C, int pack_size, int block_size,
-          bool online>
+          bool online, bool peel, typename RowHead>
 __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::num_inputs],
-                                                       const Store& store, int64 rows, int64 cols) {
+                                                       const Store& store, int64 rows, int64 cols,
+                                                       const RowHead& row_head) {
   constexpr int N = Op::num_inputs;
-  const int64 num_packs = cols / pack_size;
-  // Loads pack p of every input; element i of input j lands in values[j][i].
-  auto load_packs = [&](int64 row, int64 p, C (&values)[N][pack_size]) {
-#pragma unroll
-    for (int j = 0; j < N; ++j) loads[j].template load<pack_size>(values[j], row, p * pack_size);
-  };
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    const PeeledRow<pack_size, peel> packs(cols, peel ? row_head(row) : 0);
+    const int64 num_packs = packs.num_packs;
+    // Loads pack p of every input; element i of input j lands in values[j][i].
+    auto load_packs = [&](int64 p, C (&values)[N][pack_size]) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) loads[j].template load<pack_size>(values[j], row, packs.pack_col(p));
+    };
+    C edge[N];
+    packs.load_edges(loads, row, Op::pad(), edge);
     Op op;
     C values[N][pack_size];
-    if (Op::needs_max && online) {
+    if constexpr (Op::needs_max && online) {
       OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
+      if (packs.has_edge()) state.add_pack(edge);   // the forward: one input
       for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
-        load_packs(row, p, values);
+        load_packs(p, values);
         state.add_pack(values[0]);
       }
       const OnlineSoftmaxState<C> row_state = state.template block_all_reduce<block_size>();
@@ -582,24 +612,29 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
       op.set_sum(row_state.sum);
     } else {
       if (Op::needs_max) {
-        C thread_max = -infinity<C>();
+        C thread_max = edge[0];
         for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
-          loads[0].template load<pack_size>(values[0], row, p * pack_size);
+          loads[0].template load<pack_size>(values[0], row, packs.pack_col(p));
 #pragma unroll
           for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, values[0][i]);
         }
         op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
       }
-      C thread_sum = 0;
+      C thread_sum = packs.has_edge() ? op.template term<true>(edge) : C(0);
       for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
-        load_packs(row, p, values);
+        load_packs(p, values);
         add_pack_terms(op, values, thread_sum);
       }
       op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
     }
+    if (packs.has_edge()) {
+      // online: the sum pass left the edge as loaded
+      const C value = Op::needs_max && online ? op.template out<false>(edge) : op.template out<true>(edge);
+      store.template store<1>(&value, row, packs.edge_col);
+    }
     for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
-      load_packs(row, p, values);
-      store_pack_outputs(op, store, values, row, p * pack_size);
+      load_packs(p, values);
+      store_pack_outputs(op, store, values, row, packs.pack_col(p));
     }
   }
 }

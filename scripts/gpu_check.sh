@@ -3,7 +3,8 @@
 # the benchmarks, results under $OUT (at most 8 files).
 # Usage (repository root): OUT=/some/dir bash scripts/gpu_check.sh MODE, where MODE is
 #   close          tests, then targets: the GPU tests and the issues' figures in one call (~7 min)
-#   tests | sanitize | targets | bench-forward | bench-rest (the full sweeps over cols) | all
+#   tests | sanitize | targets | odd-rows (rows at mixed phases against torch) |
+#   bench-forward | bench-rest (the full sweeps over cols) | all
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-$PWD/out}"
@@ -47,6 +48,14 @@ if run targets; then   # the shapes and cols the issues set targets for
     for op in layer_norm rms_norm; do
       bench "$op" "$dtype" rows --cols 32,128,256,512,1024,2048,4096,16384,32768 --baseline torch,copy
       bench "${op}_backward" "$dtype" rows --cols 1024,16384 --baseline torch,copy
+    done
+  done
+fi
+if run odd-rows; then   # odd cols: every row at its own phase, peeled
+  for dtype in float16 bfloat16 float32; do
+    for op in softmax log_softmax softmax_backward log_softmax_backward; do
+      bench "$op" "$dtype" odd --shape 49152,20001 --shape 16384,30001 --shape 459,18246 --shape 287,116863 \
+        --baseline torch,copy
     done
   done
 fi

@@ -9,9 +9,10 @@ and newer; split rows, prefetching, held partly in shared memory)."""
 from __future__ import annotations
 
 import cupy
+import numpy
 
 import cupyops
-from cupyops.launch import Target
+from cupyops.launch import Target, live_function
 from cupyops.ops import norm as norm_ops
 from cupyops.ops import softmax as softmax_ops
 from cupyops.ops import softmax_axis, softmax_split
@@ -37,8 +38,9 @@ from cupyops.ops import softmax_axis, softmax_split
 # thread-block clusters of two sharing rows (67 x 32768: the first cluster
 # walks two rows; 40001 cols peeled, without), and reading them twice with
 # their partial sums in shared memory (float32 RMSNorm 3 x 65536 in
-# clusters; 16-bit RMSNorm 3 x 40001 peeled in one block), shared memory,
-# uncached, split rows
+# clusters; 16-bit RMSNorm 3 x 40001 peeled in one block), shared memory
+# (softmax rows of 20001 cols peeled: 16-byte packs between single-element
+# edges), uncached, split rows
 ROW_SHAPES = [(6, 3), (9, 7), (6, 100), (2500, 4223), (40, 12543), (40, 3590), (40, 20001), (2999, 1023), (7, 255), (7, 2055),
               (40, 3000), (4, 4096), (600, 2048),
               (67, 32768), (3, 65536), (3, 40001), (2, 300000), (2, 1 << 19)]
@@ -105,6 +107,20 @@ def main():
                     softmax_ops.plan(op, rows, cols, short, "auto", target)
                 print(f"{op:<21} auto     {rows}x{cols:<7} {chosen.spec.name}", flush=True)
                 getattr(cupyops, op)(*((x, x) if op.endswith("_backward") else (x,)), axis=-1)
+        # rows off the 16-byte grid too long for shared memory, each row at its
+        # own phase: 16-byte packs between peeled edges, read again (40 x 20001
+        # above caches them), the row kernel launched directly (the split path
+        # takes so few rows)
+        rows, cols = 5, 4 * 65536 // itemsize + 1
+        x = rng.standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
+        for op in softmax_ops.OPS:
+            chosen = softmax_ops.plan(op, rows, cols, short, "auto", target)
+            print(f"{op:<21} auto     {rows}x{cols:<7} {chosen.spec.name}", flush=True)
+            operands = (x, x, cupy.empty_like(x)) if op.endswith("_backward") else (x, cupy.empty_like(x))
+            function = live_function(chosen.spec, x.device.id, chosen.smem_bytes)
+            function(chosen.grid, chosen.block, (*operands, numpy.int64(rows), numpy.int64(cols),
+                                                 *(numpy.int64(cols) for _ in operands)),
+                     shared_mem=chosen.smem_bytes)
         # split rows held partly in shared memory, one round (forward: 8 rows of
         # 2^20 and a short last chunk of 12 columns; backward: 32 MB of each
         # input); more than one round a slot, the next row prefetched (float32

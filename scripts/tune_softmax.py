@@ -15,8 +15,8 @@ import numpy
 
 from cupyops import dtypes, jit
 from cupyops.launch import get_num_blocks
-from cupyops.ops.softmax import (INPUTS, SoftmaxSpec, async_share_bytes, plan, vector_pack_size, warp_ladder,
-                                 warp_plan)
+from cupyops.ops.softmax import (INPUTS, SUM_INPUTS, SoftmaxSpec, async_share_bytes, plan, vector_pack_size,
+                                 warp_ladder, warp_plan)
 from tuning import Tuning
 
 
@@ -68,18 +68,32 @@ def candidates(op, dtype, rows, cols, target):
                         found.append((label, spec, grid, (block, 1, 1), smem))
                         if stages == 1:
                             found.append((f"{label} per-row", spec, (rows, 1, 1), (block, 1, 1), smem))
-    smem = num_inputs * cols * ftype.itemsize
-    if cols >= 8192 and smem <= target.facts.smem_per_block_optin:
-        for block in (256, 512, 1024):
-            spec = SoftmaxSpec(op, "block_smem", dtype, pack, block_size=block, storage_cache=True)
-            if target.max_active_blocks(spec, block, smem, True) > 0:
-                grid = (get_num_blocks(target.facts, block, rows), 1, 1)
-                found.append((f"smem b{block}", spec, grid, (block, 1, 1), smem))
+    # shared memory and uncached rows in the row's own packs, and peeled (16-byte packs between the edges);
+    # the shared memory caching every input, or those the sum reads
+    layouts = ((pack, False),) + (((regs_pack, True),) if peel else ())
+    for cached in sorted({num_inputs, SUM_INPUTS[op]}):
+        smem = cached * cols * ftype.itemsize
+        if cols < 8192 or smem > target.facts.smem_per_block_optin:
+            continue
+        for cache_pack, peeled in layouts:
+            for block, min_blocks in ((256, 0), (512, 0), (1024, 0), (1024, 2)):
+                spec = SoftmaxSpec(op, "block_smem", dtype, cache_pack, block_size=block, storage_cache=True,
+                                   peel=peeled, min_blocks=min_blocks,
+                                   cached_inputs=cached if cached < num_inputs else 0)
+                if target.max_active_blocks(spec, block, smem, True) >= max(1, min_blocks):
+                    grid = (get_num_blocks(target.facts, block, rows), 1, 1)
+                    label = (f"smem b{block}{' peel' if peeled else ''}{f' mb{min_blocks}' if min_blocks else ''}"
+                             f"{f' c{cached}' if cached < num_inputs else ''}")
+                    found.append((label, spec, grid, (block, 1, 1), smem))
     if cols >= 32768:
-        for online in ((True, False) if num_inputs == 1 else (False,)):
-            spec = SoftmaxSpec(op, "block_uncached", dtype, pack, block_size=1024, online=online)
-            grid = (get_num_blocks(target.facts, 1024, rows), 1, 1)
-            found.append((f"uncached {'online' if online else 'passes'}", spec, grid, (1024, 1, 1), 0))
+        for cache_pack, peeled in layouts:
+            for online in ((True, False) if num_inputs == 1 else (False,)):
+                for block in ((256, 512, 1024) if peeled else (1024,)):
+                    spec = SoftmaxSpec(op, "block_uncached", dtype, cache_pack, block_size=block, online=online,
+                                       peel=peeled)
+                    grid = (get_num_blocks(target.facts, block, rows), 1, 1)
+                    label = f"uncached b{block} {'online' if online else 'passes'}{' peel' if peeled else ''}"
+                    found.append((label, spec, grid, (block, 1, 1), 0))
     unique = {}
     for candidate in found:    # the first label of each launch (the policies come first)
         unique.setdefault((candidate[1].name, candidate[2]), candidate)

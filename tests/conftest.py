@@ -56,3 +56,11 @@ def assert_close(actual, expected, dtype, *, scale: float = 1.0):
     tol = TOLERANCES[numpy.dtype(dtype)]
     numpy.testing.assert_allclose(actual, expected, rtol=tol["rtol"] * scale,
                                   atol=tol["atol"] * scale, equal_nan=True)
+
+
+def peeled_cols(target, inputs, itemsize, kind) -> int:
+    """Odd cols past the register path (rows at every phase, no 16-byte pack
+    for the row) whose rows `inputs` arrays of shared memory hold ("smem": 0.7
+    of the opt-in limit) or do not ("uncached": 1.5 times it)."""
+    share = {"smem": 0.7, "uncached": 1.5}[kind]
+    return int(share * target.facts.smem_per_block_optin / (inputs * itemsize)) | 1

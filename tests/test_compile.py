@@ -14,8 +14,9 @@ from cupyops.ops.softmax import OPS, SoftmaxSpec, plan
 ROWS = 49152
 SWEEP_COLS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
               1000, 1536, 3000, 12345, 65536, 131072, 262144)
-# odd rows the sweep lacks: peeled register blocks of one and two warps a row
-PEELED_SHORT_COLS = (255, 1023, 1033)
+# odd rows the sweep lacks: peeled register blocks of one and two warps a row,
+# peeled rows in shared memory and read again
+PEELED_COLS = (255, 1023, 1033, 20001, 116863)
 ARCHS = {"sm_80": "a100", "sm_90": "h100"}
 REGISTER_PATHS = ("warp", "block_regs")
 
@@ -27,7 +28,7 @@ def _sweep_specs(arch: str, dtype: str) -> set:
     specs = set()
     for op in OPS:
         for policy in ("auto", "oneflow"):
-            for cols in SWEEP_COLS + PEELED_SHORT_COLS:
+            for cols in SWEEP_COLS + PEELED_COLS:
                 spec = plan(op, ROWS, cols, dtype, policy, target).spec
                 specs.add(spec)
                 if spec.impl == "block_smem" and not spec.storage_cache:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy
 import pytest
-from conftest import TOLERANCES
+from conftest import TOLERANCES, peeled_cols
 
 import cupyops
 from cupyops.dtypes import BFLOAT16
@@ -48,6 +48,22 @@ def check(actual, expected, dtype):
     actual = numpy.asarray(actual, dtype=numpy.float64)
     scale = float(numpy.max(numpy.abs(expected))) if expected.size else 1.0
     numpy.testing.assert_allclose(actual, expected, rtol=tol, atol=4 * tol * scale)
+
+
+def check_out_and_in_place(op, dy, y, dtype):
+    """op(dy, y) over the last axis into a NaN-poisoned out and in place (out =
+    dy, out = y), against the reference; returns the reference."""
+    import cupy
+
+    expected = reference(op, dy, y, -1)
+    out = cupy.full(dy.shape, numpy.nan, dtype=dtype)
+    assert getattr(cupyops, op)(cupy.asarray(dy), cupy.asarray(y), axis=-1, out=out) is out
+    check(cupy.asnumpy(out), expected, dtype)
+    for position in range(2):
+        inputs = [cupy.asarray(dy), cupy.asarray(y)]
+        getattr(cupyops, op)(*inputs, axis=-1, out=inputs[position])
+        check(cupy.asnumpy(inputs[position]), expected, dtype)
+    return expected
 
 
 @pytest.mark.parametrize("policy", ["auto", "oneflow"])
@@ -119,15 +135,39 @@ def test_rows_past_shared_memory(rng, op, dtype):
         else:
             assert (spec.impl, spec.tail_packs > 0, spec.cluster_size > 1) == ("block_async", True, times > 1), \
                 spec.name
-        dy, y = make_inputs(rng, op, (rows, cols), dtype, -1)
-        expected = reference(op, dy, y, -1)
-        out = cupy.full((rows, cols), numpy.nan, dtype=dtype)
-        assert getattr(cupyops, op)(cupy.asarray(dy), cupy.asarray(y), axis=-1, out=out) is out
-        check(cupy.asnumpy(out), expected, dtype)
-        for position in range(2):
-            inputs = [cupy.asarray(dy), cupy.asarray(y)]
-            getattr(cupyops, op)(*inputs, axis=-1, out=inputs[position])
-            check(cupy.asnumpy(inputs[position]), expected, dtype)
+        check_out_and_in_place(op, *make_inputs(rng, op, (rows, cols), dtype, -1), dtype)
+
+
+@pytest.mark.parametrize("kind", ["smem", "uncached"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("op", sorted(FORWARD))
+def test_peeled_rows_past_the_register_path(rng, op, dtype, kind):
+    """Odd rows of dy, y and dx (each row at its own phase, every operand at
+    the same one) past the register path: 16-byte packs between each row's
+    single-element edges, cached in shared memory (log-softmax: dy alone, y
+    read with the outputs) or read again, into a poisoned output and in place
+    (out = dy, out = y); then dy at another phase than y and dx (no 16-byte
+    packs: the row's own)."""
+    import cupy
+
+    from cupyops.dtypes import BY_DTYPE
+    from cupyops.launch import Target
+    from cupyops.ops import softmax as sm
+
+    target = Target.live(cupy.cuda.runtime.getDevice())
+    short = BY_DTYPE[dtype].short
+    cols = peeled_cols(target, sm.SUM_INPUTS[op], dtype.itemsize, kind)
+    rows = target.facts.sm_count + 1                 # not split across blocks
+    spec = sm.plan(op, rows, cols, short, "auto", target).spec
+    assert (spec.impl, spec.peel, spec.pack_size * dtype.itemsize) == ("block_" + kind, True, 16), spec.name
+    dy, y = make_inputs(rng, op, (rows, cols), dtype, -1)
+    expected = check_out_and_in_place(op, dy, y, dtype)
+    unpeeled = sm.plan(op, rows, cols, short, "auto", target, align=dtype.itemsize, same_phase=False).spec
+    assert (unpeeled.impl, unpeeled.peel) == ("block_" + kind, False), unpeeled.name
+    dy_shifted = cupy.asarray(numpy.pad(dy, ((0, 0), (1, 0))))[:, 1:]    # one element past y's phase
+    out = cupy.full((rows, cols), numpy.nan, dtype=dtype)
+    assert getattr(cupyops, op)(dy_shifted, cupy.asarray(y), axis=-1, out=out) is out
+    check(cupy.asnumpy(out), expected, dtype)
 
 
 def test_bad_input():

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import numpy
 import pytest
-from conftest import assert_close
+from conftest import assert_close, peeled_cols
 from numpy.exceptions import AxisError
 
 import cupyops
@@ -292,6 +292,30 @@ def test_rows_past_shared_memory(op, dtype, rng):
             tail = times >= 1 or dtype.itemsize == 2
             return (spec.impl, spec.tail_packs > 0, spec.cluster_size > 1) == ("block_async", tail, times > 1)
         check_long_rows(op, dtype, int(times * room) + vec, rows, rng, expect)
+
+
+@pytest.mark.parametrize("kind", ["smem", "uncached"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("op", sorted(FUNCTIONS))
+def test_peeled_rows_past_the_register_path(op, dtype, kind, rng):
+    """Odd rows (each at its own phase, input and output at the same one) past
+    the register path: 16-byte packs between each row's single-element edges,
+    cached in shared memory or read again; NaN and inf rows, one at a row's
+    first and last element (its edges), into a poisoned output, in place, and
+    on fewer blocks than rows."""
+    import cupy
+
+    target = live_target()
+    cols = peeled_cols(target, 1, dtype.itemsize, kind)
+    rows = target.facts.sm_count + 1                 # not split across blocks
+    check_long_rows(op, dtype, cols, rows, rng,
+                    lambda spec: (spec.impl, spec.peel, spec.pack_size * dtype.itemsize)
+                    == ("block_" + kind, True, 16))
+    chosen = sm.plan(op, rows, cols, short(dtype), "auto", target)
+    host, exact = random_input(rng, (11, cols), dtype)
+    out = poisoned(host.shape, dtype)
+    run_plan(replace(chosen, grid=(3, 1, 1)), cupy.asarray(host), out)
+    assert_close(to_host(out), REFERENCES[op](exact, axis=-1), dtype)
 
 
 # -- special values -----------------------------------------------------------------

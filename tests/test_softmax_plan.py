@@ -391,17 +391,23 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
         return async_plan()
     row_bytes = cols * itemsize
     # 5. shared memory filled through registers, the input's own type cached,
-    # 1024 threads but for 16-bit forward rows (and float64: 256)
-    inputs = 2 if op.endswith("_backward") else 1
-    block_size = 256 if (inputs == 1 and itemsize == 2) or itemsize == 8 else 1024
-    spec = SoftmaxSpec(op, "block_smem", dtype, pack, block_size=block_size, storage_cache=True)
+    # 1024 threads but for 16-bit rows (and float64: 256); rows off the 16-byte
+    # grid at one phase in every operand peel their edges and cache 16-byte
+    # packs, 512 threads (float64: 256)
+    if peel:
+        block_size = 256 if itemsize == 8 else 512
+    else:
+        block_size = 256 if itemsize in (2, 8) else 1024
+    spec = SoftmaxSpec(op, "block_smem", dtype, regs_pack, block_size=block_size, storage_cache=True, peel=peel)
     if occupancy(target, spec, row_bytes, True):
         return {"impl": "block_smem", "spec": spec, "smem_bytes": row_bytes,
                 "grid": get_num_blocks(facts, spec.block_size, rows)}
-    # 6. two passes over global memory, online max and sum
-    spec = SoftmaxSpec(op, "block_uncached", dtype, pack, block_size=1024, online=True)
+    # 6. two passes over global memory, online max and sum, 1024 threads (peeled
+    # as in 5: 512)
+    block_size = 512 if peel else 1024
+    spec = SoftmaxSpec(op, "block_uncached", dtype, regs_pack, block_size=block_size, online=True, peel=peel)
     return {"impl": "block_uncached", "spec": spec, "smem_bytes": 0,
-            "grid": get_num_blocks(facts, 1024, rows)}
+            "grid": get_num_blocks(facts, block_size, rows)}
 
 
 def _optin_cols(target, dtype):
@@ -525,6 +531,38 @@ def test_auto_alignment_and_phase():
     # beyond the register path, only 16-byte packs take cp.async
     assert plan("softmax", 64, 65536, "f16", "auto", H100).spec.impl == "block_async"
     assert plan("softmax", 64, 65536, "f16", "auto", H100, align=8).spec.impl != "block_async"
+
+
+def test_auto_peels_rows_past_the_register_path():
+    """Rows off the 16-byte grid past the register path (odd cols: each row at
+    its own phase) keep 16-byte packs between their peeled edges where every
+    operand shares each row's phase: cached in shared memory, or read again."""
+    # 16-bit backward: 1024 threads bound to two blocks an SM where two rows fit
+    both = plan("softmax_backward", 49152, 20001, "f16", "auto", H100)
+    assert both.spec.name == "softmax_backward_block_smem_f16_f32_p8_b1024_packed_peel_mb2"
+    assert both.smem_bytes == 2 * 20001 * 2 and both.block == (1024, 1, 1)
+    assert H100.max_active_blocks(both.spec, 1024, both.smem_bytes, True) == 2
+    one = plan("softmax_backward", 16384, 30001, "bf16", "auto", H100)     # one row fits
+    assert one.spec.name == "softmax_backward_block_smem_bf16_f32_p8_b1024_packed_peel"
+    # log-softmax backward caches dy alone (its sum's input) and reads y with the outputs
+    dy_only = plan("log_softmax_backward", 16384, 30001, "bf16", "auto", H100)
+    assert dy_only.spec.name == "log_softmax_backward_block_smem_bf16_f32_p8_b1024_packed_peel_cached1_mb2"
+    assert dy_only.smem_bytes == 30001 * 2
+    narrow = plan("log_softmax_backward", 459, 18246, "f32", "auto", H100, same_phase=False)
+    assert (narrow.spec.name, narrow.smem_bytes) == (
+        "log_softmax_backward_block_smem_f32_f32_p2_b1024_packed_cached1", 18246 * 4)
+    assert plan("softmax", 49152, 40001, "f32", "auto", H100).spec.name == \
+        "softmax_block_smem_f32_f32_p4_b512_packed_peel"
+    assert plan("softmax", 287, 116863, "f16", "auto", H100).spec.name == \
+        "softmax_block_uncached_f16_f32_p8_b512_online_peel"
+    assert plan("softmax_backward", 287, 116863, "f32", "auto", H100).spec.name == \
+        "softmax_backward_block_uncached_f32_f32_p4_b512_2pass_peel"
+    # operands at different phases keep the packs the row's alignment allows
+    narrow = plan("softmax_backward", 49152, 20001, "f16", "auto", H100, same_phase=False).spec
+    assert (narrow.impl, narrow.pack_size, narrow.peel) == ("block_smem", 1, False)
+    # OneFlow's plans do not peel, and cache every input
+    oneflow = plan("log_softmax_backward", 49152, 3001, "f16", "oneflow", H100)
+    assert (oneflow.spec.impl, oneflow.spec.peel, oneflow.smem_bytes) == ("block_smem", False, 2 * 3001 * 4)
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16", "f32", "f64"])

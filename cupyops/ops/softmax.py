@@ -6,8 +6,10 @@ Paths (SPEC §5): "warp" (a row per group of lanes, registers), "block_regs"
 per thread-block cluster, in shared memory filled by cp.async, each block's
 last packs of it in registers where shared memory falls short or where that
 leaves two blocks an SM; auto only),
-"block_smem" (a row per block, shared memory filled through registers) and
-"block_uncached" (a row per block, re-read from global memory).
+"block_smem" (a row per block, shared memory filled through registers; auto
+caches only the inputs the row's sum reads) and "block_uncached" (a row per
+block, re-read from global memory); auto peels the edges of rows off the
+16-byte grid on both, as on the register block path.
 policy="oneflow" reproduces OneFlow's dispatch exactly; "auto" uses 16-byte
 accesses (rows off the 16-byte grid peel their edges: from 255 cols in a
 register block of one or two warps a row, before the warp path), the register
@@ -18,7 +20,7 @@ scripts/tune_softmax.py on an H200.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy
 
@@ -31,6 +33,9 @@ OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
 # Arrays each op reads (the kernel's parameters, in order).
 INPUTS = {"softmax": ("x",), "log_softmax": ("x",),
           "softmax_backward": ("dy", "y"), "log_softmax_backward": ("dy", "y")}
+# The leading inputs a row's sum reads (kernels/softmax.cuh, sum_inputs): the
+# rest only its outputs read.
+SUM_INPUTS = {"softmax": 1, "log_softmax": 1, "softmax_backward": 2, "log_softmax_backward": 1}
 WARP_BLOCK_THREADS = 128
 UNCACHED_BLOCK_SIZE = 1024
 ONEFLOW_MAX_COLS_PER_THREAD = 32
@@ -171,8 +176,37 @@ AUTO_ASYNC_LADDERS = {   # (inputs, itemsize) -> rungs
 # f32 4096 x 20001 68.1 against 43.1; float32 forward 287 / 16384 x 40001
 # 45.8 / 67.0 against 34.7 / 49.2; 16-bit forward keeps 256 (f16 459 /
 # 49152 x 20001: 36.4 / 66.7, 1024 threads 34.3 / 56.1).
+# Caching dy alone (log_softmax_backward, SUM_INPUTS), narrow packs at 1024
+# threads, against both inputs: f16 16384 x 30001 53.5 against 48.4, 16384 x
+# 40001 54.7 / 49.2, 2048 x 55758 66.6 / 66.5, 459 x 18246 44.6 / 51.3; f32
+# 459 x 18246 65.9 / 59.7.
 AUTO_SMEM_BLOCK_SIZE = 256
 AUTO_SMEM_BLOCK_SIZES = {(2, 2): 1024, (2, 4): 1024, (1, 4): 1024}
+# Such rows whose operands share each row's phase (odd cols of contiguous
+# arrays) peel their edges and cache 16-byte packs between them, in blocks of
+# AUTO_PEELED_SMEM_BLOCKS[(inputs, itemsize)] = (threads, launch bounds'
+# blocks an SM where the cache leaves room for them; 0: none), else
+# AUTO_SMEM_BLOCK_SIZE (float64, not measured); rows too long for shared
+# memory are read again in 16-byte packs too, by blocks of
+# AUTO_PEELED_UNCACHED_BLOCK_SIZE. Only the inputs the row's sum reads are
+# cached (SUM_INPUTS; log-softmax backward reads y with the outputs). H200,
+# % of copy, peeled 512 / 1024 threads against the narrow packs before:
+#   forward f16 / f32 49152 x 20001 89.3 / 87.0 and 69.0 / 81.2 against 66.5
+#     / 83.8; f32 16384 x 40001 71.2 / 70.9 against 67.4;
+#   softmax_backward f16 49152 x 20001 84.3, 1024 bound to two blocks an SM
+#     (32 registers, 20 bytes spilled) 91.3, unbound (40 registers, one
+#     block) 61.0, against 58.8; bf16 84.2 / 90.4 against 61.4; 16384 x 30001
+#     (one block) 60.8 / 70.7; f32 49152 x 20001 82.9 / 82.8 against 73.4;
+#   log_softmax_backward caching dy alone, f16 16384 x 30001 95.9 / 100.1
+#     (both cached: 60.9 / 72.4, narrow 48.4), 16384 x 40001 84.4 / 101.1,
+#     2048 x 55758 77.7 / 85.0 (narrow, both cached: 66.5); f32 49152 x 20001
+#     93.6 / 85.6, 16384 x 30001 70.2 / 81.1, 4096 x 24001 86.3 / 80.6, 459 x
+#     18246 66.1 / 58.3;
+#   uncached (287 x 116863, 512 / 1024 threads, narrow 1024): softmax f16 /
+#     f32 47.4 / 45.3 / 24.5 and 50.5 / 47.3 / 35.9; softmax_backward 52.1 /
+#     49.5 and 53.7 / 50.5; log_softmax_backward 63.8 / 56.9 and 65.0 / 61.2.
+AUTO_PEELED_SMEM_BLOCKS = {(1, 2): (512, 0), (1, 4): (512, 0), (2, 2): (1024, 2), (2, 4): (512, 0)}
+AUTO_PEELED_UNCACHED_BLOCK_SIZE = 512
 # Rows of at most AUTO_NARROW_MAX_COLS cols in 1-element packs (odd cols) of
 # 16-bit and float32 types (AUTO_NARROW_ITEMSIZES) take the narrowest group of
 # lanes each holding at most AUTO_NARROW_LANE_ELEMENTS[inputs] elements (a
@@ -212,12 +246,14 @@ class SoftmaxSpec(jit.KernelSpec):
     block_size: int = 0           # block paths
     packs_per_thread: int = 0     # block_regs
     rows_per_block: int = 1       # block_regs of 32 threads: rows a block, a warp each
-    peel: bool = False            # block_regs: rows start off the 16-byte grid
+    peel: bool = False            # block_regs, block_smem, block_uncached: rows start off the 16-byte grid
     storage_cache: bool = False   # block_smem, block_regs: cache packs of the input's type
     stages: int = 0               # block_async: rows in flight per block
     online: bool = False          # block_uncached, block_async: max and sum in one pass
     cluster_size: int = 1         # block_async: blocks of a thread-block cluster sharing a row
     tail_packs: int = 0           # block_async: packs of each input a thread holds in registers
+    min_blocks: int = 0           # block_smem: __launch_bounds__' blocks an SM (0: threads alone)
+    cached_inputs: int = 0        # block_smem: inputs held in shared memory (0: all; the rest read twice)
 
     @property
     def ftype(self) -> dtypes.FloatType:
@@ -230,24 +266,27 @@ class SoftmaxSpec(jit.KernelSpec):
     @property
     def name(self) -> str:
         head = f"{self.op}_{self.impl}_{self.dtype}_{self.ftype.compute}_p{self.pack_size}"
+        peel = "_peel" if self.peel else ""
         if self.impl == "warp":
             pad = "pad" if self.padding else "nopad"
             return (f"{head}_c{self.cols_per_thread}_g{self.thread_group_width}"
                     f"_r{self.rows_per_access}_{pad}")
         if self.impl == "block_regs":
-            peel = "_peel" if self.peel else ""
             storage = "_packed" if self.storage_cache else ""
             rows = f"x{self.rows_per_block}" if self.rows_per_block > 1 else ""
             return f"{head}_k{self.packs_per_thread}_b{self.block_size}{rows}{peel}{storage}"
         if self.impl == "block_smem":
-            return f"{head}_b{self.block_size}_{'packed' if self.storage_cache else 'strided'}"
+            bound = f"_mb{self.min_blocks}" if self.min_blocks else ""
+            cached = f"_cached{self.cached_inputs}" if self.cached_inputs else ""
+            return (f"{head}_b{self.block_size}_{'packed' if self.storage_cache else 'strided'}{peel}"
+                    f"{cached}{bound}")
         if self.impl == "block_async":
             cluster = f"_c{self.cluster_size}" if self.cluster_size > 1 else ""
             tail = f"_t{self.tail_packs}" if self.tail_packs else ""
             return (f"{head}_b{self.block_size}_s{self.stages}{'_online' if self.online else ''}"
                     f"{cluster}{tail}")
         passes = "online" if self.online else ("2pass" if self.op.endswith("_backward") else "3pass")
-        return f"{head}_b{self.block_size}_{passes}"
+        return f"{head}_b{self.block_size}_{passes}{peel}"
 
     @property
     def threads_per_block(self) -> int:
@@ -267,6 +306,7 @@ class SoftmaxSpec(jit.KernelSpec):
                 "storage_type": ftype.c_type,
                 "compute_type": ftype.compute_c_type,
                 "cache_type": ftype.c_type if self.storage_cache else ftype.compute_c_type,
+                "cached_inputs": self.cached_inputs or len(self.inputs),
                 "packed_cache": self.storage_cache}
 
 
@@ -326,10 +366,12 @@ def _oneflow_smem_plan(op, dtype, rows, cols, pack_size, target):
     return None if block_size is None else _block_plan(spec_of(block_size), rows, smem, target)
 
 
-def _uncached_plan(op, dtype, rows, pack_size, online, target):
-    """online: a running (max, sum) pass instead of separate max and sum passes (forward only)."""
-    spec = SoftmaxSpec(op, "block_uncached", dtype, pack_size, block_size=UNCACHED_BLOCK_SIZE,
-                       online=online and len(INPUTS[op]) == 1)
+def _uncached_plan(op, dtype, rows, pack_size, online, target, peel=False):
+    """online: a running (max, sum) pass instead of separate max and sum passes (forward only);
+    peel: 16-byte packs between each row's edges (auto)."""
+    block_size = AUTO_PEELED_UNCACHED_BLOCK_SIZE if peel else UNCACHED_BLOCK_SIZE
+    spec = SoftmaxSpec(op, "block_uncached", dtype, pack_size, block_size=block_size,
+                       online=online and len(INPUTS[op]) == 1, peel=peel)
     return _block_plan(spec, rows, 0, target)
 
 
@@ -461,12 +503,27 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
         async_plan = _async_plan(op, dtype, rows, cols, pack_size, target)
         if async_plan is not None:
             return async_plan
-    row_bytes = num_inputs * cols * ftype.itemsize
-    block_size = AUTO_SMEM_BLOCK_SIZES.get((num_inputs, ftype.itemsize), AUTO_SMEM_BLOCK_SIZE)
-    spec = SoftmaxSpec(op, "block_smem", dtype, pack_size, block_size=block_size, storage_cache=True)
-    if target.max_active_blocks(spec, spec.block_size, row_bytes, True):
-        return _block_plan(spec, rows, row_bytes, target)
-    return _uncached_plan(op, dtype, rows, pack_size, True, target)
+    # Rows off the 16-byte grid whose operands share each row's phase keep
+    # 16-byte packs between the row's peeled edges here too. Only the inputs
+    # the row's sum reads are cached (log-softmax backward: dy).
+    peel = not aligned and same_phase
+    cache_pack = 16 // ftype.itemsize if peel else pack_size
+    cached_inputs = SUM_INPUTS[op]
+    cache_bytes = cached_inputs * cols * ftype.itemsize
+    key = (num_inputs, ftype.itemsize)
+    if peel:
+        block_size, min_blocks = AUTO_PEELED_SMEM_BLOCKS.get(key, (AUTO_SMEM_BLOCK_SIZE, 0))
+    else:
+        block_size, min_blocks = AUTO_SMEM_BLOCK_SIZES.get(key, AUTO_SMEM_BLOCK_SIZE), 0
+    spec = SoftmaxSpec(op, "block_smem", dtype, cache_pack, block_size=block_size, storage_cache=True, peel=peel,
+                       cached_inputs=cached_inputs if cached_inputs < num_inputs else 0)
+    if min_blocks:   # where the row's cache leaves room for them
+        bound = replace(spec, min_blocks=min_blocks)
+        if target.max_active_blocks(bound, block_size, cache_bytes, True) >= min_blocks:
+            spec = bound
+    if target.max_active_blocks(spec, spec.block_size, cache_bytes, True):
+        return _block_plan(spec, rows, cache_bytes, target)
+    return _uncached_plan(op, dtype, rows, cache_pack, True, target, peel)
 
 
 @functools.lru_cache(maxsize=4096)
