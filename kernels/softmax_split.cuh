@@ -33,25 +33,41 @@ namespace cupyops {
 template <typename Op>
 __host__ __device__ constexpr int split_partial_size() { return Op::needs_max ? 2 : 1; }
 
-// The columns [begin, end) of the chunk `chunk` (row-major over rows x splits).
+// The chunk `chunk` (row-major over rows x splits) of a row laid out as
+// PeeledRow: the columns [begin, end) of its packs, counted from the row's
+// head (0 unless peeled), `packed` columns of whole packs in all; with peel,
+// the row's first chunk also takes its edges.
+template <int pack_size, bool peel>
 struct SplitChunk {
   int64 row, begin, end;
-  __device__ __forceinline__ SplitChunk(int64 chunk, int64 cols, int64 splits, int64 chunk_cols) {
-    row = chunk / splits;
+  PeeledRow<pack_size, peel> packs;
+  template <typename RowHead>
+  __device__ __forceinline__ SplitChunk(int64 chunk, int64 cols, int64 splits, int64 chunk_cols,
+                                        const RowHead& row_head)
+      : row(chunk / splits), packs(cols, peel ? row_head(chunk / splits) : 0) {
+    const int64 packed = packs.num_packs * pack_size;
     begin = (chunk - row * splits) * chunk_cols;
-    end = begin + chunk_cols < cols ? begin + chunk_cols : cols;
+    end = begin + chunk_cols < packed ? begin + chunk_cols : packed;
+  }
+  // Whether this thread holds an edge of the row for this chunk.
+  __device__ __forceinline__ bool has_edge() const { return peel && begin == 0 && packs.has_edge(); }
+  // The row's edge this thread holds, every input's as values[j][0] (has_edge()).
+  template <typename Load, typename C, int N>
+  __device__ __forceinline__ void load_edge(const Load (&loads)[N], C (&values)[N][1]) const {
+#pragma unroll
+    for (int j = 0; j < N; ++j) loads[j].template load<1>(values[j], row, packs.edge_col);
   }
 };
 
 // Calls use(col, values) for each of this thread's packs (threadIdx.x,
-// + block_size, ...) of columns [begin, end) of `row`: col is the pack's first
-// column, values[j][i] element i of the pack of input j in compute type.
-// loads_in_flight packs of every input are loaded (kept in their storage
-// type) before the first of them is used.
+// + block_size, ...) of columns [begin, end) past column `head` of `row`: col
+// is the pack's first column in the row, values[j][i] element i of the pack
+// of input j in compute type. loads_in_flight packs of every input are
+// loaded (kept in their storage type) before the first of them is used.
 template <typename T, typename C, int num_inputs, int pack_size, int block_size, int loads_in_flight,
           typename Load, typename Use>
-__device__ __forceinline__ void for_chunk_packs(const Load (&loads)[num_inputs], int64 row, int64 begin,
-                                                int64 end, const Use& use) {
+__device__ __forceinline__ void for_chunk_packs(const Load (&loads)[num_inputs], int64 row, int64 head,
+                                                int64 begin, int64 end, const Use& use) {
   typedef Pack<T, pack_size> P;
   const int64 begin_pack = begin / pack_size;
   const int64 end_pack = end / pack_size;
@@ -64,7 +80,7 @@ __device__ __forceinline__ void for_chunk_packs(const Load (&loads)[num_inputs],
       if (col < end) {
 #pragma unroll
         for (int j = 0; j < num_inputs; ++j) {
-          packs[u][j] = load_pack<T, pack_size>(loads[j].src + row * loads[j].row_stride + col);
+          packs[u][j] = load_pack<T, pack_size>(loads[j].src + row * loads[j].row_stride + head + col);
         }
       }
     }
@@ -78,7 +94,7 @@ __device__ __forceinline__ void for_chunk_packs(const Load (&loads)[num_inputs],
 #pragma unroll
           for (int i = 0; i < pack_size; ++i) values[j][i] = cast<C>(packs[u][j].elem[i]);
         }
-        use(col, values);
+        use(head + col, values);
       }
     }
   }
@@ -141,33 +157,47 @@ struct ChunkPartial {
   }
 };
 
+// peel (both launches): rows off the 16-byte grid, every operand at each
+// row's phase, in 16-byte packs between single-element edges (PeeledRow),
+// which the block of the row's first chunk adds to its partial and writes.
 template <typename Op, typename T, typename Load, typename C, int pack_size, int block_size,
-          int loads_in_flight>
+          int loads_in_flight, bool peel, typename RowHead>
 __device__ __forceinline__ void softmax_split_partials(const Load (&loads)[Op::num_inputs], C* partials,
-                                                       int64 cols, int64 splits, int64 chunk_cols) {
+                                                       int64 cols, int64 splits, int64 chunk_cols,
+                                                       const RowHead& row_head) {
   constexpr int N = Op::num_inputs;
   const int64 chunk_id = blockIdx.x;
-  const SplitChunk chunk(chunk_id, cols, splits, chunk_cols);
+  const SplitChunk<pack_size, peel> chunk(chunk_id, cols, splits, chunk_cols, row_head);
   ChunkPartial<Op, C> partial;
+  if (chunk.has_edge()) {
+    C edge[N][1];
+    chunk.load_edge(loads, edge);
+    partial.add(edge);
+  }
   for_chunk_packs<T, C, N, pack_size, block_size, loads_in_flight>(
-      loads, chunk.row, chunk.begin, chunk.end,
+      loads, chunk.row, chunk.packs.head, chunk.begin, chunk.end,
       [&](int64, const C (&values)[N][pack_size]) { partial.add(values); });
   partial.template block_write<block_size>(partials + chunk_id * split_partial_size<Op>());
 }
 
 template <typename Op, typename T, typename Load, typename Store, typename C, int pack_size,
-          int block_size, int loads_in_flight>
+          int block_size, int loads_in_flight, bool peel, typename RowHead>
 __device__ __forceinline__ void softmax_split_finish(const Load (&loads)[Op::num_inputs], const Store& store,
                                                      const C* partials, int64 cols, int64 splits,
-                                                     int64 chunk_cols) {
+                                                     int64 chunk_cols, const RowHead& row_head) {
   constexpr int N = Op::num_inputs;
   constexpr int size = split_partial_size<Op>();
   const int64 chunk_id = static_cast<int64>(gridDim.x) - 1 - blockIdx.x;   // reverse order: see above
-  const SplitChunk chunk(chunk_id, cols, splits, chunk_cols);
+  const SplitChunk<pack_size, peel> chunk(chunk_id, cols, splits, chunk_cols, row_head);
   Op op;
   combine_row_partials<Op, C, block_size>(partials + chunk.row * splits * size, splits, op);
+  if (chunk.has_edge()) {
+    C edge[N][1];
+    chunk.load_edge(loads, edge);
+    store_pack_outputs(op, store, edge, chunk.row, chunk.packs.edge_col);
+  }
   for_chunk_packs<T, C, N, pack_size, block_size, loads_in_flight>(
-      loads, chunk.row, chunk.begin, chunk.end, [&](int64 col, const C (&values)[N][pack_size]) {
+      loads, chunk.row, chunk.packs.head, chunk.begin, chunk.end, [&](int64 col, const C (&values)[N][pack_size]) {
         store_pack_outputs(op, store, values, chunk.row, col);
       });
 }

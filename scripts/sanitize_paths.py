@@ -125,12 +125,17 @@ def main():
         # 2^20 and a short last chunk of 12 columns; backward: 32 MB of each
         # input); more than one round a slot, the next row prefetched (float32
         # forward): 16-byte packs, and 4-byte packs with a short last chunk
+        # (the input's rows one element apart from the output's phase: odd
+        # rows at one phase take two launches, peeled); odd rows in two
+        # launches, peeled
         forward, backward = ("softmax", "log_softmax"), ("softmax_backward", "log_softmax_backward")
-        for rows, cols, ops in ((8, 1 << 20, forward), (8, (1 << 20) + 12, forward), (16, 1 << 20, forward),
-                                (16, (1 << 20) + 1, forward), (8 * 2 // itemsize, 1 << 20, backward)):
-            x = rng.standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
+        for rows, cols, ops, shift in ((8, 1 << 20, forward, 0), (8, (1 << 20) + 12, forward, 0),
+                                       (16, 1 << 20, forward, 0), (16, (1 << 20) + 1, forward, 1),
+                                       (8 * 2 // itemsize, 1 << 20, backward, 0),
+                                       (3, (1 << 17) + 1, forward + backward, 0)):
+            x = rng.standard_normal((rows, cols + shift), dtype=cupy.float32).astype(dtype)[:, shift:]
             for op in ops:
-                chosen = softmax_split.plan(op, rows, cols, short, target)
+                chosen = softmax_split.plan(op, rows, cols, short, target, itemsize if shift else 16, not shift)
                 print(f"{op:<21} auto     {rows}x{cols:<7} {chosen.spec.name}", flush=True)
                 getattr(cupyops, op)(*((x, x) if op.endswith("_backward") else (x,)), axis=-1)
         x = rng.standard_normal((4, 4096, 64), dtype=cupy.float32).astype(dtype)

@@ -104,6 +104,8 @@ def candidates(op, rows, cols, dtype, target, only=None, extra_tail_packs=TAIL_E
     if only is None:
         found.append(("rows", softmax.plan(op, rows, cols, dtype, "auto", target)))
         found.append(("two-launch", softmax_split.two_launch_plan(op, rows, cols, dtype, target)))
+        # rows off the 16-byte grid: the two launches in the row's own packs, not peeled
+        found.append(("two-launch unpeeled", softmax_split.two_launch_plan(op, rows, cols, dtype, target, 16, False)))
     if only in (None, "coop"):
         for size in COOP_SIZES:
             found.append((f"coop {size}B", softmax_split.coop_candidate(op, rows, cols, dtype, target, 16, size)))
@@ -111,7 +113,11 @@ def candidates(op, rows, cols, dtype, target, only=None, extra_tail_packs=TAIL_E
         found += cluster_candidates(op, rows, cols, dtype, target)
     if only in (None, "tails"):
         found += tail_candidates(op, rows, cols, dtype, target, extra_tail_packs)
-    return [(label, chosen) for label, chosen in found if chosen is not None]
+    unique = {}
+    for label, chosen in found:   # the first label of each plan
+        if chosen is not None:
+            unique.setdefault(chosen, label)
+    return [(label, chosen) for chosen, label in unique.items()]
 
 
 def launcher(chosen, inputs, out, device_id):

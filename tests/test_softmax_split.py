@@ -134,42 +134,51 @@ def test_render_coop_prefetch_and_shared_packs(prefetch, shared_packs):
 # -- the planner ----------------------------------------------------------------------
 
 # Two launches, worked from rule 4 for the H100 profile (132 SMs x 2048 threads):
-# (op, rows, cols, dtype, align) -> (pack_size, loads_in_flight, splits, chunk_cols).
+# (op, rows, cols, dtype, align, same_phase) -> (pack_size, loads_in_flight, splits, chunk_cols).
 # Blocks of 512 threads of the partials kernel per SM, by its registers
 # (NVRTC for sm_90): 3 for f16 forward with 16-byte packs (39 registers), 2
 # for f32 softmax_backward (52), 4 for the others here (32 or fewer).
 PLAN_GOLDEN = [
     # the brief's shape: 2 waves x 396 / 8 rows = 99 chunks of 131072 / 99 =
     # 1324 packs, rounded up to 1328 (128 bytes): 10624 columns, 792 blocks
-    (("softmax", 8, 2**20, "f16", 16), (8, 4, 99, 10624)),
-    # one row of 600 KB, scalar loads: at most 600002 // 16384 = 36 chunks;
-    # 300001 / 36 = 8334 -> 8384 columns (64-element granules)
-    (("softmax", 1, 300001, "f16", 16), (1, 8, 36, 8384)),
+    (("softmax", 8, 2**20, "f16", 16, True), (8, 4, 99, 10624)),
+    # one row of 600 KB, operands at different phases: scalar loads; at most
+    # 600002 // 16384 = 36 chunks; 300001 / 36 = 8334 -> 8384 columns
+    # (64-element granules)
+    (("softmax", 1, 300001, "f16", 16, False), (1, 8, 36, 8384)),
+    # the same row at one phase in every operand: peeled, 16-byte packs (3
+    # partials blocks an SM, 39 registers): 2 x 396 chunks, capped at 36 of
+    # 37500 / 36 -> 1042 packs -> 1048 (8-pack granules) = 8384 columns
+    (("softmax", 1, 300001, "f16", 16, True), (8, 4, 36, 8384)),
     # 2 x 264 / 3 = 176 chunks (under 4 MB // 16 KB = 256): 262144 / 176 =
     # 1490 packs -> 1496 (8-pack granules) = 5984 columns
-    (("softmax_backward", 3, 2**20, "f32", 16), (4, 4, 176, 5984)),
-    # odd columns: scalar loads; 2 x 528 / 8 = 132 chunks of 7944 columns -> 7968
-    (("log_softmax", 8, 2**20 + 7, "f32", 16), (1, 8, 132, 7968)),
+    (("softmax_backward", 3, 2**20, "f32", 16, True), (4, 4, 176, 5984)),
+    # odd columns at different phases: scalar loads; 2 x 528 / 8 = 132 chunks
+    # of 7944 columns -> 7968; peeled: 262145 / 132 -> 1986 packs -> 1992 =
+    # 7968 columns
+    (("log_softmax", 8, 2**20 + 7, "f32", 16, False), (1, 8, 132, 7968)),
+    (("log_softmax", 8, 2**20 + 7, "f32", 16, True), (4, 4, 132, 7968)),
     # 131 rows (one fewer than the SMs) of 128 KB: 2 x 396 / 131 -> 7 chunks of
     # 1171 packs -> 1176 = 9408 columns
-    (("softmax", 131, 65536, "f16", 16), (8, 4, 7, 9408)),
-    # pointers only 4-byte aligned: 2-element packs of f16; 2 x 528 / 8 = 132
-    # chunks, capped at 2 MB // 16 KB = 128 of 8192 columns
-    (("log_softmax_backward", 8, 2**20, "f16", 4), (2, 8, 128, 8192)),
+    (("softmax", 131, 65536, "f16", 16, True), (8, 4, 7, 9408)),
+    # pointers only 4-byte aligned, at different phases: 2-element packs of
+    # f16; 2 x 528 / 8 = 132 chunks, capped at 2 MB // 16 KB = 128 of 8192 columns
+    (("log_softmax_backward", 8, 2**20, "f16", 4, False), (2, 8, 128, 8192)),
 ]
 
 
 @pytest.mark.parametrize("args, expected", PLAN_GOLDEN, ids=[str(g[0]) for g in PLAN_GOLDEN])
 def test_two_launch_plan_golden(args, expected):
-    op, rows, cols, dtype, align = args
-    p = ss.two_launch_plan(op, rows, cols, dtype, H100, align)
+    op, rows, cols, dtype, align, same_phase = args
+    p = ss.two_launch_plan(op, rows, cols, dtype, H100, align, same_phase)
     assert p is not None
     assert (p.finish.pack_size, p.finish.loads_in_flight, p.splits, p.chunk_cols) == expected
     assert p.grid == (rows * p.splits, 1, 1) and p.block == (ss.SPLIT_BLOCK_SIZE, 1, 1)
+    peel = expected[0] * ITEMSIZE[dtype] == 16 and cols % expected[0] != 0
     assert p.partials == SoftmaxSplitSpec(op, "partials", dtype, *expected[:1], ss.SPLIT_BLOCK_SIZE,
-                                          expected[1])
+                                          expected[1], peel=peel)
     assert p.finish == SoftmaxSplitSpec(op, "finish", dtype, *expected[:1], ss.SPLIT_BLOCK_SIZE,
-                                        expected[1])
+                                        expected[1], peel=peel)
 
 
 @pytest.mark.parametrize("shape, ops", [
@@ -298,13 +307,20 @@ def test_plan_invariants(dtype, align):
             assert p is not None, (op, rows, cols)
             pack = p.spec.pack_size
             pack_bytes = pack * itemsize
-            assert cols % pack == 0 and pack_bytes <= min(16, align)
+            if p.spec.peel:   # rows off the 16-byte grid: 16-byte packs between each row's edges
+                assert isinstance(p, ss.SplitPlan) and pack_bytes == 16 and vector_pack_size(
+                    cols, itemsize, align) * itemsize < 16
+            else:
+                assert cols % pack == 0 and pack_bytes <= min(16, align)
             assert p.chunk_cols % pack == 0
-            assert (p.splits - 1) * p.chunk_cols < cols <= p.splits * p.chunk_cols and p.splits >= 2
+            packed = cols // pack * pack   # the most columns of whole packs a row holds
+            assert (p.splits - 1) * p.chunk_cols < packed <= p.splits * p.chunk_cols and p.splits >= 2
             if isinstance(p, ss.CoopPlan):
                 check_coop_plan(p, op, rows, cols, dtype, align)
-            else:
-                assert ss.coop_plan(op, rows, cols, dtype, H100, align) is None
+            else:   # coop takes no such rows, or packs too narrow where the rows are peeled
+                assert p.spec.peel or ss.coop_plan(op, rows, cols, dtype, H100, align) is None
+                if ss.coop_plan(op, rows, cols, dtype, H100, align) is not None:
+                    assert vector_pack_size(cols, itemsize, align) * itemsize < ss.COOP_MIN_PEELABLE_PACK_BYTES
                 check_two_launch_plan(p, rows, cols, itemsize)
 
 
@@ -397,8 +413,9 @@ def test_instantiations_compile(arch, dtype):
     specs = set()
     for op in OPS:
         for rows, cols in COMPILE_SHAPES:
-            split = ss.two_launch_plan(op, rows, cols, dtype, target)
-            specs.update((split.partials, split.finish))
+            for same_phase in (True, False):   # odd rows peeled, or at different phases
+                split = ss.two_launch_plan(op, rows, cols, dtype, target, 16, same_phase)
+                specs.update((split.partials, split.finish))
             coop = ss.coop_plan(op, rows, cols, dtype, target)
             # aligned rows: coop, but for f64, whose 8 MB rows outnumber an A100's resident blocks
             assert coop is not None or cols % 2 or (dtype, arch) == ("f64", "sm_80")
@@ -502,9 +519,20 @@ def run_split(op, inputs, out, kind=None):
     operands = [operand(a) for a in (*inputs, out)]
     if kind is not None:
         align = arrays.alignment(*(v for o in operands for v in (o.byte_address, o.byte_row_stride)))
-        chosen = plan(op, rows, cols, dtypes.BY_DTYPE[out.dtype].short, Target.live(out.device.id), align)
+        chosen = plan(op, rows, cols, dtypes.BY_DTYPE[out.dtype].short, Target.live(out.device.id), align,
+                      arrays.same_phase(*operands))
         assert isinstance(chosen, ss.CoopPlan if kind == "coop" else ss.SplitPlan), chosen
     assert ss.run(op, operands[:-1], operands[-1], rows, cols), "no split plan"
+    assert all(int(counters.max()) == 0 for counters in ss._counters.values())
+    return out
+
+
+def run_plan(chosen, inputs, out):
+    """Launches the split plan `chosen` on row operands (whatever their phases)
+    and checks the coop counters are left zero."""
+    rows, cols = inputs[0].shape
+    ss.launch(chosen, ss.functions_of(chosen, out.device.id), [operand(a) for a in inputs], operand(out),
+              rows, cols)
     assert all(int(counters.max()) == 0 for counters in ss._counters.values())
     return out
 
@@ -575,7 +603,8 @@ def test_small_shapes_every_edge(op, dtype, rng, split_everywhere, split_kind):
     for shape in SMALL_SHAPES:
         host = host_inputs(rng, op, shape, NUMPY_DTYPES[dtype])
         inputs = [cupy.asarray(a) for a in host]
-        wide = vector_pack_size(shape[1], ITEMSIZE[dtype], 16) * ITEMSIZE[dtype] >= ss.COOP_MIN_PACK_BYTES
+        # coop packs of contiguous rows (one phase in every operand): at least COOP_MIN_PEELABLE_PACK_BYTES
+        wide = vector_pack_size(shape[1], ITEMSIZE[dtype], 16) * ITEMSIZE[dtype] >= ss.COOP_MIN_PEELABLE_PACK_BYTES
         out = run_split(op, inputs, poisoned_like(inputs[0]), split_kind if wide else "two_launch")
         check(op, out.get(), reference(op, host), NUMPY_DTYPES[dtype])
 
@@ -597,7 +626,7 @@ def test_strided_and_misaligned_rows(op, dtype, rng):
         inputs.append(cupy.asarray(base)[:, 1:cols + 1])
     out_base = poisoned((rows, cols + 32), host[0].dtype)
     out = out_base[:, :cols]
-    p = plan(op, rows, cols, dtype, Target.live(inputs[0].device.id), ITEMSIZE[dtype])
+    p = plan(op, rows, cols, dtype, Target.live(inputs[0].device.id), ITEMSIZE[dtype], same_phase=False)
     assert p is not None and p.spec.pack_size == 1
     run_split(op, inputs, out)
     check(op, out.get(), reference(op, host), NUMPY_DTYPES[dtype])
@@ -634,6 +663,38 @@ def test_nan_and_inf_rows(op, dtype, rng, split_kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", OPS)
+def test_peeled_two_launch_rows(op, dtype, rng):
+    """Odd rows (each at its own phase, every operand at the same one) in two
+    launches peeled: 16-byte packs between single-element edges, which the
+    row's first chunk takes; NaN and +-inf at rows' first and last elements,
+    into a poisoned output and in place."""
+    import cupy
+
+    rows, cols = 11, 2**17 + 3
+    host = host_inputs(rng, op, (rows, cols), NUMPY_DTYPES[dtype])
+    if op not in FORWARD:
+        values = host[0].astype(numpy.float64)
+        values[1, 0], values[2, -1], values[3, 0], values[3, -1] = numpy.inf, numpy.nan, -numpy.inf, numpy.inf
+        host = [values.astype(NUMPY_DTYPES[dtype])]
+    expected = reference(op, host)
+    device_id = cupy.cuda.runtime.getDevice()
+    chosen = ss.two_launch_plan(op, rows, cols, dtype, Target.live(device_id))
+    assert chosen.spec.peel and chosen.spec.pack_size * ITEMSIZE[dtype] == 16, chosen.spec.name
+    for position in (None, *range(len(host))):
+        inputs = [cupy.asarray(a) for a in host]
+        out = poisoned_like(inputs[0]) if position is None else inputs[position]
+        ss.launch(chosen, ss.functions_of(chosen, device_id), [operand(a) for a in inputs], operand(out),
+                  rows, cols)
+        actual = out.get()
+        if op in FORWARD:
+            check(op, actual, expected, NUMPY_DTYPES[dtype])
+        else:
+            assert_close(actual, expected, NUMPY_DTYPES[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
 def test_in_place(op, dtype, rng, split_kind):
     """out = x forward; out = dy and out = y backward."""
     import cupy
@@ -658,9 +719,11 @@ def test_coop_prefetch(op, in_place, rng):
     for shape in [(16, 2**20 + 4), (8, 2**20 + 7)]:
         host = host_inputs(rng, op, shape, numpy.float32)
         x = cupy.asarray(host[0])
-        chosen = plan(op, *shape, "f32", Target.live(x.device.id), 16 if shape[1] % 4 == 0 else 4)
+        # 4-byte packs: coop where the operands' rows are at different phases (else peeled two launches)
+        chosen = plan(op, *shape, "f32", Target.live(x.device.id), 16 if shape[1] % 4 == 0 else 4,
+                      same_phase=shape[1] % 4 == 0)
         assert isinstance(chosen, ss.CoopPlan) and chosen.spec.prefetch and chosen.slots < shape[0]
-        out = run_split(op, [x], x if in_place else poisoned_like(x), "coop")
+        out = run_plan(chosen, [x], x if in_place else poisoned_like(x))
         check(op, out.get(), reference(op, host), numpy.float32)
 
 
@@ -688,9 +751,10 @@ def test_coop_shared_packs(op, in_place, rng):
         host = host_inputs(rng, op, shape, NUMPY_DTYPES[dtype])
         inputs = [cupy.asarray(a) for a in host]
         align = arrays.alignment(*(value for a in inputs for value in (a.data.ptr, a.strides[0])))
-        chosen = plan(op, *shape, dtype, Target.live(inputs[0].device.id), align)
+        # 4-byte packs: coop where the operands' rows are at different phases (else peeled two launches)
+        chosen = plan(op, *shape, dtype, Target.live(inputs[0].device.id), align, same_phase=shape[1] % 2 == 0)
         assert isinstance(chosen, ss.CoopPlan) and chosen.spec.shared_packs > 0 and chosen.slots == shape[0]
-        out = run_split(op, inputs, inputs[-1] if in_place else poisoned_like(inputs[0]), "coop")
+        out = run_plan(chosen, inputs, inputs[-1] if in_place else poisoned_like(inputs[0]))
         check(op, out.get(), reference(op, host), NUMPY_DTYPES[dtype])
 
 

@@ -29,8 +29,12 @@ Planner rule (thresholds are data, tuned on an H200 with scripts/tune_long_rows.
    path's ladder holds it, in one block or a thread-block cluster, with or
    without register tails: softmax.AUTO_ASYNC_LADDERS); otherwise -> None.
 2. pack = the largest 16-byte-or-smaller vector dividing cols that every
-   operand's address and row stride allow (softmax.vector_pack_size).
-3. coop: blocks of COOP_BLOCK_SIZE threads holding packs_per_thread packs of
+   operand's address and row stride allow (softmax.vector_pack_size); the
+   two launches peel rows off the 16-byte grid whose operands share each
+   row's phase (odd cols), 16-byte packs between single-element edges.
+3. coop (rows whose operands share each row's phase: packs of at least
+   COOP_MIN_PEELABLE_PACK_BYTES, else the two launches first): blocks of
+   COOP_BLOCK_SIZE threads holding packs_per_thread packs of
    each input, COOP_BYTES_PER_THREAD bytes of it (doubled while a row's
    chunks outnumber the resident blocks; at most COOP_MAX_CACHED_PACKS packs
    of all inputs together; packs of at least COOP_MIN_PACK_BYTES):
@@ -112,6 +116,14 @@ COOP_DOUBLINGS = 2
 COOP_MAX_CACHED_PACKS = 32
 # Narrower packs (odd cols, misaligned rows) take the two launches.
 COOP_MIN_PACK_BYTES = 4
+# Rows whose operands share each row's phase take coop packs of at least this
+# many bytes; narrower ones lose to the two launches peeled (16-byte packs
+# between single-element edges). H200, % of copy, peeled two launches against
+# coop in 4-byte packs (float32, odd cols): softmax 75 x 110997 47.2 / 32.8,
+# 8 x (2^20 + 7) 47.1 / 36.3, 32 x 262145 48.7 / 38.2, 3 x (2^20 + 7) 31.4 /
+# 32.7, 1 x 300001 5.5 / 5.9; log_softmax 47.8 / 32.8, 48.9 / 36.3, 47.9 /
+# 38.1, 31.8 / 32.6.
+COOP_MIN_PEELABLE_PACK_BYTES = 8
 # Rows of at least this many bytes (all inputs together) are split even when
 # many rows fill the GPU: longer than the ordinary paths keep on chip.
 COOP_MIN_ROW_BYTES = 256 * 1024
@@ -165,12 +177,15 @@ class SoftmaxSplitSpec(jit.KernelSpec):
     prefetch: bool = False  # coop: the next row's chunk is copied to shared memory ahead
     shared_packs: int = 0   # coop: packs of each input a thread holds in shared memory
                             # past its loads_in_flight in registers
+    peel: bool = False      # partials, finish: 16-byte packs between each row's edges (rows off the grid)
 
     def __post_init__(self):
         if (self.prefetch or self.shared_packs) and self.stage != "coop":
             raise ValueError(f"only the coop stage prefetches or holds shared packs, not {self.stage!r}")
         if self.prefetch and self.shared_packs:
             raise ValueError("a prefetching coop kernel holds no shared packs")
+        if self.peel and self.stage == "coop":
+            raise ValueError("the coop stage does not peel rows")
 
     @property
     def ftype(self) -> dtypes.FloatType:
@@ -180,8 +195,9 @@ class SoftmaxSplitSpec(jit.KernelSpec):
     def name(self) -> str:
         prefetch = "_pf" if self.prefetch else ""
         shared = f"_s{self.shared_packs}" if self.shared_packs else ""
+        peel = "_peel" if self.peel else ""
         return (f"{self.op}_split_{self.stage}_{self.dtype}_{self.ftype.compute}_p{self.pack_size}"
-                f"_b{self.block_size}_l{self.loads_in_flight}{shared}{prefetch}")
+                f"_b{self.block_size}_l{self.loads_in_flight}{shared}{prefetch}{peel}")
 
     @property
     def shared_bytes(self) -> int:
@@ -334,13 +350,15 @@ def coop_plan(op: str, rows: int, cols: int, dtype: str, target: Target,
     return None
 
 
-def plan(op: str, rows: int, cols: int, dtype: str, target: Target, align: int = 16):
+def plan(op: str, rows: int, cols: int, dtype: str, target: Target, align: int = 16, same_phase: bool = True):
     """The split-row plan (CoopPlan or SplitPlan) for `rows` x `cols` of dtype
     (short name) on `target`, or None when the ordinary row paths should run
     (rule in the module docstring).
 
     `align` is the largest power of two (<= 16) dividing every operand's
-    address and row stride in bytes."""
+    address and row stride in bytes; `same_phase` says every row of every
+    operand starts at the same offset from a 16-byte boundary (two launches
+    then peel rows off the 16-byte grid)."""
     _check(op, rows, cols)
     itemsize = dtypes.BY_SHORT[dtype].itemsize
     few_long_rows = (rows < SPLIT_MAX_ROWS_PER_SM * target.facts.sm_count
@@ -348,15 +366,18 @@ def plan(op: str, rows: int, cols: int, dtype: str, target: Target, align: int =
     if not few_long_rows:
         if cols * itemsize * len(INPUTS[op]) < COOP_MIN_ROW_BYTES:
             return None
-        if softmax.plan(op, rows, cols, dtype, "auto", target, align).spec.impl == "block_async":
+        if softmax.plan(op, rows, cols, dtype, "auto", target, align, same_phase).spec.impl == "block_async":
             return None   # one block (a register tail) or a cluster keeps the row on chip
+    if same_phase and vector_pack_size(cols, itemsize, align) * itemsize < COOP_MIN_PEELABLE_PACK_BYTES:
+        return two_launch_plan(op, rows, cols, dtype, target, align, same_phase) or \
+            coop_plan(op, rows, cols, dtype, target, align)
     return coop_plan(op, rows, cols, dtype, target, align) or \
-        two_launch_plan(op, rows, cols, dtype, target, align)
+        two_launch_plan(op, rows, cols, dtype, target, align, same_phase)
 
 
 @functools.lru_cache(maxsize=4096)
 def two_launch_plan(op: str, rows: int, cols: int, dtype: str, target: Target,
-                    align: int = 16) -> Optional[SplitPlan]:
+                    align: int = 16, same_phase: bool = True) -> Optional[SplitPlan]:
     """The two-launch split plan (rule 4 of the module docstring), or None."""
     _check(op, rows, cols)
     facts = target.facts
@@ -364,11 +385,14 @@ def two_launch_plan(op: str, rows: int, cols: int, dtype: str, target: Target,
     if rows >= SPLIT_MAX_ROWS_PER_SM * facts.sm_count or cols * itemsize < SPLIT_MIN_ROW_BYTES:
         return None
     pack_size = vector_pack_size(cols, itemsize, align)
+    peel = pack_size * itemsize < 16 and same_phase
+    if peel:
+        pack_size = 16 // itemsize
     pack_bytes = pack_size * itemsize
     num_packs = cols // pack_size
     loads_in_flight = min(SPLIT_MAX_LOADS_IN_FLIGHT, max(1, SPLIT_BYTES_IN_FLIGHT // pack_bytes))
     partials, finish = (SoftmaxSplitSpec(op, stage, dtype, pack_size, SPLIT_BLOCK_SIZE,
-                                         loads_in_flight) for stage in TWO_LAUNCH_STAGES)
+                                         loads_in_flight, peel=peel) for stage in TWO_LAUNCH_STAGES)
     resident = facts.sm_count * target.max_active_blocks(partials, SPLIT_BLOCK_SIZE, 0, opt_in=False)
     splits = min(-(-SPLIT_WAVES * resident // rows), num_packs * pack_bytes // SPLIT_MIN_CHUNK_BYTES)
     if splits < 2:
@@ -385,13 +409,13 @@ def two_launch_plan(op: str, rows: int, cols: int, dtype: str, target: Target,
 _launches = LaunchCache()
 
 
-def _launch_config(op, rows, cols, dtype, align, device_id):
+def _launch_config(op, rows, cols, dtype, align, same_phase, device_id):
     """(plan, its functions) for a live GPU, or None; memoised."""
     def make():
-        chosen = plan(op, rows, cols, dtype, Target.live(device_id), align)
+        chosen = plan(op, rows, cols, dtype, Target.live(device_id), align, same_phase)
         return None if chosen is None else (chosen, functions_of(chosen, device_id))
 
-    return _launches.get((op, rows, cols, dtype, align, device_id), make)
+    return _launches.get((op, rows, cols, dtype, align, same_phase, device_id), make)
 
 
 def functions_of(chosen, device_id: int) -> tuple:
@@ -429,7 +453,8 @@ def run(op: str, inputs, output, rows: int, cols: int) -> bool:
     first = inputs[0].array
     operands = (*inputs, output)
     align = arrays.alignment(*(value for o in operands for value in (o.byte_address, o.byte_row_stride)))
-    config = _launch_config(op, rows, cols, dtypes.BY_DTYPE[first.dtype].short, align, first.device.id)
+    config = _launch_config(op, rows, cols, dtypes.BY_DTYPE[first.dtype].short, align, arrays.same_phase(*operands),
+                            first.device.id)
     if config is None:
         return False
     launch(*config, inputs, output, rows, cols)
