@@ -357,13 +357,14 @@ struct PeeledRow {
   }
   __device__ __forceinline__ int64 pack_col(int64 pack) const { return head + pack * pack_size; }
   __device__ __forceinline__ bool has_edge() const { return peel && static_cast<int>(threadIdx.x) < num_edges; }
-  // This thread's edge element of every input, or pad where it holds none.
+  // This thread's edge element of every input as a pack of one, edge[j][0]
+  // (the packs' helpers take it), or pad where it holds none.
   template <typename Load, typename C, int N>
-  __device__ __forceinline__ void load_edges(const Load (&loads)[N], int64 row, C pad, C (&edge)[N]) const {
+  __device__ __forceinline__ void load_edges(const Load (&loads)[N], int64 row, C pad, C (&edge)[N][1]) const {
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      edge[j] = pad;
-      if (has_edge()) loads[j].template load<1>(&edge[j], row, edge_col);
+      edge[j][0] = pad;
+      if (has_edge()) loads[j].template load<1>(edge[j], row, edge_col);
     }
   }
 };

@@ -496,7 +496,7 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
 // peel: rows need not start on a pack boundary (odd cols of a contiguous
 // array: each row at its own phase, every operand at the same one). The
 // aligned packs between a row's edges are cached; the edges (PeeledRow) stay
-// in their threads' registers.
+// in their threads' registers, packs of one element.
 template <typename Op, typename Load, typename Store, typename C, typename Cache, bool packed_cache,
           int pack_size, int block_size, int cached, bool peel, typename RowHead>
 __device__ __forceinline__ void softmax_block_smem(const Load (&loads)[Op::num_inputs], const Store& store,
@@ -514,9 +514,9 @@ __device__ __forceinline__ void softmax_block_smem(const Load (&loads)[Op::num_i
     auto slot = [&](int j, int p, int i) -> Cache& {
       return packed_cache ? cache[j * cache_cols + p * pack_size + i] : cache[j * cache_cols + i * num_packs + p];
     };
-    C edge[N];
+    C edge[N][1];
     packs.load_edges(loads, row, Op::pad(), edge);
-    C thread_max = edge[0];
+    C thread_max = edge[0][0];
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
 #pragma unroll
       for (int j = 0; j < cached; ++j) {
@@ -539,7 +539,8 @@ __device__ __forceinline__ void softmax_block_smem(const Load (&loads)[Op::num_i
     }
     Op op;
     if (Op::needs_max) op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
-    C thread_sum = packs.has_edge() ? op.template term<true>(edge) : C(0);
+    C thread_sum = 0;
+    if (packs.has_edge()) add_pack_terms(op, edge, thread_sum);
     C v[N];
 #pragma unroll
     for (int j = cached; j < N; ++j) v[j] = Op::pad();   // not read by term()
@@ -556,10 +557,7 @@ __device__ __forceinline__ void softmax_block_smem(const Load (&loads)[Op::num_i
       }
     }
     op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
-    if (packs.has_edge()) {
-      const C value = op.template out<true>(edge);
-      store.template store<1>(&value, row, packs.edge_col);
-    }
+    if (packs.has_edge()) store_pack_outputs(op, store, edge, row, packs.edge_col);
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
       C read[N][pack_size];   // the inputs past the cache
 #pragma unroll
@@ -596,13 +594,13 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
 #pragma unroll
       for (int j = 0; j < N; ++j) loads[j].template load<pack_size>(values[j], row, packs.pack_col(p));
     };
-    C edge[N];
+    C edge[N][1];
     packs.load_edges(loads, row, Op::pad(), edge);
     Op op;
     C values[N][pack_size];
     if constexpr (Op::needs_max && online) {
       OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
-      if (packs.has_edge()) state.add_pack(edge);   // the forward: one input
+      if (packs.has_edge()) state.add_pack(edge[0]);
       for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
         load_packs(p, values);
         state.add_pack(values[0]);
@@ -612,7 +610,7 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
       op.set_sum(row_state.sum);
     } else {
       if (Op::needs_max) {
-        C thread_max = edge[0];
+        C thread_max = edge[0][0];
         for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
           loads[0].template load<pack_size>(values[0], row, packs.pack_col(p));
 #pragma unroll
@@ -620,18 +618,15 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
         }
         op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
       }
-      C thread_sum = packs.has_edge() ? op.template term<true>(edge) : C(0);
+      C thread_sum = 0;
+      if (packs.has_edge()) add_pack_terms(op, edge, thread_sum);
       for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
         load_packs(p, values);
         add_pack_terms(op, values, thread_sum);
       }
       op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
     }
-    if (packs.has_edge()) {
-      // online: the sum pass left the edge as loaded
-      const C value = Op::needs_max && online ? op.template out<false>(edge) : op.template out<true>(edge);
-      store.template store<1>(&value, row, packs.edge_col);
-    }
+    if (packs.has_edge()) store_pack_outputs(op, store, edge, row, packs.edge_col);
     for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
       load_packs(p, values);
       store_pack_outputs(op, store, values, row, packs.pack_col(p));

@@ -44,19 +44,13 @@ struct SplitChunk {
   template <typename RowHead>
   __device__ __forceinline__ SplitChunk(int64 chunk, int64 cols, int64 splits, int64 chunk_cols,
                                         const RowHead& row_head)
-      : row(chunk / splits), packs(cols, peel ? row_head(chunk / splits) : 0) {
+      : row(chunk / splits), packs(cols, peel ? row_head(row) : 0) {   // row is initialised first
     const int64 packed = packs.num_packs * pack_size;
     begin = (chunk - row * splits) * chunk_cols;
     end = begin + chunk_cols < packed ? begin + chunk_cols : packed;
   }
   // Whether this thread holds an edge of the row for this chunk.
   __device__ __forceinline__ bool has_edge() const { return peel && begin == 0 && packs.has_edge(); }
-  // The row's edge this thread holds, every input's as values[j][0] (has_edge()).
-  template <typename Load, typename C, int N>
-  __device__ __forceinline__ void load_edge(const Load (&loads)[N], C (&values)[N][1]) const {
-#pragma unroll
-    for (int j = 0; j < N; ++j) loads[j].template load<1>(values[j], row, packs.edge_col);
-  }
 };
 
 // Calls use(col, values) for each of this thread's packs (threadIdx.x,
@@ -171,7 +165,7 @@ __device__ __forceinline__ void softmax_split_partials(const Load (&loads)[Op::n
   ChunkPartial<Op, C> partial;
   if (chunk.has_edge()) {
     C edge[N][1];
-    chunk.load_edge(loads, edge);
+    chunk.packs.load_edges(loads, chunk.row, Op::pad(), edge);
     partial.add(edge);
   }
   for_chunk_packs<T, C, N, pack_size, block_size, loads_in_flight>(
@@ -193,7 +187,7 @@ __device__ __forceinline__ void softmax_split_finish(const Load (&loads)[Op::num
   combine_row_partials<Op, C, block_size>(partials + chunk.row * splits * size, splits, op);
   if (chunk.has_edge()) {
     C edge[N][1];
-    chunk.load_edge(loads, edge);
+    chunk.packs.load_edges(loads, chunk.row, Op::pad(), edge);
     store_pack_outputs(op, store, edge, chunk.row, chunk.packs.edge_col);
   }
   for_chunk_packs<T, C, N, pack_size, block_size, loads_in_flight>(

@@ -517,12 +517,13 @@ def run_split(op, inputs, out, kind=None):
 
     rows, cols = inputs[0].shape
     operands = [operand(a) for a in (*inputs, out)]
+    align = arrays.alignment(*(v for o in operands for v in (o.byte_address, o.byte_row_stride)))
+    same_phase = arrays.same_phase(*operands)
     if kind is not None:
-        align = arrays.alignment(*(v for o in operands for v in (o.byte_address, o.byte_row_stride)))
         chosen = plan(op, rows, cols, dtypes.BY_DTYPE[out.dtype].short, Target.live(out.device.id), align,
-                      arrays.same_phase(*operands))
+                      same_phase)
         assert isinstance(chosen, ss.CoopPlan if kind == "coop" else ss.SplitPlan), chosen
-    assert ss.run(op, operands[:-1], operands[-1], rows, cols), "no split plan"
+    assert ss.run(op, operands[:-1], operands[-1], rows, cols, align, same_phase), "no split plan"
     assert all(int(counters.max()) == 0 for counters in ss._counters.values())
     return out
 

@@ -552,16 +552,16 @@ _launches = LaunchCache()
 def _launch(op, policy, inputs, output, rows, cols):
     """Runs op on row operands; returns the launch (function, grid, block, smem,
     scalar arguments) when it was one row kernel, None when the split path ran."""
+    operands = (*inputs, output)
+    align = arrays.alignment(*(value for o in operands for value in (o.byte_address, o.byte_row_stride)))
+    same_phase = arrays.same_phase(*operands)
     if policy == "auto":
         from . import softmax_split   # imports this module: bound late
-        if softmax_split.run(op, inputs, output, rows, cols):
+        if softmax_split.run(op, inputs, output, rows, cols, align, same_phase):
             return None
     first = inputs[0].array
     device_id = first.device.id
     ftype = dtypes.BY_DTYPE[first.dtype]
-    operands = (*inputs, output)
-    align = arrays.alignment(*(value for o in operands for value in (o.byte_address, o.byte_row_stride)))
-    same_phase = arrays.same_phase(*operands)
     key = (op, policy, rows, cols, ftype.short, align, same_phase, device_id)
 
     def make():

@@ -67,7 +67,7 @@ from typing import Optional
 
 import numpy
 
-from .. import arrays, dtypes, jit
+from .. import dtypes, jit
 from ..launch import MAX_GRID_X, LaunchCache, Target, live_function
 from . import softmax
 from .softmax import INPUTS, OPS, vector_pack_size
@@ -442,19 +442,17 @@ def _coop_counters(slots: int, device_id: int, stream_ptr: int):
     return counters
 
 
-def run(op: str, inputs, output, rows: int, cols: int) -> bool:
+def run(op: str, inputs, output, rows: int, cols: int, align: int, same_phase: bool) -> bool:
     """Runs `op` by the split-row kernels when the planner prefers them.
 
     `inputs` (the op's arrays, softmax.INPUTS) and `output` are
     rowwise.Operand objects of one float dtype on one GPU, laid out as `rows`
     rows of `cols` contiguous elements; the output may be one of the inputs
-    (same address and row stride). Returns False, having launched nothing,
-    when the ordinary row paths should run."""
+    (same address and row stride). `align` and `same_phase` are theirs, as
+    plan() takes them (arrays.alignment, arrays.same_phase). Returns False,
+    having launched nothing, when the ordinary row paths should run."""
     first = inputs[0].array
-    operands = (*inputs, output)
-    align = arrays.alignment(*(value for o in operands for value in (o.byte_address, o.byte_row_stride)))
-    config = _launch_config(op, rows, cols, dtypes.BY_DTYPE[first.dtype].short, align, arrays.same_phase(*operands),
-                            first.device.id)
+    config = _launch_config(op, rows, cols, dtypes.BY_DTYPE[first.dtype].short, align, same_phase, first.device.id)
     if config is None:
         return False
     launch(*config, inputs, output, rows, cols)
