@@ -83,7 +83,7 @@ def test_auto_forward_warp_blocks_hold_two_warps():
     """auto's forward warp path with groups of a whole warp launches 64-thread
     blocks, compiled for 18 of them an SM (launch bounds 64, 18: 56 registers
     a thread); narrower groups, OneFlow's and the backward's keep 128."""
-    for op, cols, dtype in (("layer_norm", 1024, "f32"), ("rms_norm", 256, "f16"), ("layer_norm", 128, "f32")):
+    for op, cols, dtype in (("layer_norm", 768, "f32"), ("rms_norm", 256, "f16"), ("layer_norm", 128, "f32")):
         launch = norm.plan(op, ROWS, cols, dtype, "auto", H100).main
         spec = launch.spec
         assert spec.impl == "warp" and spec.threads_per_block == 64 and spec.name.endswith(
@@ -125,6 +125,16 @@ def test_auto_uses_16_byte_packs_and_falls_back_on_alignment():
 def test_auto_two_rows_per_access_for_any_row_count(rows):
     spec = norm.plan("rms_norm", rows, 16, "f16", "auto", H100).spec
     assert (spec.impl, spec.rows_per_access, spec.thread_group_width) == ("warp", 2, 2)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_auto_float32_rows_from_1024_cols_take_register_blocks(op):
+    """AUTO_REGS_FROM_COLS: float32 rows of 1024 cols skip the warp path;
+    AUTO_BLOCK_REGS_LADDER: 64 threads while a thread holds at most 5 packs."""
+    assert norm.plan(op, ROWS, 1000, "f32", "auto", H100).spec.impl == "warp"
+    for cols, block_size, packs in ((1024, 64, 4), (1280, 64, 5), (1536, 128, 3), (2048, 128, 4)):
+        spec = norm.plan(op, ROWS, cols, "f32", "auto", H100).spec
+        assert (spec.impl, spec.block_size, spec.packs_per_thread) == ("block_regs", block_size, packs)
 
 
 def test_auto_paths():
@@ -503,7 +513,6 @@ def test_auto_register_block_before_warp_for_rms_norm_16_bit_1024():
         assert norm.plan("layer_norm", ROWS, 1024, dtype, "auto", H100).spec.impl == "warp"
         # no 16-byte pack: the warp path
         assert norm.plan("rms_norm", ROWS, 1024, dtype, "auto", H100, align=2, same_phase=False).spec.impl == "warp"
-    assert norm.plan("rms_norm", ROWS, 1024, "f32", "auto", H100).spec.impl == "warp"
 
 
 def test_auto_backward_fits_16_bit_blocks_to_the_row():
@@ -702,7 +711,7 @@ def test_golden_names():
     assert (norm.plan("layer_norm_backward", ROWS, 4096, "f32", "auto", H100).spec.name
             == "layer_norm_grad_block_regs_f32_f32_p4_k2_b512_cached_weight_pgradsmem")
     assert (norm.plan("layer_norm", ROWS, 1024, "f32", "auto", H100, weight=False, bias=False).spec.name
-            == "layer_norm_warp_f32_f32_p4_c32_g32_r1_nopad_b64")
+            == "layer_norm_block_regs_f32_f32_p4_k4_b64")
     assert (norm.plan("layer_norm", ROWS, 32768, "bf16", "auto", H100, residual=False).spec.name
             == "layer_norm_block_async_bf16_f32_p8_b512_t8_affine")
     assert (norm.plan("rms_norm", 64, 65536, "f16", "auto", H100, residual=True).spec.name

@@ -56,7 +56,8 @@ AUTO_PEELED_PACKED_LADDER); then rows of 16-byte packs cached by cp.async
 type; then uncached. Forward rows of 16-byte packs from AUTO_ASYNC_FIRST's
 cols are cached by cp.async before the register block path; RMSNorm
 bfloat16 rows of 16384 to 19999 cols go to shared memory first
-(AUTO_SMEM_FIRST). The
+(AUTO_SMEM_FIRST); rows of 16-byte packs from AUTO_REGS_FROM_COLS's cols
+(1024: RMSNorm 16-bit, both norms in float32) skip the warp path. The
 backward pass folds dweight / dbias partial sums into the dx kernel while they
 fit in registers or shared memory, in one wave of resident blocks (one
 workspace row each): rungs that keep the row in registers or read it twice,
@@ -143,10 +144,17 @@ AUTO_WARP_MAX_BYTES_PER_LANE = {"forward": 128, "backward": 64}
 # of 1024 resident threads, where some (peeled, with a residual) spill: each
 # rung is checked. 16-bit rows start at 64 threads: LayerNorm f16 2048 cols
 # at 64 x 4 packs 92.8 % of copy, against 75.2 % at 128 x 2 (bf16 88.1 %
-# against 70.6 %). 16 doubles a thread at most.
+# against 70.6 %). float32 rows start at 64 threads holding at most 20
+# floats (five packs: rows of up to 1280 cols; H200, rows 49152, % of copy,
+# five interleaved rounds, 64 threads against 128: LayerNorm 1024 cols 94.7
+# against 91.9, 1280 cols 95.4 against 94.2; RMSNorm 1024 95.3 against 95.7,
+# 1280 96.3 against 96.1; 1100 / 1200 cols, 64 x 5 against 128 x 3: LayerNorm
+# 93.5 / 94.2 against 88.3 / 91.0, RMSNorm 94.0 / 95.1 against 94.9 / 95.3;
+# at 1536 cols, 64 x 6 packs, LayerNorm 95.6 against 96.5). 16 doubles a
+# thread at most.
 AUTO_BLOCK_REGS_LADDER = {
     2: ((64, 128, True), (128, 128, True), (256, 128, True), (512, 128, True), (1024, 128, True)),
-    4: ((128, 128, True), (256, 128, True), (512, 128, True), (1024, 128, True)),
+    4: ((64, 80, True), (128, 128, True), (256, 128, True), (512, 128, True), (1024, 128, True)),
     8: ((128, 64, True), (256, 64, True), (512, 64, True), (1024, 64, True)),
 }
 # auto, forward: (op, dtype) -> from these cols, 16-byte packs, the row cached
@@ -199,8 +207,11 @@ AUTO_ASYNC_LADDER = {   # storage itemsize -> rungs
 # 16-byte packs, skip the warp path for the register block path. RMSNorm 16-bit at 1024 cols, 64 x 2
 # packs: 91.6 % (f16) and 90.3 % (bf16) of copy against 89.1 % and 88.6 % on
 # the warp path (1000 cols: a tie; 640 cols: the warp path 84 % against 75 %;
-# LayerNorm: the warp path, 88 % against 70-76 %).
-AUTO_REGS_FROM_COLS = {("rms_norm", 2): 1024}
+# LayerNorm: the warp path, 88 % against 70-76 %). float32 at 1024 cols, 64 x 4
+# packs (H200, five interleaved rounds): LayerNorm 94.7 % against 92.5 % on
+# the warp path, RMSNorm 95.3 % against 92.9 % (768 cols, 64 x 3: 92.9 / 93.3
+# against 92.5 / 93.1, a tie).
+AUTO_REGS_FROM_COLS = {("rms_norm", 2): 1024, ("layer_norm", 4): 1024, ("rms_norm", 4): 1024}
 AUTO_SMEM_FIRST_BLOCK_SIZE = 512
 # auto, forward: (op, storage itemsize) -> after each block size's rung of
 # AUTO_BLOCK_REGS_LADDER, the same block size holding at most this many bytes
