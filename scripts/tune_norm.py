@@ -78,8 +78,7 @@ def _forward_variants(op, dtype, rows, cols, target):
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     fields = dict(op=op, dtype=dtype, weight=True, bias=op == "layer_norm")
     pack = norm.vector_pack_size(cols, ftype.itemsize, 16)
-    peel = pack * ftype.itemsize < 16
-    regs_pack = 16 // ftype.itemsize if peel else pack
+    regs_pack, peel = norm.peeled_pack(pack, ftype.itemsize, True)
     num_packs = cols // regs_pack
     found = []
     shapes = [(block_size, False, max_bytes // (regs_pack * compute_itemsize))

@@ -15,8 +15,8 @@ import numpy
 
 from cupyops import dtypes, jit
 from cupyops.launch import get_num_blocks
-from cupyops.ops.softmax import (INPUTS, SUM_INPUTS, SoftmaxSpec, async_share_bytes, plan, vector_pack_size,
-                                 warp_ladder, warp_plan)
+from cupyops.ops.softmax import (INPUTS, SUM_INPUTS, SoftmaxSpec, async_share_bytes, peeled_pack, plan,
+                                 vector_pack_size, warp_ladder, warp_plan)
 from tuning import Tuning
 
 
@@ -39,8 +39,7 @@ def candidates(op, dtype, rows, cols, target):
                 warp = warp_plan(op, dtype, rows, cols, warp_pack, variant, target)
                 found.append((f"warp p{warp_pack} c{ladder[0]} g{ladder[1]} r{rows_per_access}",
                               warp.spec, warp.grid, warp.block, 0))
-    peel = pack * ftype.itemsize < 16       # rows off the 16-byte grid: peel their edges
-    regs_pack = 16 // ftype.itemsize if peel else pack
+    regs_pack, peel = peeled_pack(pack, ftype.itemsize, True)   # rows off the 16-byte grid: peel their edges
     num_packs = cols // regs_pack
     for block in (128, 256, 512, 1024):
         per_thread = -(-num_packs // block)

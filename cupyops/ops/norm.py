@@ -90,7 +90,7 @@ from ..device import WARP_SIZE, has_clusters
 from ..launch import (BLOCK_SIZE_LADDER, MAX_GRID_X, KernelLaunch, Target, choose_block_size, get_num_blocks,
                       live_function)
 from .softmax import (AUTO_PEELED_SMALL_BLOCKS, AUTO_PEELED_SMALL_MAX_PACKS, AUTO_PEELED_SMALL_MIN_COLS,
-                      peeled_small_rows_per_block, vector_pack_size)
+                      peeled_pack, peeled_small_rows_per_block, vector_pack_size)
 
 FORWARD_OPS = ("layer_norm", "rms_norm")
 BACKWARD_OPS = ("layer_norm_backward", "rms_norm_backward")
@@ -779,8 +779,7 @@ def _auto_registers(fields, rows, cols, align, target, direction, block_ladder, 
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     pack = vector_pack_size(cols, ftype.itemsize, align)
     max_cols_per_thread = max(AUTO_WARP_MAX_BYTES_PER_LANE[direction] // compute_itemsize, pack)
-    peel = peel_allowed and pack * ftype.itemsize < 16
-    regs_pack = 16 // ftype.itemsize if peel else pack
+    regs_pack, peel = peeled_pack(pack, ftype.itemsize, peel_allowed)
     if peel and cols >= AUTO_PEELED_SMALL_MIN_COLS:
         small_rungs = [(block_size, AUTO_PEELED_SMALL_MAX_PACKS * regs_pack * compute_itemsize,
                         {"rows_per_block": peeled_small_rows_per_block(block_size)}, True)

@@ -398,6 +398,15 @@ def vector_pack_size(cols: int, itemsize: int, align: int) -> int:
     return pack
 
 
+def peeled_pack(pack_size: int, itemsize: int, same_phase: bool) -> tuple:
+    """(pack, peel) of a row path that can peel: rows off the 16-byte grid
+    (pack_size, vector_pack_size, under 16 bytes) whose operands share each
+    row's phase read 16-byte packs between single-element edges; others keep
+    pack_size."""
+    peel = same_phase and pack_size * itemsize < 16
+    return (16 // itemsize if peel else pack_size), peel
+
+
 def peeled_small_rows_per_block(block_size: int) -> int:
     """Rows a block of AUTO_PEELED_SMALL_BLOCKS holds: blocks of one warp
     AUTO_PEELED_SMALL_WARP_ROWS (a warp each), wider blocks one."""
@@ -412,10 +421,9 @@ def _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target, small_peele
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     # Rows off the 16-byte grid still take 16-byte packs when input and output
     # are off by the same amount: the register path peels each row's edges.
-    peel = pack_size * ftype.itemsize < 16 and same_phase
+    regs_pack, peel = peeled_pack(pack_size, ftype.itemsize, same_phase)
     if small_peeled and not peel:
         return None
-    regs_pack = 16 // ftype.itemsize if peel else pack_size
     num_packs = cols // regs_pack
     if small_peeled:
         block_sizes, max_packs = AUTO_PEELED_SMALL_BLOCKS, AUTO_PEELED_SMALL_MAX_PACKS
@@ -506,8 +514,7 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
     # Rows off the 16-byte grid whose operands share each row's phase keep
     # 16-byte packs between the row's peeled edges here too. Only the inputs
     # the row's sum reads are cached (log-softmax backward: dy).
-    peel = not aligned and same_phase
-    cache_pack = 16 // ftype.itemsize if peel else pack_size
+    cache_pack, peel = peeled_pack(pack_size, ftype.itemsize, same_phase)
     cached_inputs = SUM_INPUTS[op]
     cache_bytes = cached_inputs * cols * ftype.itemsize
     key = (num_inputs, ftype.itemsize)

@@ -70,7 +70,7 @@ import numpy
 from .. import dtypes, jit
 from ..launch import MAX_GRID_X, LaunchCache, Target, live_function
 from . import softmax
-from .softmax import INPUTS, OPS, vector_pack_size
+from .softmax import INPUTS, OPS, peeled_pack, vector_pack_size
 
 STAGES = ("partials", "finish", "coop")
 TWO_LAUNCH_STAGES = ("partials", "finish")
@@ -384,10 +384,7 @@ def two_launch_plan(op: str, rows: int, cols: int, dtype: str, target: Target,
     itemsize = dtypes.BY_SHORT[dtype].itemsize
     if rows >= SPLIT_MAX_ROWS_PER_SM * facts.sm_count or cols * itemsize < SPLIT_MIN_ROW_BYTES:
         return None
-    pack_size = vector_pack_size(cols, itemsize, align)
-    peel = pack_size * itemsize < 16 and same_phase
-    if peel:
-        pack_size = 16 // itemsize
+    pack_size, peel = peeled_pack(vector_pack_size(cols, itemsize, align), itemsize, same_phase)
     pack_bytes = pack_size * itemsize
     num_packs = cols // pack_size
     loads_in_flight = min(SPLIT_MAX_LOADS_IN_FLIGHT, max(1, SPLIT_BYTES_IN_FLIGHT // pack_bytes))
