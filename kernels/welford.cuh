@@ -1,6 +1,7 @@
 // Row statistics that are accumulated per thread and combined across the
 // lanes of a group and the warps of a block: Welford's (mean, m2, count) with
-// Chan's combine, plain sums, and the reductions of such state structs.
+// Chan's combine (EqualCountWelford: lanes holding as many values, without a
+// division), plain sums, and the reductions of such state structs.
 //
 // A state struct S provides
 //   static S empty();                     the identity of combine
@@ -157,6 +158,33 @@ struct WelfordState {
   __device__ __forceinline__ RowMoments<T> moments(long long cols, T eps) const {
     const T variance = max(m2 / static_cast<T>(cols), T(0));
     return {mean, rsqrt_(variance + eps)};
+  }
+};
+
+// Welford states of equal counts (each lane of a warp group holding as many
+// of the row's values): Chan's combine without a division, the squared
+// difference of the means weighted by count / 2; counts stay in each lane.
+template <typename T>
+struct EqualCountWelford {
+  T mean, m2, count;
+
+  static __device__ __forceinline__ EqualCountWelford empty() { return {T(0), T(0), T(0)}; }
+  __device__ __forceinline__ void combine(const EqualCountWelford& b) {
+    const T delta = b.mean - mean;
+    mean = (mean + b.mean) * T(0.5);
+    m2 += b.m2 + delta * delta * (count * T(0.5));
+    count += count;
+  }
+  template <int width>
+  __device__ __forceinline__ EqualCountWelford shfl_down(int delta) const {
+    return {shfl_down_<width>(mean, delta), shfl_down_<width>(m2, delta), count};
+  }
+  template <int width>
+  __device__ __forceinline__ EqualCountWelford shfl(int src_lane) const {
+    return {shfl_<width>(mean, src_lane), shfl_<width>(m2, src_lane), count};
+  }
+  __device__ __forceinline__ RowMoments<T> moments(long long cols, T eps) const {
+    return WelfordState<T>{mean, m2, count}.moments(cols, eps);
   }
 };
 

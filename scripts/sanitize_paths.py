@@ -40,8 +40,9 @@ from cupyops.ops import softmax_axis, softmax_split
 # their partial sums in shared memory (float32 RMSNorm 3 x 65536 in
 # clusters; 16-bit RMSNorm 3 x 40001 peeled in one block), shared memory
 # (softmax rows of 20001 cols peeled: 16-byte packs between single-element
-# edges), uncached, split rows
-ROW_SHAPES = [(6, 3), (9, 7), (6, 100), (2500, 4223), (40, 12543), (40, 3590), (40, 20001), (2999, 1023), (7, 255), (7, 2055),
+# edges), uncached, split rows; the forward warp lanes holding weight and
+# bias, padded, at 300 x 1000
+ROW_SHAPES = [(6, 3), (9, 7), (6, 100), (300, 1000), (2500, 4223), (40, 12543), (40, 3590), (40, 20001), (2999, 1023), (7, 255), (7, 2055),
               (40, 3000), (4, 4096), (600, 2048),
               (67, 32768), (3, 65536), (3, 40001), (2, 300000), (2, 1 << 19)]
 # norm backward only (racecheck's host memory): float32 rows read twice in

@@ -2,7 +2,8 @@
 
 For each op, dtype and cols it times the auto plan, the oneflow plan and
 hand-built variants (block sizes, and the fewest warps that hold a row at the
-same packs a thread; packs per thread, warp widths, register vs shared-memory
+same packs a thread; packs per thread, warp widths (weight and bias read at
+each store or held, AUTO_HELD_AFFINE_*), register vs shared-memory
 caches, rows cached by cp.async with register tails, peeled rows, rows loaded together, fused vs separate dweight / dbias),
 at most MAX_CANDIDATES per shape, with cupyops.bench.Timer (L2 flushed,
 median).
@@ -126,6 +127,9 @@ def _forward_variants(op, dtype, rows, cols, target):
             if ladder is not None:
                 launch = norm._warp_launch(fields, rows, cols, pack, ladder, target, "auto")
                 found.append((f"warp c{ladder[0]} g{ladder[2]}", norm.NormPlan(launch)))
+                held = norm._held_affine(launch, cols, target)
+                if held is not launch:
+                    found.append((f"warp c{ladder[0]} g{ladder[2]} held", norm.NormPlan(held)))
     return found
 
 

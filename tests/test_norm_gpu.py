@@ -1,6 +1,8 @@
 """GPU tests of layer_norm / rms_norm and their backward passes against float64 NumPy references."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy
 import pytest
 
@@ -187,6 +189,52 @@ def test_rows_cached_by_cp_async(rng, op, dtype, residual):
         assert_close(rstd.get(), rstd_ref, stats_dtype, scale=10), label
         if centered:
             assert_close(mean.get(), mean_ref, stats_dtype, scale=10), label
+
+
+HELD_AFFINE_CASES = [(cols, dtype) for cols in (64, 200, 500, 1000, 1024) for dtype in DTYPES
+                     if numpy.dtype(dtype).itemsize < 8 or cols <= 512]   # float64 warp rows: up to 512 cols
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["x", "residual"])
+@pytest.mark.parametrize("cols, dtype", HELD_AFFINE_CASES, ids=str)
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_held_weight_and_bias_serve_every_row_a_warp_visits(rng, op, cols, dtype, residual):
+    """The forward warp kernel holding weight and bias (hold_affine) on a
+    grid of 3 blocks: each group of lanes normalises many rows with the
+    packs it read once; padded rows (200, 500, 1000 cols), two rows per
+    access at an odd row count (64, 200 cols), a residual; y, h, mean and
+    rstd against float64."""
+    cupy = _cupy()
+    centered = op == "layer_norm"
+    itemsize = numpy.dtype(dtype).itemsize
+    short = dtypes.float_type(dtype).short
+    rows = 101
+    pack = norm.vector_pack_size(cols, itemsize, 16)
+    ladder = norm.auto_warp_ladder(cols, pack, max(128 // max(itemsize, 4), pack))
+    fields = dict(op=op, dtype=short, weight=True, bias=centered, residual=residual)
+    launch = norm._warp_launch(fields, rows, cols, pack, ladder, Target.live(0), "auto",
+                               block_threads=64 if ladder[2] == 32 else 0)
+    launch = replace(launch, spec=replace(launch.spec, hold_affine=True), grid=(3, 1, 1))
+    x, x64 = _data(rng, (rows, cols), dtype, loc=1e3 if centered else 0.0)
+    r, r64 = _data(rng, (rows, cols), dtype)
+    w, w64 = _data(rng, (cols,), dtype, 1.0, 0.2)
+    b, b64 = _data(rng, (cols,), dtype, 0.0, 0.2)
+    y, h = _poisoned((rows, cols), dtype), _poisoned((rows, cols), dtype)
+    stats_dtype = _stats_tolerance_dtype(dtype)
+    mean, rstd = _poisoned((rows,), stats_dtype), _poisoned((rows,), stats_dtype)
+    norm.launch_forward(norm.NormPlan(launch), cupy.cuda.runtime.getDevice(), rows, cols, Operand(x, cols),
+                        Operand(y, cols), EPS, residual=Operand(r, cols) if residual else None,
+                        h=h if residual else None, weight=w, bias=b if centered else None,
+                        mean=mean if centered else None, rstd=rstd)
+    if residual:
+        compute = numpy.float64 if itemsize == 8 else numpy.float32
+        x64 = (x64.astype(compute) + r64.astype(compute)).astype(dtype).astype(numpy.float64)
+        numpy.testing.assert_array_equal(h.get().astype(numpy.float64), x64)
+    y_ref, mean_ref, rstd_ref = _reference(x64, w64, b64 if centered else None, 1, centered)
+    assert_close(y.get(), y_ref, dtype, scale=4 if itemsize < 8 else 1e3), launch.spec.name
+    assert_close(rstd.get(), rstd_ref, stats_dtype, scale=10), launch.spec.name
+    if centered:
+        assert_close(mean.get(), mean_ref, stats_dtype, scale=10), launch.spec.name
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from cupyops import jit
+from cupyops import dtypes, jit
 from cupyops.device import ARCH_PROFILES
 from cupyops.launch import Target
 from cupyops.ops import norm
@@ -82,12 +82,12 @@ def test_oneflow_warp_grid_uses_occupancy():
 def test_auto_forward_warp_blocks_hold_two_warps():
     """auto's forward warp path with groups of a whole warp launches 64-thread
     blocks, compiled for 18 of them an SM (launch bounds 64, 18: 56 registers
-    a thread); narrower groups, OneFlow's and the backward's keep 128."""
+    a thread, without weight and bias to hold); narrower groups, OneFlow's
+    and the backward's keep 128."""
     for op, cols, dtype in (("layer_norm", 768, "f32"), ("rms_norm", 256, "f16"), ("layer_norm", 128, "f32")):
-        launch = norm.plan(op, ROWS, cols, dtype, "auto", H100).main
+        launch = norm.plan(op, ROWS, cols, dtype, "auto", H100, weight=False, bias=False).main
         spec = launch.spec
-        assert spec.impl == "warp" and spec.threads_per_block == 64 and spec.name.endswith(
-            f"_b64_{'affine' if op == 'layer_norm' else 'weight'}")
+        assert spec.impl == "warp" and spec.threads_per_block == 64 and spec.name.endswith("_b64")
         assert launch.block == (32, 2, 1)
         assert launch.grid == (-(-ROWS // (2 * spec.rows_per_access)), 1, 1)
         assert spec.min_blocks_per_sm == 18
@@ -505,14 +505,69 @@ def test_auto_smem_first_for_rms_norm_bf16_long_rows():
     assert norm.plan("rms_norm", ROWS, 16385, "bf16", "auto", H100, align=2).spec.peel
 
 
-def test_auto_register_block_before_warp_for_rms_norm_16_bit_1024():
+def test_auto_register_block_before_warp_for_rms_norm_16_bit_1024_with_a_residual():
+    """AUTO_RESIDUAL_REGS_FROM_COLS: with a residual, RMSNorm 16-bit rows of
+    1024 cols take a register block of 64 x 2 packs; without one, the warp path."""
     for dtype in ("f16", "bf16"):
-        spec = norm.plan("rms_norm", ROWS, 1024, dtype, "auto", H100).spec
+        spec = norm.plan("rms_norm", ROWS, 1024, dtype, "auto", H100, residual=True).spec
         assert (spec.impl, spec.block_size, spec.packs_per_thread) == ("block_regs", 64, 2)
-        assert norm.plan("rms_norm", ROWS, 1000, dtype, "auto", H100).spec.impl == "warp"
-        assert norm.plan("layer_norm", ROWS, 1024, dtype, "auto", H100).spec.impl == "warp"
+        assert norm.plan("rms_norm", ROWS, 1024, dtype, "auto", H100).spec.impl == "warp"
+        assert norm.plan("rms_norm", ROWS, 1000, dtype, "auto", H100, residual=True).spec.impl == "warp"
+        assert norm.plan("layer_norm", ROWS, 1024, dtype, "auto", H100, residual=True).spec.impl == "warp"
         # no 16-byte pack: the warp path
-        assert norm.plan("rms_norm", ROWS, 1024, dtype, "auto", H100, align=2, same_phase=False).spec.impl == "warp"
+        assert norm.plan("rms_norm", ROWS, 1024, dtype, "auto", H100, align=2, same_phase=False,
+                         residual=True).spec.impl == "warp"
+
+
+HELD_AFFINE_COLS = (32, 64, 96, 200, 256, 384, 512, 640, 768, 1000, 1024)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "f32", "f64"])
+@pytest.mark.parametrize("op", norm.FORWARD_OPS)
+def test_auto_forward_warp_lanes_hold_weight_and_bias(op, dtype):
+    """AUTO_HELD_AFFINE_*: auto's forward warp launches with a weight or
+    bias, no residual and at least AUTO_HELD_AFFINE_FROM_COLS cols hold them
+    under the first launch bounds without local memory: the kernel's own,
+    then AUTO_HELD_AFFINE_RESIDENT_THREADS while resident threads x a lane's
+    bytes of row reach AUTO_HELD_AFFINE_MIN_BYTES_IN_FLIGHT; else (and
+    without weight and bias, with a residual, under OneFlow's policy) they
+    read them at each store, under the kernel's own bounds."""
+    itemsize = dtypes.BY_SHORT[dtype].itemsize
+    for cols in HELD_AFFINE_COLS:
+        launch = norm.plan(op, ROWS, cols, dtype, "auto", H100).main
+        spec = launch.spec
+        if spec.impl != "warp":
+            continue
+        unheld = replace(spec, hold_affine=False, min_blocks=0)
+        lane_bytes = spec.cols_per_thread * spec.rows_per_access * itemsize
+        bounds = [0] + [resident // spec.threads_per_block for resident in norm.AUTO_HELD_AFFINE_RESIDENT_THREADS
+                        if resident < unheld.resident_threads
+                        and resident * lane_bytes >= norm.AUTO_HELD_AFFINE_MIN_BYTES_IN_FLIGHT]
+        fits = [bound for bound in bounds
+                if not H100.resources(replace(unheld, hold_affine=True, min_blocks=bound))["local_bytes"]]
+        if cols < norm.AUTO_HELD_AFFINE_FROM_COLS or not fits:
+            assert spec == unheld, spec.name
+            continue
+        assert spec == replace(unheld, hold_affine=True, min_blocks=fits[0]), spec.name
+        assert spec.name.endswith(("_held_affine" if op == "layer_norm" else "_held_weight"))
+        # a group of lanes a row (or two): the whole grid, as without holding
+        assert launch.grid[0] == -(-(-(-ROWS // spec.rows_per_access)) // launch.block[1])
+        for flags in ({"weight": False, "bias": False}, {"residual": True}):
+            other = norm.plan(op, ROWS, cols, dtype, "auto", H100, **flags).spec
+            assert not other.hold_affine and other.min_blocks == 0, other.name
+        assert not norm.plan(op, ROWS, cols, dtype, "oneflow", H100).spec.hold_affine
+
+
+def test_auto_held_weight_and_bias_launch_bounds():
+    """Which bounds the rule gives on sm_90: LayerNorm 16-bit 1024 cols 768
+    threads (12 blocks of 64); 1000 cols (padded) would need 512 threads,
+    under 48 KB of rows loading, so it reads them at the store."""
+    assert norm.plan("layer_norm", ROWS, 1024, "f16", "auto", H100).spec.name == (
+        "layer_norm_warp_f16_f32_p8_c32_g32_r1_nopad_b64_mb12_held_affine")
+    assert norm.plan("layer_norm", ROWS, 512, "bf16", "auto", H100).spec.name == (
+        "layer_norm_warp_bf16_f32_p8_c16_g32_r1_nopad_b64_held_affine")
+    assert not norm.plan("layer_norm", ROWS, 1000, "f16", "auto", H100).spec.hold_affine
+    assert not norm.plan("rms_norm", ROWS, 32, "f32", "auto", H100).spec.hold_affine
 
 
 def test_auto_backward_fits_16_bit_blocks_to_the_row():

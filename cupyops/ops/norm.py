@@ -57,7 +57,11 @@ type; then uncached. Forward rows of 16-byte packs from AUTO_ASYNC_FIRST's
 cols are cached by cp.async before the register block path; RMSNorm
 bfloat16 rows of 16384 to 19999 cols go to shared memory first
 (AUTO_SMEM_FIRST); rows of 16-byte packs from AUTO_REGS_FROM_COLS's cols
-(1024: RMSNorm 16-bit, both norms in float32) skip the warp path. The
+(1024: both norms in float32; with a residual also RMSNorm 16-bit,
+AUTO_RESIDUAL_REGS_FROM_COLS) skip the warp path. Forward warp lanes with a
+weight or bias and no residual read their columns' weight / bias once,
+before their rows, under launch bounds that keep them in registers
+(AUTO_HELD_AFFINE_*). The
 backward pass folds dweight / dbias partial sums into the dx kernel while they
 fit in registers or shared memory, in one wave of resident blocks (one
 workspace row each): rungs that keep the row in registers or read it twice,
@@ -133,6 +137,30 @@ ONEFLOW_COLS_PER_THREAD = ((2, 1), (4, 2), (8, 4), (12, 8), (16, 12), (20, 16), 
 ONEFLOW_SMEM_RULE = {"layer_norm": (True, "same_occupancy"), "rms_norm": (False, "max_occupancy")}
 
 AUTO_GROUP_WIDTHS = (1, 2, 4, 8, 16, 32)
+# auto, forward warp path with a weight or bias and no residual, from
+# AUTO_HELD_AFFINE_FROM_COLS: each lane reads its columns' weight / bias
+# before its rows (hold_affine), so their loads overlap x's instead of
+# following the row's reduction. The packs held take registers: the
+# kernel's own launch bounds first, then these resident threads an SM while
+# they keep at least AUTO_HELD_AFFINE_MIN_BYTES_IN_FLIGHT of rows loading
+# (resident threads x the bytes of row a lane holds), the first without
+# local memory; none: weight and bias read at each store. H200, rows 49152,
+# % of copy, five interleaved rounds, against reading them at the store
+# (bitwise the same output; LayerNorm's statistics then two row-wide sums,
+# norm_warp): LayerNorm f16 / bf16 1024 cols (768 threads)
+# 90.5 / 90.4 against 89.5 / 89.7, 768 cols (1024 threads) 88.8 / 88.6
+# against 86.6 / 86.8, 64 .. 512 cols +0.3 .. +2.4; f32 768 / 1000 cols (512
+# threads) 94.9 / 94.8 against 92.8 / 91.3, 64 .. 640 cols +0.2 .. +4.9;
+# RMSNorm 16-bit 64 .. 1000 cols +0.9 .. +2.9, f32 +0.0 .. +3.2. Another
+# run's sweep: f16 1000 cols would need 512 threads (32 KB loading), 77.0
+# against 87.5; 768 cols at 768 threads (36 KB) 86.1 against 88.4 at 1024;
+# 32 cols lose 0.2 .. 1.8 points but LayerNorm f32 (+3.0). With a residual
+# (x and residual loaded pack by pack, h stored) holding lost: LayerNorm
+# f16 / bf16 1024 cols 83.0 against 90.8 (4 arrays counted), 512 cols
+# -0.1 / -0.5.
+AUTO_HELD_AFFINE_FROM_COLS = 64
+AUTO_HELD_AFFINE_RESIDENT_THREADS = (1024, 768, 512)
+AUTO_HELD_AFFINE_MIN_BYTES_IN_FLIGHT = 48 * 1024
 # auto: the warp path while a lane holds at most this many bytes of compute
 # values per row (the backward pass holds dy and xhat and partial sums).
 AUTO_WARP_MAX_BYTES_PER_LANE = {"forward": 128, "backward": 64}
@@ -204,14 +232,18 @@ AUTO_ASYNC_LADDER = {   # storage itemsize -> rungs
     8: ((1024, 3, 1),),
 }
 # auto, forward: (op, storage itemsize) -> rows of these cols and more, in
-# 16-byte packs, skip the warp path for the register block path. RMSNorm 16-bit at 1024 cols, 64 x 2
-# packs: 91.6 % (f16) and 90.3 % (bf16) of copy against 89.1 % and 88.6 % on
-# the warp path (1000 cols: a tie; 640 cols: the warp path 84 % against 75 %;
-# LayerNorm: the warp path, 88 % against 70-76 %). float32 at 1024 cols, 64 x 4
+# 16-byte packs, skip the warp path for the register block path; with a
+# residual also AUTO_RESIDUAL_REGS_FROM_COLS. RMSNorm 16-bit at 1024 cols,
+# 64 x 2 packs, against the warp path holding the weight (AUTO_HELD_AFFINE_*;
+# H200, % of copy, five interleaved rounds): 90.0 / 89.9 (f16 / bf16)
+# against 90.8 / 90.8 without a residual, 94.1 / 94.3 against 93.0 / 93.2
+# with one (4 arrays counted); LayerNorm 16-bit: the warp path, 88 % against
+# 70-76 % (before holding). float32 at 1024 cols, 64 x 4
 # packs (H200, five interleaved rounds): LayerNorm 94.7 % against 92.5 % on
 # the warp path, RMSNorm 95.3 % against 92.9 % (768 cols, 64 x 3: 92.9 / 93.3
 # against 92.5 / 93.1, a tie).
-AUTO_REGS_FROM_COLS = {("rms_norm", 2): 1024, ("layer_norm", 4): 1024, ("rms_norm", 4): 1024}
+AUTO_REGS_FROM_COLS = {("layer_norm", 4): 1024, ("rms_norm", 4): 1024}
+AUTO_RESIDUAL_REGS_FROM_COLS = {("rms_norm", 2): 1024}
 AUTO_SMEM_FIRST_BLOCK_SIZE = 512
 # auto, forward: (op, storage itemsize) -> after each block size's rung of
 # AUTO_BLOCK_REGS_LADDER, the same block size holding at most this many bytes
@@ -394,6 +426,7 @@ class NormSpec(jit.KernelSpec):
     thread_group_width: int = 0      # warp
     rows_per_access: int = 1         # warp; backward block_regs, cached: rows loaded together
     padding: bool = False            # warp
+    hold_affine: bool = False        # forward warp: lanes read their columns' weight / bias once, before their rows
     block_size: int = 0              # block paths; warp: threads a block (0: WARP_BLOCK_THREADS)
     packs_per_thread: int = 0        # block_regs
     rows_per_block: int = 1          # forward block_regs of 32 threads: rows a block, a warp each
@@ -445,6 +478,8 @@ class NormSpec(jit.KernelSpec):
             pad = "pad" if self.padding else "nopad"
             path = f"_{cols}_g{self.thread_group_width}_r{self.rows_per_access}_{pad}"
             path += f"_b{self.block_size}" if self.block_size else ""
+            path += f"_mb{self.min_blocks}" if self.min_blocks else ""
+            path += "_held" if self.hold_affine else ""
         elif self.impl == "block_regs":
             path = f"_k{self.packs_per_thread}_b{self.block_size}"
             path += f"x{self.rows_per_block}" if self.rows_per_block > 1 else ""
@@ -788,16 +823,36 @@ def _auto_registers(fields, rows, cols, align, target, direction, block_ladder, 
         if launch is not None:
             return launch, pack
     ladder = auto_warp_ladder(cols, pack, max_cols_per_thread)
-    regs_first = (pack * ftype.itemsize == 16
-                  and cols >= AUTO_REGS_FROM_COLS.get((fields["op"], ftype.itemsize), cols + 1))
+    regs_tables = (AUTO_REGS_FROM_COLS, AUTO_RESIDUAL_REGS_FROM_COLS if fields.get("residual") else {})
+    regs_first = pack * ftype.itemsize == 16 and any(
+        cols >= table.get((fields["op"], ftype.itemsize), cols + 1) for table in regs_tables)
     if ladder is not None and not regs_first:
         group_width = ladder[2]
         two_warp = direction == "forward" and group_width == WARP_SIZE
         block_threads = AUTO_FORWARD_WARP_BLOCK_THREADS if two_warp else 0
         launch = _warp_launch(fields, rows, cols, pack, ladder, target, "auto", block_threads=block_threads)
+        if direction == "forward":
+            launch = _held_affine(launch, cols, target)
         return launch, pack
     rungs = (peeled_ladder or block_ladder) if peel else block_ladder
     return _first_register_rung(fields, rows, cols, target, direction, rungs, regs_pack, peel), pack
+
+
+def _held_affine(launch: KernelLaunch, cols: int, target: Target) -> KernelLaunch:
+    """The forward warp launch with its lanes holding weight and bias
+    (AUTO_HELD_AFFINE_*), or the launch as given."""
+    spec = launch.spec
+    if not (spec.weight or spec.bias) or spec.residual or cols < AUTO_HELD_AFFINE_FROM_COLS:
+        return launch
+    row_bytes_a_lane = spec.cols_per_thread * spec.rows_per_access * spec.ftype.itemsize
+    bounds = [0] + [resident // spec.threads_per_block for resident in AUTO_HELD_AFFINE_RESIDENT_THREADS
+                    if resident < spec.resident_threads
+                    and resident * row_bytes_a_lane >= AUTO_HELD_AFFINE_MIN_BYTES_IN_FLIGHT]
+    for min_blocks in bounds:
+        held = replace(spec, hold_affine=True, min_blocks=min_blocks)
+        if not _uses_local_memory(held, target):
+            return replace(launch, spec=held)
+    return launch
 
 
 def _first_register_rung(fields, rows, cols, target, direction, rungs, regs_pack, peel) -> Optional[KernelLaunch]:
