@@ -12,14 +12,14 @@
 // in registers (warp, block_regs) or cached by cp.async (block_async) take
 // two exact row-wide passes (Stats::of_row), the sum for the mean, then the
 // squared deviations from it (LayerNorm warp rows every lane fills: each
-// lane's two passes, joined by one reduction, norm_warp); the streaming paths (block_smem, uncached)
-// take each thread's state without a division per value (of_packs) and
-// join the threads by Chan's combine. LayerNorm's statistics are
-// taken of x - K, K the row's first value (row_shift): every thread of the row
-// loads the same K, so a float32 mean never has to resolve a small variance
-// under a large mean. Inputs come through NormInput (optionally
-// h = x + residual, stored), outputs leave through NormOutput (weight and
-// bias applied in the compute type).
+// lane's two passes, joined by one reduction, norm_warp); the streaming
+// paths (block_smem, uncached) take each thread's state without a division
+// per value (of_packs) and join the threads by Chan's combine. LayerNorm's
+// statistics are taken of x - K, K the row's first value (row_shift): every
+// thread of the row loads the same K, so a float32 mean never has to
+// resolve a small variance under a large mean. Inputs come through NormInput
+// (optionally h = x + residual, stored), outputs leave through NormOutput
+// (weight and bias applied in the compute type).
 //
 // Backward: the same four shapes compute
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * weight
@@ -170,7 +170,9 @@ struct Affine {
   }
 
   // Weight and bias of columns [col, col + N) in compute type (1 / 0 when
-  // absent), each converted as it is read.
+  // absent), each converted as it is read: convert(read(col)), both packs
+  // read first, had ptxas spill 36 bytes in the float32 cp.async block of 512
+  // x 8 packs.
   template <int N>
   __device__ __forceinline__ void load(C* w, C* b, int64 col) const {
     if constexpr (has_weight) {

@@ -144,6 +144,33 @@ def test_residual_is_added_stored_and_normalised(rng, dtype, policy):
                      scale=4)
 
 
+def _check_forward_plan(rng, chosen, op, rows, cols, dtype, residual, label):
+    """Runs a hand-built forward plan on random rows (mean 1e3 for LayerNorm:
+    the row shift), weight and bias (and a residual), into poisoned outputs,
+    and checks h (bitwise, rounded as torch), y, mean and rstd against float64."""
+    centered = op == "layer_norm"
+    itemsize = numpy.dtype(dtype).itemsize
+    x, x64 = _data(rng, (rows, cols), dtype, loc=1e3 if centered else 0.0)
+    r, r64 = _data(rng, (rows, cols), dtype)
+    w, w64 = _data(rng, (cols,), dtype, 1.0, 0.2)
+    b, b64 = _data(rng, (cols,), dtype, 0.0, 0.2)
+    y, h = _poisoned((rows, cols), dtype), _poisoned((rows, cols), dtype)
+    stats_dtype = _stats_tolerance_dtype(dtype)
+    mean, rstd = _poisoned((rows,), stats_dtype), _poisoned((rows,), stats_dtype)
+    norm.launch_forward(chosen, _cupy().cuda.runtime.getDevice(), rows, cols, Operand(x, cols), Operand(y, cols),
+                        EPS, residual=Operand(r, cols) if residual else None, h=h if residual else None,
+                        weight=w, bias=b if centered else None, mean=mean if centered else None, rstd=rstd)
+    if residual:
+        compute = numpy.float64 if itemsize == 8 else numpy.float32
+        x64 = (x64.astype(compute) + r64.astype(compute)).astype(dtype).astype(numpy.float64)
+        numpy.testing.assert_array_equal(h.get().astype(numpy.float64), x64)
+    y_ref, mean_ref, rstd_ref = _reference(x64, w64, b64 if centered else None, 1, centered)
+    assert_close(y.get(), y_ref, dtype, scale=4 if itemsize < 8 else 1e3), label
+    assert_close(rstd.get(), rstd_ref, stats_dtype, scale=10), label
+    if centered:
+        assert_close(mean.get(), mean_ref, stats_dtype, scale=10), label
+
+
 @pytest.mark.parametrize("residual", [False, True], ids=["x", "residual"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
@@ -153,11 +180,9 @@ def test_rows_cached_by_cp_async(rng, op, dtype, residual):
     tail (no shared memory); a pack count that is no multiple of the block;
     a grid smaller than the rows (a block fetches its next row); y, h, mean
     and rstd against float64, rows at mean 1e3 (the row shift)."""
-    cupy = _cupy()
     centered = op == "layer_norm"
     itemsize = numpy.dtype(dtype).itemsize
     pack = 16 // itemsize
-    device_id = cupy.cuda.runtime.getDevice()
     rows = 37
     # (packs in the row, block size, tail packs a thread, grid)
     for packs, block_size, tail_packs, grid in ((1025, 256, 0, rows), (1025, 256, 2, 5), (512, 256, 2, rows),
@@ -168,27 +193,7 @@ def test_rows_cached_by_cp_async(rng, op, dtype, residual):
                              residual=residual)
         smem = (packs - tail_packs * block_size) * 16 * (2 if residual else 1)
         chosen = norm.NormPlan(norm.KernelLaunch(spec, (block_size, 1, 1), (grid, 1, 1), smem))
-        x, x64 = _data(rng, (rows, cols), dtype, loc=1e3 if centered else 0.0)
-        r, r64 = _data(rng, (rows, cols), dtype)
-        w, w64 = _data(rng, (cols,), dtype, 1.0, 0.2)
-        b, b64 = _data(rng, (cols,), dtype, 0.0, 0.2)
-        y, h = _poisoned((rows, cols), dtype), _poisoned((rows, cols), dtype)
-        stats_dtype = _stats_tolerance_dtype(dtype)
-        mean, rstd = _poisoned((rows,), stats_dtype), _poisoned((rows,), stats_dtype)
-        norm.launch_forward(chosen, device_id, rows, cols, Operand(x, cols), Operand(y, cols), EPS,
-                            residual=Operand(r, cols) if residual else None, h=h if residual else None,
-                            weight=w, bias=b if centered else None, mean=mean if centered else None, rstd=rstd)
-        if residual:
-            compute = numpy.float64 if itemsize == 8 else numpy.float32
-            h_expected = (x64.astype(compute) + r64.astype(compute)).astype(dtype).astype(numpy.float64)
-            numpy.testing.assert_array_equal(h.get().astype(numpy.float64), h_expected)
-            x64 = h_expected
-        y_ref, mean_ref, rstd_ref = _reference(x64, w64, b64 if centered else None, 1, centered)
-        label = f"{spec.name}, {cols} cols, grid {grid}"
-        assert_close(y.get(), y_ref, dtype, scale=4 if itemsize < 8 else 1e3), label
-        assert_close(rstd.get(), rstd_ref, stats_dtype, scale=10), label
-        if centered:
-            assert_close(mean.get(), mean_ref, stats_dtype, scale=10), label
+        _check_forward_plan(rng, chosen, op, rows, cols, dtype, residual, f"{spec.name}, {cols} cols, grid {grid}")
 
 
 HELD_AFFINE_CASES = [(cols, dtype) for cols in (64, 200, 500, 1000, 1024) for dtype in DTYPES
@@ -204,7 +209,6 @@ def test_held_weight_and_bias_serve_every_row_a_warp_visits(rng, op, cols, dtype
     packs it read once; padded rows (200, 500, 1000 cols), two rows per
     access at an odd row count (64, 200 cols), a residual; y, h, mean and
     rstd against float64."""
-    cupy = _cupy()
     centered = op == "layer_norm"
     itemsize = numpy.dtype(dtype).itemsize
     short = dtypes.float_type(dtype).short
@@ -215,26 +219,7 @@ def test_held_weight_and_bias_serve_every_row_a_warp_visits(rng, op, cols, dtype
     launch = norm._warp_launch(fields, rows, cols, pack, ladder, Target.live(0), "auto",
                                block_threads=64 if ladder[2] == 32 else 0)
     launch = replace(launch, spec=replace(launch.spec, hold_affine=True), grid=(3, 1, 1))
-    x, x64 = _data(rng, (rows, cols), dtype, loc=1e3 if centered else 0.0)
-    r, r64 = _data(rng, (rows, cols), dtype)
-    w, w64 = _data(rng, (cols,), dtype, 1.0, 0.2)
-    b, b64 = _data(rng, (cols,), dtype, 0.0, 0.2)
-    y, h = _poisoned((rows, cols), dtype), _poisoned((rows, cols), dtype)
-    stats_dtype = _stats_tolerance_dtype(dtype)
-    mean, rstd = _poisoned((rows,), stats_dtype), _poisoned((rows,), stats_dtype)
-    norm.launch_forward(norm.NormPlan(launch), cupy.cuda.runtime.getDevice(), rows, cols, Operand(x, cols),
-                        Operand(y, cols), EPS, residual=Operand(r, cols) if residual else None,
-                        h=h if residual else None, weight=w, bias=b if centered else None,
-                        mean=mean if centered else None, rstd=rstd)
-    if residual:
-        compute = numpy.float64 if itemsize == 8 else numpy.float32
-        x64 = (x64.astype(compute) + r64.astype(compute)).astype(dtype).astype(numpy.float64)
-        numpy.testing.assert_array_equal(h.get().astype(numpy.float64), x64)
-    y_ref, mean_ref, rstd_ref = _reference(x64, w64, b64 if centered else None, 1, centered)
-    assert_close(y.get(), y_ref, dtype, scale=4 if itemsize < 8 else 1e3), launch.spec.name
-    assert_close(rstd.get(), rstd_ref, stats_dtype, scale=10), launch.spec.name
-    if centered:
-        assert_close(mean.get(), mean_ref, stats_dtype, scale=10), launch.spec.name
+    _check_forward_plan(rng, norm.NormPlan(launch), op, rows, cols, dtype, residual, launch.spec.name)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
