@@ -98,6 +98,20 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def emit(result: dict, csv_path=None, json_path=None, plot_path=None) -> None:
+    """Prints the table; writes the CSV, JSON and PNG plot asked for."""
+    import json
+
+    click.echo(format_table(result))
+    if csv_path:
+        write_csv(result, csv_path)
+    if json_path:
+        with open(json_path, "w") as handle:
+            json.dump(result, handle, indent=1)
+    if plot_path:
+        plot(result, plot_path)
+
+
 def write_csv(result: dict, path: str) -> None:
     rows = list(_rows(result))
     fields = sorted({key for row in rows for key in row}, key=lambda k: (k != "cols", k))

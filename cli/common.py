@@ -1,0 +1,68 @@
+"""What every op family's commands share: the verb groups they register under
+(`cupyops explain OP`, `compile OP`, `bench OP`, `tune OP`), option parsing and the target a
+plan is made for. Each family's module (rowwise, elementwise, ...) adds its subcommands."""
+from __future__ import annotations
+
+import click
+
+from cupyops import dtypes
+from cupyops.device import PROFILES
+from cupyops.launch import Target
+
+
+@click.group()
+def explain():
+    """Show the launch plan cupyops picks for OP (no kernel runs)."""
+
+
+@click.group(name="compile")
+def compile_():
+    """Render and NVRTC-compile every kernel OP's plans need (no GPU needed)."""
+
+
+@click.group()
+def bench():
+    """Time OP against its baselines on the live GPU (L2 flushed, copy ceiling measured)."""
+
+
+def int_list(text: str) -> list:
+    """'1,2,3' -> [1, 2, 3], a usage error otherwise."""
+    try:
+        return [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+
+
+def positive_shape(text: str, hint: str = "--shape") -> list:
+    """A shape option: comma-separated positive sizes."""
+    dims = int_list(text)
+    if not dims or any(d < 1 for d in dims):
+        raise click.BadParameter(f"shape needs positive sizes, got {text!r}", param_hint=hint)
+    return dims
+
+
+def live_device(no_gpu_message: str) -> int:
+    """The current device's id, or a usage error saying no_gpu_message where no GPU is usable."""
+    import cupy
+
+    if not cupy.is_available():
+        raise click.UsageError(no_gpu_message)
+    return cupy.cuda.runtime.getDevice()
+
+
+def target(device_name):
+    """The device profile named, else the live GPU (a usage error where there is none)."""
+    if device_name is not None:
+        return Target.profile(device_name)
+    return Target.live(live_device("no GPU here: name a device profile with --device "
+                                   f"({', '.join(PROFILES)})"))
+
+
+dtype_option = click.option("--dtype", default="float16", show_default=True,
+                            type=click.Choice(sorted(dtypes.NAMES)))
+policy_option = click.option("--policy", default="auto", show_default=True,
+                             type=click.Choice(["auto", "oneflow"]))
+device_option = click.option("--device", "device_name", type=click.Choice(sorted(PROFILES)), default=None,
+                             help="Plan for a device profile (no GPU needed) instead of the live GPU.")
+json_flag = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+source_flag = click.option("--source", is_flag=True, help="Also print the rendered CUDA source.")
