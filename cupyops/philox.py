@@ -1,0 +1,57 @@
+"""Philox4x32-10 and the dropout keep mask in NumPy: the reference of kernels/philox.cuh.
+
+Element i of a tensor is kept iff word (n & 3) of Philox(counter = (lo, hi of
+n >> 2, 0, 0), key = (lo, hi of seed)) is >= floor(p * 2^32), n = i + offset.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+_M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_W0, _W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
+_LOW = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32_10(counter, key) -> np.ndarray:
+    """Random123's philox4x32_10: uint32 counters (..., 4) and keys (..., 2) -> (..., 4)."""
+    counter = np.asarray(counter, dtype=np.uint32)
+    key = np.asarray(key, dtype=np.uint32)
+    c = [counter[..., i].astype(np.uint64) for i in range(4)]
+    k0, k1 = key[..., 0].copy(), key[..., 1].copy()
+    with np.errstate(over="ignore"):
+        for _ in range(10):
+            p0, p1 = _M0 * c[0], _M1 * c[2]
+            c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0.astype(np.uint64), p1 & _LOW,
+                 (p0 >> np.uint64(32)) ^ c[3] ^ k1.astype(np.uint64), p0 & _LOW]
+            k0, k1 = k0 + _W0, k1 + _W1
+    return np.stack([w.astype(np.uint32) for w in c], axis=-1)
+
+
+def check_dropout(p, name: str = "dropout") -> float:
+    """p as a float, or ValueError naming `name` unless 0 <= p < 1."""
+    p = float(p)
+    if not (0.0 <= p < 1.0):
+        raise ValueError(f"{name} must be in [0, 1), got {p}")
+    return p
+
+
+def dropout_threshold(p) -> int:
+    """floor(p * 2^32): the smallest Philox word of a kept element (ValueError unless 0 <= p < 1)."""
+    return math.floor(check_dropout(p, "p") * 2.0 ** 32)
+
+
+def keep_mask_reference(size: int, p, seed: int, offset: int = 0) -> np.ndarray:
+    """The boolean keep mask of linear indices 0..size-1 (what the kernels apply)."""
+    threshold = np.uint32(dropout_threshold(p))
+    n = np.arange(size, dtype=np.uint64) + np.uint64(offset)
+    groups, lanes = n >> np.uint64(2), (n & np.uint64(3)).astype(np.intp)
+    first = int(offset) >> 2
+    unique = np.arange(first, first + (size + 7) // 4 + 1, dtype=np.uint64)
+    counter = np.zeros(unique.shape + (4,), dtype=np.uint32)
+    counter[:, 0] = (unique & _LOW).astype(np.uint32)
+    counter[:, 1] = (unique >> np.uint64(32)).astype(np.uint32)
+    key = np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], dtype=np.uint32)
+    words = philox4x32_10(counter, np.broadcast_to(key, unique.shape + (2,)))
+    return words[(groups - np.uint64(first)).astype(np.intp), lanes] >= threshold
