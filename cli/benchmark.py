@@ -22,6 +22,14 @@ BASELINES = ("cupyx", "torch", "oneflow", "copy")
 def run(op: str, entry, dtype, shapes: list, axis: int, baselines: list, rows=None) -> dict:
     """Times OP over each shape, reduced over axis. rows: the rows of a sweep over cols (shapes
     (rows, cols), axis -1), which the table then labels by cols; None for shapes given whole."""
+    points = [(list(shape), shape[axis], entry.arrays_moved * math.prod(shape) * dtype.itemsize,
+               lambda shape=tuple(shape): entry.providers(shape, axis, dtype)) for shape in shapes]
+    return {"op": op, "rows": rows, "axis": axis, **time_points(f"{op} {dtype.name}", dtype, points, baselines)}
+
+
+def time_points(label: str, dtype, points: list, baselines: list) -> dict:
+    """Times each point (shape, cols, bytes, providers() -> {name: callable}, "cupyops" first)
+    and the baselines it offers, L2 flushed, with the copy ceiling measured in the same run."""
     import cupy
 
     from cupyops.device import live_facts
@@ -29,29 +37,27 @@ def run(op: str, entry, dtype, shapes: list, axis: int, baselines: list, rows=No
     facts = live_facts(cupy.cuda.runtime.getDevice())
     timer = timing.Timer()
     copy_gbs = timing.copy_ceiling_gbs(timer)
-    notes, points = [], []
-    with click.progressbar(shapes, label=f"{op} {dtype.name}", file=click.get_text_stream("stderr")) as bar:
-        for shape in bar:
-            num_bytes = entry.arrays_moved * math.prod(shape) * dtype.itemsize
-            providers = entry.providers(tuple(shape), axis, dtype)
+    notes, timed = [], []
+    with click.progressbar(points, label=label, file=click.get_text_stream("stderr")) as bar:
+        for shape, cols, num_bytes, make_providers in bar:
+            providers = make_providers()
             if "copy" in baselines:
                 providers["copy"] = timing.device_copy(num_bytes // 2)
             for name in baselines:
                 if name not in providers and f"{name} missing" not in notes:
                     notes.append(f"{name} missing")
-            point = {"shape": list(shape), "cols": shape[axis], "bytes": num_bytes,
+            point = {"shape": list(shape), "cols": cols, "bytes": num_bytes,
                      "compile_s": timing.compile_seconds(providers["cupyops"])}
             for name in ["cupyops", *baselines]:
                 if name in providers:
                     t = timer.time(providers[name])
                     point[name] = {"us": t.median_us, "reps": t.reps,
                                    "gbs": timing.gbs(num_bytes, t)}
-            points.append(point)
+            timed.append(point)
             del providers
             cupy.get_default_memory_pool().free_all_blocks()
-    return {"op": op, "dtype": dtype.name, "rows": rows, "axis": axis, "device": facts.name,
-            "copy_gbs": copy_gbs, "baselines": [b for b in baselines if f"{b} missing" not in notes],
-            "notes": notes, "points": points}
+    return {"dtype": dtype.name, "device": facts.name, "copy_gbs": copy_gbs,
+            "baselines": [b for b in baselines if f"{b} missing" not in notes], "notes": notes, "points": timed}
 
 
 def _label(result: dict, point: dict) -> str:
@@ -62,8 +68,10 @@ def _label(result: dict, point: dict) -> str:
 
 
 def _over(result: dict) -> str:
-    """What the points share: the rows of a sweep over cols, else the reduced axis."""
-    return f"rows={result['rows']}" if result["rows"] is not None else f"axis={result['axis']}"
+    """What the points share: the rows of a sweep over cols, the reduced axis, or nothing."""
+    if result["rows"] is not None:
+        return f"rows={result['rows']}"
+    return f"axis={result['axis']}" if result["axis"] is not None else "shapes"
 
 
 def _rows(result: dict):

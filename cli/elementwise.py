@@ -1,0 +1,158 @@
+"""`explain`, `compile` and `bench` for fused elementwise kernels: an expression (or a named
+op) over operands of one shape, each name optionally given its own shape and dtype.
+
+Bench bytes: each operand read once at its own size, each output written once. Baselines:
+torch eager and torch.compile of the same expression, cupy.ElementwiseKernel (the same C
+statements, float compute), cupy.fuse of the same function, policy="oneflow", and a copy of
+the same bytes."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from cupyops import dtypes, fx, jit
+from cupyops.device import ARCH_PROFILES
+from cupyops.launch import Target
+from cupyops.ops import elementwise as ew
+
+from .common import (bench, compile_, device_option, dtype_option, explain, json_flag, live_device,
+                     policy_option, positive_shape, show_plan, source_flag, target)
+
+# Named ops as expressions, the shape of each operand ("x": the whole shape, "cols": the last
+# axis), and the cupyops function of them.
+NAMED = {
+    "bias_gelu": ("gelu(x + bias)", {"bias": "cols"}, lambda ops: ops.bias_gelu),
+    "bias_gelu_tanh": ("gelu_tanh(x + bias)", {"bias": "cols"},
+                       lambda ops: lambda x, bias: ops.bias_gelu(x, bias, approximate="tanh")),
+    "bias_silu": ("silu(x + bias)", {"bias": "cols"}, lambda ops: ops.bias_silu),
+    "swiglu": ("silu(a) * b", {}, lambda ops: ops.swiglu),
+    "geglu": ("gelu(a) * b", {}, lambda ops: ops.geglu),
+    "bias_dropout_add": ("residual + dropout(x + bias, 0.1, 1234)", {"bias": "cols"},
+                         lambda ops: lambda x, bias, residual: ops.bias_dropout_add(x, bias, residual, 0.1, 1234)),
+}
+BASELINES = ("torch", "torch_compile", "cupy_kernel", "cupy_fuse", "oneflow", "copy")
+
+expr_option = click.option("--expr", required=True,
+                           help=f"An expression such as 'sigmoid(a + b)', or a named op: {', '.join(NAMED)}.")
+operand_option = click.option("--operand", "operand_specs", multiple=True, metavar="NAME=SHAPE[:DTYPE]",
+                              help="Give one operand its own shape (and dtype), e.g. bias=8192:float32.")
+
+
+def _operands(expr: str, shape: str, operand_specs: tuple, dtype: str) -> tuple:
+    """(expression, the named op or None, {name: (shape, numpy dtype)})."""
+    named = NAMED.get(expr)
+    text = named[0] if named else expr
+    try:
+        _, names = fx.parse(text)
+    except (ValueError, TypeError) as error:
+        raise click.BadParameter(str(error), param_hint="--expr") from None
+    dims = positive_shape(shape)
+    given = {}
+    for spec in operand_specs:
+        name, _, rest = spec.partition("=")
+        if name not in names:
+            raise click.BadParameter(f"{name!r} is not an operand of {text!r} ({', '.join(names)})",
+                                     param_hint="--operand")
+        shape_text, _, dtype_text = rest.partition(":")
+        try:
+            operand_dtype = dtypes.parse_dtype(dtype_text) if dtype_text else None
+        except ValueError as error:
+            raise click.BadParameter(str(error), param_hint="--operand") from None
+        given[name] = (tuple(positive_shape(shape_text, "--operand")) if shape_text.strip() else (), operand_dtype)
+    own = named[1] if named else {}
+    operands = {}
+    for name in names:
+        op_shape, op_dtype = given.get(name, (None, None))
+        if op_shape is None:
+            op_shape = tuple(dims[-1:]) if own.get(name) == "cols" else tuple(dims)
+        operands[name] = (op_shape, op_dtype or dtypes.parse_dtype(dtype))
+    return text, expr if named else None, operands
+
+
+def _plan(text, operands, policy, plan_target):
+    function = ew.compiled_expression(text)
+    infos = tuple(ew.ArrayInfo.contiguous(dt, shape) for shape, dt in operands.values())
+    try:
+        return function.plan(infos, None, policy, plan_target)
+    except (ValueError, TypeError) as error:
+        raise click.UsageError(str(error)) from None
+
+
+@explain.command(name="elementwise")
+@expr_option
+@click.option("--shape", required=True, help="Shape of every operand, e.g. 16384,8192.")
+@operand_option
+@dtype_option
+@policy_option
+@device_option
+@json_flag
+@source_flag
+def explain_elementwise(expr, shape, operand_specs, dtype, policy, device_name, as_json, source):
+    """Show the kernel and launch cupyops picks for an elementwise expression."""
+    text, _, operands = _operands(expr, shape, operand_specs, dtype)
+    plan_target = target(device_name)
+    chosen = _plan(text, operands, policy, plan_target)
+    show_plan(chosen.explain(), f"{text} on {plan_target.facts.name}, policy={policy}: "
+              + ", ".join(f"{n} {s} {d.name}" for n, (s, d) in operands.items()),
+              as_json, jit.render(chosen.spec) if source else None, width=18)
+
+
+@compile_.command(name="elementwise")
+@click.option("--expr", "exprs", multiple=True,
+              help="Expressions or named ops to compile (repeatable)  [default: every named op]")
+@click.option("--shape", default="4096,1024", show_default=True)
+@dtype_option
+@click.option("--arch", default="sm_90", show_default=True, type=click.Choice(sorted(ARCH_PROFILES)))
+@policy_option
+def compile_elementwise(exprs, shape, dtype, arch, policy):
+    """Render and NVRTC-compile the kernels of expressions (no GPU needed)."""
+    plan_target = Target.profile(ARCH_PROFILES[arch])
+    failures = 0
+    click.echo(f"{'kernel':<72} {'regs':>5} {'spill':>6} {'seconds':>8}")
+    for expr in exprs or tuple(NAMED):
+        text, _, operands = _operands(expr, shape, (), dtype)
+        spec = _plan(text, operands, policy, plan_target).spec
+        try:
+            report = jit.compile_cubin(spec, arch)
+        except jit.CompileError as error:
+            failures += 1
+            click.echo(f"FAILED {expr}: {error}", err=True)
+            continue
+        click.echo(f"{report.name:<72} {report.registers:>5} {report.spill_bytes:>6} {report.seconds:>8.3f}")
+    click.echo(f"{len(exprs or NAMED)} kernels compiled for {arch}, {failures} failed")
+    if failures:
+        sys.exit(1)
+
+
+@bench.command(name="elementwise")
+@expr_option
+@click.option("--shape", "shapes", multiple=True, required=True,
+              help="Operand shape (repeatable: one point each), e.g. 16384,8192.")
+@operand_option
+@dtype_option
+@click.option("--baseline", default=",".join(BASELINES), show_default=True,
+              help=f"Providers to compare with: {', '.join(BASELINES)}.")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Write the table as CSV.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write results as JSON.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG plot.")
+def bench_elementwise(expr, shapes, operand_specs, dtype, baseline, csv_path, json_path, plot_path):
+    """Time an elementwise expression or named op against its baselines on the live GPU."""
+    from . import benchmark, elementwise_providers
+
+    baselines = [name.strip() for name in baseline.split(",") if name.strip()]
+    unknown = set(baselines) - set(BASELINES)
+    if unknown:
+        raise click.BadParameter(f"unknown baseline(s) {sorted(unknown)}; known: {', '.join(BASELINES)}",
+                                 param_hint="--baseline")
+    points = []
+    for shape in shapes:
+        text, named, operands = _operands(expr, shape, operand_specs, dtype)
+        chosen = _plan(text, operands, "auto", Target.profile("h100"))   # usage errors before GPU work
+        point = elementwise_providers.Point(text, named, operands, chosen.shape)
+        points.append((list(chosen.shape), chosen.shape[-1] if chosen.shape else 1,
+                       point.bytes_moved(chosen.out_dtypes), point.providers))
+    live_device("bench times the live GPU, and no GPU is usable here")
+    result = {"op": f"elementwise {expr}", "rows": None, "axis": None,
+              **benchmark.time_points(f"elementwise {dtype}", dtypes.parse_dtype(dtype), points, baselines)}
+    benchmark.emit(result, csv_path, json_path, plot_path)

@@ -1,0 +1,83 @@
+"""Named fused elementwise ops, each a traced expression (cupyops.fuse): bias + activation,
+gated linear units, and the residual branch's bias + dropout + add. One kernel each; operands
+broadcast and promote as in NumPy (a `(cols,)` bias over `(rows, cols)` activations)."""
+from __future__ import annotations
+
+from .. import fx
+from .elementwise import fuse
+
+APPROXIMATIONS = ("none", "tanh")
+
+
+@fuse
+def _bias_gelu(x, bias):
+    return fx.gelu(x + bias)
+
+
+@fuse
+def _bias_gelu_tanh(x, bias):
+    return fx.gelu_tanh(x + bias)
+
+
+@fuse
+def _bias_silu(x, bias):
+    return fx.silu(x + bias)
+
+
+@fuse
+def _swiglu(a, b):
+    return fx.silu(a) * b
+
+
+@fuse
+def _geglu(a, b):
+    return fx.gelu(a) * b
+
+
+@fuse
+def _geglu_tanh(a, b):
+    return fx.gelu_tanh(a) * b
+
+
+@fuse
+def _bias_dropout_add(x, bias, residual, p, seed, offset):
+    return residual + fx.dropout(x + bias, p, seed, offset)
+
+
+def _gelu_variant(approximate: str, exact, tanh):
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+    return exact if approximate == "none" else tanh
+
+
+def bias_gelu(x, bias, approximate: str = "none", *, out=None, policy: str = "auto", stream=None):
+    """gelu(x + bias) in one kernel: torch.nn.functional.gelu(x + bias, approximate=approximate)."""
+    return _gelu_variant(approximate, _bias_gelu, _bias_gelu_tanh)(x, bias, out=out, policy=policy,
+                                                                   stream=stream)
+
+
+def bias_silu(x, bias, *, out=None, policy: str = "auto", stream=None):
+    """silu(x + bias) in one kernel: torch.nn.functional.silu(x + bias)."""
+    return _bias_silu(x, bias, out=out, policy=policy, stream=stream)
+
+
+def swiglu(a, b, *, out=None, policy: str = "auto", stream=None):
+    """silu(a) * b in one kernel: torch.nn.functional.silu(a) * b."""
+    return _swiglu(a, b, out=out, policy=policy, stream=stream)
+
+
+def geglu(a, b, approximate: str = "none", *, out=None, policy: str = "auto", stream=None):
+    """gelu(a) * b in one kernel: torch.nn.functional.gelu(a, approximate=approximate) * b."""
+    return _gelu_variant(approximate, _geglu, _geglu_tanh)(a, b, out=out, policy=policy, stream=stream)
+
+
+def bias_dropout_add(x, bias, residual, p: float, seed: int, offset: int = 0, *, out=None,
+                     policy: str = "auto", stream=None):
+    """residual + dropout(x + bias) in one kernel: kept elements scaled by 1 / (1 - p), the keep
+    mask `cupyops.dropout_mask(shape, p, seed, offset)` of the output's shape (Philox4x32-10
+    of each element's linear index + offset, keyed by seed). torch equivalent:
+    residual + torch.nn.functional.dropout(x + bias, p) with a mask that depends only on
+    (shape, p, seed, offset)."""
+    fx.check_dropout_p(p)
+    return _bias_dropout_add(x, bias, residual, float(p), int(seed), int(offset), out=out, policy=policy,
+                             stream=stream)

@@ -1,0 +1,329 @@
+"""CPU tests of the fused elementwise family: the parser's whitelist, tracing and NumPy
+promotion, operand layouts, launch plans of both policies, rendering, and NVRTC compiles of
+every named op and namespace function for sm_80 and sm_90 (no GPU needed)."""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy
+import pytest
+from fx_reference import evaluate, rounded
+
+import cupyops
+from cupyops import fx, jit
+from cupyops.dtypes import BFLOAT16
+from cupyops.launch import Target
+from cupyops.ops import activations
+from cupyops.ops import elementwise as ew
+
+F16, F32, F64 = numpy.dtype(numpy.float16), numpy.dtype(numpy.float32), numpy.dtype(numpy.float64)
+H100 = Target.profile("h100")
+
+
+def info(dtype, shape, misalignment=0, strides=None):
+    base = ew.ArrayInfo.contiguous(dtype, shape)
+    return ew.ArrayInfo(base.dtype, base.shape, tuple(strides) if strides else base.strides, misalignment)
+
+
+# -- the string front end ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("expr, message", [
+    ("foo(x)", "unknown function 'foo'"),
+    ("__import__('os')", "unknown function '__import__'"),
+    ("x.__class__", "Attribute"),
+    ("x.real", "Attribute"),
+    ("x[0]", "Subscript"),
+    ("lambda: x", "Lambda"),
+    ("x if y else z", "IfExp"),
+    ("x // y", "FloorDiv"),
+    ("x % y", "Mod"),
+    ("x and y", "BoolOp"),
+    ("not x", "Not"),
+    ("~x", "Invert"),
+    ("0 < x < 1", "chained"),
+    ("x in y", "chained or unknown"),
+    ("exp(x=y)", "keyword"),
+    ("'text'", "constant 'text'"),
+    ("1j * x", "constant 1j"),
+    ("exp", "without a call"),
+    ("x +", "not valid Python"),
+    ("[x, y]", "List"),
+    ("(x, (y, z))", "Tuple"),
+])
+def test_parser_refuses(expr, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fx.parse(expr)
+
+
+def test_parser_names_in_order_of_first_use():
+    _, names = fx.parse("gelu_tanh(x + bias) * x, where(mask, y, 0.5)")
+    assert names == ("x", "bias", "mask", "y")
+
+
+def test_parser_checks_arity():
+    tree, names = fx.parse("maximum(x)")
+    with pytest.raises(ValueError, match=r"maximum\(\) takes 2 arguments, got 1"):
+        fx.build(tree, {"x": fx.operand(0, F32)})
+
+
+def test_elementwise_refuses_missing_and_unused_operands():
+    with pytest.raises(ValueError, match="'y'.*no operand"):
+        cupyops.elementwise("x + y", x=1.0)
+    with pytest.raises(ValueError, match="'z'.*not used"):
+        cupyops.elementwise("x + 1", x=1.0, z=2.0)
+
+
+def test_string_and_traced_trees_agree():
+    tree, names = fx.parse("sigmoid(a + b) * 0.5")
+    a, b = fx.operand(0, F16), fx.operand(1, F16)
+    assert fx.build(tree, {"a": a, "b": b}).key == (fx.sigmoid(a + b) * 0.5).key
+
+
+# -- tracing and promotion -----------------------------------------------------------------------
+
+PROMOTIONS = [
+    (F16, F16), (F16, F32), (BFLOAT16, BFLOAT16), (BFLOAT16, F16), (BFLOAT16, F32), (F32, F64),
+    (numpy.dtype(numpy.int8), F16), (numpy.dtype(numpy.int32), F32), (numpy.dtype(numpy.int32), numpy.dtype(numpy.int64)),
+    (numpy.dtype(numpy.bool_), numpy.dtype(numpy.int16)), (numpy.dtype(numpy.uint8), numpy.dtype(numpy.int8)),
+]
+
+
+@pytest.mark.parametrize("a, b", PROMOTIONS, ids=lambda d: str(d))
+@pytest.mark.parametrize("op", ["add", "multiply", "divide", "maximum"])
+def test_array_promotion_is_numpys(a, b, op):
+    node = getattr(fx, op)(fx.operand(0, a), fx.operand(1, b)) if op in ("maximum",) else \
+        fx.binary(op, fx.operand(0, a), fx.operand(1, b))
+    ufunc = {"add": numpy.add, "multiply": numpy.multiply, "divide": numpy.true_divide,
+             "maximum": numpy.maximum}[op]
+    assert node.dtype == ufunc(numpy.ones(1, a), numpy.ones(1, b)).dtype
+
+
+@pytest.mark.parametrize("dtype, scalar, expected", [
+    (F16, 2.5, F16), (BFLOAT16, 2.5, BFLOAT16), (F32, 2, F32), (numpy.dtype(numpy.int8), 3, numpy.int8),
+    (numpy.dtype(numpy.int8), 2.5, F64), (numpy.dtype(numpy.bool_), 1, numpy.int64), (F16, True, F16),
+])
+def test_python_scalars_are_weak(dtype, scalar, expected):
+    assert (fx.operand(0, dtype) + scalar).dtype == numpy.dtype(expected)
+    assert (scalar * fx.operand(0, dtype)).dtype == numpy.dtype(expected)
+
+
+@pytest.mark.parametrize("dtype", [F16, BFLOAT16, F32, F64, numpy.dtype(numpy.int8), numpy.dtype(numpy.int32)])
+def test_float_functions_follow_numpy_exp(dtype):
+    x = fx.operand(0, dtype)
+    expected = numpy.exp(numpy.ones(1, dtype)).dtype
+    for name in fx.FLOAT_FUNCTIONS:
+        assert getattr(fx, name)(x).dtype == expected, name
+    assert fx.relu(x).dtype == dtype and fx.abs_(x).dtype == dtype
+    assert (x < 1).dtype == numpy.bool_ and fx.cast(x, "bfloat16").dtype == BFLOAT16
+
+
+def test_tracing_refusals():
+    x = fx.operand(0, F32)
+    with pytest.raises(TypeError, match="truth value"):
+        bool(x > 0)
+    with pytest.raises(TypeError, match="booleans"):
+        fx.operand(0, numpy.bool_) - True
+    with pytest.raises(TypeError, match="negating a boolean"):
+        -fx.operand(0, numpy.bool_)
+    with pytest.raises(TypeError, match=r"\*\* of integers"):
+        fx.operand(0, numpy.int32) ** 2
+    with pytest.raises(TypeError, match="complex"):
+        fx.operand(0, numpy.complex64)
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        fx.dropout(x, 1.0, 0)
+    with pytest.raises(ValueError, match="p must be a Python number"):
+        fx.dropout(x, x, 0)
+    with pytest.raises(TypeError, match="seed and offset must be integers"):
+        fx.dropout(x, 0.1, 0.5)
+    with pytest.raises(TypeError, match="cannot be used"):
+        x + "text"
+
+
+# -- layouts -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("out_shape, shape, strides, expected", [
+    ((64, 128), (64, 128), None, ("linear", 1, 0)),
+    ((64, 128), (128,), None, ("inner", 128, 0)),
+    ((8, 4, 128), (4, 128), None, ("inner", 512, 0)),
+    ((64, 128), (64, 1), None, ("outer", 128, 0)),
+    ((8, 4, 128), (8, 1, 1), None, ("outer", 512, 0)),
+    ((64, 128), (), None, ("scalar", 1, 0)),
+    ((64, 128), (1, 1), None, ("scalar", 1, 0)),
+    ((64, 128), (64, 128), (1, 64), ("strided", 1, 2)),       # a transposed view
+    ((8, 4, 128), (8, 1, 128), None, ("strided", 1, 3)),      # broadcast in the middle
+    ((64, 128), (64, 128), (256, 1), ("strided", 1, 2)),      # every other row
+])
+def test_operand_layouts(out_shape, shape, strides, expected):
+    operand = info(F32, shape, strides=strides)
+    sizes, merged = ew.merged_axes(out_shape, [ew.broadcast_strides_of(operand, len(out_shape))])
+    assert ew.classify(sizes, merged[0]) == expected
+
+
+def test_merged_axes_join_what_every_operand_walks_as_one():
+    shape = (8, 4, 128)
+    full, bias = info(F32, shape), info(F32, (128,))
+    sizes, strides = ew.merged_axes(shape, [ew.broadcast_strides_of(o, 3) for o in (full, bias)])
+    assert sizes == [32, 128] and strides == [[128, 1], [0, 1]]
+
+
+# -- plans ---------------------------------------------------------------------------------------
+
+def plan(expr, *args, out=None, policy="auto"):
+    return ew.compiled_expression(expr).plan(args, out, policy, H100)
+
+
+@pytest.mark.parametrize("dtypes, pack", [((F16, F16), 8), ((F32, F32), 4), ((F64, F64), 2),
+                                          ((F16, F32), 4), ((numpy.int8, numpy.int8), 8)])
+def test_oneflow_pack_is_the_smallest_over_operands(dtypes, pack):
+    chosen = plan("a + b", info(dtypes[0], (4096, 1024)), info(dtypes[1], (4096, 1024)), policy="oneflow")
+    assert chosen.spec.pack_size == pack
+    assert chosen.block == 256 and chosen.spec.packs_per_thread == 1
+    packs = 4096 * 1024 // pack
+    assert chosen.grid == min(-(-packs // 256), 132 * 2048 // 256 * 32)
+
+
+def test_oneflow_misaligned_pointer_means_pack_1_auto_keeps_the_rest():
+    a, b = info(F16, (4096, 1024)), info(F16, (4096, 1024), misalignment=2)
+    oneflow = plan("a + b", a, b, policy="oneflow")
+    assert oneflow.spec.pack_size == 1
+    auto = plan("a + b", a, b)
+    assert auto.spec.pack_size == 8
+    assert [o.vector for o in auto.spec.operands] == [True, False]
+
+
+def test_auto_covers_the_array_in_one_pass():
+    chosen = plan("a * b", info(F16, (16384, 8192)), info(F16, (16384, 8192)))
+    per_block = chosen.block * chosen.spec.packs_per_thread * chosen.spec.pack_size
+    assert chosen.grid == -(-16384 * 8192 // per_block)
+
+
+def test_per_column_operand_is_read_in_packs_when_cols_divide():
+    even = plan("x + bias", info(F16, (64, 1024)), info(F16, (1024,)))
+    assert even.spec.operands[1] == ew.OperandSpec("float16", "inner", True)
+    odd = plan("x + bias", info(F16, (64, 1001)), info(F16, (1001,)))
+    assert odd.spec.operands[1].access == "inner" and not odd.spec.operands[1].vector
+    assert odd.explain()["operands"] == ["float16 linear", "float16 inner (element loads)"]
+
+
+def test_plan_refuses_bad_broadcast_and_out():
+    with pytest.raises(ValueError, match=r"cannot be broadcast together: x \(4, 3\), y \(4,\)"):
+        plan("x + y", info(F32, (4, 3)), info(F32, (4,)))
+    with pytest.raises(ValueError, match="out has shape"):
+        plan("x + 1", info(F32, (4, 3)), out=info(F32, (4, 4)))
+    with pytest.raises(ValueError, match="out has shape .* dtype float16"):
+        plan("x + 1", info(F32, (4, 3)), out=info(F16, (4, 3)))
+    with pytest.raises(ValueError, match="2 outputs"):
+        plan("x + 1, x", info(F32, (4, 3)), out=info(F32, (4, 3)))
+
+
+def test_index_type_widens_past_2_31():
+    assert plan("x * 2", info(F16, (2**21, 1024))).spec.index_type == "long long"
+    assert plan("x * 2", info(F16, (2**10, 1024))).spec.index_type == "int"
+
+
+def test_kernel_name_is_readable_and_stable():
+    first = plan("gelu_tanh(x + bias)", info(F16, (64, 1024)), info(F16, (1024,)))
+    again = plan("gelu_tanh(x + bias)", info(F16, (8, 1024)), info(F16, (1024,)))
+    name = first.spec.name
+    assert name.startswith("elementwise_gelu_tanh_") and "_f16l_f16c_to_f16_p8_" in name
+    assert name == again.spec.name          # the shape is a kernel argument
+    assert first.explain()["expression"] == "gelu_tanh(add(in0, in1))"
+
+
+def test_scalars_are_kernel_arguments():
+    # the same kernel for every value; a Python float is a double argument
+    chosen = plan("x * a + 1.5", info(F32, (64, 64)), float)
+    assert chosen.spec.scalars == ("double",)
+    assert "1.5" in jit.render(chosen.spec) and chosen.scalars == ((1, numpy.float64),)
+
+
+def test_shared_subexpressions_are_computed_once():
+    chosen = plan("exp(x + y) * exp(x + y)", info(F32, (64,)), info(F32, (64,)))
+    assert sum("fx_exp" in line for line in chosen.spec.body) == 1
+
+
+# -- rendering and compiling ------------------------------------------------------------------------
+
+NAMED = {
+    "bias_gelu": (activations._bias_gelu, 2), "bias_gelu_tanh": (activations._bias_gelu_tanh, 2),
+    "bias_silu": (activations._bias_silu, 2), "swiglu": (activations._swiglu, 2),
+    "geglu": (activations._geglu, 2), "geglu_tanh": (activations._geglu_tanh, 2),
+}
+
+
+def _named_plans(dtype):
+    rows, cols = 64, 1024
+    for name, (function, _) in NAMED.items():
+        second = info(dtype, (cols,)) if name.startswith("bias") else info(dtype, (rows, cols))
+        yield name, function.plan((info(dtype, (rows, cols)), second), None, "auto", H100)
+    yield "bias_dropout_add", activations._bias_dropout_add.plan(
+        (info(dtype, (rows, cols)), info(dtype, (cols,)), info(dtype, (rows, cols)), float, int, int),
+        None, "auto", H100)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("dtype", [F16, BFLOAT16, F32])
+def test_named_ops_compile(arch, dtype):
+    for name, chosen in _named_plans(dtype):
+        report = jit.compile_cubin(chosen.spec, arch)
+        assert report.registers > 0 and report.spill_bytes == 0, (name, report)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("dtype", [F16, BFLOAT16, F32, F64])
+def test_every_function_compiles(arch, dtype):
+    names = ", ".join(f"{name}(x)" for name in fx.FLOAT_FUNCTIONS)
+    expr = (f"{names}, relu(x), abs(x), maximum(x, y), minimum(x, y), where(x > y, x, y), x ** y, "
+            "cast(x, 'float16'), cast(x, 'bfloat16'), cast(x, 'int32'), -x / y, x != y")
+    for policy in ("auto", "oneflow"):
+        chosen = plan(expr, info(dtype, (1000, 77)), info(dtype, (77,)), policy=policy)
+        report = jit.compile_cubin(chosen.spec, arch)
+        assert report.spill_bytes == 0 and len(chosen.spec.outputs) == 20
+
+
+def test_every_layout_compiles():
+    chosen = plan("a + b + c + d + e", info(F16, (8, 4, 128)), info(F16, (128,)), info(F16, (8, 1, 1)),
+                  info(F16, ()), info(F16, (8, 4, 128), strides=(1, 8, 32)))
+    assert [o.access for o in chosen.spec.operands] == ["linear", "inner", "outer", "scalar", "strided"]
+    report = jit.compile_cubin(chosen.spec, "sm_90")
+    assert report.spill_bytes == 0
+
+
+def test_mixed_types_compile():
+    chosen = plan("where(m, a, b) + i, a > 0.5", info(numpy.bool_, (64, 64)), info(F16, (64, 64)),
+                  info(BFLOAT16, (64,)), info(numpy.int8, (64, 1)))
+    assert [d.name for d in chosen.out_dtypes] == ["float32", "bool"]
+    jit.compile_cubin(chosen.spec, "sm_90")
+
+
+# -- the reference itself ------------------------------------------------------------------------
+
+def test_reference_evaluates_like_numpy():
+    x = numpy.linspace(-3, 3, 13)
+    node = fx.sigmoid(fx.operand(0, F64) * 2.0) - fx.operand(1, F64, weak=True)
+    expected = 1 / (1 + numpy.exp(-2 * x)) - 0.25
+    numpy.testing.assert_allclose(evaluate(node, [x, 0.25], x.shape), expected, rtol=1e-15)
+    assert rounded(numpy.array([1e6]), numpy.float16)[0] == numpy.inf
+    assert math.isclose(rounded(numpy.array([1 / 3]), numpy.float16)[0], 0.333251953125)
+
+
+@pytest.mark.parametrize("divisor", [2, 3, 7, 1000, 1024, 1031, 8192, 12345, 2**20 + 1, 2**30, 2**31 - 1])
+def test_fast_divider_divides_every_32_bit_index(divisor):
+    from cupyops.ops.elementwise_kernel import fast_divider
+
+    multiplier, shift = fast_divider(divisor)
+    assert 0 < multiplier < 2**32
+    rng = numpy.random.default_rng()
+    indices = numpy.concatenate([rng.integers(0, 2**31, 100000), [0, 1, divisor - 1, divisor, 2**31 - 1],
+                                 (2**31 - 1) // divisor * divisor + numpy.arange(-2, 1)]).astype(numpy.uint64)
+    quotients = ((indices * numpy.uint64(multiplier)) >> numpy.uint64(32)) >> numpy.uint64(shift)
+    numpy.testing.assert_array_equal(quotients, indices // numpy.uint64(divisor))
+
+
+def test_launch_geometry_caps_the_grid_at_its_waves():
+    facts = H100.facts
+    assert ew.launch_geometry((256, 32, None), 10**6, 16, facts) == (256, 2, -(-10**6 // 512))
+    assert ew.launch_geometry((256, 32, 2), 10**7, 16, facts) == (256, 2, 2 * 132 * 8)
+    assert ew.launch_geometry((256, 32, 2), 10**5, 16, facts) == (256, 2, -(-10**5 // 512))
+    assert ew.launch_geometry((1024, 16, None), 5, 16, facts) == (1024, 1, 1)
