@@ -1,0 +1,411 @@
+"""int8 convolution on tensor cores by implicit GEMM, NCHW32 (SPEC §7):
+spec -> candidate configurations -> plan (default rule or measured) -> launch -> public function.
+
+Two policies share one kernel (kernels/conv_int8.cuh) through template parameters:
+- "megengine": MegEngine's kernel, mma.sync m8n8k16, two stages through
+  registers, threadblock 128x128x64 and warp 64x64x64 (smaller tiles from
+  MegEngine's list where K is small).
+- "auto": mma.sync m16n8k32 (sm_80 and newer), a cp.async pipeline of 3-6
+  stages, the tile / warp / stage configuration from the measured tuner
+  (cupyops.tune) or else the default rule, split-K (int32 partials summed by a
+  second kernel that applies the epilogue) where the tiles of N * OH * OW
+  leave SMs idle.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass, replace
+from typing import ClassVar, Optional
+
+import numpy
+
+from .. import arrays, jit, tune
+from ..launch import LaunchCache, Target, live_function
+from . import conv_layout
+from .conv_layout import INTERLEAVE, OUT_KINDS, ConvGeometry
+
+OP = "conv2d_int8"
+POLICIES = ("auto", "megengine")
+STEP_BYTES = 64
+REDUCE_THREADS = 256
+REDUCE_BLOCKS_PER_SM = 8
+MAX_SPLITS = 16
+MIN_STEPS_PER_SPLIT = 4
+
+
+@dataclass(frozen=True)
+class ConvInt8Spec(jit.KernelSpec):
+    """One instantiation of the convolution kernel; its name carries the minimum
+    arch, instruction, dtypes, threadblock, warp, stages, copy path, alignment and layout."""
+    template: ClassVar[str] = "conv2d_int8.cu.j2"
+    instruction: str         # "m16n8k32" (sm_80+) or "m8n8k16" (sm_75+)
+    tile_m: int
+    tile_n: int
+    warp_m: int
+    warp_n: int
+    stages: int
+    async_copy: bool         # cp.async multistage, else registers (two stages)
+
+    @property
+    def arch(self) -> str:
+        return "sm80" if self.instruction == "m16n8k32" else "sm75"
+
+    @property
+    def name(self) -> str:
+        copy = "cpasync" if self.async_copy else "ldg"
+        return (f"conv2d_int8_fprop_{self.arch}_{self.instruction}_s8_tb{self.tile_m}x{self.tile_n}x{STEP_BYTES}"
+                f"_w{self.warp_m}x{self.warp_n}x{STEP_BYTES}_st{self.stages}_{copy}_align16_nchw32_lincomb")
+
+    @property
+    def threads_per_block(self) -> int:
+        return (self.tile_m // self.warp_m) * (self.tile_n // self.warp_n) * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * (self.tile_m + self.tile_n) * STEP_BYTES
+
+    def template_args(self) -> dict:
+        return dict(tile_m=self.tile_m, tile_n=self.tile_n, warp_m=self.warp_m, warp_n=self.warp_n,
+                    k32=self.instruction == "m16n8k32", stages=self.stages, async_copy=self.async_copy,
+                    split_reduce=False)
+
+
+@dataclass(frozen=True)
+class SplitReduceSpec(jit.KernelSpec):
+    """Sums split-K's int32 partials and applies the epilogue."""
+    template: ClassVar[str] = "conv2d_int8.cu.j2"
+
+    @property
+    def name(self) -> str:
+        return "conv2d_int8_split_reduce_s32_nchw32_lincomb"
+
+    @property
+    def threads_per_block(self) -> int:
+        return REDUCE_THREADS
+
+    def template_args(self) -> dict:
+        return dict(split_reduce=True)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    tile_m: int
+    tile_n: int
+    warp_m: int
+    warp_n: int
+    stages: int
+
+    @property
+    def area(self) -> int:
+        return self.tile_m * self.tile_n
+
+
+# MegEngine's int8 NCHW32 IMMA list (algo.cpp), largest first, warps of at least 32 x 32.
+MEGENGINE_LADDER = (TileConfig(128, 128, 64, 64, 2), TileConfig(128, 64, 64, 32, 2),
+                    TileConfig(64, 128, 32, 64, 2), TileConfig(64, 64, 32, 32, 2),
+                    TileConfig(32, 64, 32, 32, 2))
+# The auto generator's configurations (each shape takes those its K allows).
+AUTO_CONFIGS = (TileConfig(256, 128, 64, 64, 3), TileConfig(128, 256, 64, 64, 3),
+                TileConfig(128, 128, 64, 64, 4), TileConfig(128, 128, 64, 64, 3),
+                TileConfig(64, 256, 64, 64, 4),
+                TileConfig(128, 64, 64, 32, 4), TileConfig(64, 128, 32, 64, 4),
+                TileConfig(64, 64, 32, 32, 5), TileConfig(32, 128, 32, 32, 6))
+
+
+def spec_for(config: TileConfig, policy: str, arch: str) -> ConvInt8Spec:
+    """The kernel of `config` under `policy` on `arch` ("sm_80", "sm_90", ...)."""
+    if policy == "megengine" or int(arch.removeprefix("sm_")) < 80:
+        return ConvInt8Spec("m8n8k16", config.tile_m, config.tile_n, config.warp_m, config.warp_n, 2, False)
+    return ConvInt8Spec("m16n8k32", config.tile_m, config.tile_n, config.warp_m, config.warp_n,
+                        config.stages, True)
+
+
+def all_specs(arch: str) -> list:
+    """Every kernel the planner can choose on `arch`: both policies' configurations."""
+    specs = [spec_for(c, "megengine", arch) for c in MEGENGINE_LADDER]
+    specs += [spec_for(c, "auto", arch) for c in AUTO_CONFIGS]
+    return list(dict.fromkeys(specs))
+
+
+def _grid_tiles(geometry: ConvGeometry, config: TileConfig) -> int:
+    m, n, _ = geometry.gemm
+    return -(-m // config.tile_m) * -(-n // config.tile_n)
+
+
+def split_k(geometry: ConvGeometry, tiles: int, sm_count: int) -> tuple:
+    """(splits, steps per split): GEMM_K split across blocks where `tiles` blocks
+    leave SMs idle, each split at least MIN_STEPS_PER_SPLIT steps, none empty."""
+    steps = geometry.k_steps
+    if tiles >= sm_count:
+        return 1, steps
+    wanted = min(MAX_SPLITS, -(-sm_count // tiles), max(1, steps // MIN_STEPS_PER_SPLIT))
+    per_split = -(-steps // max(1, wanted))
+    return -(-steps // per_split), per_split
+
+
+def candidates(geometry: ConvGeometry, sm_count: int, smem_limit: int) -> list:
+    """The auto configurations that suit this shape (tile_m within K rounded up to
+    the next tile, shared memory within the limit), each with and without split-K."""
+    found = []
+    for config in AUTO_CONFIGS:
+        if config.tile_m > max(32, 1 << (geometry.k - 1).bit_length()) or \
+                config.stages * (config.tile_m + config.tile_n) * STEP_BYTES > smem_limit:
+            continue
+        splits, per_split = split_k(geometry, _grid_tiles(geometry, config), sm_count)
+        found.append({**asdict(config), "splits": 1, "steps_per_split": geometry.k_steps})
+        if splits > 1:
+            found.append({**asdict(config), "splits": splits, "steps_per_split": per_split})
+    return found
+
+
+def default_candidate(geometry: ConvGeometry, sm_count: int, smem_limit: int) -> dict:
+    """The default rule: the largest tile (then the most stages) whose grid fills every
+    SM; where none does, the smallest tile, split along GEMM_K."""
+    found = candidates(geometry, sm_count, smem_limit)
+    full = [c for c in found if c["splits"] == 1 and
+            _grid_tiles(geometry, _config(c)) >= sm_count]
+    if full:
+        return max(full, key=lambda c: (c["tile_m"] * c["tile_n"], c["stages"]))
+    smallest = min(c["tile_m"] * c["tile_n"] for c in found)
+    return max((c for c in found if c["tile_m"] * c["tile_n"] == smallest),
+               key=lambda c: (c["splits"], c["stages"]))
+
+
+def megengine_config(geometry: ConvGeometry) -> TileConfig:
+    """MegEngine's choice: the first of its list whose tile_m K fills."""
+    return next(c for c in MEGENGINE_LADDER if c.tile_m <= geometry.k)
+
+
+def _config(candidate: dict) -> TileConfig:
+    return TileConfig(*(candidate[name] for name in ("tile_m", "tile_n", "warp_m", "warp_n", "stages")))
+
+
+@dataclass(frozen=True)
+class ConvPlan:
+    """The launches of one convolution: the kernel, split-K, grid, shared memory, where it came from."""
+    spec: ConvInt8Spec
+    geometry: ConvGeometry
+    splits: int
+    steps_per_split: int
+    source: str              # "tuned", "default rule" or "megengine ladder"
+    policy: str
+
+    @property
+    def block(self) -> tuple:
+        return (self.spec.threads_per_block, 1, 1)
+
+    @property
+    def grid(self) -> tuple:
+        m, n, _ = self.geometry.gemm
+        return (-(-n // self.spec.tile_n) * -(-m // self.spec.tile_m), 1, self.splits)
+
+    def explain(self) -> dict:
+        m, n, k = self.geometry.gemm
+        return {"op": OP, "policy": self.policy, "gemm_mnk": [m, n, k],
+                "instruction": f"mma.sync.{self.spec.instruction}.s8",
+                "tile": f"{self.spec.tile_m}x{self.spec.tile_n}x{STEP_BYTES}",
+                "warp": f"{self.spec.warp_m}x{self.spec.warp_n}x{STEP_BYTES}",
+                "stages": self.spec.stages, "copy": "cp.async" if self.spec.async_copy else "registers",
+                "split_k": self.splits, "block": list(self.block), "grid": list(self.grid),
+                "smem_bytes": self.spec.smem_bytes, "kernel": self.spec.name, "source": self.source}
+
+
+def plan_from(geometry: ConvGeometry, candidate: dict, arch: str, source: str) -> ConvPlan:
+    return ConvPlan(spec_for(_config(candidate), "auto", arch), geometry, candidate["splits"],
+                    candidate["steps_per_split"], source, "auto")
+
+
+def plan(geometry: ConvGeometry, policy: str, target: Target, tuned: Optional[dict] = None) -> ConvPlan:
+    """The plan for `geometry`: megengine's ladder, else `tuned` (a candidate from
+    the tuning table) where given, else the default rule."""
+    geometry.check()
+    facts = target.facts
+    if policy == "megengine":
+        config = megengine_config(geometry)
+        return ConvPlan(spec_for(config, policy, facts.arch), geometry, 1, geometry.k_steps,
+                        "megengine ladder", policy)
+    if tuned is not None:
+        return plan_from(geometry, tuned, facts.arch, "tuned")
+    return plan_from(geometry, default_candidate(geometry, facts.sm_count, facts.smem_per_block_optin),
+                     facts.arch, "default rule")
+
+
+# -- launch -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What the epilogue applies (kernel_params' keyword arguments, less the split)."""
+    out_dtype: str = "int8"
+    bias_kind: Optional[str] = None
+    relu: bool = False
+    has_z: bool = False
+    alpha_per_channel: bool = False
+    alpha: float = 1.0
+    beta: float = 1.0
+    gamma: float = 0.0
+
+
+@functools.lru_cache(maxsize=1024)
+def _params(geometry: ConvGeometry, splits: int, steps_per_split: int, epilogue: Epilogue) -> numpy.ndarray:
+    """The kernel's parameter block, built once per shape and epilogue (read-only)."""
+    params = conv_layout.kernel_params(geometry, splits=splits, steps_per_split=steps_per_split, **asdict(epilogue))
+    params.flags.writeable = False
+    return params
+
+
+def launch(chosen: ConvPlan, x, w, y, z, alpha_vec, bias, epilogue: Epilogue) -> None:
+    """Runs `chosen` on the current device and stream: y = conv(x, w) with the epilogue."""
+    import cupy
+
+    device_id = x.device.id
+    function = live_function(chosen.spec, device_id, chosen.spec.smem_bytes)
+    if chosen.splits == 1:
+        function(chosen.grid, chosen.block, (x, w, y, z, alpha_vec, bias, _params(chosen.geometry, 1, 0, epilogue)),
+                 shared_mem=chosen.spec.smem_bytes)
+        return
+    partials = cupy.empty((chosen.splits, *chosen.geometry.output_shape), dtype=numpy.int32)
+    raw = _params(chosen.geometry, chosen.splits, chosen.steps_per_split, replace(epilogue, out_dtype="int32"))
+    function(chosen.grid, chosen.block, (x, w, partials, None, None, None, raw),
+             shared_mem=chosen.spec.smem_bytes)
+    params = _params(chosen.geometry, chosen.splits, 0, epilogue)
+    reduce_function = live_function(SplitReduceSpec(), device_id)
+    groups = -(-y.size // 8)
+    blocks = min(-(-groups // REDUCE_THREADS), Target.live(device_id).facts.sm_count * REDUCE_BLOCKS_PER_SM)
+    reduce_function((blocks,), (REDUCE_THREADS,), (partials, y, z, alpha_vec, bias, params))
+
+
+_plans = LaunchCache()
+
+
+def _time_candidate(geometry: ConvGeometry, arch: str, arrays_: tuple):
+    """A timing callable for the tuner: the median microseconds of one candidate."""
+    from ..bench import Timer
+
+    timer = Timer(min_reps=5, max_reps=50, budget_s=0.05)
+    x, w, y = arrays_
+
+    def time_us(candidate: dict) -> float:
+        chosen = plan_from(geometry, candidate, arch, "measuring")
+        return timer.time(lambda: launch(chosen, x, w, y, None, None, None, Epilogue())).median_us
+    return time_us
+
+
+def tune_shape(geometry: ConvGeometry, device_id: int, table: Optional[tune.TuningTable] = None) -> tune.Result:
+    """Times every candidate of `geometry` on GPU `device_id` and keeps the winner."""
+    import cupy
+
+    geometry.check()
+    target = Target.live(device_id)
+    facts = target.facts
+    with cupy.cuda.Device(device_id):
+        x = cupy.ones((geometry.n, geometry.c // INTERLEAVE, geometry.h, geometry.w, INTERLEAVE), numpy.int8)
+        w = cupy.ones((geometry.k, geometry.c // INTERLEAVE, geometry.r, geometry.s, INTERLEAVE), numpy.int8)
+        y = cupy.empty(geometry.output_shape, numpy.int8)
+        found = candidates(geometry, facts.sm_count, facts.smem_per_block_optin)
+        return tune.tune(table or tune.default_table(), tune.DeviceKey.live(device_id), OP, geometry.key(),
+                         found, _time_candidate(geometry, facts.arch, (x, w, y)))
+
+
+def live_plan(geometry: ConvGeometry, policy: str, device_id: int) -> ConvPlan:
+    """The plan on GPU `device_id`: from the tuning table, tuned now on first use
+    (unless CUPYOPS_AUTOTUNE=0), or by the default rule; memoised per process."""
+    def make():
+        target = Target.live(device_id)
+        if policy != "auto":
+            return plan(geometry, policy, target)
+        geometry.check()
+        device = tune.DeviceKey.live(device_id)
+        tuned = tune.default_table().lookup(device, OP, geometry.key())
+        if tuned is None and tune.autotune_enabled():
+            tuned = tune_shape(geometry, device_id).best
+        return plan(geometry, policy, target, tuned)
+    return _plans.get((geometry, policy, device_id), make)
+
+
+# -- public function ----------------------------------------------------------
+
+def _int8_nchw32(array, name: str, hint: str):
+    """A contiguous, 16-byte aligned int8 (., ., ., ., 32) CuPy array (copied where it is not)."""
+    array = arrays.as_cupy(array, name)
+    if array.dtype != numpy.int8:
+        raise TypeError(f"{name} must be int8, got {array.dtype}")
+    if array.ndim != 5 or array.shape[4] != INTERLEAVE:
+        raise ValueError(f"{name} has shape {array.shape}; {hint}")
+    if not array.flags.c_contiguous or array.data.ptr % 16:
+        array = array.copy()   # C-contiguous, freshly allocated: aligned
+    return array
+
+
+def _channel_vector(value, name: str, k: int, dtypes_: tuple, device_id: int):
+    """A contiguous (K,) CuPy vector of one of `dtypes_`, on `device_id`."""
+    import cupy
+
+    value = arrays.as_cupy(value, name)
+    if value.dtype not in dtypes_:
+        raise TypeError(f"{name} must be {' or '.join(str(numpy.dtype(d)) for d in dtypes_)}, got {value.dtype}")
+    if value.shape != (k,):
+        raise ValueError(f"{name} has shape {value.shape}, expected ({k},): one value per output channel")
+    if value.device.id != device_id:
+        raise ValueError(f"{name} is on GPU {value.device.id}, x on GPU {device_id}")
+    return cupy.ascontiguousarray(value)
+
+
+def _check_out(out, shape: tuple, dtype, device_id: int):
+    out = arrays.check_out(out, shape, dtype, device_id)
+    if out is not None and (not out.flags.c_contiguous or out.data.ptr % 16):
+        raise ValueError("out must be C-contiguous and 16-byte aligned")
+    return out
+
+
+def conv2d_int8(x, w, bias=None, z=None, *, stride=1, padding=0, dilation=1, alpha=1.0, beta=1.0,
+                gamma=0.0, relu=False, out_dtype="int8", out=None, policy="auto", stream=None):
+    """int8 convolution on tensor cores: y = alpha * conv(x, w) + beta * bias + gamma * z, then ReLU.
+
+    x: int8 NCHW32 (N, C/32, H, W, 32) (see :func:`to_nchw32`); w: the packed
+    filter from :func:`pack_conv_filter`; bias: float32 or int32 (K,); z: int8
+    NCHW32 like the output; alpha: a float or a float32 (K,) vector (per-channel
+    scales). The output is NCHW32 (N, K/32, OH, OW, 32): "int8" rounds half to
+    even and saturates, "float16" / "float32" keep the epilogue's value,
+    "int32" returns the raw accumulators (no epilogue). On dequantised values
+    this is ``torch.nn.functional.conv2d(x, w, stride=stride, padding=padding,
+    dilation=dilation)`` scaled by alpha, plus bias and z, then ReLU.
+    policy: "auto" (tuned or default-rule plan, m16n8k32, cp.async) or
+    "megengine" (MegEngine's kernel, for comparison)."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if out_dtype not in OUT_KINDS:
+        raise ValueError(f"out_dtype must be one of {tuple(OUT_KINDS)}, got {out_dtype!r}")
+    x = _int8_nchw32(x, "x", "expected int8 NCHW32 (N, C/32, H, W, 32): convert with cupyops.to_nchw32")
+    w = _int8_nchw32(w, "w", "expected the packed (K, C/32, R, S, 32) filter: cupyops.pack_conv_filter")
+    device_id = x.device.id
+    if w.device.id != device_id:
+        raise ValueError(f"w is on GPU {w.device.id}, x on GPU {device_id}")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"w has {w.shape[1] * INTERLEAVE} input channels, x {x.shape[1] * INTERLEAVE}")
+    n, c32, h, width, _ = x.shape
+    k, _, r, s, _ = w.shape
+    geometry = ConvGeometry(n, c32 * INTERLEAVE, h, width, k, r, s, conv_layout.pair(stride, "stride"),
+                            conv_layout.pair(padding, "padding"), conv_layout.pair(dilation, "dilation"))
+    geometry.check()
+    alpha_per_channel = numpy.ndim(alpha) > 0 or hasattr(alpha, "__cuda_array_interface__")
+    raw = out_dtype == "int32"
+    if raw and (bias is not None or z is not None or relu or alpha_per_channel or alpha != 1.0):
+        raise ValueError('out_dtype="int32" returns the raw accumulators: give no alpha, bias, z or relu')
+    alpha_vec = _channel_vector(alpha, "alpha", k, (numpy.float32,), device_id) if alpha_per_channel else None
+    if bias is not None:
+        bias = _channel_vector(bias, "bias", k, (numpy.float32, numpy.int32), device_id)
+    if z is not None:
+        z = _int8_nchw32(z, "z", f"expected the output's shape {geometry.output_shape}")
+        if z.shape != geometry.output_shape:
+            raise ValueError(f"z has shape {z.shape}, expected the output's {geometry.output_shape}")
+        if z.device.id != device_id:
+            raise ValueError(f"z is on GPU {z.device.id}, x on GPU {device_id}")
+    out = _check_out(out, geometry.output_shape, numpy.dtype(out_dtype), device_id)
+    epilogue = Epilogue(out_dtype, None if bias is None else bias.dtype.name, bool(relu), z is not None,
+                        alpha_per_channel, 1.0 if alpha_per_channel else float(alpha), float(beta), float(gamma))
+    import cupy
+
+    with arrays.on_device(x, stream):
+        y = out if out is not None else cupy.empty(geometry.output_shape, dtype=out_dtype)
+        launch(live_plan(geometry, policy, device_id), x, w, y, z, alpha_vec, bias, epilogue)
+    return y

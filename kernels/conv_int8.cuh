@@ -1,0 +1,370 @@
+// int8 convolution by implicit GEMM on tensor cores, NCHW32 in and out.
+//
+// GEMM_M = output channels, GEMM_N = N * OH * OW, GEMM_K = IC * FH * FW taken
+// in 32-channel chunks ordered (channel group, fh, fw): chunk c reads input
+// channel group c / taps at tap c % taps. A is the packed filter, row-major
+// (K, C/32, FH, FW, 32): each row is GEMM_K contiguous bytes. B is the
+// input: 32 contiguous channels of a pixel per chunk. A block computes a
+// TM x TN tile of C over 64-byte steps of GEMM_K (two chunks); warps of WM x WN.
+//
+// Global -> shared: thread t loads 16-byte vector (t & 3) of rows t / 4,
+// t / 4 + THREADS / 4, ... of both tiles: 16-byte loads, each 32-byte chunk
+// one sector, a pixel's chunk at an address from the host's tap table (the
+// kernel parameter's tap_offset / tap_dh / tap_dw: no division in the loop).
+// Shared tiles hold 64-byte rows, vector v of row r at r * 64 + 16 * (v ^
+// ((r >> 1) & 3)): the eight rows an ldmatrix phase reads, and the eight
+// vectors a phase of stores writes, fall in distinct banks without padding.
+//
+// Epilogue: each warp passes its accumulators through 1 KB of shared memory,
+// 32 channels x 8 pixels at a time, so that a lane ends with 8 consecutive
+// channels of one pixel: y = alpha * acc + beta * bias + gamma * z, ReLU,
+// stored as 8 contiguous outputs (a warp writes 8 whole NCHW32 pixels). Int
+// (i, pixel c) sits at c * 32 + (i ^ swizzle(c)), conflict-free both ways.
+#pragma once
+#include "common.cuh"
+#include "mma.cuh"
+
+namespace cupyops {
+
+constexpr int CONV_MAX_TAPS = 128;
+constexpr int CONV_STEP_BYTES = 64;     // GEMM_K bytes a pipeline stage holds per row
+
+enum ConvOut { CONV_OUT_S8 = 0, CONV_OUT_F16 = 1, CONV_OUT_F32 = 2, CONV_OUT_S32 = 3 };
+enum ConvBias { CONV_BIAS_NONE = 0, CONV_BIAS_F32 = 1, CONV_BIAS_S32 = 2 };
+
+// Passed by value; cupyops/ops/conv_layout.py builds the same struct.
+struct ConvParams {
+  int n, c32, h, w, k32, oh, ow;
+  int stride_h, stride_w, pad_h, pad_w;
+  int gemm_m, gemm_n, taps, k_steps, steps_per_split, splits;
+  int out_kind, bias_kind, relu, has_z, alpha_per_channel;
+  float alpha, beta, gamma;
+  int tap_offset[CONV_MAX_TAPS];   // (fh * dilation_h * W + fw * dilation_w) * 32
+  int tap_dh[CONV_MAX_TAPS];       // fh * dilation_h
+  int tap_dw[CONV_MAX_TAPS];       // fw * dilation_w
+};
+
+__device__ __forceinline__ int conv_tile_offset(int row, int vector) {
+  return row * CONV_STEP_BYTES + ((vector ^ ((row >> 1) & 3)) << 4);
+}
+
+__device__ __forceinline__ int conv_exchange_swizzle(int pixel) {
+  return ((pixel >> 1) & 3) * 8 + (pixel & 1) * 4;
+}
+
+__device__ __forceinline__ unsigned pack_s8x4(const int* values) {
+  unsigned word = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) word |= (static_cast<unsigned>(values[i]) & 0xffu) << (8 * i);
+  return word;
+}
+
+// The epilogue of 8 consecutive output channels oc .. oc + 7 of one pixel at
+// element `offset` of y (and z): raw accumulators for CONV_OUT_S32.
+__device__ __forceinline__ void conv_epilogue_store(const int (&acc)[8], int oc, int64 offset,
+                                                    const ConvParams& p, void* y, const signed char* z,
+                                                    const float* alpha_vec, const void* bias) {
+  if (p.out_kind == CONV_OUT_S32) {
+    int4* dst = reinterpret_cast<int4*>(static_cast<int*>(y) + offset);
+    dst[0] = make_int4(acc[0], acc[1], acc[2], acc[3]);
+    dst[1] = make_int4(acc[4], acc[5], acc[6], acc[7]);
+    return;
+  }
+  int2 z_bytes = make_int2(0, 0);
+  if (p.has_z) z_bytes = *reinterpret_cast<const int2*>(z + offset);
+  float value[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const unsigned word = static_cast<unsigned>(i < 4 ? z_bytes.x : z_bytes.y);
+    const float z_i = static_cast<float>(static_cast<signed char>(word >> (8 * (i & 3))));
+    const float alpha = p.alpha_per_channel ? alpha_vec[oc + i] : p.alpha;
+    float bias_i = 0.f;
+    if (p.bias_kind == CONV_BIAS_F32) bias_i = static_cast<const float*>(bias)[oc + i];
+    if (p.bias_kind == CONV_BIAS_S32) bias_i = static_cast<float>(static_cast<const int*>(bias)[oc + i]);
+    float v = fmaf(alpha, static_cast<float>(acc[i]), fmaf(p.beta, bias_i, p.gamma * z_i));
+    if (p.relu) v = fmaxf(v, 0.f);
+    value[i] = v;
+  }
+  if (p.out_kind == CONV_OUT_S8) {
+    int q[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = min(127, max(-128, __float2int_rn(value[i])));
+    *reinterpret_cast<int2*>(static_cast<signed char*>(y) + offset) =
+        make_int2(static_cast<int>(pack_s8x4(q)), static_cast<int>(pack_s8x4(q + 4)));
+  } else if (p.out_kind == CONV_OUT_F16) {
+    unsigned halves[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      halves[i] = static_cast<unsigned>(cast<half_t>(value[2 * i]).bits) |
+                  (static_cast<unsigned>(cast<half_t>(value[2 * i + 1]).bits) << 16);
+    }
+    *reinterpret_cast<uint4*>(static_cast<half_t*>(y) + offset) =
+        make_uint4(halves[0], halves[1], halves[2], halves[3]);
+  } else {
+    float4* dst = reinterpret_cast<float4*>(static_cast<float*>(y) + offset);
+    dst[0] = make_float4(value[0], value[1], value[2], value[3]);
+    dst[1] = make_float4(value[4], value[5], value[6], value[7]);
+  }
+}
+
+// One block's TM x TN tile of the convolution. k32: m16n8k32 (else m8n8k16);
+// async: a cp.async pipeline of `stages` (else two stages through registers).
+// blockIdx.x: the tile, GEMM_M tiles fastest (the blocks sharing an input tile
+// run together, so it is read from DRAM once); blockIdx.z: the split of GEMM_K
+// (p.splits > 1 writes raw int32 partials, split z at z * GEMM_M * GEMM_N of y).
+template <int TM, int TN, int WM, int WN, bool k32, int stages, bool async>
+__device__ __forceinline__ void conv2d_int8_fprop(const signed char* __restrict__ x,
+                                                  const signed char* __restrict__ w, void* y,
+                                                  const signed char* z, const float* alpha_vec,
+                                                  const void* bias, const ConvParams& p) {
+  constexpr int WARPS_M = TM / WM;
+  constexpr int THREADS = WARPS_M * (TN / WN) * 32;
+  constexpr int KV = k32 ? 2 : 1;               // 16-byte k vectors an mma takes
+  constexpr int MMA_STEPS = CONV_STEP_BYTES / (16 * KV);
+  constexpr int ROW_STEP = THREADS / 4;
+  constexpr int A_ITERS = TM / ROW_STEP, B_ITERS = TN / ROW_STEP;
+  constexpr int A_FRAGS = WM / 8 * KV, B_FRAGS = WN / 8 * KV;
+  constexpr int STAGE_BYTES = (TM + TN) * CONV_STEP_BYTES;
+  static_assert(TM % ROW_STEP == 0 && TN % ROW_STEP == 0, "every thread loads whole rows");
+  static_assert(WM % 32 == 0 && WN % 8 == 0 && A_FRAGS % 4 == 0 && B_FRAGS % 4 == 0, "warp tile");
+  static_assert(async || stages == 2, "the register pipeline has two stages");
+  extern __shared__ int4 conv_shared[];
+  char* shared = reinterpret_cast<char*>(conv_shared);
+  const unsigned shared_base = shared_address(shared);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warp_m = (warp % WARPS_M) * WM, warp_n = (warp / WARPS_M) * WN;
+  const int m_tiles = (p.gemm_m + TM - 1) / TM;
+  const int n_tile = blockIdx.x / m_tiles;
+  const int m0 = (blockIdx.x - n_tile * m_tiles) * TM, n0 = n_tile * TN;
+  const int step_begin = blockIdx.z * p.steps_per_split;
+  const int steps = min(p.k_steps, step_begin + p.steps_per_split) - step_begin;
+  // Parameters the loop reads, held in registers (the cp.async statements'
+  // memory clobber would otherwise reload them from the parameter block).
+  // Offsets within an image and along a filter row fit 32 bits (the host checks).
+  const int h = p.h, width = p.w, c32 = p.c32, taps = p.taps;
+  const int gemm_k = c32 * 32 * taps;
+  const int group_bytes = h * width * 32;
+  const int ohw = p.oh * p.ow;
+
+  // This thread's loads: vector `vector` of rows row0 + i * ROW_STEP, chunk
+  // (group, tap) = chunk of GEMM_K, two chunks further each step.
+  const int vector = tid & 3, row0 = tid >> 2;
+  int chunk = step_begin * 2 + (vector >> 1);
+  int group = chunk / taps, tap = chunk - group * taps;
+  const signed char* a_row = w + static_cast<int64>(m0 + row0) * gemm_k;   // this thread's first filter row
+  const int a_rows = p.gemm_m - m0 - row0;   // its rows i * ROW_STEP below this are within GEMM_M
+  int64 b_base[B_ITERS];   // offsets of where this thread's pixels' (ih0, iw0) would be
+
+  int b_ih[B_ITERS], b_iw[B_ITERS];
+#pragma unroll
+  for (int i = 0; i < B_ITERS; ++i) {
+    const int j = n0 + row0 + i * ROW_STEP;
+    b_ih[i] = -(1 << 30);   // fails every bounds check: a pixel past GEMM_N
+    b_iw[i] = 0;
+    b_base[i] = 0;
+    if (j < p.gemm_n) {
+      const int image = j / ohw, rest = j - image * ohw;
+      const int oh = rest / p.ow, ow = rest - oh * p.ow;
+      b_ih[i] = oh * p.stride_h - p.pad_h;
+      b_iw[i] = ow * p.stride_w - p.pad_w;
+      b_base[i] = static_cast<int64>(image) * c32 * group_bytes +
+                  (static_cast<int64>(b_ih[i]) * width + b_iw[i]) * 32 + (vector & 1) * 16;
+    }
+  }
+  // The current chunk, read from the tap table once a step.
+  struct Chunk {
+    bool valid;           // within GEMM_K
+    int dh, dw;           // the tap's offset in rows and columns
+    int a_offset, b_offset;
+  };
+  auto current_chunk = [&]() {
+    return Chunk{group < c32, p.tap_dh[tap], p.tap_dw[tap], chunk * 32 + (vector & 1) * 16,
+                 group * group_bytes + p.tap_offset[tap]};
+  };
+  // The chunk's source of A row i / B row i, nullptr where it reads zeros.
+  auto a_source = [&](const Chunk& c, int i) -> const signed char* {
+    return c.valid && i * ROW_STEP < a_rows ? a_row + static_cast<int64>(i) * ROW_STEP * gemm_k + c.a_offset : nullptr;
+  };
+  auto b_source = [&](const Chunk& c, int i) -> const signed char* {
+    const bool inside = c.valid && static_cast<unsigned>(b_ih[i] + c.dh) < static_cast<unsigned>(h) &&
+                        static_cast<unsigned>(b_iw[i] + c.dw) < static_cast<unsigned>(width);
+    return inside ? x + b_base[i] + c.b_offset : nullptr;
+  };
+  auto advance = [&]() {
+    chunk += 2;
+    tap += 2;
+    while (tap >= taps) {
+      tap -= taps;
+      ++group;
+    }
+  };
+
+  int acc[WM / 8][WN / 8][2];
+#pragma unroll
+  for (int i = 0; i < WM / 8; ++i)
+#pragma unroll
+    for (int j = 0; j < WN / 8; ++j) acc[i][j][0] = acc[i][j][1] = 0;
+
+  auto compute = [&](int stage) {
+    const unsigned a_tile = shared_base + stage * STAGE_BYTES;
+    const unsigned b_tile = a_tile + TM * CONV_STEP_BYTES;
+#pragma unroll
+    for (int ks = 0; ks < MMA_STEPS; ++ks) {
+      unsigned a[A_FRAGS], b[B_FRAGS];   // [8-row block][k vector]
+#pragma unroll
+      for (int c = 0; c < A_FRAGS / 4; ++c) {
+        const int index = c * 4 + (lane >> 3);
+        ldmatrix_x4(a + c * 4, a_tile + conv_tile_offset(warp_m + index / KV * 8 + (lane & 7),
+                                                         ks * KV + index % KV));
+      }
+#pragma unroll
+      for (int c = 0; c < B_FRAGS / 4; ++c) {
+        const int index = c * 4 + (lane >> 3);
+        ldmatrix_x4(b + c * 4, b_tile + conv_tile_offset(warp_n + index / KV * 8 + (lane & 7),
+                                                         ks * KV + index % KV));
+      }
+#pragma unroll
+      for (int mi = 0; mi < WM / (8 * KV); ++mi) {
+#pragma unroll
+        for (int ni = 0; ni < WN / 8; ++ni) {
+          if constexpr (k32) {
+            const unsigned a_frag[4] = {a[4 * mi], a[4 * mi + 2], a[4 * mi + 1], a[4 * mi + 3]};
+            int d[4] = {acc[2 * mi][ni][0], acc[2 * mi][ni][1], acc[2 * mi + 1][ni][0], acc[2 * mi + 1][ni][1]};
+            mma_m16n8k32_s8(d, a_frag, b + 2 * ni);
+            acc[2 * mi][ni][0] = d[0];
+            acc[2 * mi][ni][1] = d[1];
+            acc[2 * mi + 1][ni][0] = d[2];
+            acc[2 * mi + 1][ni][1] = d[3];
+          } else {
+            mma_m8n8k16_s8(acc[mi][ni], a + mi, b + ni);
+          }
+        }
+      }
+    }
+  };
+
+  if constexpr (async) {
+    auto issue = [&](int stage) {
+      const unsigned tile = shared_base + stage * STAGE_BYTES;
+      const Chunk c = current_chunk();
+#pragma unroll
+      for (int i = 0; i < A_ITERS; ++i) {
+        const signed char* src = a_source(c, i);
+        cp_async_16(tile + conv_tile_offset(row0 + i * ROW_STEP, vector), src ? src : w, src ? 16 : 0);
+      }
+#pragma unroll
+      for (int i = 0; i < B_ITERS; ++i) {
+        const signed char* src = b_source(c, i);
+        cp_async_16(tile + TM * CONV_STEP_BYTES + conv_tile_offset(row0 + i * ROW_STEP, vector), src ? src : x,
+                    src ? 16 : 0);
+      }
+      advance();
+    };
+#pragma unroll
+    for (int s = 0; s < stages - 1; ++s) {
+      if (s < steps) issue(s);
+      cp_async_commit();
+    }
+    for (int t = 0; t < steps; ++t) {
+      cp_async_wait<stages - 2>();
+      __syncthreads();
+      if (t + stages - 1 < steps) issue((t + stages - 1) % stages);
+      cp_async_commit();
+      compute(t % stages);
+    }
+    cp_async_wait<0>();
+  } else {
+    int4 a_held[A_ITERS], b_held[B_ITERS];
+    auto fetch = [&]() {
+      const Chunk c = current_chunk();
+#pragma unroll
+      for (int i = 0; i < A_ITERS; ++i) {
+        const signed char* src = a_source(c, i);
+        a_held[i] = src ? __ldg(reinterpret_cast<const int4*>(src)) : make_int4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int i = 0; i < B_ITERS; ++i) {
+        const signed char* src = b_source(c, i);
+        b_held[i] = src ? __ldg(reinterpret_cast<const int4*>(src)) : make_int4(0, 0, 0, 0);
+      }
+      advance();
+    };
+    auto store = [&](int stage) {
+      char* tile = shared + stage * STAGE_BYTES;
+#pragma unroll
+      for (int i = 0; i < A_ITERS; ++i)
+        *reinterpret_cast<int4*>(tile + conv_tile_offset(row0 + i * ROW_STEP, vector)) = a_held[i];
+#pragma unroll
+      for (int i = 0; i < B_ITERS; ++i)
+        *reinterpret_cast<int4*>(tile + TM * CONV_STEP_BYTES + conv_tile_offset(row0 + i * ROW_STEP, vector)) =
+            b_held[i];
+    };
+    fetch();
+    store(0);
+    __syncthreads();
+    for (int t = 0; t < steps; ++t) {
+      if (t + 1 < steps) fetch();
+      compute(t & 1);
+      if (t + 1 < steps) store((t + 1) & 1);
+      __syncthreads();
+    }
+  }
+  __syncthreads();   // every warp is done with the pipeline's shared memory
+
+  // Epilogue through this warp's 256 ints of shared memory.
+  int* exchange = reinterpret_cast<int*>(shared) + warp * 256;
+  const int group_id = lane >> 2, in_group = lane & 3;   // writer: mma accumulator coordinates
+  const int pixel = lane >> 2, quarter = lane & 3;        // reader: pixel, channels 8 * quarter ..
+  const int pixel_swizzle = conv_exchange_swizzle(pixel);
+  const int64 split_offset = p.splits > 1 ? static_cast<int64>(blockIdx.z) * p.gemm_m * p.gemm_n : 0;
+#pragma unroll
+  for (int slice = 0; slice < WM / 32; ++slice) {
+#pragma unroll
+    for (int nb = 0; nb < WN / 8; ++nb) {
+#pragma unroll
+      for (int block = 0; block < 4; ++block) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int column = in_group * 2 + e, row = block * 8 + group_id;
+          exchange[column * 32 + (row ^ conv_exchange_swizzle(column))] = acc[slice * 4 + block][nb][e];
+        }
+      }
+      __syncwarp();
+      const int4 low = *reinterpret_cast<const int4*>(exchange + pixel * 32 + ((quarter * 8) ^ pixel_swizzle));
+      const int4 high = *reinterpret_cast<const int4*>(exchange + pixel * 32 + ((quarter * 8 + 4) ^ pixel_swizzle));
+      __syncwarp();
+      const int oc = m0 + warp_m + slice * 32 + quarter * 8;
+      const int j = n0 + warp_n + nb * 8 + pixel;
+      if (oc < p.gemm_m && j < p.gemm_n) {
+        const int image = j / ohw, rest = j - image * ohw;
+        const int64 offset = (static_cast<int64>(image * p.k32 + (oc >> 5)) * ohw + rest) * 32 + (oc & 31);
+        const int values[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
+        conv_epilogue_store(values, oc, offset + split_offset, p, y, z, alpha_vec, bias);
+      }
+    }
+  }
+}
+
+// Sums the p.splits int32 partials of split-K and applies the epilogue: each
+// thread takes 8 consecutive elements (channels) of the NCHW32 output.
+__device__ __forceinline__ void conv2d_int8_split_reduce(const int* __restrict__ partials, void* y,
+                                                         const signed char* z, const float* alpha_vec,
+                                                         const void* bias, const ConvParams& p) {
+  const int64 elements = static_cast<int64>(p.gemm_m) * p.gemm_n;
+  const int64 ohw = static_cast<int64>(p.oh) * p.ow;
+  for (int64 e = (static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x) * 8; e < elements;
+       e += static_cast<int64>(gridDim.x) * blockDim.x * 8) {
+    int acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int s = 0; s < p.splits; ++s) {
+      const int4* src = reinterpret_cast<const int4*>(partials + s * elements + e);
+      const int4 low = src[0], high = src[1];
+      acc[0] += low.x; acc[1] += low.y; acc[2] += low.z; acc[3] += low.w;
+      acc[4] += high.x; acc[5] += high.y; acc[6] += high.z; acc[7] += high.w;
+    }
+    const int oc = static_cast<int>((e >> 5) / ohw % p.k32) * 32 + static_cast<int>(e & 31);
+    conv_epilogue_store(acc, oc, e, p, y, z, alpha_vec, bias);
+  }
+}
+
+}  // namespace cupyops

@@ -1,0 +1,60 @@
+"""Runs every conv2d_int8 kernel once on small shapes, for compute-sanitizer
+(memcheck, racecheck): python scripts/sanitize_conv.py.
+
+Every configuration the generator can produce (both policies' kernels) on a
+shape with tails in GEMM_M, GEMM_N and GEMM_K, with and without split-K (the
+reduction kernel), then the public function through each policy with every
+out_dtype and the whole epilogue (bias, z, per-channel alpha, ReLU), and a
+1x7 filter with padding only at the sides. Prints each kernel's name."""
+from __future__ import annotations
+
+import os
+
+import cupy
+import numpy
+
+os.environ.setdefault("CUPYOPS_AUTOTUNE", "0")
+
+import cupyops  # noqa: E402
+from cupyops.launch import Target  # noqa: E402
+from cupyops.ops import conv2d_int8 as conv  # noqa: E402
+from cupyops.ops.conv_layout import ConvGeometry  # noqa: E402
+
+
+def main() -> None:
+    rng = cupy.random.default_rng(1)
+    arch = Target.live(cupy.cuda.runtime.getDevice()).facts.arch
+    g = ConvGeometry(2, 96, 9, 7, 160, 3, 3, (1, 1), (1, 1))
+    x = rng.integers(-128, 128, (g.n, g.c // 32, g.h, g.w, 32), dtype=numpy.int8)
+    w = rng.integers(-128, 128, (g.k, g.c // 32, g.r, g.s, 32), dtype=numpy.int8)
+    for spec in conv.all_specs(arch):
+        for splits in (1, 2):
+            per_split = -(-g.k_steps // splits)
+            chosen = conv.ConvPlan(spec, g, -(-g.k_steps // per_split), per_split, "sanitize", "auto")
+            y = cupy.empty(g.output_shape, numpy.int8)
+            conv.launch(chosen, x, w, y, None, None, None, conv.Epilogue(alpha=1e-4))
+            cupy.cuda.Device().synchronize()
+            print(f"{spec.name} splits {chosen.splits}", flush=True)
+    bias = rng.standard_normal(g.k, dtype=numpy.float32)
+    alpha = cupy.full(g.k, 1e-4, numpy.float32)
+    z = rng.integers(-128, 128, g.output_shape, dtype=numpy.int8)
+    for policy in conv.POLICIES:
+        for out_dtype in ("int8", "float16", "float32"):
+            cupyops.conv2d_int8(x, w, bias, z, padding=1, alpha=alpha, gamma=0.5, relu=True,
+                                out_dtype=out_dtype, policy=policy)
+        cupyops.conv2d_int8(x, w, padding=1, out_dtype="int32", policy=policy)
+        wide = rng.integers(-128, 128, (32, g.c // 32, 1, 7, 32), dtype=numpy.int8)
+        cupyops.conv2d_int8(x, wide, padding=(0, 3), policy=policy)
+        cupy.cuda.Device().synchronize()
+        print(f"public conv2d_int8 policy={policy}: every out_dtype, epilogue, 1x7", flush=True)
+    small = ConvGeometry(1, 256, 7, 7, 256, 3, 3, (1, 1), (1, 1))   # auto splits GEMM_K
+    xs = rng.integers(-128, 128, (1, 8, 7, 7, 32), dtype=numpy.int8)
+    ws = rng.integers(-128, 128, (256, 8, 3, 3, 32), dtype=numpy.int8)
+    cupyops.conv2d_int8(xs, ws, rng.standard_normal(256, dtype=numpy.float32), padding=1)
+    cupy.cuda.Device().synchronize()
+    print(f"split-K plan: {conv.live_plan(small, 'auto', cupy.cuda.runtime.getDevice()).explain()['split_k']} splits")
+    print("all paths ran")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""GPU tests of conv2d_int8 against the exact NumPy reference (tests/conftest.py
+skips them where no GPU is usable): every filter shape, stride, padding,
+dilation, tails, both policies, every kernel configuration, split-K, the
+epilogue (bias, z, per-channel alpha, ReLU) and every out_dtype, bad input."""
+from __future__ import annotations
+
+import numpy
+import pytest
+
+import cupyops
+from cupyops import tune
+from cupyops.launch import Target
+from cupyops.ops import conv2d_int8 as conv
+from cupyops.ops import conv_reference as ref
+from cupyops.ops.conv_layout import ConvGeometry
+
+pytestmark = pytest.mark.gpu
+
+# (N, C, H, W, K, R, S, stride, padding, dilation)
+SHAPES = [
+    (2, 64, 7, 9, 32, 1, 1, 1, 0, 1),            # 1x1, one GEMM_K step
+    (2, 64, 13, 11, 64, 3, 3, 1, 1, 1),
+    (3, 32, 15, 14, 96, 3, 3, 2, 1, 1),          # stride 2, K not a multiple of a tile
+    (1, 96, 12, 12, 128, 5, 5, 1, 2, 1),
+    (2, 32, 23, 23, 64, 7, 7, 2, 3, 1),
+    (1, 64, 9, 17, 32, 1, 7, 1, (0, 3), 1),      # 1x7
+    (2, 64, 16, 16, 64, 3, 3, 1, 2, 2),          # dilation 2
+    (1, 32, 8, 8, 32, 3, 3, 1, 1, 1),            # N = 1, C = K = 32, odd chunks (a half step)
+    (1, 32, 5, 5, 32, 3, 3, 1, 3, 1),            # padding 3: rows and columns of padding only
+    (4, 128, 20, 20, 256, 3, 3, 1, 0, 1),        # several tiles each way
+    (1, 256, 7, 7, 256, 3, 3, 1, 1, 1),          # a small grid: split-K under auto
+]
+
+
+@pytest.fixture(autouse=True)
+def no_autotune(monkeypatch):
+    monkeypatch.setenv(tune.AUTOTUNE_ENV, "0")
+
+
+def _geometry(shape) -> ConvGeometry:
+    n, c, h, w, k, r, s, stride, padding, dilation = shape
+    as_pair = lambda v: v if isinstance(v, tuple) else (v, v)   # noqa: E731
+    return ConvGeometry(n, c, h, w, k, r, s, as_pair(stride), as_pair(padding), as_pair(dilation))
+
+
+def _inputs(rng, g):
+    x = rng.integers(-128, 128, (g.n, g.c, g.h, g.w), dtype=numpy.int8)
+    w = rng.integers(-128, 128, (g.k, g.c, g.r, g.s), dtype=numpy.int8)
+    return x, w
+
+
+def _scale(g) -> float:
+    """An alpha that puts most outputs within int8 and saturates some."""
+    return 40.0 / (numpy.sqrt(g.gemm[2]) * 74.0 * 74.0)
+
+
+def _check_int8(y, value, label):
+    bad = ref.int8_mismatches(cupyops.from_nchw32(y).get(), value)
+    if len(bad):
+        first = tuple(bad[0])
+        got = cupyops.from_nchw32(y).get()[first]
+        pytest.fail(f"{label}: {len(bad)} int8 outputs differ; first (n, k, oh, ow) {list(first)}: "
+                    f"got {got}, float64 value {value[first]!r}")
+
+
+def _check_exact(y, expected, label):
+    got = cupyops.from_nchw32(y).get()
+    bad = numpy.argwhere(got != expected)
+    if len(bad):
+        first = tuple(bad[0])
+        pytest.fail(f"{label}: {len(bad)} outputs differ; first (n, k, oh, ow) {list(first)}: got {got[first]}, "
+                    f"expected {expected[first]}")
+
+
+def _run(x, w, g, **options):
+    import cupy
+
+    x5 = cupy.asarray(cupyops.to_nchw32(x))
+    w5 = cupy.asarray(cupyops.pack_conv_filter(w))
+    return cupyops.conv2d_int8(x5, w5, stride=g.stride, padding=g.padding, dilation=g.dilation, **options)
+
+
+@pytest.mark.parametrize("policy", conv.POLICIES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_accumulators_exact(rng, shape, policy):
+    g = _geometry(shape)
+    x, w = _inputs(rng, g)
+    acc = ref.accumulators(x, w, g.stride, g.padding, g.dilation)
+    y = _run(x, w, g, out_dtype="int32", policy=policy)
+    _check_exact(y, acc, f"{shape} {policy} int32")
+
+
+@pytest.mark.parametrize("policy", conv.POLICIES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_output(rng, shape, policy):
+    g = _geometry(shape)
+    x, w = _inputs(rng, g)
+    alpha = _scale(g)
+    value = ref.epilogue(ref.accumulators(x, w, g.stride, g.padding, g.dilation), alpha=alpha)
+    _check_int8(_run(x, w, g, alpha=alpha, policy=policy), value, f"{shape} {policy}")
+
+
+@pytest.mark.parametrize("out_dtype", ["int8", "float16", "float32"])
+@pytest.mark.parametrize("policy", conv.POLICIES)
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2], SHAPES[7], SHAPES[10]])
+@pytest.mark.parametrize("bias_dtype", [numpy.float32, numpy.int32])
+def test_full_epilogue(rng, shape, policy, out_dtype, bias_dtype):
+    import cupy
+
+    g = _geometry(shape)
+    x, w = _inputs(rng, g)
+    acc = ref.accumulators(x, w, g.stride, g.padding, g.dilation)
+    alpha = (_scale(g) * rng.uniform(0.5, 1.5, g.k)).astype(numpy.float32)
+    bias = rng.integers(-20, 20, g.k).astype(bias_dtype)
+    z = rng.integers(-128, 128, (g.n, g.k, g.oh, g.ow), dtype=numpy.int8)
+    beta, gamma = 0.75, 0.125
+    value = ref.epilogue(acc, alpha=alpha, beta=beta, gamma=gamma, bias=bias, z=z, relu=True)
+    out = cupy.full(g.output_shape, 77, dtype=out_dtype)   # poisoned: unwritten outputs fail
+    y = _run(x, w, g, bias=cupy.asarray(bias), z=cupy.asarray(cupyops.to_nchw32(z)), alpha=cupy.asarray(alpha),
+             beta=beta, gamma=gamma, relu=True, out_dtype=out_dtype, out=out, policy=policy)
+    assert y is out
+    label = f"{shape} {policy} {out_dtype} bias {numpy.dtype(bias_dtype)}"
+    if out_dtype == "int8":
+        _check_int8(y, value, label)
+    else:
+        tolerance = dict(rtol=1e-3, atol=2e-2) if out_dtype == "float16" else dict(rtol=1e-5, atol=1e-4)
+        numpy.testing.assert_allclose(cupyops.from_nchw32(y).get().astype(numpy.float64), value,
+                                      err_msg=label, **tolerance)
+
+
+@pytest.mark.parametrize("spec_index", range(len(conv.all_specs("sm_90"))))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_every_configuration(rng, spec_index, splits):
+    """Each kernel the generator can produce, launched directly, with and without split-K."""
+    import cupy
+
+    g = _geometry((2, 96, 19, 17, 160, 3, 3, 1, 1, 1))
+    x, w = _inputs(rng, g)
+    target_arch = Target.live(cupy.cuda.runtime.getDevice()).facts.arch
+    spec = conv.all_specs(target_arch)[spec_index]
+    per_split = -(-g.k_steps // splits)
+    chosen = conv.ConvPlan(spec, g, -(-g.k_steps // per_split), per_split, "test", "auto")
+    x5, w5 = cupy.asarray(cupyops.to_nchw32(x)), cupy.asarray(cupyops.pack_conv_filter(w))
+    y = cupy.full(g.output_shape, -7, dtype=numpy.int32)
+    conv.launch(chosen, x5, w5, y, None, None, None, conv.Epilogue(out_dtype="int32"))
+    _check_exact(y, ref.accumulators(x, w, g.stride, g.padding, g.dilation), f"{spec.name} splits {splits}")
+
+
+def test_first_use_tunes_and_explain_says_so(rng, monkeypatch, tmp_path):
+    import cupy
+
+    monkeypatch.setenv(tune.AUTOTUNE_ENV, "1")
+    table = tune.TuningTable(tmp_path / "tuning.json")
+    monkeypatch.setattr(tune, "_default_table", table)
+    g = _geometry((2, 64, 10, 10, 64, 3, 3, 1, 1, 1))
+    x, w = _inputs(rng, g)
+    _check_exact(_run(x, w, g, out_dtype="int32"), ref.accumulators(x, w, g.stride, g.padding), "tuned plan")
+    device = tune.DeviceKey.live(cupy.cuda.runtime.getDevice())
+    assert table.lookup(device, conv.OP, g.key()) is not None
+    assert conv.live_plan(g, "auto", cupy.cuda.runtime.getDevice()).source == "tuned"
+
+
+def test_bad_input_names_the_argument(rng):
+    import cupy
+
+    g = _geometry(SHAPES[1])
+    x, w = _inputs(rng, g)
+    x5, w5 = cupy.asarray(cupyops.to_nchw32(x)), cupy.asarray(cupyops.pack_conv_filter(w))
+    cases = [
+        (TypeError, "x must be int8", lambda: cupyops.conv2d_int8(x5.astype(cupy.int16), w5)),
+        (TypeError, "w must be int8", lambda: cupyops.conv2d_int8(x5, w5.astype(cupy.float32))),
+        (ValueError, "to_nchw32", lambda: cupyops.conv2d_int8(cupy.asarray(x), w5)),
+        (ValueError, "pack_conv_filter", lambda: cupyops.conv2d_int8(x5, cupy.asarray(w))),
+        (ValueError, "input channels", lambda: cupyops.conv2d_int8(x5[:, :1], w5)),
+        (ValueError, "does not fit", lambda: cupyops.conv2d_int8(x5[:, :, :2, :2], w5)),
+        (ValueError, "bias", lambda: cupyops.conv2d_int8(x5, w5, cupy.zeros(g.k + 1, cupy.float32))),
+        (TypeError, "bias", lambda: cupyops.conv2d_int8(x5, w5, cupy.zeros(g.k, cupy.float64))),
+        (ValueError, "alpha", lambda: cupyops.conv2d_int8(x5, w5, alpha=cupy.ones(3, cupy.float32))),
+        (ValueError, "z has shape", lambda: cupyops.conv2d_int8(x5, w5, z=x5)),
+        (ValueError, "raw accumulators", lambda: cupyops.conv2d_int8(x5, w5, relu=True, out_dtype="int32")),
+        (ValueError, "out_dtype", lambda: cupyops.conv2d_int8(x5, w5, out_dtype="bfloat16")),
+        (ValueError, "out has shape", lambda: cupyops.conv2d_int8(x5, w5, out=cupy.empty(3, cupy.int8))),
+        (ValueError, "stride", lambda: cupyops.conv2d_int8(x5, w5, stride=0)),
+    ]
+    for error, message, call in cases:
+        with pytest.raises(error, match=message):
+            call()
+    cupy.cuda.Device().synchronize()   # no launch faulted
+
+
+def test_arrays_on_another_device_are_refused(rng):
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    g = _geometry(SHAPES[0])
+    x, w = _inputs(rng, g)
+    x5 = cupy.asarray(cupyops.to_nchw32(x))
+    with cupy.cuda.Device(1):
+        w5 = cupy.asarray(cupyops.pack_conv_filter(w))
+    with pytest.raises(ValueError, match="w is on GPU 1"):
+        cupyops.conv2d_int8(x5, w5)
+
+
+def test_layout_helpers_on_the_gpu(rng):
+    import cupy
+
+    x = rng.integers(-128, 128, (2, 40, 3, 5), dtype=numpy.int8)
+    packed = cupyops.to_nchw32(cupy.asarray(x))
+    assert isinstance(packed, cupy.ndarray) and packed.shape == (2, 2, 3, 5, 32)
+    numpy.testing.assert_array_equal(cupyops.from_nchw32(packed, 40).get(), x)
