@@ -90,9 +90,12 @@ from typing import Optional
 import numpy
 
 from .. import arrays, async_row, dtypes, jit, rowwise
+from ..callcache import CallCache, call_key, run_on, writable
 from ..device import WARP_SIZE, has_clusters
-from ..launch import (BLOCK_SIZE_LADDER, MAX_GRID_X, KernelLaunch, Target, choose_block_size, get_num_blocks,
-                      live_function)
+from ..launch import BLOCK_SIZE_LADDER, MAX_GRID_X, KernelLaunch, Target, choose_block_size, get_num_blocks
+from . import norm_args
+from .norm_launch import (BackwardLaunch, ForwardLaunch, backward_launch, forward_launch, run_backward,
+                          run_forward)
 from .softmax import (AUTO_PEELED_SMALL_BLOCKS, AUTO_PEELED_SMALL_MAX_PACKS, AUTO_PEELED_SMALL_MIN_COLS,
                       peeled_pack, peeled_small_rows_per_block, vector_pack_size)
 
@@ -1225,128 +1228,107 @@ def _auto_backward_dx(fields, rows, cols, align, target) -> KernelLaunch:
 
 # -- launch ------------------------------------------------------------------
 
-_NULL = numpy.uint64(0)
-_functions: dict = {}
+def launch_forward(chosen: NormPlan, device_id: int, rows: int, cols: int, x, y, eps: float, *,
+                   residual=None, h=None, weight=None, bias=None, mean=None, rstd=None) -> ForwardLaunch:
+    """Runs a forward plan: x, y and residual are rowwise.Operands, h (stored
+    when residual is given) a contiguous [rows, cols] array, weight / bias
+    contiguous [cols], mean / rstd [rows] in the compute type (None: not
+    stored). Returns the ready launch it ran."""
+    check_block_covers(chosen.main.spec, cols)
+    launch = forward_launch(chosen, device_id, rows, cols, dtypes.float_type(x.array.dtype), eps, x.row_stride,
+                            0 if residual is None else residual.row_stride, y.row_stride)
+    run_forward(launch, x.array, None if residual is None else residual.array, weight, bias, y.array, h, mean, rstd)
+    return launch
 
 
-def _function(launch: KernelLaunch, device_id: int):
-    key = (launch.spec, device_id)
-    found = _functions.get(key)
-    if found is None:
-        found = _functions[key] = live_function(launch.spec, device_id, launch.smem_bytes)
-    return found
+def launch_backward(chosen: NormGradPlan, device_id: int, rows: int, cols: int, dy, x, dx, rstd, *,
+                    mean=None, weight=None, dweight=None, dbias=None) -> BackwardLaunch:
+    """Runs a backward plan: dy, x and dx are rowwise.Operands, rstd / mean
+    (None for RMSNorm) [rows] in the compute type, weight contiguous [cols];
+    dweight / dbias [cols] are written when given (the plan must then reduce
+    them). Allocates the workspace of the gradients wanted; the kernels skip
+    a null one. Returns the ready launch it ran."""
+    check_block_covers(chosen.main.spec, cols)
+    phases = chosen.weight_phases
+    phase_stride = 0 if phases is None else shifted_copy_elements(phases.spec.pack_size, cols)
+    launch = backward_launch(chosen, device_id, rows, cols, dy.row_stride, x.row_stride, dx.row_stride,
+                             phase_stride)
+    run_backward(launch, dy.array, x.array, dx.array, rstd, mean, weight, dweight, dbias)
+    return launch
 
 
-def _run(launch: KernelLaunch, device_id: int, args: tuple) -> None:
-    _function(launch, device_id)(launch.grid, launch.block, args, shared_mem=launch.smem_bytes)
+# Whole calls memoised (callcache): one launch on the caller's arrays.
+_calls = CallCache()
 
 
-def _write_weight_phases(launch: Optional[KernelLaunch], device_id: int, cols: int, weight):
-    """Runs a plan's weight_phases launch: (weight, stride) for the dx
-    kernel, the phase copies, or the weight itself and 0 without the launch."""
-    import cupy
-
-    if launch is None:
-        return weight, 0
-    stride = shifted_copy_elements(launch.spec.pack_size, cols)
-    copies = cupy.empty(launch.spec.pack_size * stride, weight.dtype)
-    _run(launch, device_id, (weight, numpy.int64(cols), copies, numpy.int64(stride)))
-    return copies, stride
-
-
-def _pointer(array):
-    return _NULL if array is None else array
-
-
-def _scalar(ftype: dtypes.FloatType, value: float):
-    return numpy.float64(value) if ftype.compute == "f64" else numpy.float32(value)
-
-
-# -- argument checks -----------------------------------------------------------
-
-def _normalized_axes(x, axis) -> int:
-    """Number of trailing axes `axis` names (ValueError if they are not trailing)."""
-    axes = arrays.normalize_axes(axis, x.ndim)
-    if axes != tuple(range(x.ndim - len(axes), x.ndim)):
-        raise ValueError(f"axis {axis!r} must name trailing axes of the {x.ndim}-d input "
-                         "(as torch's normalized_shape); move the axes last first")
-    if not axes:
-        raise ValueError("axis names no axis")
-    return len(axes)
-
-
-def _check_like(value, name: str, shape: tuple, dtype, device_id: int):
-    """A GPU array of exactly `shape`, `dtype` and device, else a named error."""
-    if value is None:
-        return None
-    value = arrays.as_cupy(value, name)
-    if value.dtype != dtype:
-        raise TypeError(f"{name} has dtype {value.dtype}, expected {numpy.dtype(dtype)} (the input's)")
-    if value.shape != tuple(shape):
-        raise ValueError(f"{name} has shape {value.shape}, expected {tuple(shape)}")
-    if value.device.id != device_id:
-        raise ValueError(f"{name} is on GPU {value.device.id}, the input on GPU {device_id}")
-    return value
-
-
-def _check_eps(eps) -> float:
-    eps = float(eps)
-    if not eps > 0 or math.isinf(eps):
-        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
-    return eps
-
-
-def _float_input(x, name: str = "x"):
-    x = arrays.as_cupy(x, name)
-    dtypes.float_type(x.dtype)   # TypeError for anything but float16/bfloat16/float32/float64
-    return x
-
-
-def _stats_dtype(dtype) -> numpy.dtype:
-    return dtypes.DTYPE_OF_SHORT[dtypes.float_type(dtype).compute]
+def _remember(key, launched: list, caller: tuple, result, call: tuple) -> None:
+    """Remembers `call` (the ready launch and how to allocate the outputs)
+    under `key` when rowwise.run made one launch, writing `result` and
+    reading the memory of the caller's arrays (cupy.ndarray or None, as the
+    key says) rather than copies."""
+    if key is None or len(launched) != 1:
+        return
+    read, written, ready = launched[0]
+    if written is result and all(a is b or (a is not None and b is not None and a.data.ptr == b.data.ptr)
+                                 for a, b in zip(read, caller)):
+        _calls.remember(key, (ready, *call))
 
 
 # -- forward -------------------------------------------------------------------
 
-def launch_forward(chosen: NormPlan, device_id: int, rows: int, cols: int, x, y, eps: float, *,
-                   residual=None, h=None, weight=None, bias=None, mean=None, rstd=None) -> None:
-    """Runs a forward plan: x, y and residual are rowwise.Operands, h (stored
-    when residual is given) a contiguous [rows, cols] array, weight / bias
-    contiguous [cols], mean / rstd [rows] in the compute type (None: not stored)."""
-    check_block_covers(chosen.main.spec, cols)
-    ftype = dtypes.float_type(x.array.dtype)
-    _run(chosen.main, device_id, (
-        x.array, _pointer(None if residual is None else residual.array), _pointer(weight),
-        _pointer(bias), y.array, _pointer(h), _pointer(mean), _pointer(rstd),
-        numpy.int64(rows), numpy.int64(cols), numpy.int64(x.row_stride),
-        numpy.int64(0 if residual is None else residual.row_stride), numpy.int64(y.row_stride),
-        numpy.int64(cols), _scalar(ftype, eps)))
+def _forward_outputs(x, residual: bool, lead_shape: tuple, stats_dtype, centered: bool, return_stats: bool):
+    import cupy
+
+    h = cupy.empty(x.shape, x.dtype) if residual else None
+    mean = cupy.empty(lead_shape, stats_dtype) if return_stats and centered else None
+    rstd = cupy.empty(lead_shape, stats_dtype) if return_stats else None
+    return h, mean, rstd
+
+
+def _forward_result(y, h, mean, rstd, return_stats: bool):
+    result = (y,) if h is None else (y, h)
+    if return_stats:
+        result += (rstd,) if mean is None else (mean, rstd)
+    return result[0] if len(result) == 1 else result
+
+
+def _replay_forward(call, x, weight, bias, residual, out):
+    import cupy
+
+    launch, *outputs = call
+    y = out if out is not None else cupy.empty(x.shape, x.dtype)
+    h, mean, rstd = _forward_outputs(x, residual is not None, *outputs)
+    run_forward(launch, x, residual, weight, bias, y, h, mean, rstd)
+    return _forward_result(y, h, mean, rstd, outputs[-1])
 
 
 def _forward(op, x, weight, bias, axis, eps, residual, return_stats, out, policy, stream):
     import cupy
 
-    x = _float_input(x)
+    key = call_key((op, policy, axis, eps, return_stats), (x, weight, bias, residual, out))
+    call = _calls.find(key)
+    if call is not None and writable(out, (x, residual)):
+        return run_on(stream, _replay_forward, call, x, weight, bias, residual, out)
+
+    caller = (x, residual, weight, bias)
+    x = norm_args.float_input(x)
     arrays.check_policy(policy)
-    eps = _check_eps(eps)
+    eps = norm_args.check_eps(eps)
     ftype = dtypes.float_type(x.dtype)
-    num_axes = _normalized_axes(x, axis)
+    num_axes = norm_args.normalized_axes(x, axis)
     normalized_shape = x.shape[x.ndim - num_axes:]
     device_id = x.device.id
-    weight = _check_like(weight, "weight", normalized_shape, x.dtype, device_id)
-    bias = _check_like(bias, "bias", normalized_shape, x.dtype, device_id)
-    residual = _check_like(residual, "residual", x.shape, x.dtype, device_id)
+    weight = norm_args.check_like(weight, "weight", normalized_shape, x.dtype, device_id)
+    bias = norm_args.check_like(bias, "bias", normalized_shape, x.dtype, device_id)
+    residual = norm_args.check_like(residual, "residual", x.shape, x.dtype, device_id)
     out = arrays.check_out(out, x.shape, x.dtype, device_id)
-    stats_dtype = _stats_dtype(x.dtype)
-    lead_shape = x.shape[:x.ndim - num_axes]
-    centered = op == "layer_norm"
+    outputs = (x.shape[:x.ndim - num_axes], norm_args.stats_dtype(x.dtype), op == "layer_norm", bool(return_stats))
+    launched = []
 
     with arrays.on_device(x, stream):
         weight = None if weight is None else cupy.ascontiguousarray(weight)
         bias = None if bias is None else cupy.ascontiguousarray(bias)
-        h = cupy.empty(x.shape, x.dtype) if residual is not None else None
-        mean = cupy.empty(lead_shape, stats_dtype) if return_stats and centered else None
-        rstd = cupy.empty(lead_shape, stats_dtype) if return_stats else None
+        h, mean, rstd = _forward_outputs(x, residual is not None, *outputs)
 
         def launch(operands, output, rows, cols):
             x_op = operands[0]
@@ -1360,8 +1342,10 @@ def _forward(op, x, weight, bias, axis, eps, residual, return_stats, out, policy
             chosen = plan(op, rows, cols, ftype.short, policy, Target.live(device_id), align,
                           weight=weight is not None, bias=bias is not None,
                           residual=residual is not None, same_phase=arrays.same_phase(*row_operands))
-            launch_forward(chosen, device_id, rows, cols, x_op, output, eps, residual=res_op, h=h,
-                           weight=weight, bias=bias, mean=mean, rstd=rstd)
+            ready = launch_forward(chosen, device_id, rows, cols, x_op, output, eps, residual=res_op, h=h,
+                                   weight=weight, bias=bias, mean=mean, rstd=rstd)
+            launched.append(((x_op.array, None if res_op is None else res_op.array, weight, bias), output.array,
+                             ready))
 
         if x.size == 0:
             y = out if out is not None else cupy.empty(x.shape, x.dtype)
@@ -1371,12 +1355,8 @@ def _forward(op, x, weight, bias, axis, eps, residual, return_stats, out, policy
         else:
             inputs = [x] if residual is None else [x, residual]
             y = rowwise.run(inputs, tuple(range(x.ndim - num_axes, x.ndim)), out, x.dtype, launch)
-    result = [y]
-    if residual is not None:
-        result.append(h)
-    if return_stats:
-        result += [mean, rstd] if centered else [rstd]
-    return result[0] if len(result) == 1 else tuple(result)
+    _remember(key, launched, caller, y, outputs)
+    return _forward_result(y, h, mean, rstd, outputs[-1])
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=1e-5, residual=None, return_stats=False,
@@ -1405,83 +1385,58 @@ def rms_norm(x, weight=None, *, axis=-1, eps=1e-5, residual=None, return_stats=F
 
 # -- backward ------------------------------------------------------------------
 
-def _check_stat(value, name: str, rows: int, dtype, device_id: int):
+def _param_grads(x, grads_shape: tuple, need_weight_grad: bool, need_bias_grad: bool):
+    """dweight and dbias (None unless wanted) to write."""
     import cupy
 
-    value = arrays.as_cupy(value, name)
-    if value.dtype.kind != "f":
-        raise TypeError(f"{name} has dtype {value.dtype}, expected floating point")
-    if value.size != rows:
-        raise ValueError(f"{name} has {value.size} elements, expected one per row ({rows})")
-    if value.device.id != device_id:
-        raise ValueError(f"{name} is on GPU {value.device.id}, the input on GPU {device_id}")
-    return cupy.ascontiguousarray(value.reshape(rows), dtype=dtype)
+    # the finish kernel writes every element; no rows: all zeros
+    allocate = cupy.empty if x.size else cupy.zeros
+    return (allocate(grads_shape, x.dtype) if need_weight_grad else None,
+            allocate(grads_shape, x.dtype) if need_bias_grad else None)
 
 
-def launch_backward(chosen: NormGradPlan, device_id: int, rows: int, cols: int, dy, x, dx, rstd, *,
-                    mean=None, weight=None, dweight=None, dbias=None) -> None:
-    """Runs a backward plan: dy, x and dx are rowwise.Operands, rstd / mean
-    (None for RMSNorm) [rows] in the compute type, weight contiguous [cols];
-    dweight / dbias [cols] are written when given (the plan must then reduce
-    them). Allocates the [parts, cols] workspace of the gradients wanted; the
-    kernels skip a null one."""
+def _replay_backward(call, dy, x, mean, rstd, weight):
     import cupy
 
-    check_block_covers(chosen.main.spec, cols)
-    weight, phase_stride = _write_weight_phases(chosen.weight_phases, device_id, cols, weight)
-    weight_parts = bias_parts = None
-    if dweight is not None:
-        weight_parts = cupy.empty((chosen.num_parts, cols), rstd.dtype)
-    if dbias is not None:
-        bias_parts = cupy.empty((chosen.num_parts, cols), rstd.dtype)
-    for step in (chosen.main, chosen.param_grad):
-        if step is None:
-            continue
-        writes_dx = step is chosen.main
-        writes_parts = step.spec.fuse_param_grad or not writes_dx
-        _run(step, device_id, (
-            dy.array, x.array, _pointer(weight), _pointer(mean), rstd,
-            dx.array if writes_dx else _NULL,
-            _pointer(weight_parts if writes_parts else None),
-            _pointer(bias_parts if writes_parts else None),
-            numpy.int64(rows), numpy.int64(cols), numpy.int64(dy.row_stride),
-            numpy.int64(x.row_stride), numpy.int64(dx.row_stride),
-            numpy.int64(chosen.rows_per_chunk), numpy.int64(phase_stride)))
-    if chosen.finish is not None:
-        _run(chosen.finish, device_id, (_pointer(weight_parts), _pointer(bias_parts),
-                                        numpy.int64(chosen.num_parts), numpy.int64(cols),
-                                        _pointer(dweight), _pointer(dbias)))
+    launch, grads_shape, need_weight_grad, need_bias_grad, centered = call
+    dx = cupy.empty(x.shape, x.dtype)
+    dweight, dbias = _param_grads(x, grads_shape, need_weight_grad, need_bias_grad)
+    run_backward(launch, dy, x, dx, rstd, mean, weight, dweight, dbias)
+    return (dx, dweight, dbias) if centered else (dx, dweight)
 
 
 def _backward(op, dy, x, mean, rstd, weight, axis, need_weight_grad, need_bias_grad, policy, stream):
     import cupy
 
-    x = _float_input(x)
+    key = call_key((op, policy, axis, need_weight_grad, need_bias_grad), (x, dy, mean, rstd, weight))
+    call = _calls.find(key)
+    if call is not None:
+        return run_on(stream, _replay_backward, call, dy, x, mean, rstd, weight)
+
+    caller = (dy, x, mean, rstd, weight)
+    x = norm_args.float_input(x)
     arrays.check_policy(policy)
     device_id = x.device.id
-    dy = _check_like(dy, "dy", x.shape, x.dtype, device_id)
+    dy = norm_args.check_like(dy, "dy", x.shape, x.dtype, device_id)
     if dy is None:
         raise TypeError("dy must be a GPU array")
     ftype = dtypes.float_type(x.dtype)
-    num_axes = _normalized_axes(x, axis)
+    num_axes = norm_args.normalized_axes(x, axis)
     normalized_shape = x.shape[x.ndim - num_axes:]
-    weight = _check_like(weight, "weight", normalized_shape, x.dtype, device_id)
-    stats_dtype = _stats_dtype(x.dtype)
+    weight = norm_args.check_like(weight, "weight", normalized_shape, x.dtype, device_id)
+    stats_dtype = norm_args.stats_dtype(x.dtype)
     cols = math.prod(normalized_shape)
     rows = x.size // cols if cols else 0
     centered = op == "layer_norm_backward"
-    need_bias_grad = bool(need_bias_grad) and centered
-    param_grad = bool(need_weight_grad) or need_bias_grad
+    outputs = (normalized_shape, bool(need_weight_grad), bool(need_bias_grad) and centered, centered)
+    param_grad = outputs[1] or outputs[2]
+    launched = []
 
     with arrays.on_device(x, stream):
-        mean = _check_stat(mean, "mean", rows, stats_dtype, device_id) if centered else None
-        rstd = _check_stat(rstd, "rstd", rows, stats_dtype, device_id)
+        mean = norm_args.check_stat(mean, "mean", rows, stats_dtype, device_id) if centered else None
+        rstd = norm_args.check_stat(rstd, "rstd", rows, stats_dtype, device_id)
         weight = None if weight is None else cupy.ascontiguousarray(weight)
-        grad_dtype = x.dtype
-        # the finish kernel writes every element; no rows: all zeros
-        allocate = cupy.empty if rows else cupy.zeros
-        dweight = allocate(normalized_shape, grad_dtype) if need_weight_grad else None
-        dbias = allocate(normalized_shape, grad_dtype) if need_bias_grad else None
+        dweight, dbias = _param_grads(x, *outputs[:3])
 
         def launch(operands, output, rows, cols):
             dy_op, x_op = operands
@@ -1493,13 +1448,15 @@ def _backward(op, dy, x, mean, rstd, weight, axis, need_weight_grad, need_bias_g
                           arrays.alignment(*pointers), weight=weight is not None, param_grad=param_grad,
                           same_phase=arrays.same_phase(dy_op, x_op, output))
             _check_grad_plan(chosen, param_grad)
-            launch_backward(chosen, device_id, rows, cols, dy_op, x_op, output, rstd, mean=mean,
-                            weight=weight, dweight=dweight, dbias=dbias)
+            ready = launch_backward(chosen, device_id, rows, cols, dy_op, x_op, output, rstd, mean=mean,
+                                    weight=weight, dweight=dweight, dbias=dbias)
+            launched.append(((dy_op.array, x_op.array, mean, rstd, weight), output.array, ready))
 
         if x.size == 0:
             dx = cupy.empty(x.shape, x.dtype)
         else:
             dx = rowwise.run([dy, x], tuple(range(x.ndim - num_axes, x.ndim)), None, x.dtype, launch)
+    _remember(key, launched, caller, dx, outputs)
     return (dx, dweight, dbias) if centered else (dx, dweight)
 
 

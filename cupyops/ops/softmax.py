@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import numpy
 
 from .. import arrays, async_row, dtypes, jit, rowwise
+from ..callcache import CallCache, ReadyLaunch, call_key, run_on, writable
 from ..device import WARP_SIZE, has_clusters
 from ..launch import (MAX_GRID_X, KernelLaunch, LaunchCache, Target, choose_block_size, get_num_blocks,
                       live_function)
@@ -557,8 +558,8 @@ _launches = LaunchCache()
 
 
 def _launch(op, policy, inputs, output, rows, cols):
-    """Runs op on row operands; returns the launch (function, grid, block, smem,
-    scalar arguments) when it was one row kernel, None when the split path ran."""
+    """Runs op on row operands; returns (ReadyLaunch, scalar arguments) when it
+    was one row kernel, None when the split path ran."""
     operands = (*inputs, output)
     align = arrays.alignment(*(value for o in operands for value in (o.byte_address, o.byte_row_stride)))
     same_phase = arrays.same_phase(*operands)
@@ -573,90 +574,90 @@ def _launch(op, policy, inputs, output, rows, cols):
 
     def make():
         chosen = plan(op, rows, cols, ftype.short, policy, Target.live(device_id), align, same_phase)
-        return (live_function(chosen.spec, device_id, chosen.smem_bytes), chosen.grid, chosen.block,
-                chosen.smem_bytes)
+        return ReadyLaunch(live_function(chosen.spec, device_id, chosen.smem_bytes), chosen.grid, chosen.block,
+                           chosen.smem_bytes)
 
-    function, grid, block, smem = _launches.get(key, make)
+    ready = _launches.get(key, make)
     scalars = (numpy.int64(rows), numpy.int64(cols), *(numpy.int64(o.row_stride) for o in operands))
-    function(grid, block, (*(o.array for o in operands), *scalars), shared_mem=smem)
-    return function, grid, block, smem, scalars
+    ready((*(o.array for o in operands), *scalars))
+    return ready, scalars
 
 
-# Whole calls memoised: softmax(x, axis=int, out=None | x | a disjoint array)
-# on the current device, keyed on everything the slow path decides from, so a
-# repeated call costs a key, a lookup and the launch.
-_calls = LaunchCache()
+# Whole calls memoised (callcache): one row kernel on the caller's arrays.
+_calls = CallCache()
 
 
-def _call_key(op, policy, x, axis, out):
-    if type(axis) is not int or (out is not None and type(out) is not type(x)):
-        return None   # the slow path checks (and explains) everything else
-    memory = x.data
-    out_key = None if out is None else (out is x, out.shape, out.strides, out.dtype, out.data.ptr & 15,
-                                        out.data.device_id)
-    return (op, policy, axis, x.shape, x.strides, x.dtype, memory.ptr & 15, memory.device_id, out_key)
+def _replay(call, inputs: tuple, out):
+    import cupy
+
+    ready, scalars = call
+    result = out if out is not None else cupy.empty(inputs[0].shape, inputs[0].dtype)
+    ready((*inputs, result, *scalars))
+    return result
 
 
-def _disjoint(x, out) -> bool:
-    if out is None or out is x:
-        return True
-    if not (x.flags.c_contiguous and out.flags.c_contiguous):
-        return False
-    return out.data.ptr >= x.data.ptr + x.nbytes or x.data.ptr >= out.data.ptr + out.nbytes
+def _run_rows(op, policy, inputs: list, axes, out, result_dtype, key):
+    """rowwise.run of op, remembering the call under `key` when it was one
+    row kernel on `inputs` writing the result."""
+    launches = []
+
+    def launch(row_inputs, output, rows, cols):
+        launches.append((tuple(o.array for o in row_inputs), output.array,
+                         _launch(op, policy, row_inputs, output, rows, cols)))
+
+    result = rowwise.run(inputs, axes, out, result_dtype, launch)
+    if len(launches) == 1:
+        read, written, call = launches[0]
+        if call is not None and written is result and all(a is b for a, b in zip(read, inputs)):
+            _calls.remember(key, call)
+    return result
 
 
 def _forward(op, x, axis, out, policy, stream):
     import cupy
 
-    key = None
-    if stream is None and type(x) is cupy.ndarray:
-        key = _call_key(op, policy, x, axis, out)
-        call = _calls.peek(key) if key is not None else None
-        if call is not None and key[7] == cupy.cuda.runtime.getDevice() and _disjoint(x, out):
-            function, grid, block, smem, scalars = call
-            y = out if out is not None else cupy.empty(x.shape, x.dtype)
-            function(grid, block, (x, y, *scalars), shared_mem=smem)
-            return y
+    key = call_key((op, policy, axis), (x, out))
+    call = _calls.find(key)
+    if call is not None and writable(out, (x,)):
+        return run_on(stream, _replay, call, (x,), out)
 
+    caller_x = x
     x = arrays.as_cupy(x)
     arrays.check_policy(policy)
     result_dtype = dtypes.result_dtype(x.dtype)
     if x.dtype != result_dtype:
-        x, key = x.astype(result_dtype), None
+        x = x.astype(result_dtype)
     shape = x.shape
     if x.ndim == 0:   # SciPy treats a scalar as one row of one element
-        x, key = x.reshape(1), None
+        x = x.reshape(1)
+    if x is not caller_x:
+        key = None   # the kernel reads a converted copy or view
     axes = arrays.normalize_axes(axis, x.ndim)
     out = arrays.check_out(out, shape, result_dtype, x.device.id)
     if x.size == 0:
         return out if out is not None else cupy.empty(shape, result_dtype)
     target = out if out is None or out.shape == x.shape else out.reshape(x.shape)
-    launches = []
-
-    def launch(inputs, output, rows, cols):
-        launches.append((inputs[0].array, output.array, _launch(op, policy, inputs, output, rows, cols)))
-
     with arrays.on_device(x, stream):
         result = None
         if policy == "auto" and len(axes) == 1 and axes[0] != x.ndim - 1:
             from . import softmax_axis   # imports this module: bound late
             result = softmax_axis.run(op, x, axes[0], target)
         if result is None:
-            result = rowwise.run([x], axes, target, result_dtype, launch)
+            result = _run_rows(op, policy, [x], axes, target, result_dtype, key)
     if out is not None:
         result = out
     elif result.shape != shape:
         result = result.reshape(shape)
-    # Memoise the call when it was one launch reading x and writing the result.
-    if key is not None and len(launches) == 1:
-        read, written, record = launches[0]
-        if record is not None and read is x and written is result:
-            _calls.put(key, record)
     return result
 
 
 def _backward(op, dy, y, axis, out, policy, stream):
     import cupy
+
+    key = call_key((op, policy, axis), (dy, y, out))
+    call = _calls.find(key)
+    if call is not None and writable(out, (dy, y)):
+        return run_on(stream, _replay, call, (dy, y), out)
 
     dy, y = arrays.as_cupy(dy, "dy"), arrays.as_cupy(y, "y")
     arrays.check_policy(policy)
@@ -678,8 +679,7 @@ def _backward(op, dy, y, axis, out, policy, stream):
             result = softmax_axis.run_backward(op, dy, y, axes[0], out)
             if result is not None:
                 return result
-        return rowwise.run([dy, y], axes, out, dy.dtype,
-                           lambda i, o, rows, cols: _launch(op, policy, i, o, rows, cols))
+        return _run_rows(op, policy, [dy, y], axes, out, dy.dtype, key)
 
 
 def softmax(x, axis=None, *, out=None, policy: str = "auto", stream=None):

@@ -1,0 +1,74 @@
+"""A GPU stand-in for the public functions' host path on the CPU: cupy arrays
+over fake device memory, kernels recorded rather than run, plans made for
+the H100 profile (occupancy from NVRTC compiles). Only paths that launch the
+ops' own kernels work: no CuPy kernel (fill, copy, astype) can run."""
+from __future__ import annotations
+
+import itertools
+
+import numpy
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+from cupyops import launch, rowwise  # noqa: E402
+from cupyops.callcache import CallCache  # noqa: E402
+from cupyops.launch import LaunchCache, Target  # noqa: E402
+from cupyops.ops import norm, norm_launch, softmax, softmax_axis, softmax_split  # noqa: E402
+
+ALLOCATION_BYTES = 512   # CuPy's pool rounds allocations up to this
+
+
+class Launch:
+    def __init__(self, name, grid, block, smem, args):
+        self.name, self.grid, self.block, self.smem, self.args = name, grid, block, smem, args
+
+
+class FakeFunction:
+    def __init__(self, spec, launches: list):
+        self.name, self._launches = spec.name, launches
+
+    def __call__(self, grid, block, args, shared_mem=0, **kwargs):
+        self._launches.append(Launch(self.name, grid, block, shared_mem, args))
+
+
+class FakeDevice:
+    """Installs the stand-in on `monkeypatch` with every memo of the call
+    paths fresh (the memos hold fake functions only while it is installed)."""
+
+    def __init__(self, monkeypatch):
+        from cupy.cuda import memory
+
+        self._memory = memory
+        self._addresses = itertools.count(1 << 24, 1 << 24)
+        self.launches: list = []
+        self.slow_calls = 0
+        target = Target.profile("h100")
+        monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+        monkeypatch.setattr(cupy, "empty", self.empty)
+        monkeypatch.setattr(launch, "_live_target", lambda device_id: target)
+        for module in (softmax, softmax_axis, softmax_split, norm_launch):
+            monkeypatch.setattr(module, "live_function",
+                                lambda spec, device_id, smem=0: FakeFunction(spec, self.launches))
+        for module, name in ((softmax, "_calls"), (norm, "_calls")):
+            monkeypatch.setattr(module, name, CallCache())
+        for module in (softmax, softmax_axis, softmax_split):
+            monkeypatch.setattr(module, "_launches", LaunchCache())
+        monkeypatch.setattr(norm_launch, "_ready_launches", {})
+        run = rowwise.run
+
+        def counted_run(*args):
+            self.slow_calls += 1
+            return run(*args)
+
+        monkeypatch.setattr(rowwise, "run", counted_run)
+
+    def array(self, shape, dtype, offset_bytes: int = 0, strides=None):
+        """An uninitialised array `offset_bytes` past an allocation's start."""
+        dtype = numpy.dtype(dtype)
+        size = max(1, int(numpy.prod(shape))) * dtype.itemsize * (2 if strides else 1) + offset_bytes
+        owned = self._memory.UnownedMemory(next(self._addresses), size, None, device_id=0)
+        return cupy.ndarray(shape, dtype, self._memory.MemoryPointer(owned, offset_bytes), strides=strides)
+
+    def empty(self, shape, dtype=float, order="C"):
+        return self.array(tuple(shape) if isinstance(shape, (tuple, list)) else (shape,), dtype)

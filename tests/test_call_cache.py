@@ -1,0 +1,265 @@
+"""The public functions' call memo (cupyops/callcache.py).
+
+CPU, on a GPU stand-in (fake_device.py: fake device memory, kernels recorded,
+plans for the H100 profile): a repeated call takes the fast path (no second
+rowwise.run) and launches exactly what the first call launched: the same
+kernels, grids, blocks, shared memory and scalar arguments, on the caller's
+arrays and on fresh outputs of the same shapes, which it returns. A call of
+another layout (alignment, strides, dtype), flag or eps misses; keys and
+overlap checks. GPU (marked gpu): repeated calls give the first call's
+values, calls the memo must not take (integer input, overlapping out) stay
+right.
+"""
+from __future__ import annotations
+
+import numpy
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+import cupyops  # noqa: E402
+from cupyops import callcache  # noqa: E402
+from fake_device import FakeDevice  # noqa: E402
+
+
+@pytest.fixture
+def device(monkeypatch):
+    return FakeDevice(monkeypatch)
+
+
+def _described(launches, names: dict) -> list:
+    """Each launch as (kernel, grid, block, smem, args), arrays named by role
+    (`names`: address -> name), fresh ones by shape and dtype."""
+    def arg(value):
+        if isinstance(value, cupy.ndarray):
+            return names.get(value.data.ptr, ("fresh", value.shape, value.dtype.str))
+        if isinstance(value, numpy.uint64) and value:
+            return "pointer into a workspace"
+        return type(value).__name__, value.item()
+    return [(k.name, k.grid, k.block, k.smem, tuple(arg(a) for a in k.args)) for k in launches]
+
+
+def _results(result) -> tuple:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _call_twice(device, call, **arrays) -> list:
+    """call() twice: the first by the slow path, the second by the memo,
+    launching the same; returns the launches described."""
+    seen = []
+    slow_calls = device.slow_calls + 1
+    for _ in range(2):
+        device.launches.clear()
+        results = _results(call())
+        assert device.slow_calls == slow_calls, "the repeated call took the slow path"
+        names = {a.data.ptr: name for name, a in arrays.items() if a is not None}
+        for i, a in enumerate(results):
+            if a is not None:
+                names.setdefault(a.data.ptr, f"result {i}")
+        seen.append((_described(device.launches, names),
+                     [None if a is None else (a.shape, a.dtype) for a in results]))
+    assert seen[1] == seen[0]
+    assert seen[0][0], "nothing launched"
+    return seen[0][0]
+
+
+FORWARD_SHAPES = [((64, 128), "float32", 0), ((3, 5, 257), "float16", 2), ((16, 1000), "float64", 8)]
+
+
+@pytest.mark.parametrize("shape, dtype, offset", FORWARD_SHAPES)
+@pytest.mark.parametrize("op", ["softmax", "log_softmax"])
+@pytest.mark.parametrize("out", ["fresh", "disjoint", "in place"])
+def test_softmax_forward_repeats(device, op, shape, dtype, offset, out):
+    x = device.array(shape, dtype, offset)
+    y = {"fresh": None, "disjoint": device.array(shape, dtype, offset), "in place": x}[out]
+    launches = _call_twice(device, lambda: getattr(cupyops, op)(x, axis=-1, out=y), x=x)
+    assert len(launches) == 1
+
+
+@pytest.mark.parametrize("op", ["softmax_backward", "log_softmax_backward"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_softmax_backward_repeats(device, op, in_place):
+    dy, y = device.array((64, 128), "float32"), device.array((64, 128), "float32")
+    out = dy if in_place else None
+    launches = _call_twice(device, lambda: getattr(cupyops, op)(dy, y, out=out), dy=dy, y=y)
+    assert len(launches) == 1 and launches[0][4][:2] == ("dy", "y")
+
+
+@pytest.mark.parametrize("shape, dtype, offset", FORWARD_SHAPES)
+@pytest.mark.parametrize("affine", ["weight and bias", "weight", "none"])
+def test_layer_norm_repeats(device, shape, dtype, offset, affine):
+    x = device.array(shape, dtype, offset)
+    weight = device.array(shape[-1:], dtype) if affine != "none" else None
+    bias = device.array(shape[-1:], dtype) if affine == "weight and bias" else None
+    launches = _call_twice(device, lambda: cupyops.layer_norm(x, weight, bias, eps=1e-3), x=x, weight=weight,
+                           bias=bias)
+    (_, _, _, _, args), = launches
+    null = ("uint64", 0)
+    assert args[:4] == ("x", null, "weight" if weight is not None else null, "bias" if bias is not None else null)
+    assert args[-1] == (("float64", 1e-3) if dtype == "float64" else ("float32", numpy.float32(1e-3).item()))
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("return_stats", [False, True])
+@pytest.mark.parametrize("out", [False, True])
+def test_norm_residual_stats_and_out_repeat(device, op, return_stats, out):
+    shape, dtype = (2, 3, 96), "float16"
+    x, residual = device.array(shape, dtype), device.array(shape, dtype, 16)
+    weight = device.array(shape[-1:], dtype)
+    y = device.array(shape, dtype) if out else None
+    function = getattr(cupyops, op)
+    launches = _call_twice(device, lambda: function(x, weight, residual=residual, return_stats=return_stats, out=y),
+                           x=x, residual=residual, weight=weight, y=y)
+    results = _results(function(x, weight, residual=residual, return_stats=return_stats, out=y))
+    assert len(results) == 2 + (return_stats and (2 if op == "layer_norm" else 1))
+    assert (results[0] is y) == out
+    if return_stats:
+        assert all(stat.shape == (2, 3) and stat.dtype == numpy.float32 for stat in results[2:])
+    assert len(launches) == 1
+
+
+@pytest.mark.parametrize("need_weight_grad, need_bias_grad", [(True, True), (True, False), (False, True),
+                                                              (False, False)])
+@pytest.mark.parametrize("policy", ["auto", "oneflow"])
+def test_layer_norm_backward_repeats(device, need_weight_grad, need_bias_grad, policy):
+    rows, cols = 64, 128
+    dy, x = device.array((rows, cols), "float32"), device.array((rows, cols), "float32")
+    mean, rstd, weight = device.array((rows,), "float32"), device.array((rows,), "float32"), device.array((cols,),
+                                                                                                        "float32")
+    launches = _call_twice(device, lambda: cupyops.layer_norm_backward(
+        dy, x, mean, rstd, weight, need_weight_grad=need_weight_grad, need_bias_grad=need_bias_grad,
+        policy=policy), dy=dy, x=x, mean=mean, rstd=rstd, weight=weight)
+    param_grad = need_weight_grad or need_bias_grad
+    # dx (fused partials in auto), the column reduction (oneflow), the finish kernel
+    assert len(launches) == 1 + (param_grad and policy == "oneflow") + param_grad
+
+
+def test_norm_backward_repeats_with_weight_phase_copies(device):
+    """Peeled float32 LayerNorm rows of 1023 cols read the weight from its
+    phase copies: three launches."""
+    rows, cols = 64, 1023
+    dy, x = device.array((rows, cols), "float32"), device.array((rows, cols), "float32")
+    mean, rstd = device.array((rows,), "float32"), device.array((rows,), "float32")
+    weight = device.array((cols,), "float32")
+    launches = _call_twice(device, lambda: cupyops.layer_norm_backward(dy, x, mean, rstd, weight),
+                           dy=dy, x=x, mean=mean, rstd=rstd, weight=weight)
+    assert len(launches) == 3 and launches[0][0].startswith("norm_weight_phases")
+    _call_twice(device, lambda: cupyops.rms_norm_backward(dy, x, rstd, weight), dy=dy, x=x, rstd=rstd, weight=weight)
+
+
+def test_another_layout_flag_or_eps_misses(device):
+    x = device.array((64, 128), "float32")
+    cupyops.layer_norm(x)
+    cupyops.layer_norm(device.array((64, 128), "float32"))              # same layout, other memory
+    assert device.slow_calls == 1
+    for call in (lambda: cupyops.layer_norm(device.array((64, 128), "float32", 4)),   # alignment 4
+                 lambda: cupyops.layer_norm(device.array((64, 128), "float16")),
+                 lambda: cupyops.layer_norm(device.array((64, 128), "float32", strides=(1024, 4))),
+                 lambda: cupyops.layer_norm(x, eps=1e-3),
+                 lambda: cupyops.layer_norm(x, return_stats=True),
+                 lambda: cupyops.layer_norm(x, policy="oneflow"),
+                 lambda: cupyops.rms_norm(x)):
+        slow_calls = device.slow_calls
+        call()
+        assert device.slow_calls == slow_calls + 1
+
+
+def test_call_key():
+    class NotAnArray:
+        pass
+
+    assert callcache.call_key(("op",), (NotAnArray(),)) is None
+    assert callcache.call_key(("op",), (numpy.zeros(3),)) is None
+
+
+def test_call_key_layouts(device):
+    x = device.array((4, 6), "float16", 6)
+    assert callcache.call_key(("op", -1), (x, None)) == (("op", -1), (((4, 6), (12, 2), x.dtype, 6, 0), None))
+
+
+def test_writable(device):
+    x = device.array((8, 8), "float32")
+    shifted = cupy.ndarray((8, 8), numpy.float32, x.data + 4)
+    assert callcache.writable(None, (x,)) and callcache.writable(x, (x, None))
+    assert callcache.writable(device.array((8, 8), "float32"), (x,))
+    assert not callcache.writable(shifted, (x,))
+
+
+def test_unhashable_flags_take_the_slow_path():
+    cache = callcache.CallCache()
+    key = (("op", [1]), ())
+    assert cache.find(key) is None and cache.find(None) is None
+    cache.remember(key, "call")
+    assert cache.find((("op", 1), ())) is None
+
+
+def test_stream_is_current_while_a_memoised_call_runs(device):
+    class Stream:
+        entered = 0
+
+        def __enter__(self):
+            Stream.entered += 1
+
+        def __exit__(self, *exc):
+            pass
+
+    x = device.array((64, 128), "float32")
+    cupyops.softmax(x, axis=-1)
+    cupyops.softmax(x, axis=-1, stream=Stream())
+    assert device.slow_calls == 1 and Stream.entered == 1 and len(device.launches) == 2
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_repeated_calls_give_the_first_calls_values(dtype):
+    rng = numpy.random.default_rng(0)
+    x = cupy.asarray(rng.standard_normal((33, 257)).astype(dtype))
+    dy = cupy.asarray(rng.standard_normal((33, 257)).astype(dtype))
+    weight, bias = cupy.asarray(rng.standard_normal(257).astype(dtype)), cupy.asarray(rng.standard_normal(257).astype(dtype))
+    calls = [lambda: cupyops.softmax(x, axis=-1), lambda: cupyops.log_softmax(x, axis=-1),
+             lambda: cupyops.softmax_backward(dy, cupyops.softmax(x, axis=-1)),
+             lambda: cupyops.layer_norm(x, weight, bias, return_stats=True),
+             lambda: cupyops.rms_norm(x, weight, residual=dy),
+             lambda: cupyops.layer_norm_backward(dy, x, *cupyops.layer_norm(x, weight, bias, return_stats=True)[1:],
+                                                 weight),
+             lambda: cupyops.rms_norm_backward(dy, x, cupyops.rms_norm(x, weight, return_stats=True)[1], weight)]
+    for call in calls:
+        first = [a.get() for a in _results(call()) if a is not None]
+        for _ in range(3):
+            again = [a.get() for a in _results(call()) if a is not None]
+            for a, b in zip(first, again):
+                numpy.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+def test_calls_the_memo_must_not_take():
+    """Integer input (a converted copy is read), an out overlapping the
+    input, a 0-d array, statistics read as a converted copy: each repeated,
+    each right."""
+    import scipy.special
+
+    x = cupy.arange(40, dtype=numpy.int32).reshape(4, 10)
+    for _ in range(3):
+        numpy.testing.assert_allclose(cupyops.softmax(x, axis=-1).get(),
+                                      scipy.special.softmax(x.get().astype(numpy.float64), axis=-1), rtol=1e-12)
+    base = cupy.asarray(numpy.random.default_rng(1).standard_normal(48), dtype=numpy.float32)
+    expected = scipy.special.softmax(base[:40].get().reshape(4, 10).astype(numpy.float64), axis=-1)
+    for _ in range(3):
+        data = base.copy()
+        cupyops.softmax(data[:40].reshape(4, 10), axis=-1, out=data[8:].reshape(4, 10))
+        numpy.testing.assert_allclose(data[8:].get().reshape(4, 10), expected, rtol=1e-5)
+    for _ in range(3):
+        assert float(cupyops.softmax(cupy.asarray(3.0, dtype=numpy.float32))) == 1.0
+    # statistics the kernels read as a converted copy (float64, strided)
+    x = cupy.asarray(numpy.random.default_rng(2).standard_normal((8, 64)), dtype=numpy.float32)
+    dy = cupy.ones_like(x)
+    _, mean, rstd = cupyops.layer_norm(x, return_stats=True)
+    expected = [a.get() for a in cupyops.layer_norm_backward(dy, x, mean, rstd) if a is not None]
+    strided = cupy.empty(16, numpy.float32)
+    strided[::2] = rstd
+    for stats in [(mean.astype(numpy.float64), rstd.astype(numpy.float64)), (mean, strided[::2])] * 2:
+        got = [a.get() for a in cupyops.layer_norm_backward(dy, x, *stats) if a is not None]
+        for a, b in zip(got, expected):
+            numpy.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
