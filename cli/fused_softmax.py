@@ -1,0 +1,165 @@
+"""`explain`, `compile` and `bench` for the fused attention softmax (fused_softmax,
+fused_softmax_backward) on scores of shape B,H,Sq,Sk with a broadcast mask and bias,
+the causal rule and dropout."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import click
+import numpy
+
+from cupyops import dtypes, jit
+from cupyops.device import ARCH_PROFILES
+from cupyops.launch import Target
+from cupyops.ops import fused_softmax as fs
+
+from .common import (bench, compile_, device_option, dtype_option, explain, json_flag, live_device,
+                     policy_option, positive_shape, source_flag, target)
+
+OPS = {"fused_softmax": ("forward", "lse"), "fused_softmax_backward": ("backward",)}
+DEFAULT_SHAPES = ("8,16,128,128", "8,16,512,512", "8,16,1024,1024", "4,16,4096,4096", "1,4,16384,16384")
+BASELINES = ("torch", "torch_compile", "oneflow", "copy")
+
+
+def fusion_options(command):
+    for option in reversed([
+            click.option("--mask-shape", default=None, help="Bool mask shape broadcast to the scores, e.g. 8,1,1,1024."),
+            click.option("--bias-shape", default=None, help="Bias shape broadcast to the scores, e.g. 16,1024,1024."),
+            click.option("--bias-dtype", default=None, type=click.Choice(sorted(dtypes.NAMES)),
+                         help="Bias dtype  [default: --dtype]"),
+            click.option("--causal", is_flag=True, help="Drop col > row + diagonal."),
+            click.option("--diagonal", default=0, show_default=True, type=int),
+            click.option("--dropout", default=0.0, show_default=True, type=float)]):
+        command = option(command)
+    return command
+
+
+def _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, x_dims) -> fs.Fusion:
+    for name, text in (("--mask-shape", mask_shape), ("--bias-shape", bias_shape)):
+        if text is not None:
+            dims = positive_shape(text, name)
+            try:
+                if tuple(numpy.broadcast_shapes(dims, x_dims)) != tuple(x_dims):
+                    raise ValueError
+            except ValueError:
+                raise click.BadParameter(f"{text} does not broadcast to {x_dims}", param_hint=name) from None
+    if not 0 <= dropout < 1:
+        raise click.BadParameter(f"dropout must be in [0, 1), got {dropout}", param_hint="--dropout")
+    bias_short = dtypes.NAMES[bias_dtype or dtype] if bias_shape is not None else ""
+    if bias_short in ("f16", "bf16") and dtypes.NAMES[dtype] == "f64":
+        bias_short = "f64"   # fused_softmax converts it
+    return fs.Fusion(bias_short, mask_shape is not None, causal, dropout > 0)
+
+
+def _plans(op, dims, dtype, policy, plan_target, fusion) -> list:
+    rows, cols = math.prod(dims[:-1]), dims[-1]
+    return [fs.plan(stage, rows, cols, dtypes.NAMES[dtype], policy, plan_target, fusion) for stage in OPS[op]]
+
+
+def _explain_command(op: str):
+    @click.option("--shape", required=True, help="Scores shape, e.g. 8,16,1024,1024 (B,H,Sq,Sk).")
+    @fusion_options
+    @dtype_option
+    @policy_option
+    @device_option
+    @json_flag
+    @source_flag
+    def command(shape, mask_shape, bias_shape, bias_dtype, causal, diagonal, dropout, dtype, policy, device_name,
+                as_json, source):
+        dims = positive_shape(shape)
+        fusion = _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, dims)
+        plans = _plans(op, dims, dtype, policy, target(device_name), fusion)
+        infos = [plan.explain() for plan in plans]
+        if as_json:
+            for info, plan in zip(infos, plans):
+                if source:
+                    info["source"] = jit.render(plan.spec)
+            click.echo(json.dumps(infos[0] if len(infos) == 1 else {"kernels": infos}))
+            return
+        click.echo(f"{op} of {tuple(dims)} {dtype} policy={policy} fusion={fusion}")
+        for info, plan in zip(infos, plans):
+            click.echo(f" {info['stage']}:")
+            for key, value in info.items():
+                click.echo(f"  {key:<20} {value}")
+            if source:
+                click.echo(jit.render(plan.spec))
+
+    command.__doc__ = f"Show the launch plan(s) cupyops picks for {op} on scores of SHAPE."
+    return click.command(name=op)(command)
+
+
+def _compile_command(op: str):
+    @click.option("--shape", "shapes", multiple=True, help="Scores shape (repeatable)  [default: a sweep of S]")
+    @fusion_options
+    @dtype_option
+    @policy_option
+    @click.option("--arch", default="sm_90", show_default=True, type=click.Choice(sorted(ARCH_PROFILES)))
+    def command(shapes, mask_shape, bias_shape, bias_dtype, causal, diagonal, dropout, dtype, policy, arch):
+        plan_target = Target.profile(ARCH_PROFILES[arch])
+        seen, failures = set(), 0
+        click.echo(f"{'kernel':<78} {'regs':>5} {'smem':>6} {'spill':>6}")
+        for shape in shapes or DEFAULT_SHAPES:
+            dims = positive_shape(shape)
+            fusion = _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, dims)
+            for plan in _plans(op, dims, dtype, policy, plan_target, fusion):
+                if plan.spec in seen:
+                    continue
+                seen.add(plan.spec)
+                try:
+                    report = jit.compile_cubin(plan.spec, arch)
+                except jit.CompileError as error:
+                    failures += 1
+                    click.echo(f"FAILED {shape}: {error}", err=True)
+                    continue
+                click.echo(f"{report.name:<78} {report.registers:>5} {report.smem_bytes:>6} {report.spill_bytes:>6}")
+        click.echo(f"{len(seen)} kernels compiled for {arch}, {failures} failed")
+        if failures:
+            sys.exit(1)
+
+    command.__doc__ = f"Render and NVRTC-compile every kernel {op}'s plans need (no GPU needed)."
+    return click.command(name=op)(command)
+
+
+def _bench_command(op: str):
+    @click.option("--shape", "shapes", multiple=True, help="Scores shape (repeatable)  [default: a sweep of S]")
+    @fusion_options
+    @dtype_option
+    @click.option("--baseline", default=",".join(BASELINES), show_default=True,
+                  help="torch (eager), torch_compile, oneflow (policy='oneflow'), copy.")
+    @click.option("--csv", "csv_path", type=click.Path(dir_okay=False))
+    @click.option("--json", "json_path", type=click.Path(dir_okay=False))
+    @click.option("--plot", "plot_path", type=click.Path(dir_okay=False))
+    def command(shapes, mask_shape, bias_shape, bias_dtype, causal, diagonal, dropout, dtype, baseline, csv_path,
+                json_path, plot_path):
+        from . import benchmark, fused_softmax_providers as providers
+
+        baselines = [name.strip() for name in baseline.split(",") if name.strip()]
+        unknown = set(baselines) - set(BASELINES)
+        if unknown:
+            raise click.BadParameter(f"unknown baseline(s) {sorted(unknown)}", param_hint="--baseline")
+        numpy_dtype = dtypes.parse_dtype(dtype)
+        bias_numpy = dtypes.parse_dtype(bias_dtype) if bias_dtype else numpy_dtype
+        points = []
+        for shape in shapes or DEFAULT_SHAPES:
+            dims = positive_shape(shape)
+            _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, dims)
+            case = providers.Case(op, tuple(dims), numpy_dtype, mask_shape and tuple(positive_shape(mask_shape)),
+                                  bias_shape and tuple(positive_shape(bias_shape)), bias_numpy, causal, diagonal,
+                                  dropout)
+            points.append((dims, dims[-1], case.bytes_moved(),
+                           lambda case=case: providers.make(case, baselines)))
+        live_device("bench times the live GPU, and no GPU is usable here")
+        result = benchmark.time_points(f"{op} {numpy_dtype.name}", numpy_dtype, points, baselines)
+        benchmark.emit({"op": op, "rows": None, "axis": -1, **result}, csv_path, json_path, plot_path)
+
+    command.__doc__ = (f"Time {op} against torch eager, torch.compile, the oneflow policy and a copy of its "
+                       "bytes (x and y; dy, x and dx backward; mask and bias once each at their own size).")
+    return click.command(name=op)(command)
+
+
+for _op in OPS:
+    explain.add_command(_explain_command(_op))
+    compile_.add_command(_compile_command(_op))
+    bench.add_command(_bench_command(_op))

@@ -1,0 +1,462 @@
+"""Fused attention softmax, forward and backward: plan -> launch -> public functions.
+
+fused_softmax(x) = dropout(softmax(x * scale + bias, masked positions -inf)).
+The softmax paths of kernels/softmax.cuh run unchanged through the LOAD and
+STORE functors of kernels/fused_softmax.cuh; the plan is softmax's
+(cupyops.ops.softmax.plan) with the paths that read raw storage swapped out:
+the cp.async path (and the split rows it leads to) for registers, shared
+memory filled through the LOAD, or re-reading the row; caches of the storage
+type for caches of the compute type (a score x * scale + bias, rounded back
+to 16 bits, would lose what the fusion keeps). The dropout mask is
+Philox4x32-10 of each element's linear index (kernels/philox.cuh): the
+backward regenerates it from (seed, offset) and recomputes the
+probabilities from x and the row's log-sum-exp, so nothing else is stored.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import numpy
+
+from .. import arrays, dtypes, jit, philox
+from ..launch import KernelLaunch, LaunchCache, Target, get_num_blocks, live_function
+from . import softmax
+
+STAGES = ("forward", "backward", "lse")
+SOFTMAX_OP = {"forward": "softmax", "backward": "softmax_backward"}
+LSE_BLOCK_SIZE = 256
+SHARED_BLOCK_SIZE = 512       # rows cached in shared memory through the LOAD
+MAX_LEADING_DIMS = 3          # x's leading dims the kernels decompose a row into (after merging)
+MASK_BLOCK_SIZE = 256
+# What explain shows of the log-sum-exp kernel (a block a row, one element a thread at a time).
+LSE_FIELDS = {"op": "fused_softmax_lse", "impl": "block_reduce", "pack_size": 1, "cols_per_thread": 0,
+              "thread_group_width": 0, "rows_per_access": 1, "padding": False, "block_size": LSE_BLOCK_SIZE}
+MAX_LOCAL_BYTES = 16         # spilled / stack bytes a register-cached fused row may take
+
+
+@dataclass(frozen=True)
+class FusedSoftmaxSpec(jit.KernelSpec):
+    """A softmax path (`path`, a SoftmaxSpec; None for the log-sum-exp kernel)
+    with the fusion's operands: bias of type bias_dtype ("" none), a bool
+    mask, the causal rule, dropout."""
+    template = "fused_softmax.cu.j2"
+
+    stage: str
+    dtype: str
+    path: Optional[softmax.SoftmaxSpec] = None
+    bias_dtype: str = ""
+    mask: bool = False
+    causal: bool = False
+    dropout: bool = False
+
+    @property
+    def fusion(self) -> str:
+        parts = ["scale", f"bias{self.bias_dtype}" if self.bias_dtype else "",
+                 "mask" if self.mask else "", "causal" if self.causal else "", "drop" if self.dropout else ""]
+        return "_".join(part for part in parts if part)
+
+    @property
+    def name(self) -> str:
+        if self.path is None:
+            return f"fused_softmax_lse_{self.dtype}_b{LSE_BLOCK_SIZE}_{self.fusion}"
+        return f"fused_{self.path.name}_{self.fusion}"
+
+    @property
+    def threads_per_block(self) -> int:
+        return LSE_BLOCK_SIZE if self.path is None else self.path.threads_per_block
+
+    def __getattr__(self, field):   # the path's fields (explain's op, impl, pack_size, ...)
+        if field.startswith("__"):
+            raise AttributeError(field)
+        path = self.__dict__.get("path")
+        if path is None:
+            try:
+                return LSE_FIELDS[field]
+            except KeyError:
+                raise AttributeError(field) from None
+        return getattr(path, field)
+
+    def explain_extra(self) -> dict:
+        extra = {} if self.path is None else self.path.explain_extra()
+        return {**extra, "stage": self.stage, "fusion": self.fusion,
+                "storage_cache": False if self.path is None else self.path.storage_cache}
+
+    def template_args(self) -> dict:
+        ftype = dtypes.BY_SHORT[self.dtype]
+        base = (self.path.template_args() if self.path is not None else
+                {"min_blocks": 0, "block_size": LSE_BLOCK_SIZE})
+        return {**base, "stage": self.stage, "storage_type": ftype.c_type,
+                "compute_type": ftype.compute_c_type, "mask": self.mask, "causal": self.causal,
+                "dropout": self.dropout,
+                "bias_type": dtypes.BY_SHORT[self.bias_dtype].c_type if self.bias_dtype else ""}
+
+
+@dataclass(frozen=True)
+class DropoutMaskSpec(jit.KernelSpec):
+    template = "dropout_mask.cu.j2"
+
+    @property
+    def name(self) -> str:
+        return f"dropout_mask_b{MASK_BLOCK_SIZE}"
+
+    @property
+    def threads_per_block(self) -> int:
+        return MASK_BLOCK_SIZE
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """What a call fuses, as its kernels are instantiated for it."""
+    bias_dtype: str = ""
+    mask: bool = False
+    causal: bool = False
+    dropout: bool = False
+
+
+# -- plan --------------------------------------------------------------------
+
+def _compute_path(spec: softmax.SoftmaxSpec) -> softmax.SoftmaxSpec:
+    return replace(spec, storage_cache=False) if spec.storage_cache else spec
+
+
+def _long_row_plan(op, dtype, rows, cols, pack_size, same_phase, target, regs=True) -> KernelLaunch:
+    """Rows softmax would cache by cp.async or split: registers (where `regs`),
+    else shared memory in the compute type (filled through the LOAD), else re-read."""
+    regs_plan = softmax._regs_plan(op, dtype, rows, cols, pack_size, same_phase, target) if regs else None
+    if regs_plan is not None:
+        return regs_plan
+    ftype = dtypes.BY_SHORT[dtype]
+    cache_pack, peel = softmax.peeled_pack(pack_size, ftype.itemsize, same_phase)
+    cached = softmax.SUM_INPUTS[op]
+    cache_bytes = cached * cols * dtypes.BY_SHORT[ftype.compute].itemsize
+    spec = softmax.SoftmaxSpec(op, "block_smem", dtype, cache_pack, block_size=SHARED_BLOCK_SIZE, peel=peel)
+    if target.max_active_blocks(spec, spec.block_size, cache_bytes, True):
+        return softmax._block_plan(spec, rows, cache_bytes, target)
+    return softmax._uncached_plan(op, dtype, rows, cache_pack, True, target, peel)
+
+
+def _with_compute_cache(chosen: KernelLaunch, op, dtype, rows, cols, target) -> KernelLaunch:
+    """A shared-memory plan caching the compute type: its bytes, or the uncached path past them."""
+    spec = _compute_path(chosen.spec)
+    if spec.impl != "block_smem" or spec == chosen.spec:
+        return replace(chosen, spec=spec)
+    compute_itemsize = dtypes.BY_SHORT[spec.ftype.compute].itemsize
+    cache_bytes = (spec.cached_inputs or len(spec.inputs)) * cols * compute_itemsize
+    if target.max_active_blocks(spec, spec.block_size, cache_bytes, True):
+        return softmax._block_plan(spec, rows, cache_bytes, target)
+    return softmax._uncached_plan(op, dtype, rows, spec.pack_size, True, target, spec.peel)
+
+
+def plan(stage: str, rows: int, cols: int, dtype: str, policy: str, target: Target, fusion: Fusion,
+         align: int = 16, same_phase: bool = True) -> KernelLaunch:
+    """The launch of one stage ("forward", "backward" or "lse") for rows x cols of dtype."""
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+    fields = dict(bias_dtype=fusion.bias_dtype, mask=fusion.mask, causal=fusion.causal)
+    if stage == "lse":
+        spec = FusedSoftmaxSpec("lse", dtype, **fields)
+        grid = get_num_blocks(target.facts, LSE_BLOCK_SIZE, rows)
+        return KernelLaunch(spec, (LSE_BLOCK_SIZE, 1, 1), (grid, 1, 1), 0)
+    op = SOFTMAX_OP[stage]
+    chosen = softmax.plan(op, rows, cols, dtype, policy, target, align, same_phase)
+    if chosen.spec.impl == "block_async":
+        chosen = _long_row_plan(op, dtype, rows, cols, chosen.spec.pack_size, same_phase, target)
+    chosen = _with_compute_cache(chosen, op, dtype, rows, cols, target)
+    fused = replace(chosen, spec=FusedSoftmaxSpec(stage, dtype, chosen.spec, dropout=fusion.dropout, **fields))
+    return _without_spills(fused, op, rows, cols, target)
+
+
+def _without_spills(chosen: KernelLaunch, op, rows, cols, target) -> KernelLaunch:
+    """A register-cached row whose fused kernel spills (the LOAD and STORE hold more
+    live values than softmax's): wider blocks holding fewer packs a thread, else
+    the row cached in shared memory."""
+    spec = chosen.spec
+    if spec.path.impl != "block_regs" or target.resources(spec)["local_bytes"] <= MAX_LOCAL_BYTES:
+        return chosen
+    path = spec.path
+    num_packs = cols // path.pack_size   # as softmax's register plan counts them
+    for block_size in softmax.AUTO_BLOCK_REGS_SIZES:
+        packs_per_thread = -(-num_packs // block_size)
+        if block_size <= path.block_size or packs_per_thread >= path.packs_per_thread:
+            continue
+        wider = replace(spec, path=replace(path, block_size=block_size, packs_per_thread=packs_per_thread))
+        if target.resources(wider)["local_bytes"] <= MAX_LOCAL_BYTES:
+            return softmax._block_plan(wider, rows, 0, target)
+    pack_size = 1 if path.peel else path.pack_size   # a peeled row's packs are its 16-byte ones again
+    shared = _long_row_plan(op, path.dtype, rows, cols, pack_size, path.peel, target, regs=False)
+    shared = _with_compute_cache(shared, op, path.dtype, rows, cols, target)
+    return replace(shared, spec=replace(spec, path=shared.spec))
+
+
+# -- operands ----------------------------------------------------------------
+
+@dataclass
+class Operands:
+    """A call's arrays with x's reduced axis last and contiguous, and the
+    broadcast geometry the kernels read bias and mask through."""
+    x: object
+    bias: object
+    mask: object
+    fusion: Fusion
+    scale: float
+    dropout: float
+    diagonal: int
+    axis: int                 # x's reduced axis in the caller's layout
+    geometry: tuple = ()      # the kernels' size / stride / causal arguments
+
+    @property
+    def rows(self) -> int:
+        return self.x.size // self.cols
+
+    @property
+    def cols(self) -> int:
+        return self.x.shape[-1]
+
+
+def _broadcast_operand(value, name: str, x, kinds: str, last_axis: int):
+    """value as a contiguous CuPy array in its own shape (x's rank, the reduced axis last)."""
+    import cupy
+
+    if value is None:
+        return None
+    value = arrays.as_cupy(value, name)
+    if value.dtype.kind not in kinds or (kinds == "f" and value.dtype not in dtypes.BY_DTYPE):
+        wanted = "bool" if kinds == "b" else "a float dtype"
+        raise TypeError(f"{name} must have {wanted}, got {value.dtype}")
+    if value.device.id != x.device.id:
+        raise ValueError(f"{name} is on GPU {value.device.id}, x on GPU {x.device.id}")
+    try:
+        shape = numpy.broadcast_shapes(value.shape, x.shape)
+    except ValueError:
+        shape = None
+    if shape != x.shape:
+        raise ValueError(f"{name} of shape {value.shape} does not broadcast to x's shape {x.shape}")
+    value = value.reshape((1,) * (x.ndim - value.ndim) + value.shape)
+    return cupy.ascontiguousarray(cupy.moveaxis(value, last_axis, -1))
+
+
+def broadcast_strides(shape: tuple, x_shape: tuple) -> tuple:
+    """Element strides of a C-contiguous array of `shape` (x's rank) broadcast to x_shape."""
+    strides, step = [], 1
+    for size, target in zip(reversed(shape), reversed(x_shape)):
+        strides.append(step if size == target else 0)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def geometry(x_shape: tuple, bias_shape, mask_shape, causal_rows: int, diagonal: int):
+    """The kernels' (size0..2, bias strides 0..2 + column, mask strides 0..2 + column,
+    causal_rows, diagonal) for contiguous operands of these shapes (x's rank; None: absent):
+    x's leading dims merged where every operand allows, outermost padded with 1.
+    None where more than MAX_LEADING_DIMS remain."""
+    present = [shape for shape in (bias_shape, mask_shape) if shape is not None]
+    strides = [broadcast_strides(shape, x_shape) for shape in present]
+    merged = []
+    for d, size in enumerate(x_shape[:-1]):
+        if size == 1:
+            continue
+        dim_strides = [s[d] for s in strides]
+        if merged and all(outer == inner * size for outer, inner in zip(merged[-1][1], dim_strides)):
+            merged[-1] = (merged[-1][0] * size, dim_strides)
+        else:
+            merged.append((size, dim_strides))
+    if len(merged) > MAX_LEADING_DIMS:
+        return None
+    merged = [(1, [0] * len(present))] * (MAX_LEADING_DIMS - len(merged)) + merged
+    per_operand, index = [], 0
+    for shape in (bias_shape, mask_shape):
+        if shape is None:
+            per_operand += [0] * (MAX_LEADING_DIMS + 1)
+        else:
+            per_operand += [dim[1][index] for dim in merged] + [strides[index][-1]]
+            index += 1
+    return (*(dim[0] for dim in merged), *per_operand, causal_rows, diagonal)
+
+
+def prepare(x, *, scale, bias, mask, causal, diagonal, dropout, axis) -> Operands:
+    """Checks a call's arguments (TypeError / ValueError naming the argument) and lays them out."""
+    import cupy
+
+    x = arrays.as_cupy(x, "x")
+    ftype = dtypes.float_type(x.dtype)
+    if x.ndim == 0:
+        raise ValueError("x must have at least one axis")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    dropout = philox.check_dropout(dropout, "dropout")
+    (axis,) = arrays.normalize_axes(axis, x.ndim)
+    if causal and (axis != x.ndim - 1 or x.ndim < 2):
+        raise ValueError("causal needs x of at least 2 axes reduced over its last (axis=-1)")
+    bias = _broadcast_operand(bias, "bias", x, "f", axis)
+    mask = _broadcast_operand(mask, "mask", x, "b", axis)
+    if bias is not None and (ftype.compute == "f64" and bias.itemsize == 2):
+        bias = bias.astype(numpy.float64)   # 16-bit bias converts in float32 kernels only
+    x = cupy.ascontiguousarray(cupy.moveaxis(x, axis, -1))
+    # Dropout's counter is the element's index in x: the kernels apply it where
+    # that is theirs (the reduced axis last); other axes take it as a separate pass.
+    fusion = Fusion(bias_dtype=dtypes.BY_DTYPE[bias.dtype].short if bias is not None else "",
+                    mask=mask is not None, causal=bool(causal), dropout=dropout > 0 and axis == x.ndim - 1)
+    causal_rows = x.shape[-2] if causal else 1
+    layout = geometry(x.shape, *(None if v is None else v.shape for v in (bias, mask)), causal_rows, int(diagonal))
+    if layout is None:   # more leading dims than the kernels decompose: read them expanded
+        bias, mask = (None if v is None else cupy.ascontiguousarray(cupy.broadcast_to(v, x.shape))
+                      for v in (bias, mask))
+        layout = geometry(x.shape, *(None if v is None else v.shape for v in (bias, mask)), causal_rows,
+                          int(diagonal))
+    return Operands(x, bias, mask, fusion, scale, dropout, int(diagonal), axis, layout)
+
+
+# -- launch ------------------------------------------------------------------
+
+_launches = LaunchCache()
+
+
+def _launch(stage: str, operands: Operands, policy: str, out, lse, dy=None, seed: int = 0, offset: int = 0):
+    x = operands.x
+    device_id = x.device.id
+    dtype = dtypes.BY_DTYPE[x.dtype].short
+    arrays_used = [a for a in (x, dy, out) if a is not None]
+    align = arrays.alignment(*(a.data.ptr for a in arrays_used), operands.cols * x.itemsize)
+    same_phase = len({a.data.ptr % 16 for a in arrays_used}) == 1
+    key = (stage, policy, operands.rows, operands.cols, dtype, operands.fusion, align, same_phase, device_id)
+
+    def make():
+        chosen = plan(stage, operands.rows, operands.cols, dtype, policy, Target.live(device_id),
+                      operands.fusion, align, same_phase)
+        return chosen, live_function(chosen.spec, device_id, chosen.smem_bytes)
+
+    chosen, function = _launches.get(key, make)
+    pointers = [x] + ([dy] if stage == "backward" else []) + \
+        [a for a in (operands.bias, operands.mask) if a is not None] + \
+        ([out] if stage != "lse" else []) + ([lse] if stage != "forward" else [])
+    keep_scale = 1.0 / (1.0 - operands.dropout)
+    scalars = (numpy.int64(operands.rows), numpy.int64(operands.cols), numpy.float64(operands.scale),
+               numpy.float64(keep_scale), *(numpy.int64(v) for v in operands.geometry),
+               numpy.uint64(seed % 2 ** 64), numpy.uint64(offset % 2 ** 64),
+               numpy.uint32(philox.dropout_threshold(operands.dropout)))
+    function(chosen.grid, chosen.block, (*pointers, *scalars), shared_mem=chosen.smem_bytes)
+
+
+def _restore_axis(result, axis: int):
+    import cupy
+
+    return result if axis == result.ndim - 1 else cupy.moveaxis(result, -1, axis)
+
+
+def _separate_dropout(operands: Operands) -> bool:
+    return operands.dropout > 0 and not operands.fusion.dropout
+
+
+def _apply_dropout(a, p: float, seed: int, offset: int):
+    """a * dropout_mask(a.shape, p, seed, offset) / (1 - p), in a's compute type."""
+    compute = dtypes.DTYPE_OF_SHORT[dtypes.BY_DTYPE[a.dtype].compute]
+    keep = dropout_mask(a.shape, p, seed, offset).astype(compute) * compute.type(1.0 / (1.0 - p))
+    return (a.astype(compute) * keep).astype(a.dtype)
+
+
+def _deliver(result, out):
+    """result, copied into `out` when one was given."""
+    if out is None:
+        return result
+    arrays.check_out(out, result.shape, result.dtype, result.device.id)
+    out[...] = result
+    return out
+
+
+# -- public functions --------------------------------------------------------
+
+def fused_softmax(x, *, scale=1.0, bias=None, mask=None, causal=False, diagonal=0, dropout=0.0, seed=0,
+                  offset=0, axis=-1, return_lse=False, out=None, policy: str = "auto", stream=None):
+    """dropout(softmax(x * scale + bias, masked -inf)) over `axis`, in one pass over memory.
+
+    torch: ``F.dropout(torch.softmax((x * scale + bias).masked_fill(~mask, -inf), -1), p)``
+    with causal adding ``masked_fill(~torch.tril(ones(Sq, Sk), diagonal), -inf)`` (row: the
+    second-to-last axis; diagonal = Sk - Sq aligns bottom-right). bias (any float dtype) and
+    mask (bool) broadcast to x NumPy-style and are read in their own shape. Every masked
+    position gives 0, so a row with no kept position gives zeros (torch: NaN). Dropout keeps
+    an element iff dropout_mask(x.shape, dropout, seed, offset) does, scaling it by
+    1 / (1 - dropout). return_lse: also the float32 log-sum-exp of each row (-inf where no
+    position is kept), what fused_softmax_backward needs.
+    """
+    arrays.check_policy(policy)
+    import cupy
+
+    with arrays.on_device(arrays.as_cupy(x, "x"), stream):
+        operands = prepare(x, scale=scale, bias=bias, mask=mask, causal=causal, diagonal=diagonal,
+                           dropout=dropout, axis=axis)
+        x = operands.x
+        y = cupy.empty_like(x)
+        lse = cupy.empty(x.shape[:-1], numpy.float32) if return_lse else None
+        if x.size:
+            _launch("forward", operands, policy, y, None, seed=seed, offset=offset)
+            if return_lse:
+                _launch("lse", operands, policy, None, lse)
+        y = _restore_axis(y, operands.axis)
+        if _separate_dropout(operands):
+            y = _apply_dropout(y, operands.dropout, seed, offset)
+        y = _deliver(y, out)
+    return (y, lse) if return_lse else y
+
+
+def fused_softmax_backward(dy, x, lse, *, scale=1.0, bias=None, mask=None, causal=False, diagonal=0,
+                           dropout=0.0, seed=0, offset=0, axis=-1, out=None, policy: str = "auto",
+                           stream=None):
+    """dx, the gradient of fused_softmax w.r.t. x, from dy, x and the forward's lse.
+
+    Recomputes p = exp(x * scale + bias - lse) (0 where masked) and the dropout mask from
+    (seed, offset); pass the forward's arguments. torch: ``torch.autograd.grad(y, x, dy)``
+    of the forward's expression. The gradient w.r.t. bias is dx / scale summed over the axes
+    bias was broadcast along: bias_gradient(dx, bias.shape, scale).
+    """
+    arrays.check_policy(policy)
+    import cupy
+
+    with arrays.on_device(arrays.as_cupy(x, "x"), stream):
+        operands = prepare(x, scale=scale, bias=bias, mask=mask, causal=causal, diagonal=diagonal,
+                           dropout=dropout, axis=axis)
+        x = operands.x
+        dy = arrays.as_cupy(dy, "dy")
+        if dy.shape != _restore_axis(x, operands.axis).shape or dy.dtype != x.dtype:
+            raise ValueError(f"dy must match x ({x.dtype} {x.shape}), got {dy.dtype} {dy.shape}")
+        if _separate_dropout(operands):
+            dy = _apply_dropout(dy, operands.dropout, seed, offset)
+        dy = cupy.ascontiguousarray(cupy.moveaxis(dy, operands.axis, -1))
+        lse = arrays.as_cupy(lse, "lse")
+        if lse.shape != x.shape[:-1]:
+            raise ValueError(f"lse must have shape {x.shape[:-1]} (x's without the reduced axis), got {lse.shape}")
+        lse = cupy.ascontiguousarray(lse, dtype=numpy.float32)
+        dx = cupy.empty_like(x)
+        if x.size:
+            _launch("backward", operands, policy, dx, lse, dy=dy, seed=seed, offset=offset)
+        return _deliver(_restore_axis(dx, operands.axis), out)
+
+
+def bias_gradient(dx, bias_shape: tuple, scale=1.0):
+    """d(loss)/d(bias) from fused_softmax_backward's dx: dx / scale summed over the axes bias
+    was broadcast along (numpy: ``(dx / scale).sum(axes).reshape(bias_shape)``)."""
+    bias_shape = tuple(bias_shape)
+    lead = dx.ndim - len(bias_shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, size in enumerate(bias_shape)
+                                      if size == 1 and dx.shape[lead + i] != 1)
+    accumulate = numpy.float64 if dx.dtype == numpy.float64 else numpy.float32
+    return (dx.sum(axis=axes, dtype=accumulate) / accumulate(scale)).astype(dx.dtype).reshape(bias_shape)
+
+
+def dropout_mask(shape, p, seed, offset=0):
+    """The boolean keep mask (cupy) of an array of `shape` that fused_softmax applies
+    (cupyops.philox.keep_mask_reference on the host; torch: none, its masks depend on the launch)."""
+    import cupy
+
+    threshold = philox.dropout_threshold(p)
+    keep = cupy.empty(tuple(shape), dtype=numpy.bool_)
+    if keep.size:
+        device_id = keep.device.id
+        spec = DropoutMaskSpec()
+        grid = get_num_blocks(Target.live(device_id).facts, MASK_BLOCK_SIZE, -(-keep.size // MASK_BLOCK_SIZE))
+        live_function(spec, device_id)((grid,), (MASK_BLOCK_SIZE,),
+                                        (keep, numpy.int64(keep.size), numpy.uint64(seed % 2 ** 64),
+                                         numpy.uint64(offset % 2 ** 64), numpy.uint32(threshold)))
+    return keep

@@ -1,0 +1,204 @@
+// Fused attention softmax: z = x * scale + bias, masked positions (a bool
+// mask, the causal rule) at -inf, softmax along the row, then dropout. The
+// softmax paths of softmax.cuh run unchanged; the fusion goes in through
+// their LOAD and STORE functors. x is row-major and contiguous, so element
+// (row, col) has the linear index row * cols + col, the dropout counter.
+// bias and mask are read in their own (broadcast) shape: their offsets along
+// x's leading dims (at most 3 after merging) are worked out once a row.
+#pragma once
+#include "common.cuh"
+#include "philox.cuh"
+#include "reduce.cuh"
+#include "softmax.cuh"
+
+namespace cupyops {
+
+// Offsets of the broadcast operands of one row: x's leading dims sizes[0..2]
+// (outermost first; unused dims have size 1) and each operand's strides
+// along them, in elements (0 where it is broadcast); its column stride is 0
+// or 1. causal: row % causal_rows is the query index q, and col > q +
+// diagonal is masked.
+template <typename B, bool has_bias, bool has_mask, bool causal>
+struct BroadcastRow {
+  const B* bias;
+  const bool* mask;
+  int64 sizes[3];
+  int64 bias_strides[4];      // leading dims, then the column
+  int64 mask_strides[4];
+  int64 causal_rows;
+  int64 diagonal;
+  // The row the offsets below belong to (-1: none yet).
+  mutable int64 row = -1, bias_base = 0, mask_base = 0, last_col = 0;
+
+  __device__ __forceinline__ void locate(int64 at) const {
+    if (at == row) return;
+    row = at;
+    int64 rest = at, bias_offset = 0, mask_offset = 0;
+#pragma unroll
+    for (int d = 2; d >= 0; --d) {
+      const int64 index = d == 0 ? rest : rest % sizes[d];
+      if (d > 0) rest /= sizes[d];
+      if (has_bias) bias_offset += index * bias_strides[d];
+      if (has_mask) mask_offset += index * mask_strides[d];
+    }
+    bias_base = bias_offset;
+    mask_base = mask_offset;
+    if (causal) last_col = at % causal_rows + diagonal;
+  }
+  __device__ __forceinline__ bool masked(int64 col) const {
+    bool out = false;
+    if (has_mask) out = !mask[mask_base + col * mask_strides[3]];
+    if (causal) out = out || col > last_col;
+    return out;
+  }
+  // dropped[i] = masked(col + i) and bias[i] for N consecutive columns of the located row.
+  template <typename C, int N>
+  __device__ __forceinline__ void pack_at(int64 col, bool (&dropped)[N], C (&bias_values)[N]) const {
+    bool kept[N];
+    B added[N];
+    if (has_mask) gather(mask + mask_base + col * mask_strides[3], mask_strides[3], kept);
+    if (has_bias) gather(bias + bias_base + col * bias_strides[3], bias_strides[3], added);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      dropped[i] = (has_mask && !kept[i]) || (causal && col + i > last_col);
+      bias_values[i] = has_bias ? cast<C>(added[i]) : C(0);
+    }
+  }
+
+ private:
+  // N elements `stride` (0 or 1) apart: one vector load where they are
+  // consecutive and the address allows it.
+  template <typename V, int N>
+  static __device__ __forceinline__ void gather(const V* first, int64 stride, V (&out)[N]) {
+    if (N > 1 && stride == 1 && reinterpret_cast<unsigned long long>(first) % (sizeof(V) * N) == 0) {
+      const Pack<V, N> pack = load_pack<V, N>(first);
+#pragma unroll
+      for (int i = 0; i < N; ++i) out[i] = pack.elem[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) out[i] = first[i * stride];
+    }
+  }
+};
+
+// The scores z of a row, in the compute type C: the LOAD of the forward.
+template <typename T, typename C, typename Broadcast>
+struct ScoresLoad {
+  typedef T Storage;
+  const T* x;
+  int64 row_stride;
+  C scale;
+  Broadcast broadcast;
+  template <int N>
+  __device__ __forceinline__ void load(C* dst, int64 row, int64 col) const {
+    broadcast.locate(row);
+    const Pack<T, N> pack = load_pack<T, N>(x + row * row_stride + col);
+    bool dropped[N];
+    C bias_values[N];
+    broadcast.template pack_at<C, N>(col, dropped, bias_values);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const C z = cast<C>(pack.elem[i]) * scale + bias_values[i];
+      dst[i] = dropped[i] ? -infinity<C>() : z;
+    }
+  }
+};
+
+// The forward's STORE: y = softmax * keep / (1 - p). A masked position gives
+// 0, also in a row with no kept position (whose softmax is NaN).
+template <typename C, typename T, typename Broadcast, bool dropout>
+struct DropoutStore {
+  T* y;
+  int64 row_stride;
+  Broadcast broadcast;
+  DropoutMask drop;
+  C keep_scale;              // 1 / (1 - p)
+  template <int N>
+  __device__ __forceinline__ void store(const C* src, int64 row, int64 col) const {
+    bool kept[N];
+    if (dropout) drop.keep_pack<N>(static_cast<unsigned long long>(row * row_stride + col), kept);
+    Pack<T, N> pack;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      C value = src[i];
+      if (value != value) {
+        broadcast.locate(row);
+        if (broadcast.masked(col + i)) value = C(0);
+      }
+      if (dropout) value = kept[i] ? value * keep_scale : C(0);
+      pack.elem[i] = cast<T>(value);
+    }
+    store_pack(y + row * row_stride + col, pack);
+  }
+};
+
+// The backward's two LOADs (one type: the paths take an array of one LOAD),
+// as SoftmaxBackward's inputs:
+//   dy (probability = false): dy * keep / (1 - p), the gradient of the softmax;
+//   y  (probability = true):  the softmax exp(z - lse), recomputed from x and
+//      the row's log-sum-exp (0 where z or lse is -inf: masked, or a row with
+//      no kept position).
+template <typename T, typename C, typename Broadcast, bool dropout>
+struct FusedGradLoad {
+  typedef T Storage;
+  bool probability;
+  const T* src;              // dy or x
+  int64 row_stride;
+  ScoresLoad<T, C, Broadcast> scores;
+  const float* lse;
+  DropoutMask drop;
+  C keep_scale;
+  template <int N>
+  __device__ __forceinline__ void load(C* dst, int64 row, int64 col) const {
+    if (probability) {
+      scores.template load<N>(dst, row, col);
+      const C row_lse = static_cast<C>(lse[row]);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        dst[i] = dst[i] == -infinity<C>() || row_lse == -infinity<C>() ? C(0) : exp_(dst[i] - row_lse);
+      }
+    } else {
+      const Pack<T, N> pack = load_pack<T, N>(src + row * row_stride + col);
+      bool kept[N];
+      if (dropout) drop.keep_pack<N>(static_cast<unsigned long long>(row * row_stride + col), kept);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const C g = cast<C>(pack.elem[i]);
+        dst[i] = dropout ? (kept[i] ? g * keep_scale : C(0)) : g;
+      }
+    }
+  }
+};
+
+// dx = scale * dz: the backward's STORE.
+template <typename C, typename T>
+struct ScaledStore {
+  T* dst;
+  int64 row_stride;
+  C scale;
+  template <int N>
+  __device__ __forceinline__ void store(const C* src, int64 row, int64 col) const {
+    Pack<T, N> pack;
+#pragma unroll
+    for (int i = 0; i < N; ++i) pack.elem[i] = cast<T>(src[i] * scale);
+    store_pack(dst + row * row_stride + col, pack);
+  }
+};
+
+// The float32 log-sum-exp of every row of z, a block a row: max + log(sum
+// exp(z - max)) in one online pass; -inf for a row with no kept position.
+template <typename Load, typename C, int block_size>
+__device__ __forceinline__ void fused_softmax_lse(const Load& scores, float* lse, int64 rows, int64 cols) {
+  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+    OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
+    for (int64 col = threadIdx.x; col < cols; col += block_size) {
+      C z[1];
+      scores.template load<1>(z, row, col);
+      state.template add_pack<1>(z);
+    }
+    const OnlineSoftmaxState<C> total = state.template block_all_reduce<block_size>();
+    if (threadIdx.x == 0) lse[row] = static_cast<float>(total.max + log(total.sum));
+  }
+}
+
+}  // namespace cupyops

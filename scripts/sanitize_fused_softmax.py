@@ -1,0 +1,45 @@
+"""Runs every path of the fused attention softmax once on small shapes, for
+compute-sanitizer (memcheck, racecheck): the warp, register, shared-memory and
+uncached paths (rows of 1 to 2^17 columns, aligned and peeled), bias, mask,
+causal, dropout, the log-sum-exp kernel, the backward, both policies, another
+axis and dropout_mask. Prints the plans taken and "all paths ran" at the end."""
+from __future__ import annotations
+
+import cupy
+
+import cupyops
+from cupyops.launch import Target
+from cupyops.ops import fused_softmax as fs
+
+COLS = (1, 7, 128, 255, 1000, 1024, 4096, 12345, 16384, 40000, 2 ** 17)
+
+
+def main():
+    rng = cupy.random.default_rng(0)
+    target = Target.live(cupy.cuda.runtime.getDevice())
+    seen = set()
+    for cols in COLS:
+        rows = 4 if cols > 16384 else 24
+        for dtype in (cupy.float16, cupy.float32):
+            x = rng.standard_normal((2, rows // 2, cols), dtype=cupy.float32).astype(dtype)
+            bias = rng.standard_normal((rows // 2, cols), dtype=cupy.float32).astype(dtype)
+            mask = rng.random((2, 1, cols)) < 0.8
+            for policy in ("auto", "oneflow"):
+                args = dict(scale=0.5, bias=bias, mask=mask, causal=True, diagonal=cols - rows // 2, dropout=0.1,
+                            seed=3, policy=policy)
+                y, lse = cupyops.fused_softmax(x, return_lse=True, **args)
+                cupyops.fused_softmax_backward(cupy.ones_like(y), x, lse, **args)
+                cupyops.fused_softmax(x, policy=policy)
+                for stage in ("forward", "backward"):
+                    chosen = fs.plan(stage, x.size // cols, cols, "f16" if dtype == cupy.float16 else "f32", policy,
+                                     target, fs.Fusion(bias.dtype.name.replace("float", "f"), True, True, True))
+                    seen.add(chosen.spec.name)
+    cupyops.fused_softmax(x[:, :, 1:], axis=1, dropout=0.2, seed=1)     # another axis, a view
+    cupyops.dropout_mask((1000, 33), 0.3, seed=5, offset=7)
+    cupy.cuda.Device().synchronize()
+    print("\n".join(sorted(seen)))
+    print("all paths ran")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""CPU tests of the fused attention softmax: its float64 reference, the broadcast
+geometry the kernels read bias and mask through, the planner (softmax's paths
+with the raw-storage ones swapped out) and an NVRTC compile of every
+instantiation the plans produce for a sweep of shapes, for sm_80 and sm_90."""
+from __future__ import annotations
+
+import itertools
+
+import numpy
+import pytest
+
+from cupyops import jit
+from cupyops.launch import Target
+from cupyops.ops import fused_softmax as fs
+from cupyops.ops import softmax as sm
+
+import fused_softmax_reference as ref
+
+TARGETS = {"sm_90": Target.profile("h100"), "sm_80": Target.profile("a100")}
+
+
+# -- reference -----------------------------------------------------------------
+
+def test_reference_matches_the_unfused_expression(rng):
+    x, bias = rng.standard_normal((2, 3, 4, 6)), rng.standard_normal((3, 4, 6))
+    mask = rng.random((2, 1, 1, 6)) < 0.7
+    mask[..., 0] = True
+    y, lse = ref.forward(x, 0.5, bias, mask)
+    z = numpy.where(mask, x * 0.5 + bias, -numpy.inf)
+    expected = numpy.exp(z - z.max(-1, keepdims=True))
+    numpy.testing.assert_allclose(y, expected / expected.sum(-1, keepdims=True))
+    numpy.testing.assert_allclose(lse, numpy.log(numpy.exp(z).sum(-1)))
+
+
+def test_reference_causal_is_torch_tril():
+    dropped = ref.masked_positions((3, 5), causal=True, diagonal=2)
+    numpy.testing.assert_array_equal(~dropped, numpy.tril(numpy.ones((3, 5), bool), 2))
+    numpy.testing.assert_array_equal(~ref.masked_positions((4, 2), causal=True, diagonal=-1),
+                                     numpy.tril(numpy.ones((4, 2), bool), -1))
+
+
+def test_reference_fully_masked_rows_are_zero():
+    x = numpy.ones((2, 4))
+    mask = numpy.array([[False] * 4, [True, False, True, False]])
+    y, lse = ref.forward(x, mask=mask)
+    numpy.testing.assert_array_equal(y[0], 0)
+    assert lse[0] == -numpy.inf
+    numpy.testing.assert_allclose(y[1], [0.5, 0, 0.5, 0])
+    numpy.testing.assert_array_equal(ref.backward(numpy.ones((2, 4)), x, mask=mask)[0], 0)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_reference_backward_by_finite_differences(rng, dropout):
+    x, bias, dy = rng.standard_normal((3, 5)), rng.standard_normal((5,)), rng.standard_normal((3, 5))
+    args = dict(scale=0.7, bias=bias, causal=True, diagonal=1, dropout=dropout, seed=5, offset=2)
+    dx = ref.backward(dy, x, **args)
+    step = 1e-6
+    for index in itertools.product(range(3), range(5)):
+        up, down = x.copy(), x.copy()
+        up[index] += step
+        down[index] -= step
+        numeric = ((ref.forward(up, **args)[0] - ref.forward(down, **args)[0]) * dy).sum() / (2 * step)
+        assert abs(numeric - dx[index]) < 1e-6
+
+
+# -- broadcast geometry ----------------------------------------------------------
+
+def offsets_by_geometry(x_shape, layout):
+    """Each row's (bias, mask) offset the way BroadcastRow::locate works it out."""
+    sizes, bias_strides, mask_strides = layout[0:3], layout[3:6], layout[7:10]
+    rows = int(numpy.prod(x_shape[:-1]))
+    out = []
+    for row in range(rows):
+        rest, offsets = row, [0, 0]
+        for d in (2, 1, 0):
+            index = rest if d == 0 else rest % sizes[d]
+            rest = rest if d == 0 else rest // sizes[d]
+            offsets[0] += index * bias_strides[d]
+            offsets[1] += index * mask_strides[d]
+        out.append(offsets)
+    return numpy.array(out)
+
+
+MASK_SHAPES = [(2, 3, 4, 5), (2, 1, 4, 5), (2, 1, 1, 5), (1, 1, 4, 5), (3, 4, 5), (4, 5), (5,), (1,),
+               (2, 3, 1, 5), (2, 1, 4, 1), (1, 3, 1, 1), (2, 3, 4, 1)]
+
+
+@pytest.mark.parametrize("bias_shape, mask_shape", list(zip(MASK_SHAPES, reversed(MASK_SHAPES))))
+def test_geometry_reaches_every_broadcast_element(bias_shape, mask_shape):
+    x_shape = (2, 3, 4, 5)
+    padded = [(1,) * (4 - len(s)) + s for s in (bias_shape, mask_shape)]
+    layout = fs.geometry(x_shape, *padded, 4, 0)
+    got = offsets_by_geometry(x_shape, layout)
+    for k, shape in enumerate(padded):
+        numbers = numpy.broadcast_to(numpy.arange(numpy.prod(shape)).reshape(shape), x_shape)
+        column_stride = layout[6] if k == 0 else layout[10]
+        cols = numpy.arange(5) * column_stride
+        numpy.testing.assert_array_equal(got[:, k:k + 1] + cols, numbers.reshape(-1, 5))
+
+
+def test_geometry_needs_at_most_three_dims_after_merging():
+    assert fs.geometry((2, 3, 4, 5, 6), (2, 1, 4, 1, 6), None, 1, 0) is None
+    assert fs.geometry((2, 3, 4, 5, 6), (2, 3, 1, 1, 6), None, 1, 0)[:3] == (1, 6, 20)
+
+
+# -- plans and compiles ----------------------------------------------------------
+
+FUSIONS = [fs.Fusion(), fs.Fusion("f32", True, True, True), fs.Fusion("f16", True, False, True)]
+SWEEP = [(1, "f16"), (7, "bf16"), (128, "f16"), (255, "f32"), (1000, "f16"), (1024, "bf16"), (4096, "f32"),
+         (12345, "f16"), (16384, "bf16"), (65536, "f16"), (2 ** 20, "f32"), (300, "f64")]
+# Spilled bytes a fused kernel may take: the register plans move to wider
+# blocks past fs.MAX_LOCAL_BYTES; warp rows may keep a few bytes.
+MAX_SPILL_BYTES = 32
+
+
+def sweep_plans(arch):
+    target = TARGETS[arch]
+    plans = []
+    for (cols, dtype), stage, fusion in itertools.product(SWEEP, fs.STAGES, FUSIONS):
+        if fusion.bias_dtype == "f16" and dtype == "f64":
+            continue
+        for policy in ("auto", "oneflow") if fusion == FUSIONS[1] else ("auto",):
+            plans.append(fs.plan(stage, 4096, cols, dtype, policy, target, fusion,
+                                 align=16 if cols % 8 == 0 else 2, same_phase=True))
+    return plans
+
+
+@pytest.mark.parametrize("arch", sorted(TARGETS))
+def test_planned_instantiations_avoid_raw_storage_and_compile(arch):
+    """Every plan takes a path the functors serve, and its kernel compiles without spilling."""
+    spills = {}
+    for chosen in sweep_plans(arch):
+        spec = chosen.spec
+        assert spec.name.startswith("fused_softmax") and spec.fusion in spec.name
+        if spec.stage != "lse":
+            assert spec.impl in ("warp", "block_regs", "block_smem", "block_uncached"), spec.name
+            assert not spec.path.storage_cache, spec.name
+        if spec.impl == "block_smem":
+            assert chosen.smem_bytes <= TARGETS[arch].facts.smem_per_block_optin
+        report = jit.compile_cubin(spec, arch)
+        if report.spill_bytes > MAX_SPILL_BYTES and spec.dtype != "f64":
+            spills[spec.name] = report.spill_bytes
+    assert not spills, spills
+
+
+def test_oneflow_policy_keeps_softmax_paths():
+    target = TARGETS["sm_90"]
+    for cols in (128, 1000, 1024, 4096, 20000):
+        softmax_plan = sm.plan("softmax", 4096, cols, "f16", "oneflow", target)
+        fused = fs.plan("forward", 4096, cols, "f16", "oneflow", target, fs.Fusion("", True))
+        assert fused.spec.path == softmax_plan.spec and fused.block == softmax_plan.block
+
+
+def test_long_rows_are_served():
+    target = TARGETS["sm_90"]
+    for cols in (2 ** 17, 2 ** 20, 2 ** 22):
+        for stage in ("forward", "backward"):
+            chosen = fs.plan(stage, 64, cols, "f16", "auto", target, fs.Fusion())
+            assert chosen.spec.impl in ("block_smem", "block_uncached", "block_regs")
+
+
+def test_dropout_mask_kernel_compiles():
+    for arch in TARGETS:
+        jit.compile_cubin(fs.DropoutMaskSpec(), arch)
+
+
+def test_explain_shows_the_path():
+    chosen = fs.plan("forward", 4096, 1024, "f16", "auto", TARGETS["sm_90"], fs.Fusion("", True, True, True))
+    info = chosen.explain()
+    assert info["impl"] == chosen.spec.path.impl and info["fusion"] == "scale_mask_causal_drop"
+    assert info["kernel"] == chosen.spec.name
