@@ -1,0 +1,494 @@
+"""cupyops for torch tensors: autograd functions and drop-in modules.
+
+`import cupyops.torch` (torch needed; `import cupyops` never imports it)
+registers the ops as torch.library custom ops in the "cupyops" namespace
+(torch.ops.cupyops.*), each with a fake implementation for torch.compile
+and its backward through cupyops' own backward kernels (or torch formulas
+for the elementwise ops), so `torch.compile(model, fullgraph=True)` captures
+a model using them without a graph break. The ops run on torch's current
+stream of the tensors' GPU and exchange memory with torch through DLPack,
+without copies; outputs are torch tensors. CPU tensors take torch's own ops
+(but for the dropout ops, whose keep masks are cupyops' own).
+
+Functions: softmax, log_softmax, layer_norm, rms_norm (with an optional
+residual added first), fused_softmax, bias_gelu, bias_silu, swiglu, geglu,
+bias_dropout_add (each where cupyops has the op). Modules: LayerNorm,
+RMSNorm (drop-in for torch.nn.LayerNorm / torch.nn.RMSNorm: the same
+arguments, parameters and state_dict keys) and FusedSoftmax.
+"""
+from typing import Optional, Sequence, Union
+
+import cupy
+import numpy
+import torch
+
+import cupyops
+from cupyops import fx
+from cupyops.dtypes import BFLOAT16
+
+_ShapeLike = Union[int, Sequence[int], torch.Size]
+
+# -- torch <-> cupy --------------------------------------------------------------------------
+
+_external_streams: dict = {}
+
+
+def _to_cupy(tensor: Optional[torch.Tensor]):
+    """A CuPy view of a CUDA tensor (bfloat16 through int16: the same bits)."""
+    if tensor is None:
+        return None
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        return cupy.from_dlpack(tensor.view(torch.int16)).view(BFLOAT16)
+    return cupy.from_dlpack(tensor)
+
+
+def _to_torch(array) -> Optional[torch.Tensor]:
+    """A torch view of a CuPy array, contiguous as the fake implementations say."""
+    if array is None:
+        return None
+    if array.dtype == BFLOAT16:
+        return torch.from_dlpack(array.view(numpy.int16)).view(torch.bfloat16).contiguous()
+    return torch.from_dlpack(array).contiguous()
+
+
+def _run(device: torch.device, compute):
+    """compute() (cupy arrays, None or a tuple of them) with cupy's current
+    device and stream those torch uses for `device`, as torch tensors."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pointer = torch.cuda.current_stream(index).cuda_stream
+    stream = _external_streams.get((index, pointer))
+    if stream is None:
+        stream = _external_streams[index, pointer] = cupy.cuda.ExternalStream(pointer, index)
+    with cupy.cuda.Device(index), stream:
+        result = compute()
+        return tuple(map(_to_torch, result)) if isinstance(result, tuple) else _to_torch(result)
+
+
+def _nothing(x: torch.Tensor) -> torch.Tensor:
+    """The empty tensor standing for an output an op does not produce."""
+    return x.new_empty(0)
+
+
+def _define(name: str, schema: str, implementation, fake):
+    """The custom op cupyops::name with its fake implementation."""
+    op = torch.library.custom_op(f"cupyops::{name}", implementation, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    return op
+
+
+def _check_float(x: torch.Tensor) -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"cupyops takes floating-point tensors, got {x.dtype}")
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# -- softmax, log_softmax --------------------------------------------------------------------
+
+def _softmax_op(name: str):
+    """cupyops::name and cupyops::name_backward, the first differentiable through the second."""
+    forward, backward = getattr(cupyops, name), getattr(cupyops, f"{name}_backward")
+    forward_op = _define(name, "(Tensor x, int dim) -> Tensor",
+                         lambda x, dim: _run(x.device, lambda: forward(_to_cupy(x), axis=dim)),
+                         lambda x, dim: torch.empty_like(x, memory_format=torch.contiguous_format))
+    backward_op = _define(f"{name}_backward", "(Tensor grad, Tensor y, int dim) -> Tensor",
+                          lambda grad, y, dim: _run(y.device, lambda: backward(_to_cupy(grad), _to_cupy(y), axis=dim)),
+                          lambda grad, y, dim: torch.empty_like(y, memory_format=torch.contiguous_format))
+
+    def setup_context(ctx, inputs, output):
+        ctx.dim = inputs[1]
+        ctx.save_for_backward(output)
+
+    def gradient(ctx, grad):
+        y, = ctx.saved_tensors
+        return backward_op(grad.to(y.dtype), y, ctx.dim), None
+
+    forward_op.register_autograd(gradient, setup_context=setup_context)
+    return forward_op
+
+
+_softmax = _softmax_op("softmax")
+_log_softmax = _softmax_op("log_softmax")
+
+
+def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch.softmax(x, dim)`` by cupyops.softmax (backward: cupyops.softmax_backward)."""
+    if not x.is_cuda:
+        return torch.softmax(x, dim)
+    _check_float(x)
+    return _softmax(x, dim)
+
+
+def log_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``torch.log_softmax(x, dim)`` by cupyops.log_softmax (backward: cupyops.log_softmax_backward)."""
+    if not x.is_cuda:
+        return torch.log_softmax(x, dim)
+    _check_float(x)
+    return _log_softmax(x, dim)
+
+
+# -- layer_norm, rms_norm --------------------------------------------------------------------
+# Forward ops return (y, h, [mean,] rstd): h = x + residual, empty without a
+# residual; backward ops (dx, dweight, [dbias]), empty where not wanted.
+
+def _norm_forward(centered: bool, x, weight, bias, residual, ndim: int, eps: float):
+    def compute():
+        function = cupyops.layer_norm if centered else cupyops.rms_norm
+        affine = (_to_cupy(weight), _to_cupy(bias)) if centered else (_to_cupy(weight),)
+        return function(_to_cupy(x), *affine, axis=tuple(range(-ndim, 0)), eps=eps, residual=_to_cupy(residual),
+                        return_stats=True)
+
+    outputs = _run(x.device, compute)
+    return (outputs[0], _nothing(x), *outputs[1:]) if residual is None else outputs
+
+
+def _norm_forward_fake(centered: bool, x, residual, ndim: int):
+    stats = [x.new_empty(x.shape[:x.dim() - ndim], dtype=_stats_dtype(x.dtype)) for _ in range(1 + centered)]
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return (y, _nothing(x) if residual is None else torch.empty_like(y), *stats)
+
+
+def _norm_backward(centered: bool, grad, x, mean, rstd, weight, ndim: int, need_weight_grad: bool,
+                   need_bias_grad: bool):
+    def compute():
+        axes = tuple(range(-ndim, 0))
+        if centered:
+            return cupyops.layer_norm_backward(_to_cupy(grad), _to_cupy(x), _to_cupy(mean), _to_cupy(rstd),
+                                               _to_cupy(weight), axis=axes, need_weight_grad=need_weight_grad,
+                                               need_bias_grad=need_bias_grad)
+        return cupyops.rms_norm_backward(_to_cupy(grad), _to_cupy(x), _to_cupy(rstd), _to_cupy(weight), axis=axes,
+                                         need_weight_grad=need_weight_grad)
+
+    return tuple(_nothing(x) if g is None else g for g in _run(x.device, compute))
+
+
+def _norm_backward_fake(centered: bool, x, ndim: int, need_weight_grad: bool, need_bias_grad: bool):
+    def grad(wanted: bool):
+        return x.new_empty(x.shape[x.dim() - ndim:]) if wanted else _nothing(x)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return (dx, grad(need_weight_grad), grad(need_bias_grad)) if centered else (dx, grad(need_weight_grad))
+
+
+_layer_norm = _define(
+    "layer_norm", "(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, int ndim, float eps) "
+                  "-> (Tensor, Tensor, Tensor, Tensor)",
+    lambda x, weight, bias, residual, ndim, eps: _norm_forward(True, x, weight, bias, residual, ndim, eps),
+    lambda x, weight, bias, residual, ndim, eps: _norm_forward_fake(True, x, residual, ndim))
+_rms_norm = _define(
+    "rms_norm", "(Tensor x, Tensor? weight, Tensor? residual, int ndim, float eps) -> (Tensor, Tensor, Tensor)",
+    lambda x, weight, residual, ndim, eps: _norm_forward(False, x, weight, None, residual, ndim, eps),
+    lambda x, weight, residual, ndim, eps: _norm_forward_fake(False, x, residual, ndim))
+_layer_norm_backward = _define(
+    "layer_norm_backward", "(Tensor grad, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, int ndim, "
+                           "bool need_weight_grad, bool need_bias_grad) -> (Tensor, Tensor, Tensor)",
+    lambda grad, x, mean, rstd, weight, ndim, need_w, need_b: _norm_backward(True, grad, x, mean, rstd, weight,
+                                                                             ndim, need_w, need_b),
+    lambda grad, x, mean, rstd, weight, ndim, need_w, need_b: _norm_backward_fake(True, x, ndim, need_w, need_b))
+_rms_norm_backward = _define(
+    "rms_norm_backward", "(Tensor grad, Tensor x, Tensor rstd, Tensor? weight, int ndim, bool need_weight_grad) "
+                         "-> (Tensor, Tensor)",
+    lambda grad, x, rstd, weight, ndim, need_w: _norm_backward(False, grad, x, None, rstd, weight, ndim, need_w,
+                                                               False),
+    lambda grad, x, rstd, weight, ndim, need_w: _norm_backward_fake(False, x, ndim, need_w, False))
+
+
+def _norm_setup(ctx, inputs, output):
+    """Saves what the backward reads: the normalised input (h with a residual), weight and the statistics."""
+    x, weight, *_, residual, ndim, eps = inputs
+    ctx.ndim, ctx.residual = ndim, residual is not None
+    ctx.save_for_backward(output[1] if ctx.residual else x, weight, *output[2:])
+
+
+def _layer_norm_gradient(ctx, grad_y, grad_h, grad_mean, grad_rstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    need_weight_grad = weight is not None and ctx.needs_input_grad[1]
+    need_bias_grad = ctx.needs_input_grad[2]
+    dx, dweight, dbias = _layer_norm_backward(grad_y.to(x.dtype), x, mean, rstd, weight, ctx.ndim, need_weight_grad,
+                                              need_bias_grad)
+    if ctx.residual:
+        dx = dx + grad_h
+    return (dx, dweight if need_weight_grad else None, dbias if need_bias_grad else None,
+            dx if ctx.residual else None, None, None)
+
+
+def _rms_norm_gradient(ctx, grad_y, grad_h, grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    need_weight_grad = weight is not None and ctx.needs_input_grad[1]
+    dx, dweight = _rms_norm_backward(grad_y.to(x.dtype), x, rstd, weight, ctx.ndim, need_weight_grad)
+    if ctx.residual:
+        dx = dx + grad_h
+    return dx, dweight if need_weight_grad else None, dx if ctx.residual else None, None, None
+
+
+_layer_norm.register_autograd(_layer_norm_gradient, setup_context=_norm_setup)
+_rms_norm.register_autograd(_rms_norm_gradient, setup_context=_norm_setup)
+
+
+def _normalized_ndim(x: torch.Tensor, normalized_shape: _ShapeLike) -> int:
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or tuple(x.shape[x.dim() - len(shape):]) != shape or len(shape) > x.dim():
+        raise ValueError(f"normalized_shape {list(shape)} is not the trailing shape of the input {list(x.shape)}")
+    return len(shape)
+
+
+def _like(value: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:
+    """weight / bias in x's dtype (cupyops reads them so; autograd casts their gradients back)."""
+    return value if value is None or value.dtype == x.dtype else value.to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, normalized_shape: _ShapeLike, weight: Optional[torch.Tensor] = None,
+               bias: Optional[torch.Tensor] = None, eps: float = 1e-5, residual: Optional[torch.Tensor] = None):
+    """``torch.nn.functional.layer_norm(x, normalized_shape, weight, bias, eps)`` by cupyops.layer_norm.
+
+    With `residual`, ``h = x + residual`` is normalised in the same kernel
+    and ``(y, h)`` returned. Backward: cupyops.layer_norm_backward (dweight /
+    dbias only where wanted)."""
+    if not x.is_cuda:
+        h = x if residual is None else x + residual
+        y = torch.nn.functional.layer_norm(h, normalized_shape, weight, bias, eps)
+        return y if residual is None else (y, h)
+    _check_float(x)
+    outputs = _layer_norm(x, _like(weight, x), _like(bias, x), residual, _normalized_ndim(x, normalized_shape),
+                          float(eps))
+    return outputs[0] if residual is None else (outputs[0], outputs[1])
+
+
+def rms_norm(x: torch.Tensor, normalized_shape: _ShapeLike, weight: Optional[torch.Tensor] = None,
+             eps: Optional[float] = None, residual: Optional[torch.Tensor] = None):
+    """``torch.nn.functional.rms_norm(x, normalized_shape, weight, eps)`` by cupyops.rms_norm.
+
+    eps None: ``torch.finfo(x.dtype).eps``, as torch. `residual` as for
+    :func:`layer_norm`. Backward: cupyops.rms_norm_backward."""
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    if not x.is_cuda:
+        h = x if residual is None else x + residual
+        y = torch.nn.functional.rms_norm(h, normalized_shape, weight, eps)
+        return y if residual is None else (y, h)
+    _check_float(x)
+    outputs = _rms_norm(x, _like(weight, x), residual, _normalized_ndim(x, normalized_shape), float(eps))
+    return outputs[0] if residual is None else (outputs[0], outputs[1])
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """Drop-in ``torch.nn.LayerNorm`` (same arguments, parameters, state_dict) computed by cupyops."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """Drop-in ``torch.nn.RMSNorm`` (same arguments, parameters, state_dict) computed by cupyops."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+# -- elementwise ------------------------------------------------------------------------------
+
+def _sum_to(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """grad summed over the axes `like` was broadcast along, in like's dtype."""
+    return grad.sum_to_size(like.shape).to(like.dtype)
+
+
+def _elementwise_fake(*operands):
+    shape = torch.broadcast_shapes(*(t.shape for t in operands))
+    dtype = operands[0].dtype
+    for t in operands[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return operands[0].new_empty(shape, dtype=dtype)
+
+
+def _elementwise_op(name: str, schema: str, compute, gradient, saved: int):
+    """cupyops::name of `saved` tensor operands (and scalars after them),
+    computed by compute(*cupy operands, *scalars), differentiated by
+    gradient(grad, *operands, *scalars) -> a gradient per operand."""
+    op = _define(name, schema,
+                 lambda *args: _run(args[0].device, lambda: compute(*map(_to_cupy, args[:saved]), *args[saved:])),
+                 lambda *args: _elementwise_fake(*args[:saved]))
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:saved])
+        ctx.scalars = inputs[saved:]
+
+    def backward(ctx, grad):
+        operands = ctx.saved_tensors
+        grads = gradient(grad, *operands, *ctx.scalars)
+        return (*(_sum_to(g, t) for g, t in zip(grads, operands)), *(None for _ in ctx.scalars))
+
+    op.register_autograd(backward, setup_context=setup_context)
+    return op
+
+
+def _gelu_gradient(grad, x, bias, approximate):
+    dz = torch.ops.aten.gelu_backward(grad, x + bias, approximate=approximate)
+    return dz, dz
+
+
+def _geglu_gradient(grad, a, b, approximate):
+    return (torch.ops.aten.gelu_backward(grad * b, a.to(grad.dtype), approximate=approximate),
+            grad * torch.nn.functional.gelu(a.to(grad.dtype), approximate=approximate))
+
+
+def _silu_gradient(grad, x, bias):
+    dz = torch.ops.aten.silu_backward(grad, x + bias)
+    return dz, dz
+
+
+def _swiglu_gradient(grad, a, b):
+    return (torch.ops.aten.silu_backward(grad * b, a.to(grad.dtype)),
+            grad * torch.nn.functional.silu(a.to(grad.dtype)))
+
+
+# dropout(g) with the mask of g's shape: the gradient of bias_dropout_add's x + bias
+_dropout = cupyops.fuse(lambda g, p, seed, offset: fx.dropout(g, p, seed, offset))
+_dropout_gradient_op = _define(
+    "dropout_gradient", "(Tensor grad, float p, int seed, int offset) -> Tensor",
+    lambda grad, p, seed, offset: _run(grad.device, lambda: _dropout(_to_cupy(grad), p, seed, offset)),
+    lambda grad, p, seed, offset: torch.empty_like(grad, memory_format=torch.contiguous_format))
+
+
+def _bias_dropout_add_gradient(grad, x, bias, residual, p, seed, offset):
+    dz = _dropout_gradient_op(grad, p, seed, offset)
+    return dz, dz, grad
+
+
+_bias_gelu = _elementwise_op("bias_gelu", "(Tensor x, Tensor bias, str approximate) -> Tensor",
+                             lambda x, bias, approximate: cupyops.bias_gelu(x, bias, approximate), _gelu_gradient, 2)
+_bias_silu = _elementwise_op("bias_silu", "(Tensor x, Tensor bias) -> Tensor", cupyops.bias_silu, _silu_gradient, 2)
+_swiglu = _elementwise_op("swiglu", "(Tensor a, Tensor b) -> Tensor", cupyops.swiglu, _swiglu_gradient, 2)
+_geglu = _elementwise_op("geglu", "(Tensor a, Tensor b, str approximate) -> Tensor",
+                         lambda a, b, approximate: cupyops.geglu(a, b, approximate), _geglu_gradient, 2)
+_bias_dropout_add = _elementwise_op(
+    "bias_dropout_add", "(Tensor x, Tensor bias, Tensor residual, float p, int seed, int offset) -> Tensor",
+    cupyops.bias_dropout_add, _bias_dropout_add_gradient, 3)
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """``torch.nn.functional.gelu(x + bias, approximate=approximate)`` in one cupyops kernel."""
+    if not x.is_cuda:
+        return torch.nn.functional.gelu(x + bias, approximate=approximate)
+    return _bias_gelu(x, bias, approximate)
+
+
+def bias_silu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``torch.nn.functional.silu(x + bias)`` in one cupyops kernel."""
+    return torch.nn.functional.silu(x + bias) if not x.is_cuda else _bias_silu(x, bias)
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.nn.functional.silu(a) * b`` in one cupyops kernel."""
+    return torch.nn.functional.silu(a) * b if not a.is_cuda else _swiglu(a, b)
+
+
+def geglu(a: torch.Tensor, b: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """``torch.nn.functional.gelu(a, approximate=approximate) * b`` in one cupyops kernel."""
+    if not a.is_cuda:
+        return torch.nn.functional.gelu(a, approximate=approximate) * b
+    return _geglu(a, b, approximate)
+
+
+def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float, seed: int,
+                     offset: int = 0) -> torch.Tensor:
+    """``residual + torch.nn.functional.dropout(x + bias, p)`` in one cupyops kernel, the keep
+    mask a function of (output shape, p, seed, offset) (cupyops.bias_dropout_add)."""
+    return _bias_dropout_add(x, bias, residual, float(p), int(seed), int(offset))
+
+
+# -- fused softmax ----------------------------------------------------------------------------
+
+_FUSED_SCALARS = "float scale, bool causal, int diagonal, float dropout, int dim"
+
+
+def _fused_softmax_op():
+    """cupyops::fused_softmax -> (y, lse: empty unless need_lse), differentiable in x and bias
+    through cupyops::fused_softmax_backward. rng: [seed, offset] (int64, on the CPU)."""
+    def forward(x, bias, mask, rng, scale, causal, diagonal, dropout, dim, need_lse):
+        seed, offset = rng.tolist()
+
+        def compute():
+            result = cupyops.fused_softmax(_to_cupy(x), scale=scale, bias=_to_cupy(bias), mask=_to_cupy(mask),
+                                           causal=causal, diagonal=diagonal, dropout=dropout, seed=seed,
+                                           offset=offset, axis=dim, return_lse=need_lse)
+            return result if need_lse else (result, None)
+
+        y, lse = _run(x.device, compute)
+        return y, _nothing(x) if lse is None else lse
+
+    def forward_fake(x, bias, mask, rng, scale, causal, diagonal, dropout, dim, need_lse):
+        rows = list(x.shape)
+        del rows[dim]
+        lse = x.new_empty(rows, dtype=torch.float32) if need_lse else _nothing(x)
+        return torch.empty_like(x, memory_format=torch.contiguous_format), lse
+
+    def backward(grad, x, lse, bias, mask, rng, scale, causal, diagonal, dropout, dim):
+        seed, offset = rng.tolist()
+        return _run(x.device, lambda: cupyops.fused_softmax_backward(
+            _to_cupy(grad), _to_cupy(x), _to_cupy(lse), scale=scale, bias=_to_cupy(bias), mask=_to_cupy(mask),
+            causal=causal, diagonal=diagonal, dropout=dropout, seed=seed, offset=offset, axis=dim))
+
+    forward_op = _define("fused_softmax", f"(Tensor x, Tensor? bias, Tensor? mask, Tensor rng, {_FUSED_SCALARS}, "
+                                          "bool need_lse) -> (Tensor, Tensor)", forward, forward_fake)
+    backward_op = _define("fused_softmax_backward", "(Tensor grad, Tensor x, Tensor lse, Tensor? bias, Tensor? mask, "
+                                                    f"Tensor rng, {_FUSED_SCALARS}) -> Tensor", backward,
+                          lambda grad, x, *args: torch.empty_like(x, memory_format=torch.contiguous_format))
+
+    def setup_context(ctx, inputs, output):
+        x, bias, mask, rng, *scalars = inputs
+        ctx.scalars = scalars[:-1]   # need_lse is the forward's alone
+        ctx.save_for_backward(x, output[1], bias, mask, rng)
+
+    def gradient(ctx, grad_y, grad_lse):
+        x, lse, bias, mask, rng = ctx.saved_tensors
+        dx = backward_op(grad_y.to(x.dtype), x, lse, bias, mask, rng, *ctx.scalars)
+        dbias = None
+        if bias is not None and ctx.needs_input_grad[1]:   # dx / scale summed over bias's broadcast axes
+            dbias = (dx.float() / ctx.scalars[0]).sum_to_size(bias.shape).to(bias.dtype)
+        return dx, dbias, *(None for _ in range(8))
+
+    forward_op.register_autograd(gradient, setup_context=setup_context)
+    return forward_op
+
+
+def _fused_softmax_call(x, bias, mask, rng, scale, causal, diagonal, dropout, dim) -> torch.Tensor:
+    _check_float(x)
+    need_lse = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+    return _fused_softmax(x, bias, mask, rng, float(scale), bool(causal), int(diagonal), float(dropout), int(dim),
+                          need_lse)[0]
+
+
+if hasattr(cupyops, "fused_softmax") and hasattr(cupyops, "fused_softmax_backward"):
+    _fused_softmax = _fused_softmax_op()
+
+    def fused_softmax(x: torch.Tensor, *, scale: float = 1.0, bias: Optional[torch.Tensor] = None,
+                      mask: Optional[torch.Tensor] = None, causal: bool = False, diagonal: int = 0,
+                      dropout: float = 0.0, seed: int = 0, offset: int = 0, dim: int = -1) -> torch.Tensor:
+        """dropout(softmax(x * scale + bias, masked -inf), dim) by cupyops.fused_softmax: torch's
+        ``F.dropout(torch.softmax((x * scale + bias).masked_fill(~mask, -inf), dim), dropout)``
+        (causal: also masked above the `diagonal`-th diagonal), the keep mask a function of
+        (x.shape, dropout, seed, offset). Differentiable in x and bias (dbias: dx / scale
+        summed over bias's broadcast axes)."""
+        rng = torch.tensor([seed, offset], dtype=torch.int64)
+        return _fused_softmax_call(x, bias, mask, rng, scale, causal, diagonal, dropout, dim)
+
+    class FusedSoftmax(torch.nn.Module):
+        """Attention probabilities: :func:`fused_softmax` of scores with an optional bias and
+        mask given to forward; dropout in training with a fresh seed each call (torch's CPU
+        generator), none in eval, as ``torch.nn.Dropout(p)(torch.softmax(...))``."""
+
+        def __init__(self, dim: int = -1, scale: float = 1.0, causal: bool = False, diagonal: int = 0,
+                     dropout: float = 0.0):
+            super().__init__()
+            self.dim, self.scale, self.causal, self.diagonal, self.dropout = dim, scale, causal, diagonal, dropout
+
+        def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                    mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+            p = self.dropout if self.training else 0.0
+            rng = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64) if p else torch.zeros(2, dtype=torch.int64)
+            return _fused_softmax_call(x, bias, mask, rng, self.scale, self.causal, self.diagonal, p, self.dim)
+
+        def extra_repr(self) -> str:
+            return (f"dim={self.dim}, scale={self.scale}, causal={self.causal}, diagonal={self.diagonal}, "
+                    f"dropout={self.dropout}")
