@@ -3,6 +3,9 @@
 plan is made for. Each family's module (rowwise, elementwise, ...) adds its subcommands."""
 from __future__ import annotations
 
+import json
+from typing import Optional
+
 import click
 
 from cupyops import dtypes
@@ -23,6 +26,11 @@ def compile_():
 @click.group()
 def bench():
     """Time OP against its baselines on the live GPU (L2 flushed, copy ceiling measured)."""
+
+
+@click.group()
+def tune():
+    """Time OP's candidate plans on the live GPU and keep the winners (beside CuPy's kernel cache)."""
 
 
 def int_list(text: str) -> list:
@@ -66,3 +74,17 @@ device_option = click.option("--device", "device_name", type=click.Choice(sorted
                              help="Plan for a device profile (no GPU needed) instead of the live GPU.")
 json_flag = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 source_flag = click.option("--source", is_flag=True, help="Also print the rendered CUDA source.")
+
+
+def show_plan(info: dict, header: str, as_json: bool, source: Optional[str], source_key: str = "source",
+              width: int = 20) -> None:
+    """explain's output: one JSON object (with the rendered source under source_key when asked),
+    or the header, one line a field and the source."""
+    if as_json:
+        click.echo(json.dumps(info if source is None else {**info, source_key: source}))
+        return
+    click.echo(header)
+    for key, value in info.items():
+        click.echo(f"  {key:<{width}} {value}")
+    if source is not None:
+        click.echo(source)

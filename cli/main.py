@@ -7,8 +7,9 @@ import click
 
 from cupyops import jit
 
-from . import rowwise  # noqa: F401  (registers the row-wise ops' subcommands)
-from .common import bench, compile_, explain
+from . import conv, elementwise, rowwise  # noqa: F401  (register their ops' subcommands)
+from . import fused_softmax  # noqa: F401
+from .common import bench, compile_, explain, tune
 
 
 @click.group()
@@ -20,6 +21,7 @@ def main():
 main.add_command(explain)
 main.add_command(compile_)
 main.add_command(bench)
+main.add_command(tune)
 
 
 @main.command()

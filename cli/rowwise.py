@@ -2,7 +2,6 @@
 subcommand of each verb per op, sharing the options below."""
 from __future__ import annotations
 
-import json
 import math
 import sys
 
@@ -13,7 +12,7 @@ from cupyops.device import ARCH_PROFILES
 from cupyops.launch import Target
 
 from .common import (bench, compile_, device_option, dtype_option, explain, int_list, json_flag,
-                     live_device, policy_option, positive_shape, source_flag, target)
+                     live_device, policy_option, positive_shape, show_plan, source_flag, target)
 from .ops import OPS
 
 DEFAULT_ROWS = 49152
@@ -52,21 +51,12 @@ def _explain_command(op: str):
                                                  dtype_short, policy, plan_target)
         copied = plan is None and not last
         plan = plan or entry.plan(rows, cols, dtype_short, policy, plan_target)
-        info = plan.explain()
-        if as_json:
-            if source:
-                info["source"] = jit.render(plan.spec)
-            click.echo(json.dumps(info))
-            return
-        click.echo(f"{op} over axis {axis} of {tuple(dims)} {dtype} on {plan_target.facts.name}: "
-                   f"rows={rows} cols={cols} policy={policy}")
+        header = (f"{op} over axis {axis} of {tuple(dims)} {dtype} on {plan_target.facts.name}: "
+                  f"rows={rows} cols={cols} policy={policy}")
         if copied:
-            click.echo("  (the reduced axis is not last and the axis kernel does not apply: the input "
+            header += ("\n  (the reduced axis is not last and the axis kernel does not apply: the input "
                        "is first copied to rows)")
-        for key, value in info.items():
-            click.echo(f"  {key:<20} {value}")
-        if source:
-            click.echo(jit.render(plan.spec))
+        show_plan(plan.explain(), header, as_json, jit.render(plan.spec) if source else None)
 
     command.__doc__ = f"Show the launch plan cupyops picks for {op} on an array of SHAPE."
     return click.command(name=op)(command)

@@ -4,7 +4,7 @@
 # Usage (repository root): OUT=/some/dir bash scripts/gpu_check.sh MODE, where MODE is
 #   close          tests, then targets: the GPU tests and the issues' figures in one call (~7 min)
 #   tests | sanitize | targets | odd-rows (rows at mixed phases against torch) |
-#   bench-forward | bench-rest (the full sweeps over cols) | all
+#   bench-forward | bench-rest (the full sweeps over cols) | elementwise | families | all
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-$PWD/out}"
@@ -23,8 +23,9 @@ fi
 if run sanitize; then
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool" | tee -a "$OUT/sanitize.txt"
-    compute-sanitizer --tool "$tool" --error-exitcode 9 python scripts/sanitize_paths.py \
-      > "$OUT/sanitize_$tool.log" 2>&1
+    for script in sanitize_paths sanitize_fused_softmax sanitize_conv; do
+      compute-sanitizer --tool "$tool" --error-exitcode 9 python "scripts/$script.py"
+    done > "$OUT/sanitize_$tool.log" 2>&1
     echo "exit $?" | tee -a "$OUT/sanitize.txt"
     grep -E "ERROR SUMMARY|all paths ran|Error|error" "$OUT/sanitize_$tool.log" | tail -n 5 | tee -a "$OUT/sanitize.txt"
     tail -n 30 "$OUT/sanitize_$tool.log" | grep -v "^=========     " > "$OUT/sanitize_${tool}_tail.txt"; rm -f "$OUT/sanitize_$tool.log"
@@ -75,6 +76,31 @@ if run bench-rest; then
     for op in softmax log_softmax softmax_backward; do
       bench "$op" "$dtype" long "${LONG_ROWS[@]}" --baseline torch,oneflow,copy
       bench "$op" "$dtype" axis --shape 64,4096,256 --axis 1 --baseline torch,oneflow,copy
+    done
+  done
+fi
+ATTENTION=(--shape 64,128,128,128 --shape 8,16,1024,1024 --shape 1,8,4096,4096)
+if run families; then   # fused softmax, int8 convolution, host cost, the torch example
+  python scripts/call_overhead.py 2>&1 | tee "$OUT/call_overhead.txt"
+  python examples/transformer_block.py 2>&1 | tail -n 3 | tee "$OUT/transformer_block.txt"
+  for dtype in float16 bfloat16; do
+    bench fused_softmax "$dtype" causal "${ATTENTION[@]}" --causal
+    bench fused_softmax "$dtype" dropout "${ATTENTION[@]}" --dropout 0.1
+    bench fused_softmax_backward "$dtype" causal "${ATTENTION[@]}" --causal
+  done
+  python -m cupyops.cli bench conv2d_int8 --layers all --json "$OUT/json/bench_conv2d_int8.json" | tee -a "$OUT/bench.txt"
+fi
+EW_SHAPES=(--shape 16384,8192 --shape 4096,4096 --shape 1024,1024)
+if run elementwise; then   # fused elementwise: sanitizers, host cost, benches (its tests: mode tests)
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 9 python scripts/sanitize_elementwise.py 2>&1 | tail -n 3 \
+      | tee -a "$OUT/sanitize_elementwise.txt"
+  done
+  python scripts/tune_elementwise.py --host-only > "$OUT/tune_elementwise.txt" 2>&1; cat "$OUT/tune_elementwise.txt"
+  for dtype in float16 bfloat16 float32; do
+    for expr in bias_gelu bias_gelu_tanh bias_silu swiglu geglu bias_dropout_add "sigmoid(a + b)" "relu(a + b) * 0.5"; do
+      label=$(echo "$expr" | tr -c 'a-z0-9_\n' '_')
+      bench elementwise "$dtype" "$label" --expr "$expr" "${EW_SHAPES[@]}"
     done
   done
 fi
