@@ -222,7 +222,8 @@ def _broadcast_operand(value, name: str, x, kinds: str, last_axis: int):
     if value is None:
         return None
     value = arrays.as_cupy(value, name)
-    if value.dtype.kind not in kinds or (kinds == "f" and value.dtype not in dtypes.BY_DTYPE):
+    floating = value.dtype in dtypes.BY_DTYPE     # bfloat16's kind is "V"
+    if (kinds == "f" and not floating) or (kinds != "f" and value.dtype.kind not in kinds):
         wanted = "bool" if kinds == "b" else "a float dtype"
         raise TypeError(f"{name} must have {wanted}, got {value.dtype}")
     if value.device.id != x.device.id:
