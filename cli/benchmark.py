@@ -132,20 +132,25 @@ def write_csv(result: dict, path: str) -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        raise click.ClickException("--plot needs matplotlib: pip install 'cupyops[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Writes figure(result) as a PNG (matplotlib, imported only here; --plot checks it is there)."""
+    figure(result).savefig(path, dpi=120)
+
+
+def figure(result: dict):
+    """GB/s against cols (a sweep) or shape: a line per provider, the copy ceiling dashed,
+    titled with the op, dtype, what the points share and the device."""
+    from matplotlib.figure import Figure
 
     sweep = result["rows"] is not None
     labels = [_label(result, point) for point in result["points"]]
     where = [point["cols"] for point in result["points"]] if sweep else list(range(len(labels)))
-    figure, axes = plt.subplots(figsize=(8, 4.5))
+    chart = Figure(figsize=(8, 4.5))
+    axes = chart.subplots()
     for name in ["cupyops", *result["baselines"]]:
-        axes.plot(where, [point[name]["gbs"] for point in result["points"]], marker="o", label=name)
-    axes.axhline(result["copy_gbs"], color="gray", linestyle="--", label="copy ceiling")
+        axes.plot(where, [point[name]["gbs"] for point in result["points"]], marker="o",
+                  label="copy of the same bytes" if name == "copy" else name)
+    axes.axhline(result["copy_gbs"], color="gray", linestyle="--", label="copy ceiling (1 GiB)")
+    axes.set_ylim(bottom=0)
     if sweep:
         axes.set_xscale("log", base=2)
     else:
@@ -154,5 +159,5 @@ def plot(result: dict, path: str) -> None:
     axes.set_ylabel("GB/s")
     axes.set_title(f"{result['op']} {result['dtype']}, {_over(result)}, {result['device']}")
     axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    chart.tight_layout()
+    return chart

@@ -76,6 +76,21 @@ json_flag = click.option("--json", "as_json", is_flag=True, help="Print one JSON
 source_flag = click.option("--source", is_flag=True, help="Also print the rendered CUDA source.")
 
 
+def _needs_matplotlib(ctx, param, path):
+    """--plot's check, made before anything is timed: matplotlib must be importable."""
+    if path is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise click.UsageError("--plot needs matplotlib: pip install matplotlib "
+                                   "(or install cupyops with its 'plot' extra)", ctx) from None
+    return path
+
+
+plot_option = click.option("--plot", "plot_path", type=click.Path(dir_okay=False), callback=_needs_matplotlib,
+                           help="Write a PNG of GB/s per provider, the copy ceiling dashed (needs matplotlib).")
+
+
 def show_plan(info: dict, header: str, as_json: bool, source: Optional[str], source_key: str = "source",
               width: int = 20) -> None:
     """explain's output: one JSON object (with the rendered source under source_key when asked),

@@ -17,7 +17,7 @@ from cupyops.launch import Target
 from cupyops.ops import elementwise as ew
 
 from .common import (bench, compile_, device_option, dtype_option, explain, json_flag, live_device,
-                     policy_option, positive_shape, show_plan, source_flag, target)
+                     plot_option, policy_option, positive_shape, show_plan, source_flag, target)
 
 # Named ops as expressions, the shape of each operand ("x": the whole shape, "cols": the last
 # axis), and the cupyops function of them.
@@ -135,7 +135,7 @@ def compile_elementwise(exprs, shape, dtype, arch, policy):
               help=f"Providers to compare with: {', '.join(BASELINES)}.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Write the table as CSV.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write results as JSON.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG plot.")
+@plot_option
 def bench_elementwise(expr, shapes, operand_specs, dtype, baseline, csv_path, json_path, plot_path):
     """Time an elementwise expression or named op against its baselines on the live GPU."""
     from . import benchmark, elementwise_providers

@@ -16,7 +16,7 @@ from cupyops.launch import Target
 from cupyops.ops import fused_softmax as fs
 
 from .common import (bench, compile_, device_option, dtype_option, explain, json_flag, live_device,
-                     policy_option, positive_shape, source_flag, target)
+                     plot_option, policy_option, positive_shape, source_flag, target)
 
 OPS = {"fused_softmax": ("forward", "lse"), "fused_softmax_backward": ("backward",)}
 DEFAULT_SHAPES = ("8,16,128,128", "8,16,512,512", "8,16,1024,1024", "4,16,4096,4096", "1,4,16384,16384")
@@ -130,7 +130,7 @@ def _bench_command(op: str):
                   help="torch (eager), torch_compile, oneflow (policy='oneflow'), copy.")
     @click.option("--csv", "csv_path", type=click.Path(dir_okay=False))
     @click.option("--json", "json_path", type=click.Path(dir_okay=False))
-    @click.option("--plot", "plot_path", type=click.Path(dir_okay=False))
+    @plot_option
     def command(shapes, mask_shape, bias_shape, bias_dtype, causal, diagonal, dropout, dtype, baseline, csv_path,
                 json_path, plot_path):
         from . import benchmark, fused_softmax_providers as providers

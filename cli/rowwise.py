@@ -12,7 +12,8 @@ from cupyops.device import ARCH_PROFILES
 from cupyops.launch import Target
 
 from .common import (bench, compile_, device_option, dtype_option, explain, int_list, json_flag,
-                     live_device, policy_option, positive_shape, show_plan, source_flag, target)
+                     live_device, plot_option, policy_option, positive_shape, show_plan, source_flag,
+                     target)
 from .ops import OPS
 
 DEFAULT_ROWS = 49152
@@ -107,7 +108,7 @@ def _bench_command(op: str):
                        "copy moving the op's bytes).")
     @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Write the table as CSV.")
     @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write results as JSON.")
-    @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write a PNG plot.")
+    @plot_option
     def command(dtype, rows, cols, shapes, axis, baseline, csv_path, json_path, plot_path):
         from . import benchmark
 
