@@ -9,6 +9,7 @@ from cupyops import jit
 
 from . import conv, elementwise, rowwise  # noqa: F401  (register their ops' subcommands)
 from . import fused_softmax  # noqa: F401
+from . import dask_bench  # noqa: F401  (bench dask)
 from .common import bench, compile_, explain, tune
 
 

@@ -104,4 +104,11 @@ if run elementwise; then   # fused elementwise: sanitizers, host cost, benches (
     done
   done
 fi
+if run dask; then   # mode dask: cupyops.dask's GPU tests, examples/dask_multi_gpu.py, bench dask (the dask extra)
+  { timeout 240 python -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_dask_gpu.py > "$OUT/dask_pytest.txt" 2>&1
+    tail -n 25 "$OUT/dask_pytest.txt"
+    timeout 120 python examples/dask_multi_gpu.py 2>&1 | tail -n 12
+    timeout 180 python -m cupyops.cli bench dask --json "$OUT/json/bench_dask.json" 2>&1 | tail -n 30
+  } | tee "$OUT/dask.txt"
+fi
 tar -C "$OUT" -czf "$OUT/bench_json_$mode.tgz" json && rm -r "$OUT/json"
