@@ -263,8 +263,9 @@ def cast(x, dtype) -> Node:
 
 def dropout(x, p, seed, offset=0) -> Node:
     """x / (1 - p) where the kernel keeps the element, else 0: keep iff the Philox4x32-10
-    word of the element's linear index (in the output) plus `offset`, keyed by `seed`, is at
-    least floor(p * 2**32); the mask is `cupyops.dropout_mask(shape, p, seed, offset)`.
+    16-bit half of the element's linear index (in the output) plus `offset`, keyed by `seed`,
+    is at least round(p * 2**16) (cupyops.philox); the mask is
+    `cupyops.dropout_mask(shape, p, seed, offset)`.
     p, seed and offset are scalars (Python numbers or scalar arguments)."""
     x = as_node(x)
     scalars = [as_node(v) for v in (p, seed, offset)]

@@ -1,11 +1,11 @@
 """Philox4x32-10 and the dropout keep mask in NumPy: the reference of kernels/philox.cuh.
 
-Element i of a tensor is kept iff word (n & 3) of Philox(counter = (lo, hi of
-n >> 2, 0, 0), key = (lo, hi of seed)) is >= floor(p * 2^32), n = i + offset.
+Element i of a tensor is kept iff 16-bit half (n & 7) of Philox(counter = (lo, hi of
+n >> 3, 0, 0), key = (lo, hi of seed)) is >= round(p * 2^16), n = i + offset; half h is the
+(h & 1)-th half, low first, of word h >> 1. One Philox call serves eight elements; the
+dropped fraction is threshold / 2^16, p rounded to a multiple of 2^-16.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
@@ -38,20 +38,23 @@ def check_dropout(p, name: str = "dropout") -> float:
 
 
 def dropout_threshold(p) -> int:
-    """floor(p * 2^32): the smallest Philox word of a kept element (ValueError unless 0 <= p < 1)."""
-    return math.floor(check_dropout(p, "p") * 2.0 ** 32)
+    """round(p * 2^16) (half to even), at most 2^16 - 1: the smallest Philox half of a kept
+    element (ValueError unless 0 <= p < 1)."""
+    return min(round(check_dropout(p, "p") * 2.0 ** 16), 2 ** 16 - 1)
 
 
 def keep_mask_reference(size: int, p, seed: int, offset: int = 0) -> np.ndarray:
     """The boolean keep mask of linear indices 0..size-1 (what the kernels apply)."""
     threshold = np.uint32(dropout_threshold(p))
     n = np.arange(size, dtype=np.uint64) + np.uint64(offset)
-    groups, lanes = n >> np.uint64(2), (n & np.uint64(3)).astype(np.intp)
-    first = int(offset) >> 2
-    unique = np.arange(first, first + (size + 7) // 4 + 1, dtype=np.uint64)
+    groups, halves = n >> np.uint64(3), n & np.uint64(7)
+    first = int(offset) >> 3
+    unique = np.arange(first, first + (size + 7) // 8 + 1, dtype=np.uint64)
     counter = np.zeros(unique.shape + (4,), dtype=np.uint32)
     counter[:, 0] = (unique & _LOW).astype(np.uint32)
     counter[:, 1] = (unique >> np.uint64(32)).astype(np.uint32)
     key = np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], dtype=np.uint32)
     words = philox4x32_10(counter, np.broadcast_to(key, unique.shape + (2,)))
-    return words[(groups - np.uint64(first)).astype(np.intp), lanes] >= threshold
+    word = words[(groups - np.uint64(first)).astype(np.intp), (halves >> np.uint64(1)).astype(np.intp)]
+    half = (word >> ((halves & np.uint64(1)) * np.uint64(16)).astype(np.uint32)) & np.uint32(0xFFFF)
+    return half >= threshold

@@ -45,6 +45,9 @@ struct BroadcastRow {
     mask_base = mask_offset;
     if (causal) last_col = at % causal_rows + diagonal;
   }
+  // Whether the causal rule masks all of columns col.. of the located row: their x (and dy)
+  // need not be read.
+  __device__ __forceinline__ bool causal_from(int64 col) const { return causal && col > last_col; }
   __device__ __forceinline__ bool masked(int64 col) const {
     bool out = false;
     if (has_mask) out = !mask[mask_base + col * mask_strides[3]];
@@ -81,7 +84,8 @@ struct BroadcastRow {
   }
 };
 
-// The scores z of a row, in the compute type C: the LOAD of the forward.
+// The scores z of a row, in the compute type C: the LOAD of the forward. Packs the causal
+// rule masks whole are not read.
 template <typename T, typename C, typename Broadcast>
 struct ScoresLoad {
   typedef T Storage;
@@ -92,6 +96,11 @@ struct ScoresLoad {
   template <int N>
   __device__ __forceinline__ void load(C* dst, int64 row, int64 col) const {
     broadcast.locate(row);
+    if (broadcast.causal_from(col)) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) dst[i] = -infinity<C>();
+      return;
+    }
     const Pack<T, N> pack = load_pack<T, N>(x + row * row_stride + col);
     bool dropped[N];
     C bias_values[N];
@@ -158,6 +167,12 @@ struct FusedGradLoad {
         dst[i] = dst[i] == -infinity<C>() || row_lse == -infinity<C>() ? C(0) : exp_(dst[i] - row_lse);
       }
     } else {
+      scores.broadcast.locate(row);
+      if (scores.broadcast.causal_from(col)) {   // y = 0 there: dy does not matter
+#pragma unroll
+        for (int i = 0; i < N; ++i) dst[i] = C(0);
+        return;
+      }
       const Pack<T, N> pack = load_pack<T, N>(src + row * row_stride + col);
       bool kept[N];
       if (dropout) drop.keep_pack<N>(static_cast<unsigned long long>(row * row_stride + col), kept);

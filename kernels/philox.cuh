@@ -21,9 +21,10 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 counter, uint2 key) {
   return counter;
 }
 
-// Element `index` is kept iff word (n & 3) of Philox(counter = n >> 2, key = seed)
-// is >= threshold, with n = index + offset and threshold = floor(p * 2^32)
-// (cupyops.philox.dropout_threshold; p = 0 keeps everything).
+// Element `index` is kept iff 16-bit half (n & 7) of Philox(counter = n >> 3, key = seed) is
+// >= threshold, with n = index + offset, half h the (h & 1)-th half (low first) of word h >> 1,
+// and threshold = round(p * 2^16), at most 2^16 - 1 (cupyops.philox.dropout_threshold; p = 0
+// keeps everything): one Philox call serves eight elements.
 struct DropoutMask {
   unsigned long long seed;
   unsigned long long offset;
@@ -34,28 +35,32 @@ struct DropoutMask {
         make_uint4(static_cast<unsigned>(group), static_cast<unsigned>(group >> 32), 0u, 0u),
         make_uint2(static_cast<unsigned>(seed), static_cast<unsigned>(seed >> 32)));
   }
-  __device__ __forceinline__ static unsigned word(const uint4& w, unsigned lane) {
-    return lane == 0 ? w.x : lane == 1 ? w.y : lane == 2 ? w.z : w.w;
+  // Bit h set iff element h of the group of eight is kept.
+  __device__ __forceinline__ unsigned kept_bits(unsigned long long group) const {
+    const uint4 w = words(group);
+    const unsigned word[4] = {w.x, w.y, w.z, w.w};
+    unsigned bits = 0;
+#pragma unroll
+    for (int h = 0; h < 8; ++h) {
+      bits |= static_cast<unsigned>(((word[h >> 1] >> (16 * (h & 1))) & 0xFFFFu) >= threshold) << h;
+    }
+    return bits;
   }
   __device__ __forceinline__ bool keep(unsigned long long index) const {
     const unsigned long long n = index + offset;
-    return word(words(n >> 2), static_cast<unsigned>(n & 3)) >= threshold;
+    return (kept_bits(n >> 3) >> (n & 7)) & 1u;
   }
-  // kept[j] = keep(first_index + j): one Philox call per group of 4 counter words.
+  // kept[j] = keep(first_index + j), N <= 8: the pack spans one group of eight, or two.
   template <int N>
   __device__ __forceinline__ void keep_pack(unsigned long long first_index, bool (&kept)[N]) const {
+    static_assert(N <= 8, "a pack spans at most two groups");
     const unsigned long long first = first_index + offset;
-    unsigned long long group = first >> 2;
-    uint4 w = words(group);
+    const unsigned start = static_cast<unsigned>(first & 7);
+    unsigned bits = kept_bits(first >> 3);
+    if (start + N > 8) bits |= kept_bits((first >> 3) + 1) << 8;
+    bits >>= start;
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const unsigned long long n = first + j;
-      if ((n >> 2) != group) {
-        group = n >> 2;
-        w = words(group);
-      }
-      kept[j] = word(w, static_cast<unsigned>(n & 3)) >= threshold;
-    }
+    for (int j = 0; j < N; ++j) kept[j] = (bits >> j) & 1u;
   }
 };
 

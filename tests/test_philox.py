@@ -27,14 +27,16 @@ def test_vectorised_matches_one_at_a_time():
     numpy.testing.assert_array_equal(philox.philox4x32_10(counters, keys), expected)
 
 
-def test_keep_rule_word_by_word():
-    """Element n takes word n & 3 of Philox(counter = n >> 2, key = seed) against floor(p 2^32)."""
+def test_keep_rule_half_by_half():
+    """Element n takes 16-bit half n & 7 (low half of word 0 first) of Philox(counter = n >> 3,
+    key = seed) against round(p 2^16)."""
     seed, p = (0x12345678 << 32) | 0x9ABCDEF0, 0.37
     keep = philox.keep_mask_reference(64, p, seed)
     key = numpy.array([seed & 0xFFFFFFFF, seed >> 32], dtype=numpy.uint32)
     for n in range(64):
-        words = philox.philox4x32_10(numpy.array([n >> 2, 0, 0, 0], dtype=numpy.uint32), key)
-        assert keep[n] == (int(words[n & 3]) >= int(p * 2 ** 32))
+        words = philox.philox4x32_10(numpy.array([n >> 3, 0, 0, 0], dtype=numpy.uint32), key)
+        half = (int(words[(n & 7) // 2]) >> (16 * (n & 1))) & 0xFFFF
+        assert keep[n] == (half >= round(p * 2 ** 16))
 
 
 @pytest.mark.parametrize("offset", [1, 2, 3, 5, 2 ** 33 + 3])
@@ -49,8 +51,10 @@ def test_offset_shifts_the_counter(offset):
 
 def test_threshold():
     assert philox.dropout_threshold(0) == 0
-    assert philox.dropout_threshold(0.5) == 2 ** 31
-    assert philox.dropout_threshold(numpy.nextafter(1, 0)) == 2 ** 32 - 1
+    assert philox.dropout_threshold(0.5) == 2 ** 15
+    assert philox.dropout_threshold(0.1) == 6554                 # 6553.6 rounds up
+    assert philox.dropout_threshold(3 / 2 ** 17) == 2            # half to even
+    assert philox.dropout_threshold(numpy.nextafter(1, 0)) == 2 ** 16 - 1
     assert philox.keep_mask_reference(100, 0.0, 3).all()
     for bad in (-0.1, 1.0, float("nan")):
         with pytest.raises(ValueError, match="p"):
