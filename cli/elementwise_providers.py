@@ -61,7 +61,8 @@ def _cupy_kernel(cupy, plan: ew.ElementwisePlan):
     outs = ", ".join(f"{dtype} o{k}" for k, (dtype, _) in enumerate(spec.outputs))
     compute = [ew.C_TYPES[o.dtype][2] for o in spec.operands]
     out_compute = [ew.C_TYPES[dtype][2] for dtype, _ in spec.outputs]
-    body = "".join(f"{c} in{k} = ({c})a{k};\n" for k, c in enumerate(compute))
+    body = f"constexpr bool F = {str(spec.fast_math).lower()};\n"
+    body += "".join(f"{c} in{k} = ({c})a{k};\n" for k, c in enumerate(compute))
     body += "".join(f"{c} out{k};\n" for k, c in enumerate(out_compute))
     body += "\n".join(spec.body) + "\n"
     body += "".join(f"o{k} = out{k};\n" for k in range(len(out_compute)))

@@ -4,7 +4,7 @@ launch of the same kernel.
 
 Bytes counted: each operand read once at its own size, each output written once. Every
 candidate is run once into a NaN-filled output and checked against the default plan's
-result before it is timed. Usage: python scripts/tune_elementwise.py [--budget 0.1] [--host-only]
+result before it is timed. Usage: python scripts/tune_elementwise.py [--budget 0.1] [--host-only] [--expr TEXT] [--dtype NAME]
 """
 from __future__ import annotations
 
@@ -42,11 +42,13 @@ def operands(expr, kinds, shape, dtype):
             for name, kind in zip(names, kinds)]
 
 
-def throughput(tuning: Tuning):
+def throughput(tuning: Tuning, only: list, dtypes: list):
     print(f"{'expression':<40} {'dtype':<9} {'shape':<11} {'launch':<16} {'us':>8} {'GB/s':>7} {'copy':>6}")
     for expr, kinds in CASES:
+        if only and not any(word in expr for word in only):
+            continue
         function = ew.compiled_expression(expr)
-        for dtype in DTYPES:
+        for dtype in dtypes:
             for shape in SHAPES:
                 args = operands(expr, kinds, shape, dtype)
                 try:
@@ -108,11 +110,14 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--budget", type=float, default=0.1)
     parser.add_argument("--host-only", action="store_true")
+    parser.add_argument("--expr", action="append", default=[], help="only the cases containing this text")
+    parser.add_argument("--dtype", action="append", default=[], help="only these dtypes")
     options = parser.parse_args()
     tuning = Tuning(options.budget)
     host_cost(tuning)
     if not options.host_only:
-        throughput(tuning)
+        dtypes = [d for d in DTYPES if not options.dtype or d.name in options.dtype]
+        throughput(tuning, options.expr, dtypes)
 
 
 if __name__ == "__main__":

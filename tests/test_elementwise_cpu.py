@@ -282,6 +282,47 @@ def test_every_function_compiles(arch, dtype):
         assert report.spill_bytes == 0 and len(chosen.spec.outputs) == 20
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_fast_forms_compile_where_every_output_is_16_bit(arch):
+    names = ", ".join(f"{name}(x)" for name in fx.FLOAT_FUNCTIONS)
+    for dtype, fast in ((F16, True), (BFLOAT16, True), (F32, False)):
+        chosen = plan(names, info(dtype, (1000, 77)))
+        assert chosen.spec.fast_math is fast
+        assert ("constexpr bool F = true;" in jit.render(chosen.spec)) is fast
+        assert jit.compile_cubin(chosen.spec, arch).spill_bytes == 0
+    assert not plan("gelu(x), x > 0", info(F16, (64,))).spec.fast_math          # a bool output
+    assert not plan("cast(gelu(x), 'float32')", info(F16, (64,))).spec.fast_math
+
+
+def _fast_gelu_float32(x):
+    """kernels/elementwise.cuh fx_gelu<true> step by step in float32 (hardware 2^x and 1/x
+    taken exact), its coefficients read from the header."""
+    source = (jit.resource_dir("kernels") / "elementwise.cuh").read_text()
+    fit = source[source.index("fx_half_erfc_log2_fit(float t)"):]
+    coefficients = [numpy.float32(c) for c in re.findall(r"(-?\d+\.\d+)f", fit[:fit.index("}")])]
+    (t_scale,) = re.findall(r"fx_rcp_approx\(fmaf\(fabsf\(x\), (\d+\.\d+)f, 1\.0f\)\)", source)
+    assert len(coefficients) == 7
+    f = numpy.float32
+    t = (f(1) / (numpy.abs(x) * f(t_scale) + f(1))).astype(f)
+    e = coefficients[0]
+    for c in coefficients[1:]:
+        e = (e * t + c).astype(f)
+    h = (t * numpy.exp2((x * x).astype(f) * f(-0.72134752044448170368) + e).astype(f)).astype(f)
+    return x * numpy.where(x >= 0, f(1) - h, h)
+
+
+def test_fast_gelu_is_within_a_small_fraction_of_a_16_bit_rounding():
+    special = pytest.importorskip("scipy.special")
+    x = numpy.concatenate([numpy.linspace(-14, 14, 400001), numpy.geomspace(1e-6, 14, 20001),
+                           -numpy.geomspace(1e-6, 14, 20001)]).astype(numpy.float32)
+    exact = 0.5 * x.astype(numpy.float64) * special.erfc(-x.astype(numpy.float64) / math.sqrt(2))
+    got = _fast_gelu_float32(x).astype(numpy.float64)
+    tiny = numpy.abs(exact) < 1e-30          # flushed or far below bfloat16's smallest normal
+    relative = numpy.abs(got - exact)[~tiny] / numpy.abs(exact)[~tiny]
+    assert relative.max() < 3e-5             # float16 rounds at 4.9e-4, bfloat16 at 3.9e-3
+    assert numpy.all(numpy.abs(got[tiny]) < 1e-29)
+
+
 def test_every_layout_compiles():
     chosen = plan("a + b + c + d + e", info(F16, (8, 4, 128)), info(F16, (128,)), info(F16, (8, 1, 1)),
                   info(F16, ()), info(F16, (8, 4, 128), strides=(1, 8, 32)))

@@ -26,21 +26,22 @@ import numpy
 
 from .. import arrays, fx, jit
 from ..launch import MAX_GRID_X, LaunchCache, Target, get_num_blocks
-from .elementwise_kernel import C_TYPES, ElementwiseSpec, OperandSpec, fast_divider, generate
+from .elementwise_kernel import C_TYPES, ElementwiseSpec, OperandSpec, fast_divider, fast_math, generate
 
 ONEFLOW_BLOCK = 256
 ONEFLOW_MAX_PACK = 8            # OneFlow's kMaxPackSize
 MAX_PACK_BYTES = 16
 # auto's launch (block, bytes of each operand a thread has in flight, waves), each one of
 # launch_candidates, by the expression's estimated instructions per byte moved (OP_COST):
-# memory-bound ones cover the array in one pass; compute-bound ones walk it with a grid of
-# 32 waves of resident blocks, the most compute-bound (gelu of 16-bit data) with 16, so that
-# warps computing overlap warps loading. Rows (least instructions per byte, launch): the
-# measured winners of scripts/tune_elementwise.py (H100, 16384 x 8192).
-AUTO_LAUNCH = ((0.0, (512, 16, None)), (4.0, (256, 16, 32)), (6.0, (256, 16, 16)))
+# memory-bound ones cover the array in one pass, those with some arithmetic with two packs of
+# each operand in flight a thread; compute-bound ones walk it with a grid of 32 waves of
+# resident blocks, the most compute-bound (gelu of 16-bit data) with 16, so that warps
+# computing overlap warps loading. Rows (least instructions per byte, launch): the measured
+# winners of scripts/tune_elementwise.py (H100 and H200, 16384 x 8192).
+AUTO_LAUNCH = ((0.0, (512, 16, None)), (2.0, (256, 32, None)), (4.0, (256, 16, 32)), (6.0, (256, 16, 16)))
 # Estimated float32 instructions per element of each op (others: 1); double costs twice.
 OP_COST = {"exp": 8, "log": 10, "tanh": 14, "sigmoid": 16, "erf": 24, "rsqrt": 4, "gelu": 28,
-           "gelu_tanh": 20, "silu": 17, "power": 20, "divide": 8, "dropout": 12}
+           "gelu_tanh": 20, "silu": 17, "power": 20, "divide": 8, "dropout": 30}
 
 
 # -- layout: how each operand is read at the output's linear index ----------------------------
@@ -147,6 +148,7 @@ class ElementwisePlan:
                              for o in spec.operands],
                 "outputs": [dtype for dtype, _ in spec.outputs], "pack_size": spec.pack_size,
                 "packs_per_thread": spec.packs_per_thread, "index_type": spec.index_type,
+                "math": "fast (16-bit outputs)" if spec.fast_math else "exact",
                 "block": [self.block, 1, 1], "grid": [self.grid, 1, 1], "smem_bytes": 0,
                 "kernel": spec.name}
 
@@ -241,7 +243,7 @@ def make_plan(roots: tuple, args: tuple, outs: tuple, names: tuple, policy: str,
         expression=", ".join(root.canonical() for root in roots), body=body, operands=operands,
         scalars=tuple(c for c, _ in scalar_types), outputs=tuple(zip((d.name for d in out_dtypes), out_vectors)),
         dropouts=dropouts, pack_size=pack_size, packs_per_thread=per_thread, block_size=block,
-        index_type=index_type)
+        index_type=index_type, fast_math=fast_math(out_dtypes))
     params = []
     for (access, inner, axes), st in zip(layouts, strides):
         if access == "strided":
@@ -321,10 +323,12 @@ def _getter(positions: tuple) -> Callable:
 class _Launcher:
     """A plan bound to its compiled kernel: all a repeated call with the same signature does."""
 
-    def __init__(self, plan: ElementwisePlan, kernel, args: tuple, out):
+    def __init__(self, plan: ElementwisePlan, kernel, args: tuple, out, device: Optional[int] = None):
         import cupy
 
         self.plan = plan
+        self.device = device          # the operands' GPU where it is not the current one
+        self.on_device = cupy.cuda.Device
         self.function = kernel.kernel
         self.grid, self.block = (plan.grid,), (plan.block,)
         self.take_arrays = _getter(plan.arrays)
@@ -340,6 +344,8 @@ class _Launcher:
                            for position, info, operand in zip(plan.arrays, infos, plan.spec.operands))
         outs = () if out is None else out if isinstance(out, tuple) else (out,)
         self.out_spans = tuple(_span(ArrayInfo.of(o)) if o.flags.c_contiguous else None for o in outs)
+        # run(args, out, stream): the launch, under the operands' GPU where it is not the current
+        self.run = self._launch if device is None else self._launch_on_device
 
     def _direct(self, k: int, out, args) -> bool:
         """Whether out (the k-th output) can be written by the kernel itself: C-contiguous, and
@@ -364,6 +370,13 @@ class _Launcher:
         return (*self.take_arrays(args), *targets, *self.tail)
 
     def __call__(self, args: tuple, out, stream):
+        return self.run(args, out, stream)
+
+    def _launch_on_device(self, args: tuple, out, stream):
+        with self.on_device(self.device):      # its current stream too
+            return self._launch(args, out, stream)
+
+    def _launch(self, args: tuple, out, stream):
         if self.dropout_p:
             for position in self.dropout_p:
                 fx.check_dropout_p(args[position])
@@ -448,7 +461,8 @@ class FusedFunction:
         for a in args:          # what a plan depends on of each operand, flat
             kind = type(a)
             if kind is ndarray:
-                key += a.dtype, a.shape, a.strides, a.data.ptr & 15
+                memory = a.data
+                key += a.dtype, a.shape, a.strides, memory.ptr & 15, memory.device_id
             elif kind is float or kind is int or kind is bool:
                 key.append(kind)
             elif isinstance(a, numpy.generic):
@@ -466,19 +480,25 @@ class FusedFunction:
         launcher = self._launchers.peek(key)
         if launcher is None:
             launcher = self._prepare(key, args, out, policy)
-        return launcher(args, out, stream)
+        return launcher.run(args, out, stream)
 
     def _prepare(self, key: tuple, args: tuple, out, policy: str) -> _Launcher:
+        """The launcher of a new signature, on the GPU of the array operands (the current one
+        where there are none): ValueError naming an operand or output on another GPU."""
         import cupy
 
-        device_id = key[1]
-        for a, name in zip(args, self._names_for(len(args))):
-            if isinstance(a, cupy.ndarray) and a.device.id != device_id:
-                raise ValueError(f"{name} is on GPU {a.device.id}, the current device is GPU {device_id}: "
-                                 "call under `with cupy.cuda.Device(...)`")
-        with self._lock:
+        names = self._names_for(len(args))
+        outs = () if out is None else out if isinstance(out, tuple) else (out,)
+        placed = [(name, a) for name, a in zip(names, args) if isinstance(a, cupy.ndarray)]
+        placed += [("out", o) for o in outs]
+        device_id = placed[0][1].device.id if placed else key[1]
+        for name, a in placed:
+            if a.device.id != device_id:
+                raise ValueError(f"{name} is on GPU {a.device.id}, {placed[0][0]} on GPU {device_id}")
+        with self._lock, cupy.cuda.Device(device_id):
             plan = self.plan(args, out, policy, Target.live(device_id))
-            launcher = _Launcher(plan, jit.kernel(plan.spec, device_id), args, out)
+            launcher = _Launcher(plan, jit.kernel(plan.spec, device_id), args, out,
+                                 None if device_id == key[1] else device_id)
             self._launchers.put(key, launcher)
         return launcher
 

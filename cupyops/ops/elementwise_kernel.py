@@ -27,6 +27,9 @@ _BINARY_C = {"add": "+", "subtract": "-", "multiply": "*", "divide": "/"}
 _COMPARE_C = {"less": "<", "less_equal": "<=", "greater": ">", "greater_equal": ">=",
               "equal": "==", "not_equal": "!="}
 _CALLS = {*fx.FLOAT_FUNCTIONS, "relu", "abs", "maximum", "minimum", "power"}
+# Functions with a fast form (kernels/elementwise.cuh), taken when every float output is 16-bit.
+FAST_FORMS = {"exp", "sigmoid", "silu", "gelu", "gelu_tanh"}
+SIXTEEN_BIT_FLOATS = {"float16", "bfloat16"}
 
 
 def _c(dtype) -> tuple:
@@ -67,7 +70,7 @@ class ElementwiseSpec(jit.KernelSpec):
     template = "elementwise.cu.j2"
 
     expression: str          # canonical form, e.g. "sigmoid(add(in0, in1))"
-    body: tuple              # C statements computing the outputs from in<k>, s<k>, keep<k>
+    body: tuple              # C statements computing the outputs from in<k>, s<k>, keep<k>, d<k>
     operands: tuple          # OperandSpec of each array operand
     scalars: tuple           # C types of the scalar arguments
     outputs: tuple           # (dtype name, vector store) of each output
@@ -76,6 +79,7 @@ class ElementwiseSpec(jit.KernelSpec):
     packs_per_thread: int
     block_size: int
     index_type: str          # "int" or "long long"
+    fast_math: bool = False  # the fast forms of FAST_FORMS (every float output 16-bit)
 
     @property
     def name(self) -> str:
@@ -118,7 +122,8 @@ class ElementwiseSpec(jit.KernelSpec):
         return {"expression": self.expression, "body": self.body, "operands": operands,
                 "scalars": self.scalars, "outputs": outputs, "dropouts": dropouts,
                 "pack_size": self.pack_size, "packs_per_thread": self.packs_per_thread,
-                "block_size": self.block_size, "index_type": self.index_type}
+                "block_size": self.block_size, "index_type": self.index_type,
+                "fast_math": "true" if self.fast_math else "false"}
 
 
 def fast_divider(d: int) -> tuple:
@@ -180,7 +185,8 @@ class _Program:
             common = compute_type(fx.promote(node.args[0].type, node.args[1].type))
             expr = f"static_cast<{common}>({args[0]}) {_COMPARE_C[node.op]} static_cast<{common}>({args[1]})"
         elif node.op in _CALLS:
-            expr = f"fx_{node.op}({', '.join(as_ct)})"
+            fast = "<F>" if node.op in FAST_FORMS else ""
+            expr = f"fx_{node.op}{fast}({', '.join(as_ct)})"
         elif node.op == "negative":
             expr = f"static_cast<{ct}>(-{as_ct[0]})"
         elif node.op == "where":
@@ -193,7 +199,7 @@ class _Program:
             if mask not in self.dropouts:
                 self.dropouts.append(mask)
             k = self.dropouts.index(mask)
-            expr = f"keep{k} ? {as_ct[0]} * ({ct}(1) / ({ct}(1) - {as_ct[1]})) : {ct}(0)"
+            expr = f"keep{k} ? {as_ct[0]} * static_cast<{ct}>(d{k}) : {ct}(0)"   # d<k>: 1 / (1 - p)
         else:  # pragma: no cover - fx builds no other node
             raise AssertionError(node.op)
         name = f"t{len(self.lines)}"
@@ -201,8 +207,15 @@ class _Program:
         return name
 
 
+def fast_math(out_dtypes) -> bool:
+    """Whether a kernel writing these dtypes takes the fast forms: its float outputs all 16-bit
+    (their rounding hides a few float32 ulp), none of another kind (a comparison's bool would not)."""
+    return all(numpy.dtype(d).name in SIXTEEN_BIT_FLOATS for d in out_dtypes)
+
+
 def generate(roots: tuple, arguments: dict) -> tuple:
-    """(C statements, dropout masks) computing out<k> from the roots' trees."""
+    """(C statements, dropout masks) computing out<k> from the roots' trees; calls of the
+    FAST_FORMS functions take the kernel's constant F (fast_math) as their template argument."""
     program = _Program(arguments)
     outputs = [program.value(root) for root in roots]
     lines = program.lines + [f"out{k} = static_cast<{compute_type(root.type)}>({value});"
