@@ -82,9 +82,9 @@ def train(use_cupyops: bool, options, dropout: float) -> tuple:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dropout", type=float, default=0.1)
