@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from cupyops.ops import softmax as softmax_ops
-from cupyops.ops import softmax_axis, softmax_split
+from cupyops.ops import softmax_axis, softmax_rows, softmax_split
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def _softmax_entry(op: str) -> OpEntry:
     )
 
 
-OPS = {op: _softmax_entry(op) for op in softmax_ops.OPS}
+OPS = {op: _softmax_entry(op) for op in softmax_rows.OPS}
 
 
 # -- LayerNorm / RMSNorm -----------------------------------------------------

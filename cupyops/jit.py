@@ -19,13 +19,15 @@ from typing import ClassVar
 
 import jinja2
 
-import cupyops
+# where resource_dir looks, found without importing the package (its
+# __init__ imports this module)
+_PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def resource_dir(name: str) -> Path:
     """kernels/ or templates/: inside the installed package, or beside it in a checkout."""
-    for root in cupyops.__path__:
-        candidate = Path(root) / name
+    for root in (_PACKAGE_DIR, _PACKAGE_DIR.parent):
+        candidate = root / name
         if candidate.is_dir():
             return candidate
     raise FileNotFoundError(f"cupyops resource folder {name!r} not found")

@@ -14,7 +14,8 @@ import numpy
 import cupyops
 from cupyops.launch import Target, live_function
 from cupyops.ops import norm as norm_ops
-from cupyops.ops import softmax as softmax_ops
+from cupyops.ops import norm_spec
+from cupyops.ops import softmax_rows as softmax_ops
 from cupyops.ops import softmax_axis, softmax_split
 
 # (rows, cols): warp (rows of 3 and 7 cols in groups of one and two lanes
@@ -82,7 +83,7 @@ def main():
             x = rng.standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
             dy = rng.standard_normal((rows, cols), dtype=cupy.float32).astype(dtype)
             weight = rng.standard_normal(cols, dtype=cupy.float32).astype(dtype)
-            for op in norm_ops.BACKWARD_OPS:
+            for op in norm_spec.BACKWARD_OPS:
                 kernel = norm_ops.plan(op, rows, cols, short, "auto", target).explain()["kernel"]
                 print(f"{op:<21} auto     {rows}x{cols:<7} {kernel}", flush=True)
             y, mean, rstd = cupyops.layer_norm(x, weight, weight, return_stats=True)

@@ -31,7 +31,8 @@ from cupyops import dtypes
 from cupyops.device import has_clusters
 from cupyops.launch import live_function
 from cupyops.ops import softmax_axis as sa
-from cupyops.ops.softmax import INPUTS, vector_pack_size
+from cupyops.ops.row_packs import vector_pack_size
+from cupyops.ops.softmax_rows import INPUTS
 from tuning import Tuning
 
 SHAPES = "64x4096x256,32x4096x512,64x1024x1024,256x512x256,16x16384x256"

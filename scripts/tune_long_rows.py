@@ -1,5 +1,5 @@
 """Times the plans for long rows against each other to choose softmax_split's
-tables and the async row path's ladder (softmax.AUTO_ASYNC_LADDERS): the
+tables and the async row path's ladder (softmax_rows.AUTO_ASYNC_LADDERS): the
 ordinary row plan (auto), the two-launch split, the cooperative split
 holding each of COOP_SIZES bytes a thread, the async row kernel with a row
 shared by the blocks of a thread-block cluster, and the async row kernel
@@ -23,7 +23,7 @@ import numpy
 from cupyops import async_row, dtypes
 from cupyops.device import has_clusters
 from cupyops.launch import live_function
-from cupyops.ops import softmax, softmax_split
+from cupyops.ops import row_packs, softmax_rows, softmax_split
 from cupyops.rowwise import Operand
 from tune_softmax import reference
 from tuning import Tuning
@@ -38,9 +38,9 @@ SHAPES = "16384x32768,16384x65536,8192x131072,4096x262144,8x1048576,64x1048576,1
 
 def async_pack(dtype, cols):
     """The 16-byte pack the async row kernel moves (the planner's
-    softmax.vector_pack_size), or None where cols allow none."""
+    row_packs.vector_pack_size), or None where cols allow none."""
     itemsize = dtypes.BY_SHORT[dtype].itemsize
-    pack = softmax.vector_pack_size(cols, itemsize, 16)
+    pack = row_packs.vector_pack_size(cols, itemsize, 16)
     return pack if pack * itemsize == 16 else None
 
 
@@ -55,9 +55,9 @@ def cluster_candidates(op, rows, cols, dtype, target):
     for cluster in CLUSTER_SIZES:
         for stages in (1, 2):
             for block in CLUSTER_BLOCK_SIZES:
-                spec = softmax.SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=stages,
+                spec = softmax_rows.SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=stages,
                                            online=not op.endswith("_backward"), cluster_size=cluster)
-                smem = stages * softmax.async_share_bytes(spec, cols)
+                smem = stages * softmax_rows.async_share_bytes(spec, cols)
                 active = target.max_active_blocks(spec, block, smem, True)
                 if not active:
                     continue
@@ -66,7 +66,7 @@ def cluster_candidates(op, rows, cols, dtype, target):
                     if grid_name == "per-row" and (clusters == resident or stages == 2):
                         continue
                     found.append((f"c{cluster} s{stages} b{block} a{active} {grid_name}",
-                                  softmax.SoftmaxPlan(spec, (block, 1, 1), (clusters * cluster, 1, 1), smem)))
+                                  softmax_rows.SoftmaxPlan(spec, (block, 1, 1), (clusters * cluster, 1, 1), smem)))
     return found
 
 
@@ -83,16 +83,16 @@ def tail_candidates(op, rows, cols, dtype, target, extra_packs=TAIL_EXTRA_PACKS)
     found = []
     cluster_sizes = CLUSTER_SIZES if has_clusters(target.facts.arch) else (1,)
     for cluster, block in itertools.product(cluster_sizes, CLUSTER_BLOCK_SIZES):
-        tails = async_row.tails(len(softmax.INPUTS[op]), cols * dtypes.BY_SHORT[dtype].itemsize, block,
+        tails = async_row.tails(len(softmax_rows.INPUTS[op]), cols * dtypes.BY_SHORT[dtype].itemsize, block,
                                 target.facts.smem_per_block_optin, cluster, TAIL_MOST_PACKS)
         for tail in tails[:extra_packs + 1]:
-            spec = softmax.SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=1,
+            spec = softmax_rows.SoftmaxSpec(op, "block_async", dtype, pack, block_size=block, stages=1,
                                        online=not op.endswith("_backward"), cluster_size=cluster, tail_packs=tail)
-            smem = softmax.async_share_bytes(spec, cols)
+            smem = softmax_rows.async_share_bytes(spec, cols)
             if target.resources(spec)["local_bytes"] or not target.max_active_blocks(spec, block, smem, True):
                 continue
             found.append((f"c{cluster} tail b{block} t{tail}",
-                          softmax.SoftmaxPlan(spec, (block, 1, 1), (rows * cluster, 1, 1), smem)))
+                          softmax_rows.SoftmaxPlan(spec, (block, 1, 1), (rows * cluster, 1, 1), smem)))
     return found
 
 
@@ -100,9 +100,9 @@ def candidates(op, rows, cols, dtype, target, only=None, extra_tail_packs=TAIL_E
     """(label, plan) for each plan worth timing at this shape (auto, then the
     `only` family when given)."""
     found = [("auto", softmax_split.plan(op, rows, cols, dtype, target)
-              or softmax.plan(op, rows, cols, dtype, "auto", target))]
+              or softmax_rows.plan(op, rows, cols, dtype, "auto", target))]
     if only is None:
-        found.append(("rows", softmax.plan(op, rows, cols, dtype, "auto", target)))
+        found.append(("rows", softmax_rows.plan(op, rows, cols, dtype, "auto", target)))
         found.append(("two-launch", softmax_split.two_launch_plan(op, rows, cols, dtype, target)))
         # rows off the 16-byte grid: the two launches in the row's own packs, not peeled
         found.append(("two-launch unpeeled", softmax_split.two_launch_plan(op, rows, cols, dtype, target, 16, False)))
@@ -153,7 +153,7 @@ def main():
                       for _ in range(2)]
             out = cupy.empty_like(arrays[0])
             for op in args.ops.split(","):
-                inputs = arrays[:len(softmax.INPUTS[op])]
+                inputs = arrays[:len(softmax_rows.INPUTS[op])]
                 checked = sorted({*range(min(rows, 4)), *range(max(rows - 4, 0), rows)})
                 expect = reference(op, [a[checked] for a in inputs])
                 num_bytes = (len(inputs) + 1) * rows * cols * dtype.itemsize

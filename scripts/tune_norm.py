@@ -32,8 +32,8 @@ import itertools
 
 from cupyops import async_row, dtypes
 from cupyops.device import WARP_SIZE
-from cupyops.launch import Target
-from cupyops.ops import norm
+from cupyops.launch import KernelLaunch, Target
+from cupyops.ops import norm, norm_backward, norm_forward, norm_paths, norm_spec, row_packs
 
 DEFAULT_COLS = "1024,2048,4096,8192,12345,16384,32768"
 CHECK_ROWS = 64
@@ -78,8 +78,8 @@ def _forward_variants(op, dtype, rows, cols, target):
     ftype = dtypes.BY_SHORT[dtype]
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     fields = dict(op=op, dtype=dtype, weight=True, bias=op == "layer_norm")
-    pack = norm.vector_pack_size(cols, ftype.itemsize, 16)
-    regs_pack, peel = norm.peeled_pack(pack, ftype.itemsize, True)
+    pack = row_packs.vector_pack_size(cols, ftype.itemsize, 16)
+    regs_pack, peel = row_packs.peeled_pack(pack, ftype.itemsize, True)
     num_packs = cols // regs_pack
     found = []
     shapes = [(block_size, False, max_bytes // (regs_pack * compute_itemsize))
@@ -94,40 +94,40 @@ def _forward_variants(op, dtype, rows, cols, target):
     for block_size, packed, max_packs in shapes:
         # every pack in the packs, or (peeled) up to block_size elements past them
         for per_thread in sorted({-(-num_packs // block_size),
-                                  norm.block_packs_per_thread(cols, block_size, regs_pack, peel)}):
+                                  norm_spec.block_packs_per_thread(cols, block_size, regs_pack, peel)}):
             if per_thread > max_packs or num_packs < block_size // 2:
                 continue
-            spec = norm.NormSpec(impl="block_regs", pack_size=regs_pack, block_size=block_size,
+            spec = norm_spec.NormSpec(impl="block_regs", pack_size=regs_pack, block_size=block_size,
                                  packs_per_thread=per_thread, peel=peel, packed=packed, **fields)
             label = f"regs b{block_size} k{per_thread}{' peel' if peel else ''}{' packed' if packed else ''}"
             if not target.resources(spec)["local_bytes"]:
-                found.append((label, norm.NormPlan(norm._block_launch(spec, rows, 0, target, "auto", False))))
+                found.append((label, norm.NormPlan(norm_paths.block_launch(spec, rows, 0, target, "auto", False))))
     if cols >= 4096:
         smem = cols * ftype.itemsize
         for block_size in (256, 512):
-            spec = norm.NormSpec(impl="block_smem", pack_size=pack, block_size=block_size, packed_cache=True,
+            spec = norm_spec.NormSpec(impl="block_smem", pack_size=pack, block_size=block_size, packed_cache=True,
                                  **fields)
             if target.max_active_blocks(spec, block_size, smem, True):
-                launch = norm._block_launch(spec, rows, smem, target, "auto", True)
+                launch = norm_paths.block_launch(spec, rows, smem, target, "auto", True)
                 found.append((f"smem b{block_size}", norm.NormPlan(launch)))
     if pack * ftype.itemsize == async_row.PACK_BYTES and cols >= 4096:
         for block_size, tail_packs in itertools.product(ASYNC_BLOCK_SIZES, ASYNC_TAIL_PACKS):
-            spec = norm.NormSpec(impl="block_async", pack_size=pack, block_size=block_size, tail_packs=tail_packs,
+            spec = norm_spec.NormSpec(impl="block_async", pack_size=pack, block_size=block_size, tail_packs=tail_packs,
                                  **fields)
             smem = async_row.share_bytes(1, cols * ftype.itemsize, block_size, tail_packs)
             if (tail_packs * block_size > num_packs or smem > target.facts.smem_per_block_optin
                     or target.resources(spec)["local_bytes"]
                     or not target.max_active_blocks(spec, block_size, smem, True)):
                 continue
-            launch = norm.KernelLaunch(spec, (block_size, 1, 1), (rows, 1, 1), smem)
+            launch = KernelLaunch(spec, (block_size, 1, 1), (rows, 1, 1), smem)
             found.append((f"async b{block_size} t{tail_packs}", norm.NormPlan(launch)))
     if cols <= 1024:
         for max_bytes in (64, 128):
-            ladder = norm.auto_warp_ladder(cols, pack, max(max_bytes // compute_itemsize, pack))
+            ladder = norm_paths.auto_warp_ladder(cols, pack, max(max_bytes // compute_itemsize, pack))
             if ladder is not None:
-                launch = norm._warp_launch(fields, rows, cols, pack, ladder, target, "auto")
+                launch = norm_paths.warp_launch(fields, rows, cols, pack, ladder, target, "auto")
                 found.append((f"warp c{ladder[0]} g{ladder[2]}", norm.NormPlan(launch)))
-                held = norm._held_affine(launch, cols, target)
+                held = norm_forward.held_affine(launch, cols, target)
                 if held is not launch:
                     found.append((f"warp c{ladder[0]} g{ladder[2]} held", norm.NormPlan(held)))
     return found
@@ -137,38 +137,38 @@ def _backward_variants(op, dtype, rows, cols, target, param_grad):
     family = op.replace("_backward", "")
     ftype = dtypes.BY_SHORT[dtype]
     fields = dict(op=f"{family}_grad", dtype=dtype, weight=True)
-    pack = norm.vector_pack_size(cols, ftype.itemsize, 16)
+    pack = row_packs.vector_pack_size(cols, ftype.itemsize, 16)
     peel = pack * ftype.itemsize < 16
-    finish = norm._finish_launch(family, dtype, cols) if param_grad else None
+    finish = norm_backward.finish_launch(family, dtype, cols) if param_grad else None
     # without dweight / dbias: no partial sums to place
     holdings = GRAD_HOLDINGS if param_grad else GRAD_HOLDINGS[:2]
     found = []
     for pack_size, peeled in ((pack, False),) + (((16 // ftype.itemsize, True),) if peel else ()):
         num_packs = cols // pack_size
         for block_size in _with_fitted(GRAD_BLOCK_SIZES, num_packs):
-            per_thread = norm.block_packs_per_thread(cols, block_size, pack_size, peeled)
+            per_thread = norm_spec.block_packs_per_thread(cols, block_size, pack_size, peeled)
             if per_thread * pack_size * ftype.itemsize > GRAD_MAX_BYTES or num_packs < block_size // 2:
                 continue
             for (held, partials), rows_per_access in itertools.product(holdings, GRAD_ROWS_PER_ACCESS):
                 if held != "cached" and rows_per_access > 1 or peeled and not param_grad:
                     continue
-                spec = norm.NormSpec(impl="block_regs", pack_size=pack_size, block_size=block_size,
+                spec = norm_spec.NormSpec(impl="block_regs", pack_size=pack_size, block_size=block_size,
                                      packs_per_thread=per_thread, peel=peeled, fuse_param_grad=param_grad,
-                                     **norm._grad_holding(held, partials, rows_per_access), **fields)
+                                     **norm_backward.grad_holding(held, partials, rows_per_access), **fields)
                 if target.resources(spec)["local_bytes"]:
                     continue
                 label = f"b{block_size} k{per_thread} r{rows_per_access} {held}"
                 if not param_grad:
-                    main = norm._block_launch(spec, rows, 0, target, "auto", False)
+                    main = norm_paths.block_launch(spec, rows, 0, target, "auto", False)
                     found.append((label, norm.NormGradPlan(main, None, None, 0, 0)))
                     continue
-                main = norm.fused_grad_launch(spec, rows, cols, target)
+                main = norm_backward.fused_grad_launch(spec, rows, cols, target)
                 if main is not None:
-                    found.append((f"{label} {partials}", norm.fused_grad_plan(main, cols)))
+                    found.append((f"{label} {partials}", norm_backward.fused_grad_plan(main, cols)))
     if not param_grad:
         return found
-    dx = norm._auto_backward_dx(fields, rows, cols, 16, target)
-    column_reduction, chunks, rows_per_chunk = norm._param_grad_launches(family, dtype, rows, cols, target)
+    dx = norm_backward.auto_backward_dx(fields, rows, cols, 16, target)
+    column_reduction, chunks, rows_per_chunk = norm_backward.param_grad_launches(family, dtype, rows, cols, target)
     found.append(("dx + column reduction", norm.NormGradPlan(dx, column_reduction, finish, chunks, rows_per_chunk)))
     return found
 
@@ -233,7 +233,7 @@ class Shape:
 
         self.op, self.rows, self.cols = op, rows, cols
         self.centered = op.startswith("layer_norm")
-        self.backward = op in norm.BACKWARD_OPS
+        self.backward = op in norm_spec.BACKWARD_OPS
         self.param_grad = param_grad
         self.device_id = cupy.cuda.runtime.getDevice()
         generator = cupy.random.default_rng(0)
@@ -340,7 +340,7 @@ def main():
     tuning = Tuning(budget_s=0.1)
     target = tuning.target
     for op in args.ops.split(","):
-        arrays_counted = 3 if op in norm.BACKWARD_OPS else 2
+        arrays_counted = 3 if op in norm_spec.BACKWARD_OPS else 2
         for dtype_name in args.dtypes.split(","):
             dtype = dtypes.parse_dtype(dtype_name)
             short = dtypes.float_type(dtype).short

@@ -15,8 +15,8 @@ import numpy
 
 from cupyops import dtypes, jit
 from cupyops.launch import get_num_blocks
-from cupyops.ops.softmax import (INPUTS, SUM_INPUTS, SoftmaxSpec, async_share_bytes, peeled_pack, plan,
-                                 vector_pack_size, warp_ladder, warp_plan)
+from cupyops.ops.row_packs import peeled_pack, vector_pack_size
+from cupyops.ops.softmax_rows import INPUTS, SUM_INPUTS, SoftmaxSpec, async_share_bytes, plan, warp_ladder, warp_plan
 from tuning import Tuning
 
 

@@ -9,7 +9,7 @@ from cupyops import device, jit
 from cupyops.device import PROFILES, max_active_blocks
 from cupyops.launch import Target
 from cupyops.ops import norm, softmax_axis
-from cupyops.ops.softmax import OPS, SoftmaxSpec, plan
+from cupyops.ops.softmax_rows import OPS, SoftmaxSpec, plan
 
 ROWS = 49152
 SWEEP_COLS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,

@@ -12,7 +12,7 @@ import pytest
 from cupyops import jit
 from cupyops.launch import Target
 from cupyops.ops import fused_softmax as fs
-from cupyops.ops import softmax as sm
+from cupyops.ops import softmax_rows as sm
 
 import fused_softmax_reference as ref
 

@@ -10,8 +10,8 @@ from conftest import DTYPES, TOLERANCES, assert_close
 from cupyops import dtypes
 from cupyops.device import has_clusters
 from cupyops.dtypes import BFLOAT16
-from cupyops.launch import Target
-from cupyops.ops import norm
+from cupyops.launch import KernelLaunch, Target
+from cupyops.ops import norm, norm_paths, norm_spec, row_packs
 from cupyops.rowwise import Operand
 
 import cupyops
@@ -188,11 +188,11 @@ def test_rows_cached_by_cp_async(rng, op, dtype, residual):
     for packs, block_size, tail_packs, grid in ((1025, 256, 0, rows), (1025, 256, 2, 5), (512, 256, 2, rows),
                                                 (2047, 128, 1, 16)):
         cols = packs * pack
-        spec = norm.NormSpec(op=op, impl="block_async", dtype=dtypes.float_type(dtype).short, pack_size=pack,
+        spec = norm_spec.NormSpec(op=op, impl="block_async", dtype=dtypes.float_type(dtype).short, pack_size=pack,
                              block_size=block_size, tail_packs=tail_packs, weight=True, bias=centered,
                              residual=residual)
         smem = (packs - tail_packs * block_size) * 16 * (2 if residual else 1)
-        chosen = norm.NormPlan(norm.KernelLaunch(spec, (block_size, 1, 1), (grid, 1, 1), smem))
+        chosen = norm.NormPlan(KernelLaunch(spec, (block_size, 1, 1), (grid, 1, 1), smem))
         _check_forward_plan(rng, chosen, op, rows, cols, dtype, residual, f"{spec.name}, {cols} cols, grid {grid}")
 
 
@@ -213,10 +213,10 @@ def test_held_weight_and_bias_serve_every_row_a_warp_visits(rng, op, cols, dtype
     itemsize = numpy.dtype(dtype).itemsize
     short = dtypes.float_type(dtype).short
     rows = 101
-    pack = norm.vector_pack_size(cols, itemsize, 16)
-    ladder = norm.auto_warp_ladder(cols, pack, max(128 // max(itemsize, 4), pack))
+    pack = row_packs.vector_pack_size(cols, itemsize, 16)
+    ladder = norm_paths.auto_warp_ladder(cols, pack, max(128 // max(itemsize, 4), pack))
     fields = dict(op=op, dtype=short, weight=True, bias=centered, residual=residual)
-    launch = norm._warp_launch(fields, rows, cols, pack, ladder, Target.live(0), "auto",
+    launch = norm_paths.warp_launch(fields, rows, cols, pack, ladder, Target.live(0), "auto",
                                block_threads=64 if ladder[2] == 32 else 0)
     launch = replace(launch, spec=replace(launch.spec, hold_affine=True), grid=(3, 1, 1))
     _check_forward_plan(rng, norm.NormPlan(launch), op, rows, cols, dtype, residual, launch.spec.name)
@@ -340,8 +340,8 @@ def test_rows_off_the_16_byte_grid(rng, op, cols, dtype):
                        bias=centered).spec
     # from AUTO_PEELED_SMALL_MIN_COLS a register block peels the row edges; float64
     # rows of 12345 (over 16 doubles a thread at 1024 threads) go to shared memory
-    assert peeled.peel == (cols >= norm.AUTO_PEELED_SMALL_MIN_COLS and peeled.impl == "block_regs")
-    assert peeled.impl == "block_regs" or cols < norm.AUTO_PEELED_SMALL_MIN_COLS or itemsize == 8
+    assert peeled.peel == (cols >= row_packs.AUTO_PEELED_SMALL_MIN_COLS and peeled.impl == "block_regs")
+    assert peeled.impl == "block_regs" or cols < row_packs.AUTO_PEELED_SMALL_MIN_COLS or itemsize == 8
     assert peeled.rows_per_block == (2 if peeled.peel and peeled.block_size == 32 else 1)
 
     x, x64 = _data(rng, (rows, cols), dtype)
@@ -640,7 +640,7 @@ def _max_active_clusters(launch) -> int:
 
 
 @pytest.mark.parametrize("short", ["f16", "bf16", "f32", "f64"])
-@pytest.mark.parametrize("op", norm.BACKWARD_OPS)
+@pytest.mark.parametrize("op", norm_spec.BACKWARD_OPS)
 def test_planned_clusters_are_resident_at_once(op, short):
     """Each block walks its rows and writes one workspace row, so a cluster
     left for a second wave would run its rows after all the others: every

@@ -9,7 +9,7 @@ import pytest
 from cupyops import dtypes, jit
 from cupyops.device import ARCH_PROFILES
 from cupyops.launch import Target
-from cupyops.ops import norm
+from cupyops.ops import norm, norm_backward, norm_forward, norm_paths, norm_spec
 
 H100 = Target.profile("h100")
 ROWS = 49152
@@ -31,13 +31,13 @@ SWEEP_DTYPES = ("f16", "bf16", "f32")
     (66, 2, (4, 2, 32, 1)), (128, 2, (4, 2, 32, 1)), (1000, 2, (32, 28, 32, 1)), (1024, 2, (32, 28, 32, 1)),
 ])
 def test_oneflow_warp_ladder(cols, pack, expected):
-    assert norm.oneflow_warp_ladder(cols, 4, pack) == expected
+    assert norm_paths.oneflow_warp_ladder(cols, 4, pack) == expected
 
 
 def test_oneflow_ladder_two_rows_only_for_even_rows():
-    assert norm.oneflow_warp_ladder(16, 7, 1)[3] == 1
-    assert norm.oneflow_warp_ladder(16, 8, 1)[3] == 2
-    assert norm.oneflow_warp_ladder(1025, 8, 1) is None
+    assert norm_paths.oneflow_warp_ladder(16, 7, 1)[3] == 1
+    assert norm_paths.oneflow_warp_ladder(16, 8, 1)[3] == 2
+    assert norm_paths.oneflow_warp_ladder(1025, 8, 1) is None
 
 
 @pytest.mark.parametrize("op", norm.FORWARD_OPS)
@@ -177,7 +177,7 @@ def test_auto_async_rows(profile):
         # the largest tail up to 8 packs that does not spill (float16: 7 on sm_90)
         impl, block_size, tail_packs, smem = async_plan("rms_norm", 32768, dtype)
         assert (impl, block_size) == ("block_async", 512) and smem == (4096 - 512 * tail_packs) * 16
-        spilling = [norm.NormSpec(op="rms_norm", impl="block_async", dtype=dtype, pack_size=8, block_size=512,
+        spilling = [norm_spec.NormSpec(op="rms_norm", impl="block_async", dtype=dtype, pack_size=8, block_size=512,
                                   tail_packs=tail, weight=True) for tail in range(tail_packs + 1, 9)]
         assert all(target.resources(spec)["local_bytes"] for spec in spilling)
         assert norm.plan("rms_norm", ROWS, 16384, dtype, "auto", target).spec.impl != "block_async"
@@ -217,9 +217,9 @@ def test_auto_peels_rows_off_the_16_byte_grid(op):
     for launch in (f16, f32):
         spec = launch.spec
         assert 0 < 12345 - spec.block_size * spec.packs_per_thread * spec.pack_size <= spec.block_size
-        norm.check_block_covers(spec, 12345)
+        norm_spec.check_block_covers(spec, 12345)
         with pytest.raises(ValueError, match="too few packs"):
-            norm.check_block_covers(replace(spec, packs_per_thread=5), 12345)
+            norm_spec.check_block_covers(replace(spec, packs_per_thread=5), 12345)
     # LayerNorm 16-bit peeled rows take a packed rung below 128 threads
     # (AUTO_PEELED_PACKED_FROM_BLOCK) only where every row fills every pack:
     # 3595 cols 64 x 7 packs (448, the fewest a row has), 3590 cols (447) 128 x 4
@@ -257,7 +257,7 @@ def test_auto_peels_short_rows_before_the_warp_path(op):
     f16 = norm.plan(op, ROWS, 1023, "f16", "auto", H100, align=2).main
     assert f16.spec.name == f"{op}_block_regs_f16_f32_p8_k4_b32x2_peel_full3{flags}"
     assert (f16.block, f16.grid, f16.smem_bytes) == ((32, 2, 1), (ROWS // 2, 1, 1), 0)
-    assert f16.spec.min_blocks_per_sm * 64 >= norm.MIN_RESIDENT_THREADS["forward"]
+    assert f16.spec.min_blocks_per_sm * 64 >= norm_spec.MIN_RESIDENT_THREADS["forward"]
     # 1056 cols: 4 packs and an element a lane at the last head; 1057: two warps
     assert norm.plan(op, ROWS, 1055, "bf16", "auto", H100, align=2).spec.block_size == 32
     assert norm.plan(op, ROWS, 1057, "bf16", "auto", H100, align=2).spec.block_size == 64
@@ -287,11 +287,11 @@ def test_auto_fits_block_sizes_to_peeled_layer_norm_16_bit_rows():
             assert (spec.block_size, spec.packs_per_thread, spec.packed, spec.full_packs) == (
                 block_size, packs, True, packs), spec.name
             assert spec.name.endswith(f"_k{packs}_b{block_size}_peel_packed_full{packs}_affine"), spec.name
-            assert spec.min_blocks_per_sm * block_size >= norm.MIN_RESIDENT_THREADS["forward"]
-            assert (spec.min_blocks_per_sm - 1) * block_size < norm.MIN_RESIDENT_THREADS["forward"]
-    assert norm.fitted_block_size(16385, 8, 7) == 288 and norm.fitted_block_size(100, 8, 7) == 64
+            assert spec.min_blocks_per_sm * block_size >= norm_spec.MIN_RESIDENT_THREADS["forward"]
+            assert (spec.min_blocks_per_sm - 1) * block_size < norm_spec.MIN_RESIDENT_THREADS["forward"]
+    assert norm_forward.fitted_block_size(16385, 8, 7) == 288 and norm_forward.fitted_block_size(100, 8, 7) == 64
     # 16385 cols at 6 packs: 352 threads would hold 2112 packs, more than the 2047 of a row at its last head
-    assert norm.full_packs_per_thread(16385, norm.fitted_block_size(16385, 8, 6), 8, True) == 5
+    assert norm_spec.full_packs_per_thread(16385, norm_forward.fitted_block_size(16385, 8, 6), 8, True) == 5
     # no fitted block fills every pack: the ladder
     assert norm.plan("layer_norm", ROWS, 5001, "f16", "auto", H100, align=2).spec.block_size == 128
     assert norm.plan("rms_norm", ROWS, 16385, "f16", "auto", H100, align=2).spec.block_size == 256
@@ -313,15 +313,15 @@ def test_auto_peeled_rows_leave_full_packs_unchecked(op):
         assert spec.full_packs == spec.packs_per_thread and fewest <= 12345, spec.name
         edge = norm.plan(op, ROWS, fewest, dtype, "auto", H100, align=align).spec
         assert edge.full_packs == edge.packs_per_thread and edge.name.count("_full") == 1, edge.name
-        assert norm.full_packs_per_thread(fewest, edge.block_size, pack, True) == edge.packs_per_thread
-        assert norm.full_packs_per_thread(fewest - 1, edge.block_size, pack, True) == edge.packs_per_thread - 1
-        norm.check_block_covers(edge, fewest)
+        assert norm_spec.full_packs_per_thread(fewest, edge.block_size, pack, True) == edge.packs_per_thread
+        assert norm_spec.full_packs_per_thread(fewest - 1, edge.block_size, pack, True) == edge.packs_per_thread - 1
+        norm_spec.check_block_covers(edge, fewest)
         with pytest.raises(ValueError, match="unchecked"):
-            norm.check_block_covers(edge, fewest - 1)
-        norm.check_block_covers(replace(edge, full_packs=edge.packs_per_thread - 1), fewest - 1)
+            norm_spec.check_block_covers(edge, fewest - 1)
+        norm_spec.check_block_covers(replace(edge, full_packs=edge.packs_per_thread - 1), fewest - 1)
         with pytest.raises(ValueError, match="unchecked"):
             longest = edge.block_size * (edge.packs_per_thread * pack + 1)   # the most cols it covers
-            norm.check_block_covers(replace(edge, full_packs=edge.packs_per_thread + 1), longest)
+            norm_spec.check_block_covers(replace(edge, full_packs=edge.packs_per_thread + 1), longest)
     # 3590 cols at 128 x 4: 447 packs at the last head, 3 full a thread
     few = norm.plan(op, ROWS, 3590, "f16", "auto", H100, align=2).spec
     assert (few.block_size, few.packs_per_thread) == (128, 4)
@@ -357,14 +357,14 @@ def test_peeled_rows_leave_at_most_a_single_element_a_thread(block_size, pack_si
     most block_size single elements outside the packs, whatever the row's
     head (BlockRowColumns); unpeeled ones hold every pack of the row."""
     for cols in list(range(1, 3 * block_size * pack_size, 7)) + [12345, 12543, 32767]:
-        peeled = norm.block_packs_per_thread(cols, block_size, pack_size, True)
+        peeled = norm_spec.block_packs_per_thread(cols, block_size, pack_size, True)
         for head in range(pack_size):
             packs = min(max(0, cols - head) // pack_size, block_size * peeled)
             assert cols - packs * pack_size <= block_size, (cols, head)
         if peeled > 1:
             fewer = block_size * (peeled - 1) * pack_size
             assert cols - fewer > block_size, cols
-        whole = norm.block_packs_per_thread(cols, block_size, pack_size, False)
+        whole = norm_spec.block_packs_per_thread(cols, block_size, pack_size, False)
         assert whole * block_size >= cols // pack_size and (whole - 1) * block_size < max(1, cols // pack_size)
 
 
@@ -384,7 +384,7 @@ def test_auto_peeled_backward_holds_as_many_packs_as_aligned_rows():
     assert chosen.launches[0] is chosen.weight_phases and chosen.weight_phases.grid[1] == 8
     rms = norm.plan("rms_norm_backward", ROWS, 12345, "f16", "auto", H100, align=2)
     assert rms.spec.weight_source == "shared_copy" and rms.weight_phases is None
-    assert rms.main.smem_bytes == 3 * 512 * 8 * 4 + norm._weight_copy_bytes(rms.spec, 12345)
+    assert rms.main.smem_bytes == 3 * 512 * 8 * 4 + norm_backward.weight_copy_bytes(rms.spec, 12345)
 
 
 def test_float32_layer_norm_backward_reads_phase_copies_from_1024_threads():
@@ -395,8 +395,8 @@ def test_float32_layer_norm_backward_reads_phase_copies_from_1024_threads():
     assert (wide.spec.block_size, wide.spec.packs_per_thread, wide.spec.weight_source) == (1024, 3, "phase_copies")
     assert wide.main.smem_bytes == 2 * 3 * 1024 * 4 * 4
     assert wide.weight_phases.grid[1] == 4 and wide.launches[:2] == (wide.weight_phases, wide.main)
-    copied = norm.replace(wide.spec, weight_source="shared_copy")
-    assert H100.max_active_blocks(copied, 1024, norm._grad_smem_bytes(copied, 12345), True) == 1
+    copied = replace(wide.spec, weight_source="shared_copy")
+    assert H100.max_active_blocks(copied, 1024, norm_backward.grad_smem_bytes(copied, 12345), True) == 1
     narrow = norm.plan("layer_norm_backward", ROWS, 4097, "f32", "auto", H100, align=4)
     assert (narrow.spec.block_size, narrow.spec.weight_source) == (512, "shared_copy")
     assert narrow.weight_phases is None
@@ -406,23 +406,23 @@ def test_launch_refuses_blocks_that_miss_columns():
     """Peeled register blocks (forward and backward) take up to block_size
     single elements past their packs; every other register block must hold
     every pack of the row."""
-    backward = norm.NormSpec(op="layer_norm_grad", impl="block_regs", dtype="f16", pack_size=8, block_size=512,
+    backward = norm_spec.NormSpec(op="layer_norm_grad", impl="block_regs", dtype="f16", pack_size=8, block_size=512,
                              packs_per_thread=2, peel=True, fuse_param_grad=True)
     with pytest.raises(ValueError, match="too few packs"):
-        norm.check_block_covers(backward, 12345)
-    norm.check_block_covers(replace(backward, packs_per_thread=3), 12345)
-    forward = norm.NormSpec(op="layer_norm", impl="block_regs", dtype="f16", pack_size=8, block_size=256,
+        norm_spec.check_block_covers(backward, 12345)
+    norm_spec.check_block_covers(replace(backward, packs_per_thread=3), 12345)
+    forward = norm_spec.NormSpec(op="layer_norm", impl="block_regs", dtype="f16", pack_size=8, block_size=256,
                             packs_per_thread=5, peel=True, packed=True)
     with pytest.raises(ValueError, match="too few packs"):
-        norm.check_block_covers(forward, 12345)
-    norm.check_block_covers(replace(forward, packs_per_thread=6), 12345)      # 57 single elements
-    norm.check_block_covers(replace(forward, packs_per_thread=6), 12544)      # 256 (a head of 0 to 7)
+        norm_spec.check_block_covers(forward, 12345)
+    norm_spec.check_block_covers(replace(forward, packs_per_thread=6), 12345)      # 57 single elements
+    norm_spec.check_block_covers(replace(forward, packs_per_thread=6), 12544)      # 256 (a head of 0 to 7)
     with pytest.raises(ValueError, match="too few packs"):
-        norm.check_block_covers(replace(forward, packs_per_thread=6), 12545)
+        norm_spec.check_block_covers(replace(forward, packs_per_thread=6), 12545)
     on_grid = replace(forward, packs_per_thread=6, peel=False)
-    norm.check_block_covers(on_grid, 12288)
+    norm_spec.check_block_covers(on_grid, 12288)
     with pytest.raises(ValueError, match="too few packs"):
-        norm.check_block_covers(on_grid, 12296)
+        norm_spec.check_block_covers(on_grid, 12296)
 
 
 def test_auto_backward_fuses_param_grads_in_registers():
@@ -441,7 +441,7 @@ def test_auto_backward_fuses_param_grads_in_registers():
         peeled = norm.plan("layer_norm_backward", ROWS, cols, dtype, "auto", H100, align=2).main
         assert (peeled.spec.pack_size, peeled.spec.peel, peeled.spec.fuse_param_grad) == (pack, True, True)
         assert peeled.grid[0] % pack == 0
-        assert peeled.smem_bytes == norm._grad_smem_bytes(peeled.spec, cols)
+        assert peeled.smem_bytes == norm_backward.grad_smem_bytes(peeled.spec, cols)
         not_peeled = norm.plan("layer_norm_backward", ROWS, cols, dtype, "auto", H100, align=2, same_phase=False)
         assert not not_peeled.main.spec.peel
     unfused = norm.plan("layer_norm_backward", ROWS, 65536, "f16", "auto", H100)
@@ -460,7 +460,7 @@ def test_one_finish_launch_for_every_param_grad(policy):
 
 
 @pytest.mark.parametrize("policy", ["auto", "oneflow"])
-@pytest.mark.parametrize("op", norm.BACKWARD_OPS)
+@pytest.mark.parametrize("op", norm_spec.BACKWARD_OPS)
 def test_backward_writes_partials_only_when_wanted(op, policy):
     """Without dweight / dbias no workspace is allocated: the plan must then
     launch neither a fused kernel nor the column reduction (they would write
@@ -540,12 +540,12 @@ def test_auto_forward_warp_lanes_hold_weight_and_bias(op, dtype):
             continue
         unheld = replace(spec, hold_affine=False, min_blocks=0)
         lane_bytes = spec.cols_per_thread * spec.rows_per_access * itemsize
-        bounds = [0] + [resident // spec.threads_per_block for resident in norm.AUTO_HELD_AFFINE_RESIDENT_THREADS
-                        if resident < unheld.resident_threads
-                        and resident * lane_bytes >= norm.AUTO_HELD_AFFINE_MIN_BYTES_IN_FLIGHT]
+        bounds = [0] + [resident // spec.threads_per_block
+                        for resident in norm_forward.AUTO_HELD_AFFINE_RESIDENT_THREADS
+                        if resident < unheld.resident_threads and resident * lane_bytes >= norm_forward.AUTO_HELD_AFFINE_MIN_BYTES_IN_FLIGHT]
         fits = [bound for bound in bounds
                 if not H100.resources(replace(unheld, hold_affine=True, min_blocks=bound))["local_bytes"]]
-        if cols < norm.AUTO_HELD_AFFINE_FROM_COLS or not fits:
+        if cols < norm_forward.AUTO_HELD_AFFINE_FROM_COLS or not fits:
             assert spec == unheld, spec.name
             continue
         assert spec == replace(unheld, hold_affine=True, min_blocks=fits[0]), spec.name
@@ -575,12 +575,12 @@ def test_auto_backward_fits_16_bit_blocks_to_the_row():
     (at least 64) that hold the row at their rung's packs a thread, where
     that compiles without local memory and stays resident; else the rung's
     power-of-two block. float32 keeps the power-of-two blocks."""
-    assert norm.AUTO_GRAD_FITTED_ITEMSIZES == (2,) and norm.AUTO_GRAD_FITTED_MIN_BLOCK == 64
-    for op in norm.BACKWARD_OPS:
+    assert norm_backward.AUTO_GRAD_FITTED_ITEMSIZES == (2,) and norm_backward.AUTO_GRAD_FITTED_MIN_BLOCK == 64
+    for op in norm_spec.BACKWARD_OPS:
         for cols, block_size in ((1536, 96), (3000, 192), (5000, 320), (6000, 384), (4096, 256), (1024, 64)):
             spec = norm.plan(op, ROWS, cols, "bf16", "auto", H100).spec
             assert (spec.block_size, spec.packs_per_thread, spec.fuse_param_grad) == (block_size, 2, True), spec.name
-            assert spec.min_blocks_per_sm * block_size >= norm.MIN_RESIDENT_THREADS[
+            assert spec.min_blocks_per_sm * block_size >= norm_spec.MIN_RESIDENT_THREADS[
                 "backward_smem_partials" if spec.smem_partials else "backward"]
         # 20000 cols: 864 threads of three packs spill under bounds of two blocks an SM: one
         long = norm.plan(op, ROWS, 20000, "f16", "auto", H100).spec
@@ -590,11 +590,12 @@ def test_auto_backward_fits_16_bit_blocks_to_the_row():
         report = jit.compile_cubin(long, "sm_90")
         assert report.spill_bytes == 0 and report.registers > 65536 // (2 * 864), long.name
         assert norm.plan(op, ROWS, 3000, "f32", "auto", H100).spec.block_size == 512
-    assert norm.fitted_grad_block_size(3000, 8, 2) == 192 and norm.fitted_grad_block_size(3080, 8, 2) == 224
-    assert norm.fitted_grad_block_size(100, 8, 2) == 64
+    assert norm_backward.fitted_grad_block_size(3000, 8, 2) == 192
+    assert norm_backward.fitted_grad_block_size(3080, 8, 2) == 224
+    assert norm_backward.fitted_grad_block_size(100, 8, 2) == 64
     # rounded down only where rounding up spills: LayerNorm f16 6912 cols at 448
     # threads, two blocks an SM (three spill); RMSNorm keeps three (no spill)
-    ln, rms = (norm.plan(op, ROWS, 6912, "f16", "auto", H100).spec for op in norm.BACKWARD_OPS)
+    ln, rms = (norm.plan(op, ROWS, 6912, "f16", "auto", H100).spec for op in norm_spec.BACKWARD_OPS)
     assert (ln.block_size, ln.min_blocks_per_sm, ln.min_blocks) == (448, 2, 2), ln.name
     assert (rms.block_size, rms.min_blocks_per_sm, rms.min_blocks) == (448, 3, 0), rms.name
     rounded_up = replace(ln, min_blocks=0)
@@ -623,15 +624,15 @@ def test_auto_backward_shares_long_rows_in_clusters_of_two(op, dtype, cols, name
     resident wave of clusters, a workspace row a cluster (the finish kernel
     sums num_parts rows). Clusters of four measured a second wave (30 of 33
     resident on an H200) and are not planned."""
-    assert norm.AUTO_GRAD_CLUSTER_SIZES == (2,)
+    assert norm_backward.AUTO_GRAD_CLUSTER_SIZES == (2,)
     chosen = norm.plan(op, ROWS, cols, dtype, "auto", H100)
     main = chosen.main
     assert main.spec.name == name and main.spec.fuse_param_grad and chosen.param_grad is None
-    assert norm.cluster_shares_rows(main.spec, cols)
-    norm.check_block_covers(main.spec, cols)
+    assert norm_spec.cluster_shares_rows(main.spec, cols)
+    norm_spec.check_block_covers(main.spec, cols)
     active = H100.max_active_blocks(main.spec, main.spec.block_size, main.smem_bytes, True)
     assert main.grid[0] == active * H100.facts.sm_count and chosen.num_parts * 2 == main.grid[0]
-    assert main.smem_bytes == norm._grad_smem_bytes(main.spec, cols)
+    assert main.smem_bytes == norm_backward.grad_smem_bytes(main.spec, cols)
     # a cluster a row where rows are fewer than the resident clusters
     few = norm.plan(op, 3, cols, dtype, "auto", H100)
     assert (few.main.spec, few.main.grid[0], few.num_parts) == (main.spec, 6, 3)
@@ -677,12 +678,12 @@ def test_auto_backward_reads_long_rows_twice(op, dtype, cols, name):
     spec = chosen.main.spec
     assert spec.name == name and chosen.param_grad is None
     assert (spec.cached, spec.smem_partials, spec.fuse_param_grad) == (False, True, True)
-    grads = norm.PARAM_GRADS[norm.family_of(spec.op)]
+    grads = norm_backward.PARAM_GRADS[norm_spec.family_of(spec.op)]
     compute_itemsize = 8 if dtype == "f64" else 4
     partials = grads * spec.block_size * spec.packs_per_thread * spec.pack_size * compute_itemsize
-    assert chosen.main.smem_bytes - partials in (0, norm._weight_copy_bytes(spec, cols))
+    assert chosen.main.smem_bytes - partials in (0, norm_backward.weight_copy_bytes(spec, cols))
     assert partials >= grads * cols // spec.cluster_size * compute_itemsize
-    norm.check_block_covers(spec, cols)
+    norm_spec.check_block_covers(spec, cols)
     assert jit.compile_cubin(spec, "sm_90").spill_bytes == 0
 
 
@@ -707,12 +708,12 @@ def test_cluster_spec_must_leave_each_block_a_part_of_the_row():
         with pytest.raises(ValueError, match="cluster"):
             replace(spec, **wrong)
     assert (spec.block_size, spec.packs_per_thread, spec.cluster_size) == (1024, 2, 2)
-    norm.check_block_covers(spec, 32768 - 8)       # the last block one pack short
-    norm.check_block_covers(spec, 16384 + 8)       # the last block one pack
+    norm_spec.check_block_covers(spec, 32768 - 8)       # the last block one pack short
+    norm_spec.check_block_covers(spec, 16384 + 8)       # the last block one pack
     for cols in (16384, 32768 + 8, 32768 - 4):      # nothing left / too long / not whole packs
-        assert not norm.cluster_shares_rows(spec, cols)
+        assert not norm_spec.cluster_shares_rows(spec, cols)
         with pytest.raises(ValueError, match="cluster"):
-            norm.check_block_covers(spec, cols)
+            norm_spec.check_block_covers(spec, cols)
 
 
 def test_auto_backward_keeps_partial_sums_in_shared_memory():
@@ -755,7 +756,7 @@ def test_auto_backward_loads_two_rows_of_short_16_bit_rows():
 
 
 def test_golden_names():
-    spec = norm.NormSpec("layer_norm", "warp", "f16", pack_size=8, cols_per_thread=32,
+    spec = norm_spec.NormSpec("layer_norm", "warp", "f16", pack_size=8, cols_per_thread=32,
                          min_cols_per_thread=32, thread_group_width=32, weight=True, bias=True,
                          residual=True)
     assert spec.name == "layer_norm_warp_f16_f32_p8_c32_g32_r1_nopad_affine_residual"

@@ -121,7 +121,7 @@ def test_rows_past_shared_memory(rng, op, dtype):
     from cupyops.device import has_clusters
     from cupyops.dtypes import BY_DTYPE
     from cupyops.launch import Target
-    from cupyops.ops import softmax as sm
+    from cupyops.ops import softmax_rows as sm
 
     target = Target.live(cupy.cuda.runtime.getDevice())
     vec = 16 // dtype.itemsize
@@ -152,7 +152,7 @@ def test_peeled_rows_past_the_register_path(rng, op, dtype, kind):
 
     from cupyops.dtypes import BY_DTYPE
     from cupyops.launch import Target
-    from cupyops.ops import softmax as sm
+    from cupyops.ops import softmax_rows as sm
 
     target = Target.live(cupy.cuda.runtime.getDevice())
     short = BY_DTYPE[dtype].short

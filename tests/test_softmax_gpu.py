@@ -19,7 +19,7 @@ import cupyops
 from cupyops import arrays, device, dtypes, jit
 from cupyops.dtypes import BFLOAT16
 from cupyops.launch import Target, live_function
-from cupyops.ops import softmax as sm
+from cupyops.ops import softmax_rows as sm
 
 pytestmark = pytest.mark.gpu
 

@@ -2,7 +2,7 @@
 
 policy="oneflow" is checked against tables written from the text of SPEC §5
 (OneFlow's dispatch), not by calling the planner's helpers. policy="auto" is
-checked against the rules documented in cupyops/ops/softmax.py (its tunable
+checked against the rules documented in cupyops/ops/softmax_rows.py (its tunable
 thresholds are read from the module constants; the rules are restated here).
 Plans whose path depends on occupancy compile their candidate kernels with
 NVRTC for the profile's arch: no GPU is needed.
@@ -17,8 +17,10 @@ import pytest
 
 from cupyops import device, jit
 from cupyops.launch import BLOCK_SIZE_LADDER, Target, choose_block_size
-from cupyops.ops import softmax as sm
-from cupyops.ops.softmax import SoftmaxSpec, plan, vector_pack_size
+from cupyops.ops import row_packs
+from cupyops.ops import softmax_rows as sm
+from cupyops.ops.row_packs import vector_pack_size
+from cupyops.ops.softmax_rows import SoftmaxSpec, plan
 
 TARGETS = {"h100": Target.profile("h100"), "a100": Target.profile("a100")}
 H100 = TARGETS["h100"]
@@ -301,7 +303,7 @@ def auto_pack(cols: int, dtype: str, align: int = 16) -> int:
 
 
 def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -> dict:
-    """What policy="auto" must choose, path by path in order (rules of ops/softmax.py)."""
+    """What policy="auto" must choose, path by path in order (rules of ops/softmax_rows.py)."""
     facts = target.facts
     itemsize, compute = ITEMSIZE[dtype], COMPUTE_ITEMSIZE[dtype]
     pack = auto_pack(cols, dtype, align)
@@ -316,10 +318,10 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
     # rows a block, a warp each), else 64, the first giving a thread at most
     # AUTO_PEELED_SMALL_MAX_PACKS 16-byte packs; 16-bit rows held as loaded
     vec = 16 // itemsize
-    if pack < vec and same_phase and cols >= sm.AUTO_PEELED_SMALL_MIN_COLS:
-        for block_size, rows_per_block in ((32, sm.AUTO_PEELED_SMALL_WARP_ROWS), (64, 1)):
+    if pack < vec and same_phase and cols >= row_packs.AUTO_PEELED_SMALL_MIN_COLS:
+        for block_size, rows_per_block in ((32, row_packs.AUTO_PEELED_SMALL_WARP_ROWS), (64, 1)):
             per_thread = ceil_div(cols // vec, block_size)
-            if per_thread <= sm.AUTO_PEELED_SMALL_MAX_PACKS:
+            if per_thread <= row_packs.AUTO_PEELED_SMALL_MAX_PACKS:
                 spec = SoftmaxSpec(op, "block_regs", dtype, vec, block_size=block_size,
                                    packs_per_thread=per_thread, rows_per_block=rows_per_block, peel=True,
                                    storage_cache=itemsize == 2)
@@ -465,8 +467,8 @@ def test_auto_peels_short_rows_off_the_16_byte_grid():
     row; then the register ladder. Shorter rows, operands at different
     phases and rows on the grid keep their paths."""
     rows = 49152
-    assert (sm.AUTO_PEELED_SMALL_BLOCKS, sm.AUTO_PEELED_SMALL_MAX_PACKS, sm.AUTO_PEELED_SMALL_WARP_ROWS,
-            sm.AUTO_PEELED_SMALL_MIN_COLS) == ((32, 64), 4, 2, 255)
+    assert (row_packs.AUTO_PEELED_SMALL_BLOCKS, row_packs.AUTO_PEELED_SMALL_MAX_PACKS, row_packs.AUTO_PEELED_SMALL_WARP_ROWS,
+            row_packs.AUTO_PEELED_SMALL_MIN_COLS) == ((32, 64), 4, 2, 255)
     f16 = plan("softmax", rows, 1023, "f16", "auto", H100, align=2)
     assert f16.spec.name == "softmax_block_regs_f16_f32_p8_k4_b32x2_peel_packed"
     assert (f16.block, f16.grid, f16.smem_bytes) == ((32, 2, 1), (rows // 2, 1, 1), 0)

@@ -22,9 +22,9 @@ from conftest import TOLERANCES, assert_close
 from cupyops import arrays, dtypes, jit
 from cupyops.dtypes import BFLOAT16
 from cupyops.launch import LaunchCache, Target
-from cupyops.ops import softmax as sm
+from cupyops.ops import softmax_rows as sm
 from cupyops.ops import softmax_split as ss
-from cupyops.ops.softmax import vector_pack_size
+from cupyops.ops.row_packs import vector_pack_size
 from cupyops.ops.softmax_split import SoftmaxSplitSpec, plan
 
 H100 = Target.profile("h100")

@@ -1,4 +1,4 @@
-"""LayerNorm / RMSNorm plans (ops/norm.py) made ready to run on rows of one
+"""LayerNorm / RMSNorm plans (norm.plan) made ready to run on rows of one
 layout: the compiled functions, grids and blocks, and the scalar arguments
 cast for the kernels, so a repeated call only allocates and launches."""
 from __future__ import annotations

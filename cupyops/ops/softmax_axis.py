@@ -13,58 +13,6 @@ read of the arrays); "online" reads them again for the outputs (two reads).
 On sm_90 and newer a large cached tile is shared by the cluster_size blocks of
 a thread-block cluster, each caching a share of its cols; they combine their
 reductions through distributed shared memory (kernels/cluster.cuh).
-
-Planner rule (tables below, tuned on an H200 with scripts/tune_axis.py):
-1. inner < AXIS_MIN_INNER: the rows path (transpose copy) -> None.
-2. pack = the largest 16-byte-or-smaller vector dividing inner that the
-   pointers' alignment allows.
-3. the tile (tile_shape): block_x packs covering R bytes of each row (at
-   most the packs of inner and AXIS_MAX_BLOCK_X), shared by a cluster of S
-   blocks; a block caches its share, cols / S rows of a pack of every input
-   (x forward, dy and y backward). The first of these whose share fits wins
-   (H200, (64, 4096, 256) float16 forward: 128-byte tiles in clusters of 8,
-   67 % of copy (77 % since the cluster barriers order shared memory only,
-   kernels/cluster.cuh, 79 % with base-2 terms, rule 9; 16-block clusters,
-   non-portable, 76 %); 32-byte tiles in clusters of 2, 56 %; one block, 47 %):
-   a. R in AXIS_TILE_ROW_BYTES (widest first; whole lines of a row read DRAM
-      best), a block alone, within the alone limit: AXIS_ALONE_MAX_BYTES, or
-      AXIS_ALONE_MAX_BYTES_16BIT_FORWARD for 16-bit forward (two exponentials
-      every 2 bytes want the threads of several blocks an SM);
-   b. on sm_90 and newer (device.has_clusters), the same R, each with the
-      fewest blocks of AXIS_CLUSTER_SIZES whose shares fit
-      AXIS_CLUSTER_BLOCK_BYTES;
-   c. R = AXIS_NARROW_ROW_BYTES: alone within the alone limit, then the
-      fewest cluster blocks within AXIS_CLUSTER_BLOCK_BYTES, then (forward)
-      within AXIS_CACHE_MAX_BYTES; else alone (read twice unless it fits
-      AXIS_CACHE_MAX_BYTES, as where no cluster can form);
-   d. backward on sm_90 and newer, when some R of a and c gives at least
-      AXIS_TWICE_MIN_TILES_PER_SM x SMs tiles (twice_tile_width): c without
-      its last step, and a tile a-c leave read twice takes the widest such R.
-4. cached when a block's share fits AXIS_CACHE_MAX_BYTES of shared memory and
-   can launch. Threads per block start at AXIS_BLOCK_THREADS; blocks caching
-   a tile take the most threads (by powers of two, up to
-   AXIS_CACHED_MAX_BLOCK_THREADS) that keep as many of them resident on an SM
-   as its shared memory, thread slots and registers (at
-   AXIS_THREAD_REGISTERS a thread) allow, and the kernel is bound to that
-   many resident blocks (min_blocks, its __launch_bounds__).
-5. threads double (up to AXIS_MAX_BLOCK_THREADS) while the blocks (tiles x
-   cluster_size) are too few: a block's rows are then split among more
-   threads. Blocks reading twice: while their threads do not fill the GPU
-   (SMs x threads per SM). Blocks caching: while fewer than the SMs (their
-   tiles are in flight whole; more threads a block would cost resident
-   blocks: H200, (8, 2048, 1024) float16 forward, 4-block clusters of 256
-   threads 52 % of copy, of 1024 threads 31 %).
-6. block_y = threads / block_x, at most the largest power of two <= a block's
-   rows; threads left over by short cols widen block_x (up to a warp).
-7. tiles too large to cache and fewer than AXIS_MIN_TILES_PER_SM x SMs of
-   them: the rows path -> None (only a block's threads split cols, so a few
-   long tiles leave most SMs idle while the rows path spreads the rows).
-8. grid: OneFlow's waves of blocks for the tiles x cluster_size blocks,
-   rounded down to whole clusters.
-9. float16 softmax over a cached tile sums base-2 terms (base2_terms), and
-   its threads write 2^(x log2(e) - (shift + log2 s)) where every slice they
-   hold allows it (kernels/softmax.cuh, RowSoftmax): 80.7 % of copy at
-   (64, 4096, 256), 79.1 % dividing by the sum.
 """
 from __future__ import annotations
 
@@ -78,13 +26,14 @@ import numpy
 from .. import arrays, dtypes, jit
 from ..device import WARP_SIZE, DeviceFacts, has_clusters
 from ..launch import LaunchCache, Target, get_num_blocks, live_function
-from .softmax import INPUTS, vector_pack_size
+from .row_packs import vector_pack_size
+from .softmax_rows import INPUTS
 
 OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
 
 # Slices narrower than this (elements along inner) take the rows path with a copy.
 AXIS_MIN_INNER = 32
-# Bytes of each row a tile covers (rule 3): the wide tiles, widest first,
+# Bytes of each row a tile covers (plan()'s rule 3): the wide tiles, widest first,
 # then the narrow one (a 32-byte sector) for the longest cols.
 AXIS_TILE_ROW_BYTES = (128, 64)
 AXIS_NARROW_ROW_BYTES = 32
@@ -105,7 +54,7 @@ AXIS_ASYNC_MIN_PACK_BYTES = 4
 # kernels take unbounded (32 to 64); bound to 40, some spill.
 AXIS_THREAD_REGISTERS = 64
 # Largest share of a tile a block keeps in shared memory for a single read of
-# the array, and (rule 3) the largest a block caches alone.
+# the array, and (plan()'s rule 3) the largest a block caches alone.
 AXIS_CACHE_MAX_BYTES = 128 * 1024
 AXIS_ALONE_MAX_BYTES = 128 * 1024
 AXIS_ALONE_MAX_BYTES_16BIT_FORWARD = 64 * 1024
@@ -119,7 +68,7 @@ AXIS_MIN_TILES_PER_SM = 0.25
 AXIS_CLUSTER_SIZES = (2, 4, 8)
 AXIS_CLUSTER_BLOCK_BYTES = 64 * 1024
 # Backward tiles too large for AXIS_CLUSTER_BLOCK_BYTES shares are read twice
-# (rule 3d) rather than cached in 8-block clusters of AXIS_CACHE_MAX_BYTES
+# (plan()'s rule 3d) rather than cached in 8-block clusters of AXIS_CACHE_MAX_BYTES
 # shares (one block an SM), in the widest tiles that still number this many
 # an SM. H200, % of copy, read twice against the clusters: (16, 16384, 256)
 # f16 50.7 against 48.3, f32 57.1 against 50.5; (8, 16384, 512) f16 53.5
@@ -204,7 +153,7 @@ def _prev_power_of_two(n: int) -> int:
 
 
 def base2_terms(op: str, dtype: str, cached: bool) -> bool:
-    """Rule 9: whether the kernel sums base-2 terms (Base2Exp): float16 softmax over a cached tile.
+    """plan()'s rule 9: whether the kernel sums base-2 terms (Base2Exp): float16 softmax over a cached tile.
 
     Its compute passes bound it, and the base-2 term is an FFMA and an EX2
     where the natural one is an FADD, an FMUL and an EX2 (H200, (64, 4096, 256)
@@ -222,9 +171,9 @@ def _tile_width(row_bytes: int, inner_packs: int, pack_bytes: int) -> int:
 def tile_shape(arch: str, cols: int, inner_packs: int, pack_bytes: int, num_inputs: int,
                alone_bytes: int, twice_width: Optional[int] = None) -> tuple:
     """(block_x, cluster size) of a tile on `arch` (e.g. "sm_90"): the first
-    of rule 3's choices whose share of `cols` rows, block_x packs of
+    of plan()'s rule 3 choices whose share of `cols` rows, block_x packs of
     `pack_bytes` of each of `num_inputs` inputs a row, fits. `alone_bytes`:
-    the most a block caches alone; twice_width (rule 3d, twice_tile_width):
+    the most a block caches alone; twice_width (plan()'s rule 3d, twice_tile_width):
     clusters take no shares over AXIS_CLUSTER_BLOCK_BYTES, and a tile none
     of the choices fits is this wide (else the narrow tile)."""
     def share(block_x: int, size: int) -> int:
@@ -244,7 +193,7 @@ def tile_shape(arch: str, cols: int, inner_packs: int, pack_bytes: int, num_inpu
 
 
 def twice_tile_width(outer: int, inner_packs: int, pack_bytes: int, sm_count: int) -> Optional[int]:
-    """block_x of a backward tile read twice (rule 3d): the widest of
+    """block_x of a backward tile read twice (plan()'s rule 3d): the widest of
     AXIS_TILE_ROW_BYTES and AXIS_NARROW_ROW_BYTES of which the array has at
     least AXIS_TWICE_MIN_TILES_PER_SM x SMs tiles; None where none has."""
     widths = [_tile_width(row_bytes, inner_packs, pack_bytes)
@@ -284,7 +233,59 @@ def plan(op: str, outer: int, cols: int, inner: int, dtype: str, target: Target,
     `target`, or None when the rows path (with a transpose copy) should run.
 
     `align` is the largest power of two (<= 16) dividing the inputs' and the
-    output's addresses in bytes."""
+    output's addresses in bytes. The rule (its tables tuned on an H200 with
+    scripts/tune_axis.py):
+    1. inner < AXIS_MIN_INNER: the rows path (transpose copy) -> None.
+    2. pack = the largest 16-byte-or-smaller vector dividing inner that the
+       pointers' alignment allows.
+    3. the tile (tile_shape): block_x packs covering R bytes of each row (at
+       most the packs of inner and AXIS_MAX_BLOCK_X), shared by a cluster of S
+       blocks; a block caches its share, cols / S rows of a pack of every input
+       (x forward, dy and y backward). The first of these whose share fits wins
+       (H200, (64, 4096, 256) float16 forward: 128-byte tiles in clusters of 8,
+       67 % of copy (77 % since the cluster barriers order shared memory only,
+       kernels/cluster.cuh, 79 % with base-2 terms, rule 9; 16-block clusters,
+       non-portable, 76 %); 32-byte tiles in clusters of 2, 56 %; one block, 47 %):
+       a. R in AXIS_TILE_ROW_BYTES (widest first; whole lines of a row read DRAM
+          best), a block alone, within the alone limit: AXIS_ALONE_MAX_BYTES, or
+          AXIS_ALONE_MAX_BYTES_16BIT_FORWARD for 16-bit forward (two exponentials
+          every 2 bytes want the threads of several blocks an SM);
+       b. on sm_90 and newer (device.has_clusters), the same R, each with the
+          fewest blocks of AXIS_CLUSTER_SIZES whose shares fit
+          AXIS_CLUSTER_BLOCK_BYTES;
+       c. R = AXIS_NARROW_ROW_BYTES: alone within the alone limit, then the
+          fewest cluster blocks within AXIS_CLUSTER_BLOCK_BYTES, then (forward)
+          within AXIS_CACHE_MAX_BYTES; else alone (read twice unless it fits
+          AXIS_CACHE_MAX_BYTES, as where no cluster can form);
+       d. backward on sm_90 and newer, when some R of a and c gives at least
+          AXIS_TWICE_MIN_TILES_PER_SM x SMs tiles (twice_tile_width): c without
+          its last step, and a tile a-c leave read twice takes the widest such R.
+    4. cached when a block's share fits AXIS_CACHE_MAX_BYTES of shared memory and
+       can launch. Threads per block start at AXIS_BLOCK_THREADS; blocks caching
+       a tile take the most threads (by powers of two, up to
+       AXIS_CACHED_MAX_BLOCK_THREADS) that keep as many of them resident on an SM
+       as its shared memory, thread slots and registers (at
+       AXIS_THREAD_REGISTERS a thread) allow, and the kernel is bound to that
+       many resident blocks (min_blocks, its __launch_bounds__).
+    5. threads double (up to AXIS_MAX_BLOCK_THREADS) while the blocks (tiles x
+       cluster_size) are too few: a block's rows are then split among more
+       threads. Blocks reading twice: while their threads do not fill the GPU
+       (SMs x threads per SM). Blocks caching: while fewer than the SMs (their
+       tiles are in flight whole; more threads a block would cost resident
+       blocks: H200, (8, 2048, 1024) float16 forward, 4-block clusters of 256
+       threads 52 % of copy, of 1024 threads 31 %).
+    6. block_y = threads / block_x, at most the largest power of two <= a block's
+       rows; threads left over by short cols widen block_x (up to a warp).
+    7. tiles too large to cache and fewer than AXIS_MIN_TILES_PER_SM x SMs of
+       them: the rows path -> None (only a block's threads split cols, so a few
+       long tiles leave most SMs idle while the rows path spreads the rows).
+    8. grid: OneFlow's waves of blocks for the tiles x cluster_size blocks,
+       rounded down to whole clusters.
+    9. float16 softmax over a cached tile sums base-2 terms (base2_terms), and
+       its threads write 2^(x log2(e) - (shift + log2 s)) where every slice they
+       hold allows it (kernels/softmax.cuh, RowSoftmax): 80.7 % of copy at
+       (64, 4096, 256), 79.1 % dividing by the sum.
+    """
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
     if outer < 1 or cols < 1 or inner < 1:

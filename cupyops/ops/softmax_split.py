@@ -20,44 +20,6 @@ chunk (kernels/softmax_split.cuh), in one of two ways:
 Partials are (max, sum) forward, the sum of dy * y (softmax) or dy
 (log-softmax) backward, in float32 (float64 for float64 arrays), combined in
 the same fixed order by every block of a row: deterministic.
-
-Planner rule (thresholds are data, tuned on an H200 with scripts/tune_long_rows.py):
-1. A row is split when it is long and either few rows exist (rows <
-   SPLIT_MAX_ROWS_PER_SM x SMs and at least SPLIT_MIN_ROW_BYTES of each
-   input) or it is longer than the ordinary paths keep on chip (at least
-   COOP_MIN_ROW_BYTES of all inputs together, and no rung of the async row
-   path's ladder holds it, in one block or a thread-block cluster, with or
-   without register tails: softmax.AUTO_ASYNC_LADDERS); otherwise -> None.
-2. pack = the largest 16-byte-or-smaller vector dividing cols that every
-   operand's address and row stride allow (softmax.vector_pack_size); the
-   two launches peel rows off the 16-byte grid whose operands share each
-   row's phase (odd cols), 16-byte packs between single-element edges.
-3. coop (rows whose operands share each row's phase: packs of at least
-   COOP_MIN_PEELABLE_PACK_BYTES, else the two launches first): blocks of
-   COOP_BLOCK_SIZE threads holding packs_per_thread packs of
-   each input, COOP_BYTES_PER_THREAD bytes of it (doubled while a row's
-   chunks outnumber the resident blocks; at most COOP_MAX_CACHED_PACKS packs
-   of all inputs together; packs of at least COOP_MIN_PACK_BYTES):
-   resident = occupancy x SMs, splits = ceil(cols / chunk_cols) (2 ..
-   resident), slots = min(rows, resident // splits), grid = slots x splits.
-   Where slots take more than one row each, blocks of the dtypes and ops in
-   COOP_SHARED take longer chunks, enough for resident // rows blocks a row,
-   holding the table's bytes of each input a thread in registers and the
-   rest (shared_packs, at most COOP_MAX_SHARED_PACKS of all inputs) in shared
-   memory, if every row is then resident at once (one round) and the kernel
-   needs no local memory. Otherwise, where slots take more than one row each
-   and rows are few (fewer than COOP_PREFETCH_MAX_ROWS_PER_SM x SMs: the
-   slots move in step), blocks of the dtypes and ops in COOP_PREFETCH
-   prefetch the slot's next row into shared memory while they finish a row
-   (prefetch), unless that kernel's registers or shared memory leave fewer
-   slots resident or it spills.
-4. otherwise two launches: blocks of SPLIT_BLOCK_SIZE threads; resident =
-   the partials kernel's occupancy x SMs; splits = enough chunks for
-   SPLIT_WAVES full waves (ceil(SPLIT_WAVES x resident / rows)), fewer where a
-   chunk would be shorter than SPLIT_MIN_CHUNK_BYTES (per input); chunk_cols
-   = the row shared evenly among them, rounded up to SPLIT_CHUNK_GRANULE_BYTES;
-   splits then = the chunks of that size covering the row. Fewer than 2
-   chunks per row, or many rows: the ordinary path -> None.
 """
 from __future__ import annotations
 
@@ -69,8 +31,9 @@ import numpy
 
 from .. import dtypes, jit
 from ..launch import MAX_GRID_X, LaunchCache, Target, live_function
-from . import softmax
-from .softmax import INPUTS, OPS, peeled_pack, vector_pack_size
+from . import softmax_rows
+from .row_packs import peeled_pack, vector_pack_size
+from .softmax_rows import INPUTS, OPS
 
 STAGES = ("partials", "finish", "coop")
 TWO_LAUNCH_STAGES = ("partials", "finish")
@@ -127,7 +90,7 @@ COOP_MIN_PEELABLE_PACK_BYTES = 8
 # Rows of at least this many bytes (all inputs together) are split even when
 # many rows fill the GPU: longer than the ordinary paths keep on chip.
 COOP_MIN_ROW_BYTES = 256 * 1024
-# Coop slots with several rows each prefetch the next one (rule 3) below this
+# Coop slots with several rows each prefetch the next one (plan()'s rule 3) below this
 # many rows an SM, for the (itemsize, number of inputs) in COOP_PREFETCH.
 # H200, % of copy, prefetching / reading each row after the last: float32
 # softmax 8 x 2^20 58.0 / 56.4, 16 x 2^20 64.4 / 62.8, 4 x 2^21 55.9 / 53.8,
@@ -142,7 +105,7 @@ COOP_PREFETCH = {(4, 1)}
 # (itemsize, number of inputs) in COOP_SHARED hold its bytes of each input of
 # a longer chunk in registers and the rest (shared_packs, at most
 # COOP_MAX_SHARED_PACKS of all inputs together) in shared memory when that
-# makes every row resident at once: one round (rule 3). H200, % of copy, one
+# makes every row resident at once: one round (plan()'s rule 3). H200, % of copy, one
 # round / the plan without shared packs (prefetching where float32 forward),
 # interleaved samples: float32 softmax 8 x 2^20 60.2 / 58.3, log_softmax
 # 59.9 / 58.2, 4 x 2^21 59.1 / 56.1, 2 x 2^22 56.9 / 53.6, 32 x 2^18
@@ -287,7 +250,7 @@ def coop_candidate(op: str, rows: int, cols: int, dtype: str, target: Target, al
     """The CoopPlan with threads holding `bytes_per_thread` bytes of each
     input in registers (or, where that takes more than one round, a longer
     chunk partly in shared memory, or prefetching), or None when it cannot be
-    (rule 3)."""
+    (plan()'s rule 3)."""
     facts = target.facts
     itemsize = dtypes.BY_SHORT[dtype].itemsize
     pack_size = vector_pack_size(cols, itemsize, align)
@@ -339,7 +302,7 @@ def coop_candidate(op: str, rows: int, cols: int, dtype: str, target: Target, al
 @functools.lru_cache(maxsize=4096)
 def coop_plan(op: str, rows: int, cols: int, dtype: str, target: Target,
               align: int = 16) -> Optional[CoopPlan]:
-    """The one-launch cooperative plan (rule 3 of the module docstring) for a
+    """The one-launch cooperative plan (rule 3 of plan()) for a
     row that is split, or None when a row's chunks cannot all be resident."""
     _check(op, rows, cols)
     preferred = COOP_BYTES_PER_THREAD[(dtypes.BY_SHORT[dtype].itemsize, len(INPUTS[op]))]
@@ -352,13 +315,50 @@ def coop_plan(op: str, rows: int, cols: int, dtype: str, target: Target,
 
 def plan(op: str, rows: int, cols: int, dtype: str, target: Target, align: int = 16, same_phase: bool = True):
     """The split-row plan (CoopPlan or SplitPlan) for `rows` x `cols` of dtype
-    (short name) on `target`, or None when the ordinary row paths should run
-    (rule in the module docstring).
+    (short name) on `target`, or None when the ordinary row paths should run.
 
     `align` is the largest power of two (<= 16) dividing every operand's
     address and row stride in bytes; `same_phase` says every row of every
     operand starts at the same offset from a 16-byte boundary (two launches
-    then peel rows off the 16-byte grid)."""
+    then peel rows off the 16-byte grid). The rule (its thresholds tuned on
+    an H200 with scripts/tune_long_rows.py):
+    1. A row is split when it is long and either few rows exist (rows <
+       SPLIT_MAX_ROWS_PER_SM x SMs and at least SPLIT_MIN_ROW_BYTES of each
+       input) or it is longer than the ordinary paths keep on chip (at least
+       COOP_MIN_ROW_BYTES of all inputs together, and no rung of the async row
+       path's ladder holds it, in one block or a thread-block cluster, with or
+       without register tails: softmax_rows.AUTO_ASYNC_LADDERS); otherwise -> None.
+    2. pack = the largest 16-byte-or-smaller vector dividing cols that every
+       operand's address and row stride allow (row_packs.vector_pack_size); the
+       two launches peel rows off the 16-byte grid whose operands share each
+       row's phase (odd cols), 16-byte packs between single-element edges.
+    3. coop (rows whose operands share each row's phase: packs of at least
+       COOP_MIN_PEELABLE_PACK_BYTES, else the two launches first): blocks of
+       COOP_BLOCK_SIZE threads holding packs_per_thread packs of
+       each input, COOP_BYTES_PER_THREAD bytes of it (doubled while a row's
+       chunks outnumber the resident blocks; at most COOP_MAX_CACHED_PACKS packs
+       of all inputs together; packs of at least COOP_MIN_PACK_BYTES):
+       resident = occupancy x SMs, splits = ceil(cols / chunk_cols) (2 ..
+       resident), slots = min(rows, resident // splits), grid = slots x splits.
+       Where slots take more than one row each, blocks of the dtypes and ops in
+       COOP_SHARED take longer chunks, enough for resident // rows blocks a row,
+       holding the table's bytes of each input a thread in registers and the
+       rest (shared_packs, at most COOP_MAX_SHARED_PACKS of all inputs) in shared
+       memory, if every row is then resident at once (one round) and the kernel
+       needs no local memory. Otherwise, where slots take more than one row each
+       and rows are few (fewer than COOP_PREFETCH_MAX_ROWS_PER_SM x SMs: the
+       slots move in step), blocks of the dtypes and ops in COOP_PREFETCH
+       prefetch the slot's next row into shared memory while they finish a row
+       (prefetch), unless that kernel's registers or shared memory leave fewer
+       slots resident or it spills.
+    4. otherwise two launches: blocks of SPLIT_BLOCK_SIZE threads; resident =
+       the partials kernel's occupancy x SMs; splits = enough chunks for
+       SPLIT_WAVES full waves (ceil(SPLIT_WAVES x resident / rows)), fewer where a
+       chunk would be shorter than SPLIT_MIN_CHUNK_BYTES (per input); chunk_cols
+       = the row shared evenly among them, rounded up to SPLIT_CHUNK_GRANULE_BYTES;
+       splits then = the chunks of that size covering the row. Fewer than 2
+       chunks per row, or many rows: the ordinary path -> None.
+    """
     _check(op, rows, cols)
     itemsize = dtypes.BY_SHORT[dtype].itemsize
     few_long_rows = (rows < SPLIT_MAX_ROWS_PER_SM * target.facts.sm_count
@@ -366,7 +366,7 @@ def plan(op: str, rows: int, cols: int, dtype: str, target: Target, align: int =
     if not few_long_rows:
         if cols * itemsize * len(INPUTS[op]) < COOP_MIN_ROW_BYTES:
             return None
-        if softmax.plan(op, rows, cols, dtype, "auto", target, align, same_phase).spec.impl == "block_async":
+        if softmax_rows.plan(op, rows, cols, dtype, "auto", target, align, same_phase).spec.impl == "block_async":
             return None   # one block (a register tail) or a cluster keeps the row on chip
     if same_phase and vector_pack_size(cols, itemsize, align) * itemsize < COOP_MIN_PEELABLE_PACK_BYTES:
         return two_launch_plan(op, rows, cols, dtype, target, align, same_phase) or \
@@ -378,7 +378,7 @@ def plan(op: str, rows: int, cols: int, dtype: str, target: Target, align: int =
 @functools.lru_cache(maxsize=4096)
 def two_launch_plan(op: str, rows: int, cols: int, dtype: str, target: Target,
                     align: int = 16, same_phase: bool = True) -> Optional[SplitPlan]:
-    """The two-launch split plan (rule 4 of the module docstring), or None."""
+    """The two-launch split plan (rule 4 of plan()), or None."""
     _check(op, rows, cols)
     facts = target.facts
     itemsize = dtypes.BY_SHORT[dtype].itemsize
@@ -442,7 +442,7 @@ def _coop_counters(slots: int, device_id: int, stream_ptr: int):
 def run(op: str, inputs, output, rows: int, cols: int, align: int, same_phase: bool) -> bool:
     """Runs `op` by the split-row kernels when the planner prefers them.
 
-    `inputs` (the op's arrays, softmax.INPUTS) and `output` are
+    `inputs` (the op's arrays, softmax_rows.INPUTS) and `output` are
     rowwise.Operand objects of one float dtype on one GPU, laid out as `rows`
     rows of `cols` contiguous elements; the output may be one of the inputs
     (same address and row stride). `align` and `same_phase` are theirs, as
