@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy
 
@@ -94,45 +95,59 @@ def launch_backward(chosen: NormGradPlan, device_id: int, rows: int, cols: int, 
 _calls = CallCache()
 
 
-def _remember(key, launched: list, caller: tuple, result, call: tuple) -> None:
-    """Remembers `call` (the ready launch and how to allocate the outputs)
-    under `key` when rowwise.run made one launch, writing `result` and
-    reading the memory of the caller's arrays (cupy.ndarray or None, as the
-    key says) rather than copies."""
+def _remember(key, launched: list, caller: tuple, result, outputs) -> None:
+    """Remembers (the ready launch, `outputs`: what a call allocates) under
+    `key` when rowwise.run made one launch, writing `result` and reading the
+    memory of the caller's arrays (cupy.ndarray or None, as the key says)
+    rather than copies."""
     if key is None or len(launched) != 1:
         return
     read, written, ready = launched[0]
     if written is result and all(a is b or (a is not None and b is not None and a.data.ptr == b.data.ptr)
                                  for a, b in zip(read, caller)):
-        _calls.remember(key, (ready, *call))
+        _calls.remember(key, (ready, outputs))
 
 
 # -- forward -------------------------------------------------------------------
 
-def _forward_outputs(x, residual: bool, lead_shape: tuple, stats_dtype, centered: bool, return_stats: bool):
-    import cupy
+class _ForwardOutputs(NamedTuple):
+    """What a forward call allocates and returns: y (and h, with a residual)
+    of x's shape and dtype; mean (LayerNorm) and rstd of the statistics'
+    shape and dtype where return_stats asks for them."""
+    shape: tuple
+    dtype: object
+    residual: bool
+    stats_shape: tuple
+    stats_dtype: object
+    mean: bool
+    rstd: bool
 
-    h = cupy.empty(x.shape, x.dtype) if residual else None
-    mean = cupy.empty(lead_shape, stats_dtype) if return_stats and centered else None
-    rstd = cupy.empty(lead_shape, stats_dtype) if return_stats else None
-    return h, mean, rstd
+    def allocate(self) -> tuple:
+        """(h, mean, rstd), None where not stored."""
+        import cupy
 
+        return (cupy.empty(self.shape, self.dtype) if self.residual else None,
+                cupy.empty(self.stats_shape, self.stats_dtype) if self.mean else None,
+                cupy.empty(self.stats_shape, self.stats_dtype) if self.rstd else None)
 
-def _forward_result(y, h, mean, rstd, return_stats: bool):
-    result = (y,) if h is None else (y, h)
-    if return_stats:
-        result += (rstd,) if mean is None else (mean, rstd)
-    return result[0] if len(result) == 1 else result
+    def result(self, y, h, mean, rstd):
+        """What the public function returns: y, then h, then the statistics."""
+        if not (self.residual or self.rstd):
+            return y
+        result = (y,) if h is None else (y, h)
+        if self.rstd:
+            result += (rstd,) if mean is None else (mean, rstd)
+        return result
 
 
 def _replay_forward(call, x, weight, bias, residual, out):
     import cupy
 
-    launch, *outputs = call
-    y = out if out is not None else cupy.empty(x.shape, x.dtype)
-    h, mean, rstd = _forward_outputs(x, residual is not None, *outputs)
+    launch, outputs = call
+    y = cupy.empty(outputs.shape, outputs.dtype) if out is None else out
+    h, mean, rstd = outputs.allocate()
     run_forward(launch, x, residual, weight, bias, y, h, mean, rstd)
-    return _forward_result(y, h, mean, rstd, outputs[-1])
+    return outputs.result(y, h, mean, rstd)
 
 
 def _forward(op, x, weight, bias, axis, eps, residual, return_stats, out, policy, stream):
@@ -140,7 +155,9 @@ def _forward(op, x, weight, bias, axis, eps, residual, return_stats, out, policy
 
     key = call_key((op, policy, axis, eps, return_stats), (x, weight, bias, residual, out))
     call = _calls.find(key)
-    if call is not None and writable(out, (x, residual)):
+    if call is not None and (out is None or writable(out, (x, residual))):
+        if stream is None:
+            return _replay_forward(call, x, weight, bias, residual, out)
         return run_on(stream, _replay_forward, call, x, weight, bias, residual, out)
 
     caller = (x, residual, weight, bias)
@@ -155,13 +172,15 @@ def _forward(op, x, weight, bias, axis, eps, residual, return_stats, out, policy
     bias = norm_args.check_like(bias, "bias", normalized_shape, x.dtype, device_id)
     residual = norm_args.check_like(residual, "residual", x.shape, x.dtype, device_id)
     out = arrays.check_out(out, x.shape, x.dtype, device_id)
-    outputs = (x.shape[:x.ndim - num_axes], norm_args.stats_dtype(x.dtype), op == "layer_norm", bool(return_stats))
+    return_stats = bool(return_stats)
+    outputs = _ForwardOutputs(x.shape, x.dtype, residual is not None, x.shape[:x.ndim - num_axes],
+                              norm_args.stats_dtype(x.dtype), return_stats and op == "layer_norm", return_stats)
     launched = []
 
     with arrays.on_device(x, stream):
         weight = None if weight is None else cupy.ascontiguousarray(weight)
         bias = None if bias is None else cupy.ascontiguousarray(bias)
-        h, mean, rstd = _forward_outputs(x, residual is not None, *outputs)
+        h, mean, rstd = outputs.allocate()
 
         def launch(operands, output, rows, cols):
             x_op = operands[0]
@@ -189,7 +208,7 @@ def _forward(op, x, weight, bias, axis, eps, residual, return_stats, out, policy
             inputs = [x] if residual is None else [x, residual]
             y = rowwise.run(inputs, tuple(range(x.ndim - num_axes, x.ndim)), out, x.dtype, launch)
     _remember(key, launched, caller, y, outputs)
-    return _forward_result(y, h, mean, rstd, outputs[-1])
+    return outputs.result(y, h, mean, rstd)
 
 
 def layer_norm(x, weight=None, bias=None, *, axis=-1, eps=1e-5, residual=None, return_stats=False,
@@ -218,24 +237,30 @@ def rms_norm(x, weight=None, *, axis=-1, eps=1e-5, residual=None, return_stats=F
 
 # -- backward ------------------------------------------------------------------
 
-def _param_grads(x, grads_shape: tuple, need_weight_grad: bool, need_bias_grad: bool):
-    """dweight and dbias (None unless wanted) to write."""
-    import cupy
+class _BackwardOutputs(NamedTuple):
+    """What a backward call allocates: dx of x's shape and dtype, dweight
+    and dbias (LayerNorm) of the weight's shape where wanted."""
+    shape: tuple
+    dtype: object
+    grads_shape: tuple
+    weight_grad: bool
+    bias_grad: bool
+    centered: bool          # LayerNorm: dbias returned (None unless wanted)
 
-    # the finish kernel writes every element; no rows: all zeros
-    allocate = cupy.empty if x.size else cupy.zeros
-    return (allocate(grads_shape, x.dtype) if need_weight_grad else None,
-            allocate(grads_shape, x.dtype) if need_bias_grad else None)
+    def allocate(self, allocate) -> tuple:
+        """(dx, dweight, dbias) by allocate(shape, dtype); None where not wanted."""
+        return (allocate(self.shape, self.dtype),
+                allocate(self.grads_shape, self.dtype) if self.weight_grad else None,
+                allocate(self.grads_shape, self.dtype) if self.bias_grad else None)
 
 
 def _replay_backward(call, dy, x, mean, rstd, weight):
     import cupy
 
-    launch, grads_shape, need_weight_grad, need_bias_grad, centered = call
-    dx = cupy.empty(x.shape, x.dtype)
-    dweight, dbias = _param_grads(x, grads_shape, need_weight_grad, need_bias_grad)
+    launch, outputs = call
+    dx, dweight, dbias = outputs.allocate(cupy.empty)
     run_backward(launch, dy, x, dx, rstd, mean, weight, dweight, dbias)
-    return (dx, dweight, dbias) if centered else (dx, dweight)
+    return (dx, dweight, dbias) if outputs.centered else (dx, dweight)
 
 
 def _backward(op, dy, x, mean, rstd, weight, axis, need_weight_grad, need_bias_grad, policy, stream):
@@ -244,6 +269,8 @@ def _backward(op, dy, x, mean, rstd, weight, axis, need_weight_grad, need_bias_g
     key = call_key((op, policy, axis, need_weight_grad, need_bias_grad), (x, dy, mean, rstd, weight))
     call = _calls.find(key)
     if call is not None:
+        if stream is None:
+            return _replay_backward(call, dy, x, mean, rstd, weight)
         return run_on(stream, _replay_backward, call, dy, x, mean, rstd, weight)
 
     caller = (dy, x, mean, rstd, weight)
@@ -261,15 +288,17 @@ def _backward(op, dy, x, mean, rstd, weight, axis, need_weight_grad, need_bias_g
     cols = math.prod(normalized_shape)
     rows = x.size // cols if cols else 0
     centered = op == "layer_norm_backward"
-    outputs = (normalized_shape, bool(need_weight_grad), bool(need_bias_grad) and centered, centered)
-    param_grad = outputs[1] or outputs[2]
+    outputs = _BackwardOutputs(x.shape, x.dtype, normalized_shape, bool(need_weight_grad),
+                               bool(need_bias_grad) and centered, centered)
+    param_grad = outputs.weight_grad or outputs.bias_grad
     launched = []
 
     with arrays.on_device(x, stream):
         mean = norm_args.check_stat(mean, "mean", rows, stats_dtype, device_id) if centered else None
         rstd = norm_args.check_stat(rstd, "rstd", rows, stats_dtype, device_id)
         weight = None if weight is None else cupy.ascontiguousarray(weight)
-        dweight, dbias = _param_grads(x, *outputs[:3])
+        # the finish kernel writes every element of dweight / dbias; no rows: all zeros
+        dx, dweight, dbias = outputs.allocate(cupy.empty if x.size else cupy.zeros)
 
         def launch(operands, output, rows, cols):
             dy_op, x_op = operands
@@ -285,10 +314,8 @@ def _backward(op, dy, x, mean, rstd, weight, axis, need_weight_grad, need_bias_g
                                     weight=weight, dweight=dweight, dbias=dbias)
             launched.append(((dy_op.array, x_op.array, mean, rstd, weight), output.array, ready))
 
-        if x.size == 0:
-            dx = cupy.empty(x.shape, x.dtype)
-        else:
-            dx = rowwise.run([dy, x], tuple(range(x.ndim - num_axes, x.ndim)), None, x.dtype, launch)
+        if x.size:
+            rowwise.run([dy, x], tuple(range(x.ndim - num_axes, x.ndim)), dx, x.dtype, launch)
     _remember(key, launched, caller, dx, outputs)
     return (dx, dweight, dbias) if centered else (dx, dweight)
 

@@ -25,10 +25,6 @@ def ready(launch: KernelLaunch, device_id: int) -> ReadyLaunch:
     return found
 
 
-def _pointer(array):
-    return _NULL if array is None else array
-
-
 def _int64s(*values) -> tuple:
     return tuple(map(numpy.int64, values))
 
@@ -65,8 +61,9 @@ def forward_launch(chosen, device_id: int, rows: int, cols: int, ftype: dtypes.F
 
 def run_forward(launch: ForwardLaunch, x, residual, weight, bias, y, h, mean, rstd) -> None:
     """Runs a ready forward plan; None for an array not read or not stored."""
-    launch.main((x, _pointer(residual), _pointer(weight), _pointer(bias), y, _pointer(h), _pointer(mean),
-                 _pointer(rstd), *launch.scalars))
+    launch.main((x, _NULL if residual is None else residual, _NULL if weight is None else weight,
+                 _NULL if bias is None else bias, y, _NULL if h is None else h, _NULL if mean is None else mean,
+                 _NULL if rstd is None else rstd, *launch.scalars))
 
 
 def backward_launch(chosen, device_id: int, rows: int, cols: int, dy_stride: int, x_stride: int, dx_stride: int,
@@ -96,16 +93,18 @@ def run_backward(launch: BackwardLaunch, dy, x, dx, rstd, mean, weight, dweight,
         copies = cupy.empty(launch.phase_copies, weight.dtype)
         launch.weight_phases((weight, launch.phases_scalars[0], copies, launch.phases_scalars[1]))
         weight = copies
-    weight_parts = bias_parts = None
+    weight_parts = bias_parts = _NULL
     if dweight is not None or dbias is not None:
         parts = cupy.empty(((dweight is not None) + (dbias is not None), *launch.parts_shape), rstd.dtype)
-        weight_parts = parts if dweight is not None else None
+        if dweight is not None:
+            weight_parts = parts
         if dbias is not None:
             bias_parts = parts if dweight is None else numpy.uint64(parts.data.ptr + parts.strides[0])
+    weight = _NULL if weight is None else weight
+    mean = _NULL if mean is None else mean
     for step, writes_dx, writes_parts in launch.steps:
-        step((dy, x, _pointer(weight), _pointer(mean), rstd, dx if writes_dx else _NULL,
-              _pointer(weight_parts if writes_parts else None), _pointer(bias_parts if writes_parts else None),
-              *launch.scalars))
+        step((dy, x, weight, mean, rstd, dx if writes_dx else _NULL, weight_parts if writes_parts else _NULL,
+              bias_parts if writes_parts else _NULL, *launch.scalars))
     if launch.finish is not None:
-        launch.finish((_pointer(weight_parts), _pointer(bias_parts), *launch.finish_scalars, _pointer(dweight),
-                       _pointer(dbias)))
+        launch.finish((weight_parts, bias_parts, *launch.finish_scalars, _NULL if dweight is None else dweight,
+                       _NULL if dbias is None else dbias))
