@@ -35,6 +35,7 @@ import hashlib
 import importlib
 import json
 import multiprocessing
+import re
 import sys
 import time
 from pathlib import Path
@@ -137,7 +138,11 @@ class Recorder:
         try:
             chosen = make()
         except Exception as error:   # a refusal is part of the planner's behaviour
-            self.plans[key] = {"error": f"{type(error).__name__}: {error}"}
+            from cupyops import jit
+
+            # compile errors name the headers' paths and ptxas's compile time
+            message = f"{type(error).__name__}: {error}".replace(f"{jit.resource_dir('kernels').parent}/", "")
+            self.plans[key] = {"error": re.sub(r"Compile time = [0-9.]+ ms", "Compile time = ... ms", message)}
             return
         self.plans[key] = None if chosen is None else {"plan": self.describe(chosen), "explain": chosen.explain()}
 
