@@ -3,12 +3,18 @@ the workers of a local cluster, one worker per GPU (cupyops.dask_cluster), on 1 
 against the plain single-array op over the bytes one GPU holds. Needs the `dask` extra.
 
 Bytes counted: x read and y written (2 * x.nbytes). A Dask run: x persisted on the
-workers first, an even run of its row blocks on each; then, repeated, y = op(x).persist(),
-wait(y) and every worker's GPU synchronised, timed by the client's clock from the persist
+workers first, an even run of its row blocks on each; then, repeated, y = op(x) persisted,
+waited for and every worker's GPU synchronised, timed by the client's clock from the persist
 to the last GPU idle (the graph of y built before); the median, the first run (compiles,
-memory pools) left out.
+memory pools) left out. Between runs y's futures are released and the scheduler is waited
+on until it has forgotten y's keys: the next run's graph has the same keys, and a key
+resubmitted while the scheduler still cancels or releases it comes back cancelled.
 Nothing moves to the client. The plain op: one array of the bytes each GPU holds in the
 Dask run, on a worker, timed by CUDA events; the median.
+
+Each measurement (a cluster, the plain op, a Dask point) that fails is reported with its
+error and the others go on; the command then exits with status 1. Every result is printed
+(stderr) and, with --json, written as soon as it is measured.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import importlib.util
 import json
 import statistics
 import time
+from typing import Callable
 
 import click
 
@@ -61,81 +68,187 @@ def _plain_seconds(op: str, rows: int, cols: int, dtype_name: str, reps: int) ->
     return statistics.median(samples)
 
 
-def _dask_seconds(client, op: str, x, weight, bias, reps: int) -> float:
+RUN_TIMEOUT_S = 300      # one Dask run (a GPU's 16 GiB takes well under a second)
+FORGET_TIMEOUT_S = 60    # the scheduler forgetting released keys
+
+
+def _known_tasks(keys, dask_scheduler=None) -> int:
+    """On the scheduler: how many of `keys` it still holds."""
+    return sum(key in dask_scheduler.tasks for key in keys)
+
+
+def _release(client, futures, wait: bool = True) -> None:
+    """Releases `futures` and (`wait`) waits until the scheduler has forgotten their keys, so that
+    a graph of the same keys (the same op over the same x) is submitted anew, into free memory."""
+    keys = [future.key for future in futures]
+    for future in futures:
+        future.release()
+    if not wait:
+        return
+    deadline = time.monotonic() + FORGET_TIMEOUT_S
+    while client.run_on_scheduler(_known_tasks, keys):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the scheduler still holds keys of released futures after {FORGET_TIMEOUT_S} s")
+        time.sleep(0.005)
+
+
+def _wait(futures) -> None:
+    """Waits for `futures`; the error of the first that failed raised."""
     import distributed
 
-    import cupyops.dask as cd
+    distributed.wait(futures, timeout=RUN_TIMEOUT_S)
+    for future in futures:
+        if future.status == "error":
+            future.result()       # raises the task's error
+
+
+def _persist_seconds(client, graph) -> float:
+    """Seconds from persisting `graph` until its blocks are computed and every GPU is idle; its
+    futures released before returning (and, after a success, forgotten by the scheduler)."""
+    import distributed
+
     from cupyops.dask_cluster import synchronize_workers
 
-    samples = []
-    for _ in range(reps + 1):
-        y = _apply(op, cd, x, weight, bias)
-        began = time.perf_counter()
-        y = y.persist()
-        distributed.wait(y)
+    began = time.perf_counter()
+    futures = distributed.futures_of(client.persist(graph))
+    try:
+        _wait(futures)
         synchronize_workers(client)
-        samples.append(time.perf_counter() - began)
-        client.cancel(y)
-        del y
+        seconds = time.perf_counter() - began
+    except BaseException:
+        _release(client, futures, wait=False)     # the error is what to report
+        raise
+    _release(client, futures)
+    return seconds
+
+
+def _dask_seconds(client, op: str, x, weight, bias, reps: int) -> float:
+    import cupyops.dask as cd
+
+    samples = [_persist_seconds(client, _apply(op, cd, x, weight, bias)) for _ in range(reps + 1)]
     return statistics.median(samples[1:])
 
 
 def _free_pools():
+    """On a worker: CuPy's pool gives its cached blocks back (between sizes of blocks)."""
     import cupy
 
-    cupy.get_default_memory_pool().free_all_blocks()
+    try:
+        cupy.get_default_memory_pool().free_all_blocks()
+    except cupy.cuda.runtime.CUDARuntimeError:   # no usable GPU: the measurements there say why
+        pass
 
 
-def measure(ops: list, gib: float, cols: int, chunk_mibs: list, gpu_counts: list, dtype, reps: int) -> dict:
-    """Every (op, GPUs, chunk size) point: median seconds and GB/s; the plain op per GPU count."""
+def _error_text(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:400]
+
+
+class _Results:
+    """The results of `measure`, each entry reported (report(result, line)) as it is added."""
+
+    def __init__(self, result: dict, report: Callable):
+        self.result, self.report = result, report
+
+    def add(self, kind: str, entry: dict, line: str) -> None:
+        self.result[kind].append(entry)
+        self.report(self.result, line)
+
+    def failed(self, error: BaseException, **where) -> None:
+        described = ", ".join(f"{key} {value}" for key, value in where.items())
+        self.add("errors", dict(where, error=_error_text(error)), f"FAILED ({described}): {_error_text(error)}")
+
+
+def measure(ops: list, gib: float, cols: int, chunk_mibs: list, gpu_counts: list, dtype, reps: int,
+            report: Callable = lambda result, line: None) -> dict:
+    """Every (op, GPUs, chunk size) point: median seconds and GB/s; the plain op per GPU count.
+    A cluster, plain op or point that fails is in result["errors"] and the others go on;
+    report(result, line) after each entry."""
+    rows = int(gib * GIB) // (cols * dtype.itemsize)
+    num_bytes = 2 * rows * cols * dtype.itemsize
+    result = {"dtype": dtype.name, "rows": rows, "cols": cols, "bytes": num_bytes, "clusters": {}, "points": [],
+              "plain": [], "errors": []}
+    results = _Results(result, report)
+    for gpus in gpu_counts:
+        try:
+            _measure_cluster(results, gpus, ops, rows, cols, chunk_mibs, dtype, reps)
+        except Exception as error:  # noqa: BLE001 - reported, and the next cluster measured
+            results.failed(error, gpus=gpus, stage="cluster")
+    return result
+
+
+def _measure_cluster(results: _Results, gpus: int, ops: list, rows: int, cols: int, chunk_mibs: list, dtype,
+                     reps: int) -> None:
+    """The points of one local cluster of `gpus` workers into `results`."""
     import distributed
 
     from cupyops.dask_cluster import local_cluster, persist_spread, random_normal
 
-    rows = int(gib * GIB) // (cols * dtype.itemsize)
-    num_bytes = 2 * rows * cols * dtype.itemsize
-    result = {"dtype": dtype.name, "rows": rows, "cols": cols, "bytes": num_bytes, "clusters": {}, "points": [],
-              "plain": []}
-    for gpus in gpu_counts:
-        cluster, started = local_cluster(gpus)
-        with cluster, distributed.Client(cluster) as client:
-            result["clusters"][gpus] = started
-            worker = next(iter(client.scheduler_info()["workers"]))
-            for op in ops:
+    num_bytes = results.result["bytes"]
+    cluster, started = local_cluster(gpus)
+    with cluster, distributed.Client(cluster) as client:
+        results.result["clusters"][gpus] = started
+        results.report(results.result, f"{gpus} GPU(s): {started}")
+        worker = next(iter(client.scheduler_info()["workers"]))
+        for op in ops:
+            try:
                 seconds = client.submit(_plain_seconds, op, rows // gpus, cols, dtype.name, reps, workers=[worker],
                                         pure=False).result()
-                result["plain"].append({"op": op, "gpus": gpus, "rows": rows // gpus, "seconds": seconds,
-                                        "gbs": num_bytes / gpus / seconds / 1e9})
-            client.run(_free_pools)
-            weight, bias = (random_normal((cols,), -1, dtype, seed=s).persist() for s in (1, 2))
-            for chunk_mib in chunk_mibs:
-                chunk_rows = max(1, chunk_mib * 2 ** 20 // (cols * dtype.itemsize))
-                x = persist_spread(client, random_normal((rows, cols), (chunk_rows, cols), dtype))
-                distributed.wait(x)
+            except Exception as error:  # noqa: BLE001
+                results.failed(error, gpus=gpus, op=op, stage="plain")
+                continue
+            results.add("plain", {"op": op, "gpus": gpus, "rows": rows // gpus, "seconds": seconds,
+                                  "gbs": num_bytes / gpus / seconds / 1e9},
+                        f"plain {op}, {rows // gpus} rows on one GPU: {seconds * 1e3:.1f} ms")
+        client.run(_free_pools)
+        weight, bias = client.persist([random_normal((cols,), -1, dtype, seed=s) for s in (1, 2)])
+        params = distributed.futures_of([weight, bias])
+        for chunk_mib in chunk_mibs:
+            chunk_rows = max(1, chunk_mib * 2 ** 20 // (cols * dtype.itemsize))
+            x = random_normal((rows, cols), (chunk_rows, cols), dtype)
+            blocks = x.numblocks[0]
+            futures = []
+            try:
+                x = persist_spread(client, x)
+                futures = distributed.futures_of(x)
+                _wait(futures)
                 for op in ops:
-                    seconds = _dask_seconds(client, op, x, weight, bias, reps)
-                    result["points"].append({"op": op, "gpus": gpus, "chunk_mib": chunk_mib,
-                                             "blocks": x.numblocks[0], "seconds": seconds,
-                                             "gbs": num_bytes / seconds / 1e9})
-                client.cancel(x)
-                del x
-    return result
+                    try:
+                        seconds = _dask_seconds(client, op, x, weight, bias, reps)
+                    except Exception as error:  # noqa: BLE001
+                        results.failed(error, gpus=gpus, op=op, chunk_mib=chunk_mib, stage="dask")
+                        continue
+                    results.add("points", {"op": op, "gpus": gpus, "chunk_mib": chunk_mib, "blocks": blocks,
+                                           "seconds": seconds, "gbs": num_bytes / seconds / 1e9},
+                                f"{op} on {gpus} GPU(s), {blocks} chunks of {chunk_mib} MiB: "
+                                f"{seconds * 1e3:.1f} ms, {num_bytes / seconds / 1e9:.0f} GB/s")
+            except Exception as error:  # noqa: BLE001 - x not made: the next chunk size
+                results.failed(error, gpus=gpus, chunk_mib=chunk_mib, stage="x")
+            x = None
+            _release(client, futures)
+            client.run(_free_pools)
+        _release(client, params, wait=False)
 
 
 def format_table(result: dict) -> str:
     plain = {(p["op"], p["gpus"]): p["gbs"] for p in result["plain"]}
     one_gpu = {(p["op"], p["chunk_mib"]): p["gbs"] for p in result["points"] if p["gpus"] == 1}
+    nan = float("nan")
     lines = [f"{result['dtype']} {result['rows']} x {result['cols']}, {result['bytes'] / 1e9:.1f} GB moved "
              f"(x read + y written); clusters: {result['clusters']}",
              f"{'op':<11} {'gpus':>4} {'chunk MiB':>9} {'blocks':>6} {'ms':>9} {'GB/s':>8} {'GB/s/GPU':>9} "
              f"{'x 1 GPU':>8} {'x plain':>8}"]
     for p in result["points"]:
         per_gpu = p["gbs"] / p["gpus"]
-        scaling = p["gbs"] / one_gpu[p["op"], p["chunk_mib"]] if (p["op"], p["chunk_mib"]) in one_gpu else float("nan")
+        scaling = p["gbs"] / one_gpu.get((p["op"], p["chunk_mib"]), nan)
         lines.append(f"{p['op']:<11} {p['gpus']:>4} {p['chunk_mib']:>9} {p['blocks']:>6} {p['seconds'] * 1e3:>9.1f} "
-                     f"{p['gbs']:>8.0f} {per_gpu:>9.0f} {scaling:>8.2f} {per_gpu / plain[p['op'], p['gpus']]:>8.2f}")
+                     f"{p['gbs']:>8.0f} {per_gpu:>9.0f} {scaling:>8.2f} "
+                     f"{per_gpu / plain.get((p['op'], p['gpus']), nan):>8.2f}")
     for p in result["plain"]:
         lines.append(f"plain {p['op']} on one GPU, {p['rows']} rows: {p['seconds'] * 1e3:.1f} ms, {p['gbs']:.0f} GB/s")
+    for e in result.get("errors", []):
+        where = ", ".join(f"{key} {value}" for key, value in e.items() if key != "error")
+        lines.append(f"FAILED ({where}): {e['error']}")
     return "\n".join(lines)
 
 
@@ -163,8 +276,20 @@ def dask_command(ops, gib, cols, chunk_mib, gpus, reps, dtype, json_path):
     available = gpu_count()
     if not counts or min(counts) < 1 or max(counts) > available:
         raise click.BadParameter(f"--gpus {gpus!r}: this machine has {available} GPU(s)", param_hint="--gpus")
-    result = measure(names, gib, cols, int_list(chunk_mib), counts, dtypes.parse_dtype(dtype), reps)
+
+    def report(result: dict, line: str) -> None:
+        click.echo(line, err=True)
+        if json_path:
+            _write_json(result, json_path)
+
+    result = measure(names, gib, cols, int_list(chunk_mib), counts, dtypes.parse_dtype(dtype), reps, report)
     click.echo(format_table(result))
     if json_path:
-        with open(json_path, "w") as handle:
-            json.dump(result, handle, indent=1)
+        _write_json(result, json_path)
+    if result["errors"]:
+        raise SystemExit(1)
+
+
+def _write_json(result: dict, path: str) -> None:
+    with open(path, "w") as handle:
+        json.dump(result, handle, indent=1)

@@ -460,6 +460,25 @@ def _int8_nchw32(value, name: str):
     return value
 
 
+def _only_block(value):
+    """The one block of an operand that blockwise passes as a list (nested, one level an axis
+    that is not the output's, each of one chunk)."""
+    while isinstance(value, list):
+        (value,) = value
+    return value
+
+
+@dataclass(frozen=True)
+class _OneBlockEach:
+    """call on the blocks, the operands that blockwise gives as lists of one block unwrapped.
+    (blockwise's concatenate=True would join those lists with cupy.concatenate in Dask's task,
+    copying even one block, onto the thread's current GPU rather than the block's.)"""
+    call: Callable
+
+    def __call__(self, *values):
+        return self.call(*(_only_block(v) for v in values))
+
+
 def conv2d_int8(x, w, bias=None, z=None, *, stride=1, padding=0, dilation=1, alpha=1.0, beta=1.0, gamma=0.0,
                 relu=False, out_dtype="int8", policy="auto"):
     """cupyops.conv2d_int8 over a Dask array of NCHW32 CuPy chunks split along the batch (every
@@ -487,10 +506,12 @@ def conv2d_int8(x, w, bias=None, z=None, *, stride=1, padding=0, dilation=1, alp
     kwargs = dict(stride=stride, padding=padding, dilation=dilation, beta=beta, gamma=gamma, relu=relu,
                   out_dtype=out_dtype, policy=policy, **({} if vector else {"alpha": alpha}))
     call = BlockCall(cupyops.conv2d_int8, ("x", "w", "bias", "z") + (("alpha",) if vector else ()), kwargs)
-    # x "abcde": a the batch; the output's b, c, d are K/32, OH, OW; w, bias, alpha and z one block each.
+    # x "abcde": a the batch; the output's b, c, d are K/32, OH, OW; w, bias, alpha and z one block each,
+    # given along their other axes (f, g, h, p, q, r) as nested lists of that one block, unwrapped on the
+    # block's GPU (where BlockCall copies any operand on another GPU of the process).
     pairs = [(x, "abcde"), (w, "fbghe"), (vectors[0], "f"), (z, "apqre")] + ([(vectors[1], "f")] if vector else [])
-    return da.blockwise(call, "abcde", *(item for value, index in pairs
-                                         for item in (value, index if value is not None else None)),
+    return da.blockwise(_OneBlockEach(call), "abcde", *(item for value, index in pairs
+                                                        for item in (value, index if value is not None else None)),
                         adjust_chunks={"b": geometry.k // 32, "c": geometry.oh, "d": geometry.ow},
-                        dtype=numpy.dtype(out_dtype), meta=cupy_meta(numpy.dtype(out_dtype), 5), concatenate=True,
+                        dtype=numpy.dtype(out_dtype), meta=cupy_meta(numpy.dtype(out_dtype), 5), concatenate=False,
                         token="conv2d_int8")

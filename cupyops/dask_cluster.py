@@ -4,7 +4,10 @@ examples/dask_multi_gpu.py and `cupyops bench dask` start. Needs the `dask` extr
 local_cluster starts dask-cuda's LocalCUDACluster; where dask-cuda is missing or
 cannot start, a distributed.SpecCluster (what distributed.LocalCluster is built on)
 of one Nanny per GPU, each worker seeing its GPU alone through CUDA_VISIBLE_DEVICES,
-as LocalCUDACluster does. Either way a worker holds one GPU and one thread.
+as LocalCUDACluster does. Either way a worker holds one GPU and one thread, and
+imports cupyops.dask_graph as it starts (its serializers keep bfloat16 when blocks
+move between workers); on a cluster started otherwise, register_serializers(client)
+does that on its workers.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ def local_cluster(n_workers: int, **options):
     available = gpu_count()
     if not 1 <= n_workers <= available:
         raise ValueError(f"n_workers must be 1 .. {available} (the GPUs here), got {n_workers}")
+    options = dict(options, preload=[*_as_list(options.get("preload")), SERIALIZERS_MODULE])
     try:
         from dask_cuda import LocalCUDACluster
 
@@ -41,15 +45,48 @@ def local_cluster(n_workers: int, **options):
     return _spec_cluster(n_workers, **options), f"distributed.SpecCluster, CUDA_VISIBLE_DEVICES a worker ({reason})"
 
 
-def _spec_cluster(n_workers: int, **options):
+def _as_list(value) -> list:
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
+def _spec_cluster(n_workers: int, preload=(), **options):
     from distributed import Nanny, Scheduler, SpecCluster
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range(gpu_count())]
-    workers = {i: {"cls": Nanny, "options": {"nthreads": 1, "env": {
+    workers = {i: {"cls": Nanny, "options": {"nthreads": 1, "preload": list(preload), "env": {
         "CUDA_VISIBLE_DEVICES": ",".join(devices[i:] + devices[:i])}}} for i in range(n_workers)}
     return SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {"dashboard_address": ":0"}},
                        **options)
+
+
+SERIALIZERS_MODULE = "cupyops.dask_graph"   # imported, it wraps distributed's CuPy serializers (bfloat16)
+
+
+try:
+    from distributed.diagnostics.plugin import WorkerPlugin as _WorkerPlugin
+except ImportError:  # pragma: no cover - the extra is missing
+    _WorkerPlugin = object
+
+
+class SerializersPlugin(_WorkerPlugin):
+    """A worker plugin installing cupyops.dask_graph's serializers on the worker (unpickling it
+    imports this module; setup imports cupyops.dask_graph)."""
+
+    def setup(self, worker=None):
+        import importlib
+
+        importlib.import_module(SERIALIZERS_MODULE).register_serializers()
+
+
+def register_serializers(client) -> None:
+    """Installs the serializers of CuPy arrays that keep bfloat16 (cupyops.dask_graph) on every
+    worker of `client`'s cluster, present and future, and here: needed on a cluster not started
+    by local_cluster, where blocks of bfloat16 move between workers (they would arrive as void)."""
+    import importlib
+
+    importlib.import_module(SERIALIZERS_MODULE).register_serializers()
+    client.register_plugin(SerializersPlugin(), name="cupyops-serializers")
 
 
 def _normal_block(seed: int, dtype, block_id=None, block_info=None):

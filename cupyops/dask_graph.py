@@ -1,11 +1,16 @@
 """The graphs of cupyops.dask: argument checks, the chunk rules (axes in one chunk,
 aligned operands, slabs for dropout) and one task a block calling a single-array op on
 the block's GPU, with its counters moved to the block (BlockShift) and its several
-results split into Dask arrays (map_outputs)."""
+results split into Dask arrays (map_outputs). And the serializers of CuPy arrays that
+keep bfloat16 when a block moves between Dask workers (register_serializers, run when
+this module is imported: on the client, and on the workers of
+dask_cluster.local_cluster, which import it first)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import operator
+import pickle
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -166,8 +171,9 @@ class BlockShift:
 
 @dataclass(frozen=True)
 class BlockCall:
-    """op(**{name: block}, **kwargs) on the GPU of the block's first CuPy array
-    (positional where the name is None); `shift` moves counters to the block."""
+    """op(**{name: block}, **kwargs) on the GPU of the block's first CuPy array, every other CuPy
+    operand copied there if elsewhere (positional where the name is None); `shift` moves counters
+    to the block."""
     op: Callable
     names: tuple
     kwargs: dict = field(default_factory=dict)
@@ -176,19 +182,36 @@ class BlockCall:
     def __call__(self, *values, block_id=None):
         if self.shift is not None:
             values = self.shift.apply(values, block_id)
-        positional = [v for name, v in zip(self.names, values) if name is None]
-        named = {name: v for name, v in zip(self.names, values) if name is not None}
         with on_device_of(values):
+            values = on_one_device(values)
+            positional = [v for name, v in zip(self.names, values) if name is None]
+            named = {name: v for name, v in zip(self.names, values) if name is not None}
             return self.op(*positional, **named, **self.kwargs)
+
+
+def _block_device(values):
+    """The GPU of the first CuPy array among `values` (the op's first array operand: x, dy, a), or None."""
+    import cupy
+
+    return next((v.device for v in values if isinstance(v, cupy.ndarray)), None)
 
 
 def on_device_of(values):
     """Context making the GPU of the first CuPy array among `values` current (nothing where there
     is none): a block's op runs where the block is, whatever GPU the worker thread has current."""
+    device = _block_device(values)
+    return device if device is not None else contextlib.nullcontext()
+
+
+def on_one_device(values) -> list:
+    """values with every CuPy array that is not on the GPU of the first one copied there (within
+    on_device_of(values)): an operand shared by blocks on several GPUs of one process (a weight,
+    a filter, a bias given as one CuPy array) follows each block. With one GPU a worker, as on
+    dask-cuda, nothing is copied."""
     import cupy
 
-    device = next((v.device for v in values if isinstance(v, cupy.ndarray)), None)
-    return device if device is not None else contextlib.nullcontext()
+    device = _block_device(values)
+    return [v.copy() if isinstance(v, cupy.ndarray) and v.device != device else v for v in values]
 
 
 @dataclass(frozen=True)
@@ -233,3 +256,79 @@ def run(op: Callable, names: tuple, values: list, outputs: list, token: str, kwa
         blocks = as_slabs(values, names, chunks, token)
     shift = shift_for(chunks) if shift_for is not None else None
     return map_outputs(BlockCall(op, names, kwargs, shift), blocks, outputs, token)
+
+
+# -- serialization -------------------------------------------------------------------------------
+# distributed sends a CuPy array between workers as its bytes and a header holding the dtype as
+# the array's __cuda_array_interface__ typestr, dtype.str: for ml_dtypes' bfloat16 that is '<V2',
+# so the block arrives as void (|V2) and neither cupyops nor a concatenation in Dask's own tasks
+# (a rechunk) takes it. The wrappers below add the dtype itself (pickled) to the header where its
+# typestr loses it, and view the array back to it when it arrives. Both ends need them: they are
+# installed when this module is imported, in the client and in every worker of
+# dask_cluster.local_cluster (which imports it as the worker starts); for another cluster,
+# dask_cluster.register_serializers(client) installs them on its workers.
+
+DTYPE_HEADER = "cupyops-dtype"
+
+
+def carrying_dtype(dumps: Callable) -> Callable:
+    """A serializer wrapping `dumps` (distributed's, x -> (header, frames)) that also writes x's
+    dtype into the header where dtype.str does not name it (bfloat16 and other ml_dtypes)."""
+    if getattr(dumps, "carries_dtype", False):
+        return dumps
+
+    def serialize(x):
+        header, frames = dumps(x)
+        if numpy.dtype(x.dtype.str) != x.dtype:
+            header = dict(header, **{DTYPE_HEADER: pickle.dumps(x.dtype)})
+        return header, frames
+
+    serialize.carries_dtype = True
+    return serialize
+
+
+def restoring_dtype(loads: Callable) -> Callable:
+    """A deserializer wrapping `loads` (distributed's, (header, frames) -> x) that views x back
+    to the dtype carrying_dtype wrote into the header, if any."""
+    if getattr(loads, "carries_dtype", False):
+        return loads
+
+    def deserialize(header, frames):
+        x = loads(header, frames)
+        if DTYPE_HEADER in header:
+            dtype = pickle.loads(header[DTYPE_HEADER])
+            if x.dtype != dtype:
+                x = x.view(dtype)
+        return x
+
+    deserialize.carries_dtype = True
+    return deserialize
+
+
+def wrap_serializers(cls, families) -> None:
+    """The (serialize, deserialize) dispatchers of each family (dask.utils.Dispatch) hold, for
+    `cls`, their functions for it wrapped by carrying_dtype and restoring_dtype (once)."""
+    for dumps, loads in families:
+        dumps.register(cls, carrying_dtype(dumps.dispatch(cls)))
+        loads.register(cls, restoring_dtype(loads.dispatch(cls)))
+
+
+def register_serializers() -> bool:
+    """Wraps distributed's serializers of cupy.ndarray ("cuda" and "dask" families) in this
+    process so that they keep bfloat16; whether they are (not where distributed, or its CuPy
+    serializers, which need rmm or numba, cannot be imported: arrays are then pickled, which
+    keeps the dtype)."""
+    if importlib.util.find_spec("distributed") is None:
+        return False
+    try:
+        import cupy
+        import distributed.protocol.cupy  # noqa: F401 - registers distributed's own first, wrapped below
+        from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
+        from distributed.protocol.serialize import dask_deserialize, dask_serialize
+    except Exception:  # noqa: BLE001 - ImportError, or a failure of CuPy's optional modules
+        return False
+    wrap_serializers(cupy.ndarray, ((cuda_serialize, cuda_deserialize), (dask_serialize, dask_deserialize)))
+    return True
+
+
+register_serializers()

@@ -27,7 +27,7 @@ cloudpickle = pytest.importorskip("cloudpickle")
 
 import cupyops  # noqa: E402
 import cupyops.dask as cd  # noqa: E402
-from cupyops import dask_chunks, dask_cluster, dtypes, fx, philox  # noqa: E402
+from cupyops import dask_chunks, dask_cluster, dask_graph, dtypes, fx, philox  # noqa: E402
 from cupyops.cli import dask_bench  # noqa: E402
 from cupyops.cli.main import main  # noqa: E402
 from cupyops.ops import conv_layout, conv_reference, norm_args  # noqa: E402
@@ -479,6 +479,88 @@ def test_conv2d_int8_splits_the_batch(rng, numpy_kernels):
     numpy.testing.assert_array_equal(compute(y)[0], _conv2d_int8(x, w, bias, z, **kwargs))
 
 
+class _Tagged(numpy.ndarray):
+    """A block that says it is the one the graph made (a copy, as a concatenation makes, is not)."""
+    made = False
+
+
+def _tagged(block):
+    block = block.view(_Tagged)
+    block.made = True
+    return block
+
+
+def test_conv2d_int8_gets_its_operands_unconcatenated(rng, monkeypatch):
+    """w, bias and z reach the op as their blocks, not joined by Dask's concatenation in a task of
+    its own (a copy, with CuPy on the thread's current GPU rather than the block's)."""
+    data = {"x": rng.integers(-128, 128, (4, 1, 6, 6, 32), dtype=numpy.int8),
+            "w": rng.integers(-128, 128, (32, 1, 3, 3, 32), dtype=numpy.int8),
+            "bias": rng.standard_normal(32).astype(F32),
+            "z": rng.integers(-128, 128, (4, 1, 6, 6, 32), dtype=numpy.int8)}
+    kwargs = dict(padding=1, alpha=1 / 512, gamma=0.5)
+    made = []
+
+    def kernel(x, w, bias=None, z=None, **options):
+        made.append(tuple(getattr(v, "made", False) for v in (w, bias, z)))
+        return _conv2d_int8(*(numpy.asarray(v) for v in (x, w, bias, z)), **options)
+
+    monkeypatch.setattr(cupyops, "conv2d_int8", kernel)
+    lazies = [lazy(data["x"], (2, 1, 6, 6, 32)), lazy(data["w"], -1), lazy(data["bias"], 32),
+              lazy(data["z"], (2, 1, 6, 6, 32))]
+    y = cd.conv2d_int8(*(a.map_blocks(_tagged, meta=a._meta) for a in lazies), **kwargs)
+    numpy.testing.assert_array_equal(compute(y)[0], _conv2d_int8(*data.values(), **kwargs))
+    assert made == [(True, True, True)] * 2
+
+
+# -- bfloat16 between workers -------------------------------------------------------------------
+
+def _stock_dumps(x):
+    """A stand-in of distributed's CuPy serializer: the bytes, and the dtype as the array
+    interface's typestr (dtype.str), which for bfloat16 is '<V2'."""
+    return {"typestr": x.dtype.str, "shape": x.shape}, [x.tobytes()]
+
+
+def _stock_loads(header, frames):
+    return numpy.frombuffer(frames[0], dtype=header["typestr"]).reshape(header["shape"])
+
+
+def test_bfloat16_survives_the_serializers_round_trip():
+    x = numpy.arange(-6, 6, dtype=numpy.float32).reshape(3, 4).astype(dtypes.BFLOAT16)
+    assert _stock_loads(*_stock_dumps(x)).dtype.kind == "V"      # what the workers got: void
+    dumps, loads = dask_graph.carrying_dtype(_stock_dumps), dask_graph.restoring_dtype(_stock_loads)
+    header, frames = dumps(x)
+    restored = loads(header, frames)
+    assert restored.dtype == dtypes.BFLOAT16
+    numpy.testing.assert_array_equal(restored.astype(F32), x.astype(F32))
+    half = x.astype(F16)
+    assert dask_graph.DTYPE_HEADER not in dumps(half)[0]     # dtype.str names float16: the header as it was
+    assert loads(*dumps(half)).dtype == F16
+    assert dask_graph.carrying_dtype(dumps) is dumps and dask_graph.restoring_dtype(loads) is loads
+
+
+def test_bfloat16_cupy_arrays_keep_their_dtype_through_distributed(monkeypatch):
+    """distributed.protocol's serialize / deserialize of a (zero-size, so no GPU) bfloat16 CuPy array
+    through its "dask" family, its CuPy functions replaced by the stand-ins and then wrapped."""
+    protocol = pytest.importorskip("distributed.protocol")
+    from distributed.protocol.serialize import dask_deserialize, dask_serialize
+
+    def stock_dumps(x):
+        return {"typestr": x.dtype.str, "shape": x.shape}, []
+
+    def stock_loads(header, frames):
+        return dask_chunks.cupy_meta(header["typestr"], len(header["shape"]))
+
+    monkeypatch.setitem(dask_serialize._lookup, cupy.ndarray, stock_dumps)
+    monkeypatch.setitem(dask_deserialize._lookup, cupy.ndarray, stock_loads)
+    x = dask_chunks.cupy_meta(dtypes.BFLOAT16, 2)
+    assert protocol.deserialize(*protocol.serialize(x, serializers=("dask",))).dtype.kind == "V"
+    for _ in range(2):     # wrapped once, however often
+        dask_graph.wrap_serializers(cupy.ndarray, [(dask_serialize, dask_deserialize)])
+    assert dask_serialize.dispatch(cupy.ndarray).carries_dtype and dask_deserialize.dispatch(cupy.ndarray).carries_dtype
+    restored = protocol.deserialize(*protocol.serialize(x, serializers=("dask",)))
+    assert isinstance(restored, cupy.ndarray) and restored.dtype == dtypes.BFLOAT16 and restored.shape == (0, 0)
+
+
 # -- graphs travel ------------------------------------------------------------------------------
 
 def test_graphs_pickle_for_distributed_workers():
@@ -517,6 +599,86 @@ def test_bench_dask_table_gives_scaling_and_the_plain_ratio():
     one, two = (line.split() for line in lines[2:4])
     assert one[-2:] == ["1.00", "0.80"]        # 1600 GB/s on one GPU, the plain op 2000
     assert two[-3:] == ["1280", "1.60", "0.80"]   # 2560 GB/s, 1280 a GPU against the plain op's 1600
+
+
+def test_bench_dask_reruns_a_graph_of_the_same_keys(monkeypatch):
+    """Each timed run persists a graph of the same keys as the last: its futures are released and
+    the scheduler has forgotten them before the next (cancelling them instead, the scheduler's
+    report of the cancellation reaches the next run's futures: FuturesCancelledError)."""
+    distributed = pytest.importorskip("distributed")
+    monkeypatch.setattr(dask_cluster, "synchronize_workers", lambda client: None)
+    with distributed.LocalCluster(n_workers=2, processes=False, dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as client:
+        x = client.persist(da.random.random((2048, 64), chunks=(32, 64)))
+        keys = set()
+        for _ in range(12):
+            graph = (x * 2).sum(axis=1)
+            keys.update(graph.__dask_keys__())
+            assert dask_bench._persist_seconds(client, graph) > 0
+        assert len(keys) == 64 and client.run_on_scheduler(dask_bench._known_tasks, list(keys)) == 0
+        assert distributed.futures_of(x) and all(f.status == "finished" for f in distributed.futures_of(x))
+
+
+def test_bench_dask_reports_what_fails_and_goes_on(monkeypatch):
+    """With no GPU, every measurement fails: each is reported and the others still run."""
+    distributed = pytest.importorskip("distributed")
+    started = []
+
+    def local_cluster(gpus):
+        if gpus == 3:
+            raise RuntimeError("no such cluster")
+        started.append(gpus)
+        return distributed.LocalCluster(n_workers=gpus, processes=False, dashboard_address=None), "in-process"
+
+    monkeypatch.setattr(dask_cluster, "local_cluster", local_cluster)
+    monkeypatch.setattr(dask_cluster, "synchronize_workers", lambda client: None)
+    lines = []
+    result = dask_bench.measure(["softmax"], 2 ** -10, 64, [1], [3, 1], F16, 1, lambda r, line: lines.append(line))
+    assert started == [1] and result["clusters"] == {1: "in-process"} and not result["points"]
+    stages = [(e["gpus"], e["stage"]) for e in result["errors"]]
+    assert stages[0] == (3, "cluster") and "RuntimeError: no such cluster" in result["errors"][0]["error"]
+    assert (1, "plain") in stages and ((1, "x") in stages or (1, "dask") in stages)
+    assert sum(line.startswith("FAILED") for line in lines) == len(result["errors"])
+    assert "FAILED (gpus 3, stage cluster): RuntimeError: no such cluster" in dask_bench.format_table(result)
+
+
+def test_bench_dask_measures_every_point(monkeypatch):
+    """The whole sweep on in-process clusters, NumPy stand-ins for the GPU parts: every point and
+    plain op measured, several runs of each over the same x."""
+    distributed = pytest.importorskip("distributed")
+
+    def random_normal(shape, chunks, dtype, seed=0):
+        return da.random.default_rng(seed).standard_normal(shape, chunks=chunks).astype(dtype)
+
+    def apply(op, library, x, weight, bias):
+        return (x - x.mean(axis=-1, keepdims=True)) * weight + bias if op == "layer_norm" else x * 2
+
+    monkeypatch.setattr(dask_cluster, "local_cluster", lambda gpus: (distributed.LocalCluster(
+        n_workers=gpus, processes=False, dashboard_address=None), "in-process"))
+    monkeypatch.setattr(dask_cluster, "synchronize_workers", lambda client: None)
+    monkeypatch.setattr(dask_cluster, "random_normal", random_normal)
+    monkeypatch.setattr(dask_bench, "_apply", apply)
+    monkeypatch.setattr(dask_bench, "_plain_seconds", lambda op, rows, cols, dtype, reps: 1e-3)
+    monkeypatch.setattr(dask_bench, "_free_pools", lambda: None)
+    result = dask_bench.measure(["layer_norm", "softmax"], 2 ** -8, 64, [1, 2], [1, 2], F32, 3)
+    assert not result["errors"]
+    assert sorted((p["op"], p["gpus"], p["chunk_mib"], p["blocks"]) for p in result["points"]) == \
+        [(op, g, c, 4 // c) for op in ("layer_norm", "softmax") for g in (1, 2) for c in (1, 2)]
+    assert len(result["plain"]) == 4
+    lines = dask_bench.format_table(result).splitlines()
+    assert len(lines) == 2 + 8 + 4 and "nan" not in "".join(lines)
+
+
+def test_local_cluster_workers_import_the_serializers(monkeypatch):
+    """The fallback cluster's workers (here on the CPU) import cupyops.dask_graph as they start."""
+    distributed = pytest.importorskip("distributed")
+    monkeypatch.setattr(dask_cluster, "gpu_count", lambda: 1)
+    monkeypatch.setitem(__import__("sys").modules, "dask_cuda", None)     # dask-cuda missing: the fallback
+    cluster, started = dask_cluster.local_cluster(1)
+    assert started.startswith("distributed.SpecCluster")
+    with cluster, distributed.Client(cluster) as client:
+        imported = client.run(lambda: "cupyops.dask_graph" in __import__("sys").modules)
+    assert list(imported.values()) == [True]
 
 
 def test_persist_spread_gives_each_worker_an_even_run_of_blocks():

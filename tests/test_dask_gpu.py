@@ -45,7 +45,6 @@ class Case:
     run: Callable
     dtype: numpy.dtype = F32
     exact: bool = False          # each element computed alone: bit for bit
-    elementwise: bool = False    # a cupyops.fuse kernel (launched on the current GPU)
     # absolute tolerance: spread * the dtype's rtol * the largest value (norm gradients: a rounding
     # of each block's partial)
     spread: float = 4.0
@@ -127,16 +126,16 @@ CASES = {
     "fused_softmax over blocks that are not slabs": Case(lambda rng, d: _attention_inputs(rng, d, (2, 3, 24, 40)),
                                                          _fused),
     "fused_softmax_backward": Case(_attention_inputs, _fused_backward),
-    "bias_gelu": Case(_pair, lambda ops, a: ops.bias_gelu(a["a"], a["b"], "tanh"), F16, True, True),
-    "bias_silu": Case(_pair, lambda ops, a: ops.bias_silu(a["a"], a["b"]), F32, True, True),
+    "bias_gelu": Case(_pair, lambda ops, a: ops.bias_gelu(a["a"], a["b"], "tanh"), F16, True),
+    "bias_silu": Case(_pair, lambda ops, a: ops.bias_silu(a["a"], a["b"]), F32, True),
     "swiglu": Case(lambda rng, d: _pair(rng, d, (30, 48)), lambda ops, a: ops.swiglu(a["a"], a["b"]), BFLOAT16,
-                   True, True),
-    "geglu": Case(lambda rng, d: _pair(rng, d, (30, 48)), lambda ops, a: ops.geglu(a["a"], a["b"]), F32, True, True),
+                   True),
+    "geglu": Case(lambda rng, d: _pair(rng, d, (30, 48)), lambda ops, a: ops.geglu(a["a"], a["b"]), F32, True),
     "bias_dropout_add": Case(_pair, lambda ops, a: ops.bias_dropout_add(a["a"], a["b"], a["r"], 0.25, 3, offset=9),
-                             F16, True, True),
+                             F16, True),
     "elementwise": Case(_pair, lambda ops, a: ops.elementwise("sigmoid(a + b), a * r", a=a["a"], b=a["b"], r=a["r"]),
-                        F32, True, True),
-    "fuse with dropout": Case(_pair, lambda ops, a: ops.fuse(_dropped)(a["a"], a["b"], 5, 321), F16, True, True),
+                        F32, True),
+    "fuse with dropout": Case(_pair, lambda ops, a: ops.fuse(_dropped)(a["a"], a["b"], 5, 321), F16, True),
     "conv2d_int8": Case(_conv_inputs, lambda ops, a: ops.conv2d_int8(
         a["x"], a["w"], a["bias"], a["z"], padding=1, stride=2, alpha=1 / 256, gamma=0.5, relu=True), F32, True),
 }
@@ -151,10 +150,11 @@ def _on_device(block, device_id: int):
         return cupy.asarray(block)
 
 
-def _dask_inputs(inputs: dict, device_id: int = 0, one_chunk: bool = False) -> dict:
-    """Dask arrays of the inputs' chunks (or each one chunk), made on GPU `device_id`."""
+def _dask_inputs(inputs: dict, device_id: int = 0, one_chunk: bool = False, devices=None) -> dict:
+    """Dask arrays of the inputs' chunks (or each one chunk), made on GPU `device_id` (or, for the
+    inputs named in `devices`, on the GPU it gives)."""
     return {name: da.from_array(values, chunks=-1 if one_chunk else chunks).map_blocks(
-        _on_device, device_id, meta=dask_chunks.cupy_meta(values.dtype, values.ndim))
+        _on_device, (devices or {}).get(name, device_id), meta=dask_chunks.cupy_meta(values.dtype, values.ndim))
         for name, (values, chunks) in inputs.items()}
 
 
@@ -166,12 +166,14 @@ def _results(result) -> list:
     return list(result) if isinstance(result, tuple) else [result]
 
 
-def _run_dask(case: Case, inputs: dict, device_id: int = 0, client=None, where=None, one_chunk=False) -> tuple:
+def _run_dask(case: Case, inputs: dict, device_id: int = 0, client=None, where=None, one_chunk=False,
+              devices=None) -> tuple:
     """The case through cupyops.dask, computed (threads, or `client`), on the host; and the set of
     where(block) over the result blocks (default: the GPU holding it)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # rechunk warnings: the chunks are cut on purpose
-        results = [r for r in _results(case.run(cd, _dask_inputs(inputs, device_id, one_chunk))) if r is not None]
+        arrays = _dask_inputs(inputs, device_id, one_chunk, devices)
+        results = [r for r in _results(case.run(cd, arrays)) if r is not None]
     devices = [r.map_blocks(where or _device_of, dtype=numpy.int64, chunks=(1,) * r.ndim,
                             meta=numpy.empty((0,) * r.ndim, numpy.int64)) for r in results]
     host = [dask_cluster.to_host(r) for r in results]
@@ -277,10 +279,23 @@ def test_blocks_on_gpu_1_while_gpu_0_is_current(rng, name):
     _assert_same(actual, _run_single(case, inputs), case)
 
 
-ON_CURRENT_GPU = pytest.mark.xfail(strict=True, raises=ValueError, reason="cupyops.fuse kernels launch on the "
-                                   "current GPU and refuse operands on another")
-SINGLE_ON_GPU_1 = [pytest.param(name, marks=[ON_CURRENT_GPU] if CASES[name].elementwise else [])
-                   for name in sorted(CASES)]
+@two_gpus
+@pytest.mark.parametrize("name", ["conv2d_int8", "layer_norm", "bias_gelu"])
+def test_operands_on_gpu_0_follow_x_on_gpu_1(rng, name):
+    """x on GPU 1, every other operand (weight, bias, residual, filter, z) on GPU 0, GPU 0 current:
+    each block's op runs on GPU 1 with the others copied there."""
+    import cupy
+
+    case = CASES[name]
+    inputs = case.inputs(rng, case.dtype)
+    first = "a" if "a" in inputs else "x"
+    with cupy.cuda.Device(0):
+        actual, devices = _run_dask(case, inputs, device_id=0, one_chunk=True, devices={first: 1})
+    assert devices == {1}
+    _assert_same(actual, _run_single(case, inputs), case)
+
+
+SINGLE_ON_GPU_1 = sorted(CASES)
 
 
 @two_gpus
