@@ -6,9 +6,10 @@ registers the ops as torch.library custom ops in the "cupyops" namespace
 and its backward through cupyops' own backward kernels (or torch formulas
 for the elementwise ops), so `torch.compile(model, fullgraph=True)` captures
 a model using them without a graph break. The ops run on torch's current
-stream of the tensors' GPU and exchange memory with torch through DLPack,
-without copies; outputs are torch tensors. CPU tensors take torch's own ops
-(but for the dropout ops, whose keep masks are cupyops' own).
+stream of the tensors' GPU, read torch's memory in place and return their
+outputs through DLPack, without copies; outputs are torch tensors. CPU
+tensors take torch's own ops (but for the dropout ops, whose keep masks are
+cupyops' own).
 
 Functions: softmax, log_softmax, layer_norm, rms_norm (with an optional
 residual added first), fused_softmax, bias_gelu, bias_silu, swiglu, geglu,
@@ -33,14 +34,27 @@ _ShapeLike = Union[int, Sequence[int], torch.Size]
 _external_streams: dict = {}
 
 
+_NUMPY_DTYPES = {torch.float16: numpy.dtype(numpy.float16), torch.bfloat16: BFLOAT16,
+                 torch.float32: numpy.dtype(numpy.float32), torch.float64: numpy.dtype(numpy.float64),
+                 torch.bool: numpy.dtype(numpy.bool_), torch.int8: numpy.dtype(numpy.int8),
+                 torch.uint8: numpy.dtype(numpy.uint8), torch.int16: numpy.dtype(numpy.int16),
+                 torch.int32: numpy.dtype(numpy.int32), torch.int64: numpy.dtype(numpy.int64)}
+
+
 def _to_cupy(tensor: Optional[torch.Tensor]):
-    """A CuPy view of a CUDA tensor (bfloat16 through int16: the same bits)."""
+    """A CuPy view of a CUDA tensor's memory, built from its pointer, shape and strides (the
+    tensor keeps the memory alive): no copy and, unlike DLPack, no per-call stream handshake."""
     if tensor is None:
         return None
-    tensor = tensor.detach()
-    if tensor.dtype == torch.bfloat16:
-        return cupy.from_dlpack(tensor.view(torch.int16)).view(BFLOAT16)
-    return cupy.from_dlpack(tensor)
+    dtype = _NUMPY_DTYPES.get(tensor.dtype)
+    if dtype is None or not tensor.is_cuda:
+        raise TypeError(f"cupyops takes CUDA tensors of {', '.join(map(str, _NUMPY_DTYPES))}, "
+                        f"got {tensor.dtype} on {tensor.device}")
+    shape, strides = tuple(tensor.shape), tensor.stride()
+    extent = 1 + sum((n - 1) * step for n, step in zip(shape, strides)) if all(shape) else 0
+    memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), extent * dtype.itemsize, tensor, tensor.get_device())
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0),
+                        tuple(step * dtype.itemsize for step in strides))
 
 
 def _to_torch(array) -> Optional[torch.Tensor]:
