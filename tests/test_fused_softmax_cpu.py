@@ -143,6 +143,21 @@ def test_planned_instantiations_avoid_raw_storage_and_compile(arch):
     assert not spills, spills
 
 
+def test_spilling_rows_of_a_warp_each_widen_to_a_row_a_block(monkeypatch):
+    """A register plan of two rows a 32-thread block (cols 261, float32) whose fused kernel
+    would spill widens to blocks of one row, a shape the kernels take, and compiles."""
+    target = TARGETS["sm_90"]
+    chosen = fs.plan("forward", 4096, 261, "f32", "auto", target, fs.Fusion("f32", True, True, True),
+                     align=4, same_phase=True)
+    assert chosen.spec.path.impl == "block_regs" and chosen.spec.path.rows_per_block == 2
+    measured = type(target).resources
+    monkeypatch.setattr(type(target), "resources", lambda self, spec: {
+        **measured(self, spec), "local_bytes": 4096 if spec == chosen.spec else 0})
+    wider = fs._without_spills(chosen, "softmax", 4096, 261, target)
+    assert wider.spec.path.rows_per_block == 1 and wider.spec.path.block_size > 32
+    assert jit.compile_cubin(wider.spec, "sm_90").spill_bytes == 0
+
+
 def test_oneflow_policy_keeps_softmax_paths():
     target = TARGETS["sm_90"]
     for cols in (128, 1000, 1024, 4096, 20000):

@@ -329,6 +329,19 @@ def test_clusters_leave_several_blocks_per_sm(profile, op, dtype):
     assert jit.compile_cubin(p.spec, "sm_90").spill_bytes == 0
 
 
+@pytest.mark.parametrize("profile", ["h100", "h200"])
+@pytest.mark.parametrize("outer,inner", [(1, 256), (8, 512), (1, 4096)])
+def test_short_cols_tiles_fit_static_shared_memory(profile, outer, inner):
+    """32 cols of a 16-bit tile: 32 x 32 threads would need 66 KB of static reduction buffers."""
+    target = Target.profile(profile)
+    for dtype in ("f16", "bf16"):
+        chosen = sa.plan("softmax", outer, 32, inner, dtype, target)
+        block_x, block_y, _ = chosen.block
+        assert sa.static_smem_bytes(block_x, block_y, chosen.spec.pack_size, 4) <= sa.STATIC_SMEM_BYTES
+        report = jit.compile_cubin(chosen.spec, target.facts.arch)
+        assert report.registers > 0
+
+
 def test_plan_rejects_bad_arguments():
     with pytest.raises(ValueError, match="unknown op"):
         plan("softmax_grad", 2, 3, 64, "f32", H100)
@@ -551,7 +564,7 @@ def test_public_functions_every_axis(op, dtype, rng):
     import cupyops
 
     function = getattr(cupyops, op)
-    for shape in [(4, 33, 64), (3, 5, 7, 40), (64, 300, 256)]:
+    for shape in [(4, 33, 64), (3, 5, 7, 40), (64, 300, 256), (1, 32, 256), (8, 32, 4096)]:
         x, exact = random_input(rng, shape, NUMPY_DTYPES[dtype])
         for axis in range(-len(shape), len(shape)):
             assert_close(function(x, axis=axis).get(), reference(op, exact, axis), NUMPY_DTYPES[dtype])

@@ -181,7 +181,8 @@ def _without_spills(chosen: KernelLaunch, op, rows, cols, target) -> KernelLaunc
         packs_per_thread = -(-num_packs // block_size)
         if block_size <= path.block_size or packs_per_thread >= path.packs_per_thread:
             continue
-        wider = replace(spec, path=replace(path, block_size=block_size, packs_per_thread=packs_per_thread))
+        wider = replace(spec, path=replace(path, block_size=block_size, packs_per_thread=packs_per_thread,
+                                           rows_per_block=1))      # a row a block once wider than a warp
         if target.resources(wider)["local_bytes"] <= MAX_LOCAL_BYTES:
             return softmax._block_plan(wider, rows, 0, target)
     pack_size = 1 if path.peel else path.pack_size   # a peeled row's packs are its 16-byte ones again

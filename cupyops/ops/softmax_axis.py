@@ -42,6 +42,7 @@ AXIS_MAX_BLOCK_X = 32
 AXIS_BLOCK_THREADS = 256
 AXIS_CACHED_MAX_BLOCK_THREADS = 512
 AXIS_MAX_BLOCK_THREADS = 1024
+STATIC_SMEM_BYTES = 48 * 1024      # CUDA's limit on a kernel's static shared memory
 # Loads through registers: bytes a thread loads before using the first of
 # them, by block size (a 1024-thread block gets 64 registers a thread), in at
 # most AXIS_MAX_LOADS_IN_FLIGHT rows of a pack of every input. A cached tile
@@ -221,6 +222,14 @@ def loads_in_flight(threads: int, row_pack_bytes: int, pack_bytes: int, cached: 
     return min(AXIS_MAX_LOADS_IN_FLIGHT, max(1, bytes_in_flight // row_pack_bytes))
 
 
+def static_smem_bytes(block_x: int, block_y: int, pack_size: int, compute_itemsize: int) -> int:
+    """A bound on the kernel's static shared memory (kernels/softmax_axis.cuh): two column
+    reductions' partials, one a warp-row of the block, and the totals and cluster buffers,
+    each a tile row of packs in the compute type."""
+    partials = block_y // max(1, WARP_SIZE // block_x)
+    return (2 * partials + 4) * block_x * pack_size * compute_itemsize
+
+
 def grid_size(facts: DeviceFacts, threads: int, num_tiles: int, cluster_size: int) -> int:
     """OneFlow's waves of blocks for the tiles' blocks, rounded down to whole clusters."""
     return get_num_blocks(facts, threads, num_tiles * cluster_size) // cluster_size * cluster_size
@@ -328,6 +337,10 @@ def plan(op: str, outer: int, cols: int, inner: int, dtype: str, target: Target,
     block_x = min(max(block_x, threads // block_y), _next_power_of_two(inner_packs),
                   AXIS_MAX_BLOCK_X)
     block_y = max(block_y, WARP_SIZE // block_x)
+    compute_itemsize = dtypes.BY_SHORT[dtypes.BY_SHORT[dtype].compute].itemsize
+    while block_y > WARP_SIZE // block_x and \
+            static_smem_bytes(block_x, block_y, pack_size, compute_itemsize) > STATIC_SMEM_BYTES:
+        block_y //= 2
     num_tiles = outer * -(-inner_packs // block_x)
     block_bytes = block_rows * block_x * row_pack_bytes
     if block_bytes > AXIS_CACHE_MAX_BYTES and num_tiles < AXIS_MIN_TILES_PER_SM * facts.sm_count:
