@@ -4,11 +4,12 @@ plan is made for. Each family's module (rowwise, elementwise, ...) adds its subc
 from __future__ import annotations
 
 import json
+import sys
 from typing import Optional
 
 import click
 
-from cupyops import dtypes
+from cupyops import dtypes, jit
 from cupyops.device import PROFILES
 from cupyops.launch import Target
 
@@ -103,3 +104,32 @@ def show_plan(info: dict, header: str, as_json: bool, source: Optional[str], sou
         click.echo(f"  {key:<{width}} {value}")
     if source is not None:
         click.echo(source)
+
+
+def compile_and_report(kernels, *, spills_fail: bool = False) -> None:
+    """NVRTC-compiles each kernel once and prints a row of its resources: `kernels` yields
+    (label, arch, make_spec) with make_spec() the spec (planning may compile, so it is called
+    here). A compile error prints FAILED with the label; the command exits with 1 after the
+    rest, also on a spill where `spills_fail`."""
+    seen, failures = set(), 0
+    click.echo(f"{'arch':<6} {'kernel':<78} {'regs':>5} {'smem':>6} {'spill':>6} {'stack':>6} {'s':>6}")
+    for label, arch, make_spec in kernels:
+        try:
+            spec = make_spec()
+            if (arch, spec) in seen:
+                continue
+            seen.add((arch, spec))
+            report = jit.compile_cubin(spec, arch)
+        except jit.CompileError as error:
+            failures += 1
+            click.echo(f"FAILED {label} ({arch}): {error}", err=True)
+            continue
+        smem = getattr(spec, "smem_bytes", report.smem_bytes)
+        click.echo(f"{arch:<6} {report.name:<78} {report.registers:>5} {smem:>6} {report.spill_bytes:>6} "
+                   f"{report.stack_bytes:>6} {report.seconds:>6.2f}")
+        failures += spills_fail and report.spill_bytes > 0
+    archs = sorted({arch for arch, _ in seen})
+    click.echo(f"{len(seen)} kernels compiled for {', '.join(archs) or 'no arch'}, {failures} failed"
+               f"{' or spilled' if spills_fail else ''}")
+    if failures:
+        sys.exit(1)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
 
 import click
 
@@ -17,8 +16,8 @@ from cupyops.device import ARCH_PROFILES
 from cupyops.ops import conv2d_int8 as conv
 from cupyops.ops.conv_layout import ConvGeometry, pair
 
-from .common import (bench, compile_, device_option, explain, int_list, json_flag, live_device, show_plan,
-                     source_flag, target)
+from .common import (bench, compile_, compile_and_report, device_option, explain, int_list, json_flag,
+                     live_device, show_plan, source_flag, target)
 from .common import tune as tune_group
 
 OP = "conv2d_int8"
@@ -143,24 +142,8 @@ def explain_conv(input_shape, filter_shape, stride, padding, dilation, policy, d
 def compile_conv(archs):
     """NVRTC-compile every configuration the conv2d_int8 generator can produce (both policies,
     and the split-K reduction), with registers, shared memory and spills (no GPU needed)."""
-    failures = total = 0
-    click.echo(f"{'arch':<6} {'kernel':<96} {'regs':>4} {'smem':>6} {'spill':>5} {'s':>5}")
-    for arch in archs or sorted(ARCH_PROFILES):
-        for spec in conv.all_specs(arch) + [conv.SplitReduceSpec()]:
-            total += 1
-            try:
-                report = jit.compile_cubin(spec, arch)
-            except jit.CompileError as error:
-                failures += 1
-                click.echo(f"FAILED {spec.name} ({arch}): {error}", err=True)
-                continue
-            smem = getattr(spec, "smem_bytes", report.smem_bytes)
-            click.echo(f"{arch:<6} {spec.name:<96} {report.registers:>4} {smem:>6} {report.spill_bytes:>5} "
-                       f"{report.seconds:>5.2f}")
-            failures += report.spill_bytes > 0
-    click.echo(f"{total} kernels compiled, {failures} failed or spilled")
-    if failures:
-        sys.exit(1)
+    compile_and_report(((spec.name, arch, lambda spec=spec: spec) for arch in archs or sorted(ARCH_PROFILES)
+                        for spec in conv.all_specs(arch) + [conv.SplitReduceSpec()]), spills_fail=True)
 
 
 @bench.command(name=OP)

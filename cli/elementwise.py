@@ -7,7 +7,6 @@ statements, float compute), cupy.fuse of the same function, policy="oneflow", an
 the same bytes."""
 from __future__ import annotations
 
-import sys
 
 import click
 
@@ -16,8 +15,8 @@ from cupyops.device import ARCH_PROFILES
 from cupyops.launch import Target
 from cupyops.ops import elementwise as ew
 
-from .common import (bench, compile_, device_option, dtype_option, explain, json_flag, live_device,
-                     plot_option, policy_option, positive_shape, show_plan, source_flag, target)
+from .common import (bench, compile_, compile_and_report, device_option, dtype_option, explain, json_flag,
+                     live_device, plot_option, policy_option, positive_shape, show_plan, source_flag, target)
 
 # Named ops as expressions, the shape of each operand ("x": the whole shape, "cols": the last
 # axis), and the cupyops function of them.
@@ -108,21 +107,11 @@ def explain_elementwise(expr, shape, operand_specs, dtype, policy, device_name, 
 def compile_elementwise(exprs, shape, dtype, arch, policy):
     """Render and NVRTC-compile the kernels of expressions (no GPU needed)."""
     plan_target = Target.profile(ARCH_PROFILES[arch])
-    failures = 0
-    click.echo(f"{'kernel':<72} {'regs':>5} {'spill':>6} {'seconds':>8}")
-    for expr in exprs or tuple(NAMED):
+
+    def spec_of(expr):
         text, _, operands = _operands(expr, shape, (), dtype)
-        spec = _plan(text, operands, policy, plan_target).spec
-        try:
-            report = jit.compile_cubin(spec, arch)
-        except jit.CompileError as error:
-            failures += 1
-            click.echo(f"FAILED {expr}: {error}", err=True)
-            continue
-        click.echo(f"{report.name:<72} {report.registers:>5} {report.spill_bytes:>6} {report.seconds:>8.3f}")
-    click.echo(f"{len(exprs or NAMED)} kernels compiled for {arch}, {failures} failed")
-    if failures:
-        sys.exit(1)
+        return _plan(text, operands, policy, plan_target).spec
+    compile_and_report((expr, arch, lambda expr=expr: spec_of(expr)) for expr in exprs or tuple(NAMED))
 
 
 @bench.command(name="elementwise")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 
 import click
 import numpy
@@ -15,8 +14,8 @@ from cupyops.device import ARCH_PROFILES
 from cupyops.launch import Target
 from cupyops.ops import fused_softmax as fs
 
-from .common import (bench, compile_, device_option, dtype_option, explain, json_flag, live_device,
-                     plot_option, policy_option, positive_shape, source_flag, target)
+from .common import (bench, compile_, compile_and_report, device_option, dtype_option, explain, json_flag,
+                     live_device, plot_option, policy_option, positive_shape, source_flag, target)
 
 OPS = {"fused_softmax": ("forward", "lse"), "fused_softmax_backward": ("backward",)}
 DEFAULT_SHAPES = ("8,16,128,128", "8,16,512,512", "8,16,1024,1024", "4,16,4096,4096", "1,4,16384,16384")
@@ -98,25 +97,14 @@ def _compile_command(op: str):
     @click.option("--arch", default="sm_90", show_default=True, type=click.Choice(sorted(ARCH_PROFILES)))
     def command(shapes, mask_shape, bias_shape, bias_dtype, causal, diagonal, dropout, dtype, policy, arch):
         plan_target = Target.profile(ARCH_PROFILES[arch])
-        seen, failures = set(), 0
-        click.echo(f"{'kernel':<78} {'regs':>5} {'smem':>6} {'spill':>6}")
-        for shape in shapes or DEFAULT_SHAPES:
-            dims = positive_shape(shape)
-            fusion = _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, dims)
-            for plan in _plans(op, dims, dtype, policy, plan_target, fusion):
-                if plan.spec in seen:
-                    continue
-                seen.add(plan.spec)
-                try:
-                    report = jit.compile_cubin(plan.spec, arch)
-                except jit.CompileError as error:
-                    failures += 1
-                    click.echo(f"FAILED {shape}: {error}", err=True)
-                    continue
-                click.echo(f"{report.name:<78} {report.registers:>5} {report.smem_bytes:>6} {report.spill_bytes:>6}")
-        click.echo(f"{len(seen)} kernels compiled for {arch}, {failures} failed")
-        if failures:
-            sys.exit(1)
+
+        def kernels():
+            for shape in shapes or DEFAULT_SHAPES:
+                dims = positive_shape(shape)
+                fusion = _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, dims)
+                for plan in _plans(op, dims, dtype, policy, plan_target, fusion):
+                    yield shape, arch, lambda plan=plan: plan.spec
+        compile_and_report(kernels())
 
     command.__doc__ = f"Render and NVRTC-compile every kernel {op}'s plans need (no GPU needed)."
     return click.command(name=op)(command)

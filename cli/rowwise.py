@@ -3,7 +3,6 @@ subcommand of each verb per op, sharing the options below."""
 from __future__ import annotations
 
 import math
-import sys
 
 import click
 
@@ -11,9 +10,9 @@ from cupyops import dtypes, jit
 from cupyops.device import ARCH_PROFILES
 from cupyops.launch import Target
 
-from .common import (bench, compile_, device_option, dtype_option, explain, int_list, json_flag,
-                     live_device, plot_option, policy_option, positive_shape, show_plan, source_flag,
-                     target)
+from .common import (bench, compile_, compile_and_report, device_option, dtype_option, explain, int_list,
+                     json_flag, live_device, plot_option, policy_option, positive_shape, show_plan,
+                     source_flag, target)
 from .ops import OPS
 
 DEFAULT_ROWS = 49152
@@ -71,25 +70,8 @@ def _compile_command(op: str):
     @policy_option
     def command(dtype, cols, rows, arch, policy):
         plan_target = Target.profile(ARCH_PROFILES[arch])
-        failures = 0
-        seen = set()
-        click.echo(f"{'kernel':<58} {'regs':>5} {'smem':>6} {'spill':>6} {'stack':>6}")
-        for num_cols in int_list(cols):
-            try:
-                spec = OPS[op].plan(rows, num_cols, dtypes.NAMES[dtype], policy, plan_target).spec
-                if spec in seen:
-                    continue
-                seen.add(spec)
-                report = jit.compile_cubin(spec, arch)
-            except jit.CompileError as error:
-                failures += 1
-                click.echo(f"FAILED cols={num_cols}: {error}", err=True)
-                continue
-            click.echo(f"{report.name:<58} {report.registers:>5} {report.smem_bytes:>6} "
-                       f"{report.spill_bytes:>6} {report.stack_bytes:>6}")
-        click.echo(f"{len(seen)} kernels compiled for {arch}, {failures} failed")
-        if failures:
-            sys.exit(1)
+        compile_and_report((f"cols={num_cols}", arch, lambda num_cols=num_cols: OPS[op].plan(
+            rows, num_cols, dtypes.NAMES[dtype], policy, plan_target).spec) for num_cols in int_list(cols))
 
     command.__doc__ = f"Render and NVRTC-compile every kernel {op}'s plans need (no GPU needed)."
     return click.command(name=op)(command)

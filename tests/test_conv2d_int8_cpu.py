@@ -358,7 +358,7 @@ def test_cli_explain_and_compile():
     assert result.exit_code != 0 and "to_nchw32" in result.output
     result = _cli("compile", "conv2d_int8", "--arch", "sm_90")
     assert result.exit_code == 0, result.output
-    assert f"{len(conv.all_specs('sm_90')) + 1} kernels compiled, 0 failed" in result.output
+    assert f"{len(conv.all_specs('sm_90')) + 1} kernels compiled for sm_90, 0 failed or spilled" in result.output
 
 
 def test_cli_layers_tables_and_files(tmp_path):
