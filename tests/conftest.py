@@ -5,6 +5,7 @@ import numpy
 import pytest
 
 from cupyops.dtypes import BFLOAT16
+from cupyops.profile import profiles
 
 
 def _gpu_available() -> bool:
@@ -64,3 +65,9 @@ def peeled_cols(target, inputs, itemsize, kind) -> int:
     of the opt-in limit) or do not ("uncached": 1.5 times it)."""
     share = {"smem": 0.7, "uncached": 1.5}[kind]
     return int(share * target.facts.smem_per_block_optin / (inputs * itemsize)) | 1
+
+
+def patch_tuning(monkeypatch, name: str, value) -> None:
+    """Sets the tuning value `name` on every shipped device profile for one test."""
+    for tuned in profiles():
+        monkeypatch.setattr(tuned, name, value)

@@ -12,6 +12,7 @@ from cupyops.device import has_clusters
 from cupyops.dtypes import BFLOAT16
 from cupyops.launch import KernelLaunch, Target
 from cupyops.ops import norm, norm_paths, norm_spec, row_packs
+from cupyops.profile import profile_for
 from cupyops.rowwise import Operand
 
 import cupyops
@@ -338,10 +339,11 @@ def test_rows_off_the_16_byte_grid(rng, op, cols, dtype):
     itemsize = numpy.dtype(dtype).itemsize
     peeled = norm.plan(op, rows, cols, dtypes.float_type(dtype).short, "auto", Target.live(0), itemsize,
                        bias=centered).spec
+    small_min_cols = profile_for(Target.live(0).facts).AUTO_PEELED_SMALL_MIN_COLS
     # from AUTO_PEELED_SMALL_MIN_COLS a register block peels the row edges; float64
     # rows of 12345 (over 16 doubles a thread at 1024 threads) go to shared memory
-    assert peeled.peel == (cols >= row_packs.AUTO_PEELED_SMALL_MIN_COLS and peeled.impl == "block_regs")
-    assert peeled.impl == "block_regs" or cols < row_packs.AUTO_PEELED_SMALL_MIN_COLS or itemsize == 8
+    assert peeled.peel == (cols >= small_min_cols and peeled.impl == "block_regs")
+    assert peeled.impl == "block_regs" or cols < small_min_cols or itemsize == 8
     assert peeled.rows_per_block == (2 if peeled.peel and peeled.block_size == 32 else 1)
 
     x, x64 = _data(rng, (rows, cols), dtype)

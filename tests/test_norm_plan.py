@@ -10,8 +10,10 @@ from cupyops import dtypes, jit
 from cupyops.device import ARCH_PROFILES
 from cupyops.launch import Target
 from cupyops.ops import norm, norm_backward, norm_forward, norm_paths, norm_spec
+from cupyops.profile import profile_for
 
 H100 = Target.profile("h100")
+TUNE = profile_for(H100.facts)   # the tuning values the H100 plans read
 ROWS = 49152
 SWEEP_COLS = (32, 64, 128, 256, 512, 1000, 1024, 1536, 2048, 3000, 4096, 8192, 12345, 16384, 20000, 32768,
               65536)
@@ -541,11 +543,11 @@ def test_auto_forward_warp_lanes_hold_weight_and_bias(op, dtype):
         unheld = replace(spec, hold_affine=False, min_blocks=0)
         lane_bytes = spec.cols_per_thread * spec.rows_per_access * itemsize
         bounds = [0] + [resident // spec.threads_per_block
-                        for resident in norm_forward.AUTO_HELD_AFFINE_RESIDENT_THREADS
-                        if resident < unheld.resident_threads and resident * lane_bytes >= norm_forward.AUTO_HELD_AFFINE_MIN_BYTES_IN_FLIGHT]
+                        for resident in TUNE.AUTO_HELD_AFFINE_RESIDENT_THREADS
+                        if resident < unheld.resident_threads and resident * lane_bytes >= TUNE.AUTO_HELD_AFFINE_MIN_BYTES_IN_FLIGHT]
         fits = [bound for bound in bounds
                 if not H100.resources(replace(unheld, hold_affine=True, min_blocks=bound))["local_bytes"]]
-        if cols < norm_forward.AUTO_HELD_AFFINE_FROM_COLS or not fits:
+        if cols < TUNE.AUTO_HELD_AFFINE_FROM_COLS or not fits:
             assert spec == unheld, spec.name
             continue
         assert spec == replace(unheld, hold_affine=True, min_blocks=fits[0]), spec.name
@@ -575,7 +577,7 @@ def test_auto_backward_fits_16_bit_blocks_to_the_row():
     (at least 64) that hold the row at their rung's packs a thread, where
     that compiles without local memory and stays resident; else the rung's
     power-of-two block. float32 keeps the power-of-two blocks."""
-    assert norm_backward.AUTO_GRAD_FITTED_ITEMSIZES == (2,) and norm_backward.AUTO_GRAD_FITTED_MIN_BLOCK == 64
+    assert TUNE.AUTO_GRAD_FITTED_ITEMSIZES == (2,) and norm_backward.AUTO_GRAD_FITTED_MIN_BLOCK == 64
     for op in norm_spec.BACKWARD_OPS:
         for cols, block_size in ((1536, 96), (3000, 192), (5000, 320), (6000, 384), (4096, 256), (1024, 64)):
             spec = norm.plan(op, ROWS, cols, "bf16", "auto", H100).spec
@@ -624,7 +626,7 @@ def test_auto_backward_shares_long_rows_in_clusters_of_two(op, dtype, cols, name
     resident wave of clusters, a workspace row a cluster (the finish kernel
     sums num_parts rows). Clusters of four measured a second wave (30 of 33
     resident on an H200) and are not planned."""
-    assert norm_backward.AUTO_GRAD_CLUSTER_SIZES == (2,)
+    assert TUNE.AUTO_GRAD_CLUSTER_SIZES == (2,)
     chosen = norm.plan(op, ROWS, cols, dtype, "auto", H100)
     main = chosen.main
     assert main.spec.name == name and main.spec.fuse_param_grad and chosen.param_grad is None

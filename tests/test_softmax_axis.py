@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy
 import pytest
-from conftest import assert_close
+from conftest import assert_close, patch_tuning
 from test_softmax_backward_gpu import check as check_gradient
 from test_softmax_backward_gpu import make_inputs, reference as gradient_reference
 
@@ -27,8 +27,10 @@ from cupyops.dtypes import BFLOAT16
 from cupyops.launch import LaunchCache, Target
 from cupyops.ops import softmax_axis as sa
 from cupyops.ops.softmax_axis import SoftmaxAxisSpec, plan
+from cupyops.profile import profile_for
 
 H100 = Target.profile("h100")
+TUNE = profile_for(H100.facts)   # the tuning values the H100 plans read
 A100 = Target.profile("a100")
 TARGETS = {"sm_80": A100, "sm_90": H100}
 OPS = ("softmax", "log_softmax")
@@ -44,8 +46,8 @@ CLUSTER_SIZES = sa.AXIS_CLUSTER_SIZES   # as planned (tests force one at a time)
 def axis_everywhere(monkeypatch):
     """The axis kernel for every shape: no rows-path thresholds (small inner,
     few uncached tiles), fresh plan and launch caches."""
-    monkeypatch.setattr(sa, "AXIS_MIN_INNER", 1)
-    monkeypatch.setattr(sa, "AXIS_MIN_TILES_PER_SM", 0)
+    patch_tuning(monkeypatch, "AXIS_MIN_INNER", 1)
+    patch_tuning(monkeypatch, "AXIS_MIN_TILES_PER_SM", 0)
     monkeypatch.setattr(sa, "_launches", LaunchCache())
     sa.plan.cache_clear()
     yield
@@ -68,7 +70,7 @@ def force_clusters(monkeypatch, size: int) -> None:
     rule 3 falls to its last choice."""
     monkeypatch.setattr(sa, "AXIS_CLUSTER_SIZES", (size,))
     monkeypatch.setattr(sa, "AXIS_CLUSTER_BLOCK_BYTES", 0)
-    monkeypatch.setattr(sa, "AXIS_ALONE_MAX_BYTES", 0)
+    patch_tuning(monkeypatch, "AXIS_ALONE_MAX_BYTES", 0)
     monkeypatch.setattr(sa, "AXIS_TWICE_MIN_TILES_PER_SM", math.inf)
     sa.plan.cache_clear()
 
@@ -391,8 +393,8 @@ def test_plan_invariants(arch, op, dtype, align):
         # over; backward tiles read twice on sm_90 the widest of about one an
         # SM, rule 3d); clusters on sm_90 only, for tiles over a block's limit
         # alone; only cached
-        alone = (sa.AXIS_ALONE_MAX_BYTES_16BIT_FORWARD if itemsize == 2 and op in OPS
-                 else sa.AXIS_ALONE_MAX_BYTES)
+        alone = (TUNE.AXIS_ALONE_MAX_BYTES_16BIT_FORWARD if itemsize == 2 and op in OPS
+                 else TUNE.AXIS_ALONE_MAX_BYTES)
         twice_width = (sa.twice_tile_width(outer, inner // spec.pack_size, pack_bytes, facts.sm_count)
                        if op not in OPS and arch == "sm_90" else None)
         planned_x, planned_cluster = sa.tile_shape(arch, cols, inner // spec.pack_size, pack_bytes,
@@ -415,7 +417,7 @@ def test_plan_invariants(arch, op, dtype, align):
             assert (spec.loads_in_flight == 0) == (pack_bytes >= sa.AXIS_ASYNC_MIN_PACK_BYTES)
         else:
             assert p.smem_bytes == 0 and spec.loads_in_flight >= 1
-            assert tiles >= sa.AXIS_MIN_TILES_PER_SM * facts.sm_count
+            assert tiles >= TUNE.AXIS_MIN_TILES_PER_SM * facts.sm_count
         if spec.loads_in_flight > 1:   # rows of a pack of every input, within the bytes in flight
             in_flight = next(size for most, size in sa.AXIS_BYTES_IN_FLIGHT if threads <= most)
             assert spec.loads_in_flight * NUM_INPUTS[op] * pack_bytes <= in_flight
@@ -426,7 +428,7 @@ def test_plan_invariants(arch, op, dtype, align):
         if few and threads < 1024:
             assert spec.block_y == 1 << (block_rows.bit_length() - 1) or threads == 32
         if spec.cached and not few:
-            assert threads <= sa.AXIS_CACHED_MAX_BLOCK_THREADS
+            assert threads <= TUNE.AXIS_CACHED_MAX_BLOCK_THREADS
 
 
 def test_lifted_thresholds_give_axis_plans(axis_everywhere):

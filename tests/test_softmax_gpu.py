@@ -20,6 +20,7 @@ from cupyops import arrays, device, dtypes, jit
 from cupyops.dtypes import BFLOAT16
 from cupyops.launch import Target, live_function
 from cupyops.ops import softmax_rows as sm
+from cupyops.profile import profile_for
 
 pytestmark = pytest.mark.gpu
 
@@ -122,6 +123,7 @@ def rows_for(cols: int, even: bool = False) -> int:
 
 def boundary_groups(policy, dtype, facts) -> dict:
     """Named groups of column counts at every path boundary (and one past it)."""
+    tuned = profile_for(facts)
     itemsize = dtype.itemsize
     groups = {"narrow": [1, 2, 3, 5, 7, 31, 32, 33]}
     if policy == "oneflow":
@@ -133,17 +135,17 @@ def boundary_groups(policy, dtype, facts) -> dict:
     else:
         vec = 16 // itemsize                          # a 16-byte pack
         compute = COMPUTE_ITEMSIZE[itemsize]
-        warp = 32 * sm.AUTO_WARP_MAX_BYTES_PER_LANE // compute
+        warp = 32 * tuned.AUTO_WARP_MAX_BYTES_PER_LANE // compute
         groups["warp-limit"] = [warp - 1, warp, warp + 1]
         # odd rows (off the 16-byte grid): the warp path below AUTO_PEELED_SMALL_MIN_COLS,
         # then peeled blocks of one warp a row (two rows a block) and of two warps while
         # a thread holds at most AUTO_PEELED_SMALL_MAX_PACKS packs, then the register ladder
-        small = sm.AUTO_PEELED_SMALL_MIN_COLS | 1
-        most = sm.AUTO_PEELED_SMALL_MAX_PACKS * vec
+        small = tuned.AUTO_PEELED_SMALL_MIN_COLS | 1
+        most = tuned.AUTO_PEELED_SMALL_MAX_PACKS * vec
         groups["peeled-short"] = [small - 2, small, small + 2, 32 * most + vec - 1, 32 * most + vec + 1,
                                   64 * most + vec - 1, 64 * most + vec + 1]
-        max_packs = max(sm.AUTO_BLOCK_REGS_MAX_PACKS.get((itemsize, inputs), 4) for inputs in (1, 2))
-        regs = sorted({bs * vec * min(max_packs, sm.AUTO_BLOCK_REGS_MAX_BYTES // (vec * compute * bs))
+        max_packs = max(tuned.AUTO_BLOCK_REGS_MAX_PACKS.get((itemsize, inputs), 4) for inputs in (1, 2))
+        regs = sorted({bs * vec * min(max_packs, tuned.AUTO_BLOCK_REGS_MAX_BYTES // (vec * compute * bs))
                        for bs in sm.AUTO_BLOCK_REGS_SIZES} - {0})
         groups["regs-limits"] = [c for limit in regs for c in (limit, limit + 1, limit + vec)]
         # past the register path: 16-byte packs (cp.async), and odd rows that have none

@@ -21,9 +21,11 @@ from cupyops.ops import row_packs
 from cupyops.ops import softmax_rows as sm
 from cupyops.ops.row_packs import vector_pack_size
 from cupyops.ops.softmax_rows import SoftmaxSpec, plan
+from cupyops.profile import profile_for
 
 TARGETS = {"h100": Target.profile("h100"), "a100": Target.profile("a100")}
 H100 = TARGETS["h100"]
+TUNE = profile_for(H100.facts)   # the tuning values the H100 plans read
 A100 = TARGETS["a100"]
 OPS = ("softmax", "log_softmax")
 ITEMSIZE = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
@@ -305,11 +307,12 @@ def auto_pack(cols: int, dtype: str, align: int = 16) -> int:
 def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -> dict:
     """What policy="auto" must choose, path by path in order (rules of ops/softmax_rows.py)."""
     facts = target.facts
+    tuned = profile_for(facts)
     itemsize, compute = ITEMSIZE[dtype], COMPUTE_ITEMSIZE[dtype]
     pack = auto_pack(cols, dtype, align)
     # 0. float32 forward rows of the listed cols, 16-byte aligned: OneFlow's plan
     # (shared memory, or the warp path with 2-element packs) unless it reads rows twice
-    if cols in sm.AUTO_ONEFLOW_COLS.get((op, dtype), ()) and align == 16:
+    if cols in tuned.AUTO_ONEFLOW_COLS.get((op, dtype), ()) and align == 16:
         oneflow = plan(op, rows, cols, dtype, "oneflow", target, align)
         if oneflow.spec.impl != "block_uncached":
             return {"impl": "oneflow", "plan": oneflow}
@@ -318,10 +321,10 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
     # rows a block, a warp each), else 64, the first giving a thread at most
     # AUTO_PEELED_SMALL_MAX_PACKS 16-byte packs; 16-bit rows held as loaded
     vec = 16 // itemsize
-    if pack < vec and same_phase and cols >= row_packs.AUTO_PEELED_SMALL_MIN_COLS:
+    if pack < vec and same_phase and cols >= tuned.AUTO_PEELED_SMALL_MIN_COLS:
         for block_size, rows_per_block in ((32, row_packs.AUTO_PEELED_SMALL_WARP_ROWS), (64, 1)):
             per_thread = ceil_div(cols // vec, block_size)
-            if per_thread <= row_packs.AUTO_PEELED_SMALL_MAX_PACKS:
+            if per_thread <= tuned.AUTO_PEELED_SMALL_MAX_PACKS:
                 spec = SoftmaxSpec(op, "block_regs", dtype, vec, block_size=block_size,
                                    packs_per_thread=per_thread, rows_per_block=rows_per_block, peel=True,
                                    storage_cache=itemsize == 2)
@@ -335,7 +338,7 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
         most = 4 if op.endswith("_backward") else 5
         width = next(w for w in (1, 2, 4, 8) if ceil_div(cols, w) <= most)
         return {"impl": "warp", "pack_size": pack, "narrow": (ceil_div(cols, width), width)}
-    if cols <= 32 * pack or pack * ceil_div(cols, 32 * pack) * compute <= sm.AUTO_WARP_MAX_BYTES_PER_LANE:
+    if cols <= 32 * pack or pack * ceil_div(cols, 32 * pack) * compute <= tuned.AUTO_WARP_MAX_BYTES_PER_LANE:
         return {"impl": "warp", "pack_size": pack}
     # 3. cp.async into shared memory (16-byte packs only), the maximum and sum in
     # one pass: the first rung (cluster, threads, most tail packs, blocks an SM)
@@ -348,7 +351,7 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
             return None
         row_packs = cols // pack
         room = facts.smem_per_block_optin // 16          # packs a block's shared memory holds
-        for cluster, block, most, min_blocks in sm.AUTO_ASYNC_LADDERS[1, itemsize]:
+        for cluster, block, most, min_blocks in tuned.AUTO_ASYNC_LADDERS[1, itemsize]:
             if cluster > 1 and not device.has_clusters(facts.arch):
                 continue
             fewest = max(1, ceil_div(row_packs - cluster * room, cluster * block))
@@ -376,16 +379,16 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
     peel = pack * itemsize < 16 and same_phase
     regs_pack = 16 // itemsize if peel else pack
     key = (itemsize, 2 if op.endswith("_backward") else 1)
-    max_packs = (sm.AUTO_PEELED_MAX_PACKS.get(key, 8) if peel else sm.AUTO_BLOCK_REGS_MAX_PACKS.get(key, 4))
+    max_packs = (tuned.AUTO_PEELED_MAX_PACKS.get(key, 8) if peel else tuned.AUTO_BLOCK_REGS_MAX_PACKS.get(key, 4))
     packs = cols // regs_pack
-    largest = sm.AUTO_BLOCK_REGS_LARGEST.get(op, sm.AUTO_BLOCK_REGS_SIZES[-1])
+    largest = tuned.AUTO_BLOCK_REGS_LARGEST.get(op, sm.AUTO_BLOCK_REGS_SIZES[-1])
     for block_size in [size for size in sm.AUTO_BLOCK_REGS_SIZES if size <= largest]:
         per_thread = ceil_div(packs, block_size)
         if (per_thread <= max_packs
-                and per_thread * regs_pack * compute * block_size <= sm.AUTO_BLOCK_REGS_MAX_BYTES):
+                and per_thread * regs_pack * compute * block_size <= tuned.AUTO_BLOCK_REGS_MAX_BYTES):
             spec = SoftmaxSpec(op, "block_regs", dtype, regs_pack, block_size=block_size,
                                packs_per_thread=per_thread, peel=peel, storage_cache=itemsize == 2)
-            if occupancy(target, spec, 0, False) * block_size >= sm.AUTO_BLOCK_REGS_MIN_RESIDENT:
+            if occupancy(target, spec, 0, False) * block_size >= tuned.AUTO_BLOCK_REGS_MIN_RESIDENT:
                 return {"impl": "block_regs", "spec": spec, "smem_bytes": 0,
                         "grid": get_num_blocks(facts, block_size, rows)}
     # then cp.async for the shorter rows the register path leaves
@@ -444,7 +447,7 @@ def test_auto_rules(profile, dtype, rows):
                     cols_per_thread, width = expected["narrow"]
                     padding = cols != cols_per_thread * width
                 # auto takes one row per access for 16-bit types
-                rows_per_access = sm.AUTO_WARP_ROWS_PER_ACCESS.get(ITEMSIZE[dtype], rows_per_access)
+                rows_per_access = profile_for(target.facts).AUTO_WARP_ROWS_PER_ACCESS.get(ITEMSIZE[dtype], rows_per_access)
                 ok = (p.spec == SoftmaxSpec(op, "warp", dtype, pack, cols_per_thread=cols_per_thread,
                                             thread_group_width=width, rows_per_access=rows_per_access,
                                             padding=padding)
@@ -467,8 +470,8 @@ def test_auto_peels_short_rows_off_the_16_byte_grid():
     row; then the register ladder. Shorter rows, operands at different
     phases and rows on the grid keep their paths."""
     rows = 49152
-    assert (row_packs.AUTO_PEELED_SMALL_BLOCKS, row_packs.AUTO_PEELED_SMALL_MAX_PACKS, row_packs.AUTO_PEELED_SMALL_WARP_ROWS,
-            row_packs.AUTO_PEELED_SMALL_MIN_COLS) == ((32, 64), 4, 2, 255)
+    assert (TUNE.AUTO_PEELED_SMALL_BLOCKS, TUNE.AUTO_PEELED_SMALL_MAX_PACKS, row_packs.AUTO_PEELED_SMALL_WARP_ROWS,
+            TUNE.AUTO_PEELED_SMALL_MIN_COLS) == ((32, 64), 4, 2, 255)
     f16 = plan("softmax", rows, 1023, "f16", "auto", H100, align=2)
     assert f16.spec.name == "softmax_block_regs_f16_f32_p8_k4_b32x2_peel_packed"
     assert (f16.block, f16.grid, f16.smem_bytes) == ((32, 2, 1), (rows // 2, 1, 1), 0)

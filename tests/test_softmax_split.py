@@ -17,7 +17,7 @@ import math
 
 import numpy
 import pytest
-from conftest import TOLERANCES, assert_close
+from conftest import TOLERANCES, assert_close, patch_tuning
 
 from cupyops import arrays, dtypes, jit
 from cupyops.dtypes import BFLOAT16
@@ -26,8 +26,10 @@ from cupyops.ops import softmax_rows as sm
 from cupyops.ops import softmax_split as ss
 from cupyops.ops.row_packs import vector_pack_size
 from cupyops.ops.softmax_split import SoftmaxSplitSpec, plan
+from cupyops.profile import profile_for
 
 H100 = Target.profile("h100")
+TUNE = profile_for(H100.facts)   # the tuning values the H100 plans read
 TARGETS = {"sm_80": Target.profile("a100"), "sm_90": H100}
 A100 = TARGETS["sm_80"]
 OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
@@ -60,10 +62,10 @@ def split_everywhere(monkeypatch):
     """Splits short rows too (small minimum row and chunk, coop blocks of a
     warp holding 8 bytes a thread, or more where needed), so small shapes reach every edge of the
     kernels; fresh plan and launch caches."""
-    monkeypatch.setattr(ss, "SPLIT_MIN_ROW_BYTES", 0)
-    monkeypatch.setattr(ss, "SPLIT_MIN_CHUNK_BYTES", 256)
+    patch_tuning(monkeypatch, "SPLIT_MIN_ROW_BYTES", 0)
+    patch_tuning(monkeypatch, "SPLIT_MIN_CHUNK_BYTES", 256)
     monkeypatch.setattr(ss, "COOP_BLOCK_SIZE", 32)
-    monkeypatch.setattr(ss, "COOP_BYTES_PER_THREAD", dict.fromkeys(ss.COOP_BYTES_PER_THREAD, 8))
+    patch_tuning(monkeypatch, "COOP_BYTES_PER_THREAD", dict.fromkeys(TUNE.COOP_BYTES_PER_THREAD, 8))
     monkeypatch.setattr(ss, "_launches", LaunchCache())
     clear_plan_caches()
     yield
@@ -173,11 +175,11 @@ def test_two_launch_plan_golden(args, expected):
     p = ss.two_launch_plan(op, rows, cols, dtype, H100, align, same_phase)
     assert p is not None
     assert (p.finish.pack_size, p.finish.loads_in_flight, p.splits, p.chunk_cols) == expected
-    assert p.grid == (rows * p.splits, 1, 1) and p.block == (ss.SPLIT_BLOCK_SIZE, 1, 1)
+    assert p.grid == (rows * p.splits, 1, 1) and p.block == (TUNE.SPLIT_BLOCK_SIZE, 1, 1)
     peel = expected[0] * ITEMSIZE[dtype] == 16 and cols % expected[0] != 0
-    assert p.partials == SoftmaxSplitSpec(op, "partials", dtype, *expected[:1], ss.SPLIT_BLOCK_SIZE,
+    assert p.partials == SoftmaxSplitSpec(op, "partials", dtype, *expected[:1], TUNE.SPLIT_BLOCK_SIZE,
                                           expected[1], peel=peel)
-    assert p.finish == SoftmaxSplitSpec(op, "finish", dtype, *expected[:1], ss.SPLIT_BLOCK_SIZE,
+    assert p.finish == SoftmaxSplitSpec(op, "finish", dtype, *expected[:1], TUNE.SPLIT_BLOCK_SIZE,
                                         expected[1], peel=peel)
 
 
@@ -227,11 +229,11 @@ def test_rows_one_block_or_a_cluster_holds_are_not_split():
 def test_rows_need_two_chunks(split_everywhere, monkeypatch):
     """A row of less than two minimum chunks (two launches) or of one coop
     chunk (COOP_BLOCK_SIZE threads x COOP_BYTES_PER_THREAD) is not split."""
-    monkeypatch.setattr(ss, "SPLIT_MIN_CHUNK_BYTES", 16 * 1024)
+    patch_tuning(monkeypatch, "SPLIT_MIN_CHUNK_BYTES", 16 * 1024)
     assert ss.two_launch_plan("softmax", 8, 16383, "f16", H100) is None
     assert ss.two_launch_plan("softmax", 8, 16384, "f16", H100).splits == 2
-    monkeypatch.setattr(ss, "COOP_BYTES_PER_THREAD", {(2, 1): 16})  # 32 threads x 8 f16: 256 columns
-    monkeypatch.setattr(ss, "COOP_DOUBLINGS", 0)
+    patch_tuning(monkeypatch, "COOP_BYTES_PER_THREAD", {(2, 1): 16})  # 32 threads x 8 f16: 256 columns
+    patch_tuning(monkeypatch, "COOP_DOUBLINGS", 0)
     assert ss.coop_plan("softmax", 8, 256, "f16", H100) is None
     assert ss.coop_plan("softmax", 8, 264, "f16", H100).splits == 2
 
@@ -301,7 +303,7 @@ def test_plan_invariants(dtype, align):
         for op in ("softmax", "softmax_backward"):
             p = plan(op, rows, cols, dtype, H100, align)
             row_bytes = cols * itemsize
-            if row_bytes < ss.SPLIT_MIN_ROW_BYTES and row_bytes * len(ss.INPUTS[op]) < ss.COOP_MIN_ROW_BYTES:
+            if row_bytes < TUNE.SPLIT_MIN_ROW_BYTES and row_bytes * len(ss.INPUTS[op]) < TUNE.COOP_MIN_ROW_BYTES:
                 assert p is None
                 continue
             assert p is not None, (op, rows, cols)
@@ -320,7 +322,7 @@ def test_plan_invariants(dtype, align):
             else:   # coop takes no such rows, or packs too narrow where the rows are peeled
                 assert p.spec.peel or ss.coop_plan(op, rows, cols, dtype, H100, align) is None
                 if ss.coop_plan(op, rows, cols, dtype, H100, align) is not None:
-                    assert vector_pack_size(cols, itemsize, align) * itemsize < ss.COOP_MIN_PEELABLE_PACK_BYTES
+                    assert vector_pack_size(cols, itemsize, align) * itemsize < TUNE.COOP_MIN_PEELABLE_PACK_BYTES
                 check_two_launch_plan(p, rows, cols, itemsize)
 
 
@@ -336,25 +338,25 @@ def check_coop_plan(p, op, rows, cols, dtype, align):
     itemsize = ITEMSIZE[dtype]
     inputs = len(ss.INPUTS[op])
     pack_bytes = spec.pack_size * itemsize
-    preferred = ss.COOP_BYTES_PER_THREAD[(itemsize, len(ss.INPUTS[op]))]
+    preferred = TUNE.COOP_BYTES_PER_THREAD[(itemsize, len(ss.INPUTS[op]))]
     if spec.prefetch:   # few rows, more than one round, a prefetching dtype: a chunk of every input
-        assert (itemsize, inputs) in ss.COOP_PREFETCH and p.slots < rows < H100.facts.sm_count
+        assert (itemsize, inputs) in TUNE.COOP_PREFETCH and p.slots < rows < H100.facts.sm_count
         assert p.smem_bytes == inputs * spec.loads_in_flight * ss.COOP_BLOCK_SIZE * pack_bytes
     elif spec.shared_packs:   # one round, where the table's bytes in registers alone take more
-        assert (itemsize, inputs) in ss.COOP_SHARED and p.slots == rows
+        assert (itemsize, inputs) in TUNE.COOP_SHARED and p.slots == rows
         plain = SoftmaxSplitSpec(op, "coop", dtype, spec.pack_size, ss.COOP_BLOCK_SIZE,
                                  max(1, preferred // pack_bytes))
         plain_resident = H100.facts.sm_count * H100.max_active_blocks(plain, ss.COOP_BLOCK_SIZE, 0, True)
         assert rows * math.ceil(cols / (ss.COOP_BLOCK_SIZE * plain.loads_in_flight * spec.pack_size)) > \
             plain_resident
-        assert spec.loads_in_flight == max(1, ss.COOP_SHARED[(itemsize, inputs)] // pack_bytes)
-        assert 0 < spec.shared_packs * inputs <= ss.COOP_MAX_SHARED_PACKS
+        assert spec.loads_in_flight == max(1, TUNE.COOP_SHARED[(itemsize, inputs)] // pack_bytes)
+        assert 0 < spec.shared_packs * inputs <= TUNE.COOP_MAX_SHARED_PACKS
         assert p.smem_bytes == inputs * spec.shared_packs * ss.COOP_BLOCK_SIZE * pack_bytes
         return
     else:
         assert p.smem_bytes == 0
     held = spec.loads_in_flight * spec.pack_size * itemsize
-    assert held in [max(preferred << d, spec.pack_size * itemsize) for d in range(ss.COOP_DOUBLINGS + 1)]
+    assert held in [max(preferred << d, spec.pack_size * itemsize) for d in range(TUNE.COOP_DOUBLINGS + 1)]
     if held > max(preferred, spec.pack_size * itemsize):
         assert ss.coop_candidate(op, rows, cols, dtype, H100, align, held // 2) is None
 
@@ -363,16 +365,16 @@ def check_two_launch_plan(p, rows, cols, itemsize):
     pack = p.finish.pack_size
     pack_bytes = pack * itemsize
     assert p.partials.pack_size == pack and p.partials.stage == "partials"
-    assert p.finish.loads_in_flight * pack_bytes <= max(ss.SPLIT_BYTES_IN_FLIGHT, pack_bytes)
+    assert p.finish.loads_in_flight * pack_bytes <= max(TUNE.SPLIT_BYTES_IN_FLIGHT, pack_bytes)
     # whole granules, at least the minimum chunk
-    assert (p.chunk_cols * itemsize) % min(ss.SPLIT_CHUNK_GRANULE_BYTES, pack_bytes) == 0
-    assert p.chunk_cols * itemsize >= ss.SPLIT_MIN_CHUNK_BYTES
+    assert (p.chunk_cols * itemsize) % min(TUNE.SPLIT_CHUNK_GRANULE_BYTES, pack_bytes) == 0
+    assert p.chunk_cols * itemsize >= TUNE.SPLIT_MIN_CHUNK_BYTES
     # as many chunks as SPLIT_WAVES waves need, fewer where the minimum
     # chunk limits them, less at most what rounding to granules takes
-    resident = H100.facts.sm_count * H100.max_active_blocks(p.partials, ss.SPLIT_BLOCK_SIZE, 0, False)
-    wanted = math.ceil(ss.SPLIT_WAVES * resident / rows)
-    even = min(wanted, cols * itemsize // ss.SPLIT_MIN_CHUNK_BYTES)
-    granule_cols = max(pack, ss.SPLIT_CHUNK_GRANULE_BYTES // itemsize)
+    resident = H100.facts.sm_count * H100.max_active_blocks(p.partials, TUNE.SPLIT_BLOCK_SIZE, 0, False)
+    wanted = math.ceil(TUNE.SPLIT_WAVES * resident / rows)
+    even = min(wanted, cols * itemsize // TUNE.SPLIT_MIN_CHUNK_BYTES)
+    granule_cols = max(pack, TUNE.SPLIT_CHUNK_GRANULE_BYTES // itemsize)
     assert p.chunk_cols < cols / even + pack + granule_cols
     assert p.splits <= even
     assert p.grid == (rows * p.splits, 1, 1)
@@ -394,7 +396,7 @@ def test_lifted_thresholds_split_small_rows(split_everywhere):
         assert all(p is not None for p in plans) and min(p.splits for p in plans) <= 7
         # coop: every shape with packs of COOP_MIN_PACK_BYTES or more
         wide = [shape for shape in SMALL_SHAPES
-                if vector_pack_size(shape[1], ITEMSIZE[dtype], 16) * ITEMSIZE[dtype] >= ss.COOP_MIN_PACK_BYTES]
+                if vector_pack_size(shape[1], ITEMSIZE[dtype], 16) * ITEMSIZE[dtype] >= TUNE.COOP_MIN_PACK_BYTES]
         assert len(wide) >= 4
         plans = [ss.coop_plan(op, *shape, dtype, H100) for op in OPS for shape in wide]
         assert all(p is not None for p in plans) and min(p.splits for p in plans) <= 7
@@ -605,7 +607,7 @@ def test_small_shapes_every_edge(op, dtype, rng, split_everywhere, split_kind):
         host = host_inputs(rng, op, shape, NUMPY_DTYPES[dtype])
         inputs = [cupy.asarray(a) for a in host]
         # coop packs of contiguous rows (one phase in every operand): at least COOP_MIN_PEELABLE_PACK_BYTES
-        wide = vector_pack_size(shape[1], ITEMSIZE[dtype], 16) * ITEMSIZE[dtype] >= ss.COOP_MIN_PEELABLE_PACK_BYTES
+        wide = vector_pack_size(shape[1], ITEMSIZE[dtype], 16) * ITEMSIZE[dtype] >= TUNE.COOP_MIN_PEELABLE_PACK_BYTES
         out = run_split(op, inputs, poisoned_like(inputs[0]), split_kind if wide else "two_launch")
         check(op, out.get(), reference(op, host), NUMPY_DTYPES[dtype])
 

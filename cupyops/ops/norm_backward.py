@@ -12,6 +12,7 @@ from typing import Optional
 from .. import dtypes
 from ..device import has_clusters
 from ..launch import KernelLaunch, Target
+from ..profile import profile_for
 from .norm_paths import (auto_warp_ladder, first_register_rung, oneflow_launch, smem_launch, uncached_launch,
                          uses_local_memory, warp_launch, warp_max_cols_per_thread)
 from .norm_spec import (PARAM_GRAD_BLOCK, WEIGHT_PHASES_BLOCK, NormGradPlan, NormSpec, block_packs_per_thread,
@@ -38,7 +39,7 @@ PARAM_GRADS = {"layer_norm": 2, "rms_norm": 1}   # dweight (and dbias)
 # cols f16 95.8 % against 85.8 % at 1024 x 32 bytes, 12345 cols 91.7 %.
 # LayerNorm takes 48 bytes at 512 threads (its partials, 96 KiB, leave two
 # blocks an SM): 12288 cols f16 89.4 % against 68.5 % at 1024 x 32 bytes.
-AUTO_GRAD_PEEL_ITEMSIZES = (2, 4)
+# AUTO_GRAD_PEEL_ITEMSIZES: a value of the device profile (cupyops/profiles/*.json).
 # auto, backward, peeled rows: the weight is copied to shared memory where
 # that leaves as many blocks resident, else read from its phase copies in
 # global memory (H200, % of copy, shared copy against phase copies: RMSNorm
@@ -50,18 +51,8 @@ AUTO_GRAD_PEEL_ITEMSIZES = (2, 4)
 # copies are read even where a shared copy fits: LayerNorm f32 12345 cols
 # 1024 x 3 92.2 against 87.5, 16383 cols 1024 x 4 93.8 against 76.1 (at
 # 512 x 2, 4097 cols, the shared copy: 95.4 against 92.4).
-AUTO_GRAD_PHASE_COPIES_FROM_BLOCK = {("layer_norm", 4): 1024}
-_GRAD_LADDER = ((64, 32, "cached", "regs", 2), (128, 16, "cached", "regs", 1), (128, 32, "cached", "smem", 1),
-                (256, 32, "cached", "smem", 1), (512, 32, "cached", "smem", 1), (1024, 32, "cached", "smem", 1),
-                (1024, 64, "cached", "smem", 1), (512, 64, "reread", "regs", 1))
-
-
-def _grad_ladder(rung_at_512: tuple) -> tuple:
-    return _GRAD_LADDER[:5] + (rung_at_512,) + _GRAD_LADDER[5:]
-
-
-AUTO_GRAD_BLOCK_LADDER = {"layer_norm": _grad_ladder((512, 48, "cached", "smem", 1)),
-                          "rms_norm": _grad_ladder((512, 64, "cached", "smem", 1))}
+# AUTO_GRAD_PHASE_COPIES_FROM_BLOCK: a value of the device profile (cupyops/profiles/*.json).
+# AUTO_GRAD_BLOCK_LADDER: a value of the device profile (cupyops/profiles/*.json).
 # auto, backward with fused partials: storage itemsizes whose rows on the
 # 16-byte grid (peeled rows keep their rungs' blocks, not measured fitted)
 # first take the fewest whole warps (fitted_grad_block_size) that hold the row at
@@ -86,7 +77,7 @@ AUTO_GRAD_BLOCK_LADDER = {"layer_norm": _grad_ladder((512, 48, "cached", "smem",
 # 71.0; RMSNorm (5 rounds) f16 / bf16 17408 cols 87.9 / 88.9 against 86.3 /
 # 87.3, 40000 83.4 / 84.0 against 73.0 / 79.8, 12800 +0.8 / +0.2, 20000 and
 # 22016 -0.3 .. -1.0 (taken: the same rule for both norms).
-AUTO_GRAD_FITTED_ITEMSIZES = (2,)
+# AUTO_GRAD_FITTED_ITEMSIZES: a value of the device profile (cupyops/profiles/*.json).
 AUTO_GRAD_FITTED_MIN_BLOCK = 64
 # auto, backward with fused partials: rows on the 16-byte grid that no rung
 # of one block holds are shared by the blocks of a thread-block cluster
@@ -106,7 +97,7 @@ AUTO_GRAD_FITTED_MIN_BLOCK = 64
 # (A/B, 3 rounds: RMSNorm f16 16384 cols 95.1 against 83.3 in a cluster,
 # LayerNorm f32 16384 97.3 against 84.6), but for LayerNorm 16-bit rows
 # of 24576 cols (76.5 against 80.7 in a cluster; 20000 cols: a tie).
-AUTO_GRAD_CLUSTER_SIZES = (2,)
+# AUTO_GRAD_CLUSTER_SIZES: a value of the device profile (cupyops/profiles/*.json).
 # auto, backward with fused partials: rows that no held rung holds, in one
 # block or a cluster, read dy and x twice (the second time from L2) with
 # the partial sums in shared memory (which bounds the row: LayerNorm
@@ -123,9 +114,9 @@ AUTO_GRAD_CLUSTER_SIZES = (2,)
 # 67.7. Unpeeled rows off the 16-byte grid keep the dx kernel: LayerNorm
 # f16 28001 cols (too long to peel) 27.3 in one block of 1-element packs
 # against 29.6.
-AUTO_GRAD_LONG_ROW_LADDER = ((1024, 128, "reread", "smem", 1),)
+# AUTO_GRAD_LONG_ROW_LADDER: a value of the device profile (cupyops/profiles/*.json).
 # unfused column reduction: aim for this many 1024-thread blocks per SM.
-PARAM_GRAD_BLOCKS_PER_SM = 8
+# PARAM_GRAD_BLOCKS_PER_SM: a value of the device profile (cupyops/profiles/*.json).
 
 
 def fitted_grad_block_size(cols: int, pack_size: int, packs_per_thread: int) -> int:
@@ -177,6 +168,7 @@ def _auto_backward_fused(spec_fields, rows, cols, align, same_phase, target) -> 
     block holds are shared by the blocks of a thread-block cluster on sm_90
     and newer (AUTO_GRAD_CLUSTER_SIZES). Rows that no held rung holds are
     read twice, in a cluster or one block (AUTO_GRAD_LONG_ROW_LADDER)."""
+    tuned = profile_for(target.facts)
     ftype = dtypes.BY_SHORT[spec_fields["dtype"]]
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     pack = vector_pack_size(cols, ftype.itemsize, align)
@@ -191,13 +183,13 @@ def _auto_backward_fused(spec_fields, rows, cols, align, same_phase, target) -> 
 
     on_grid = pack * ftype.itemsize == 16
     peeled = [(16 // ftype.itemsize, True, 1)] if (same_phase and not on_grid and
-                                                   ftype.itemsize in AUTO_GRAD_PEEL_ITEMSIZES) else []
+                                                   ftype.itemsize in tuned.AUTO_GRAD_PEEL_ITEMSIZES) else []
     one_block = [(pack, False, 1)]
-    clusters = [(pack, False, size) for size in AUTO_GRAD_CLUSTER_SIZES] if (
+    clusters = [(pack, False, size) for size in tuned.AUTO_GRAD_CLUSTER_SIZES] if (
         on_grid and has_clusters(target.facts.arch)) else []
     family = family_of(spec_fields["op"])
-    for rungs, tries in ((AUTO_GRAD_BLOCK_LADDER[family], peeled + one_block + clusters),
-                         (AUTO_GRAD_LONG_ROW_LADDER, peeled + clusters + (one_block if on_grid else []))):
+    for rungs, tries in ((tuned.AUTO_GRAD_BLOCK_LADDER[family], peeled + one_block + clusters),
+                         (tuned.AUTO_GRAD_LONG_ROW_LADDER, peeled + clusters + (one_block if on_grid else []))):
         for pack_size, peel, cluster_size in tries:
             launch = first_grad_rung(rungs, spec_fields, rows, cols, pack_size, peel, cluster_size, target)
             if launch is not None:
@@ -213,6 +205,7 @@ def first_grad_rung(ladder, spec_fields, rows, cols, pack_size, peel, cluster_si
     rounded up, then down) whose block holds its span of a row, all of it or
     a cluster_size-th in whole packs, in a fused dx kernel that needs no
     local memory; None where none does."""
+    tuned = profile_for(target.facts)
     ftype = dtypes.BY_SHORT[spec_fields["dtype"]]
     span_cols = cols if cluster_size == 1 else ceil_div(cols // pack_size, cluster_size) * pack_size
     for block_size, max_bytes, *holding in ladder:
@@ -220,7 +213,7 @@ def first_grad_rung(ladder, spec_fields, rows, cols, pack_size, peel, cluster_si
         if packs_per_thread * pack_size * ftype.itemsize > max_bytes:
             continue
         block_sizes = [block_size]
-        if ftype.itemsize in AUTO_GRAD_FITTED_ITEMSIZES and not peel:
+        if ftype.itemsize in tuned.AUTO_GRAD_FITTED_ITEMSIZES and not peel:
             fitted = fitted_grad_block_size(span_cols, pack_size, packs_per_thread)
             block_sizes = [fitted, block_size] if fitted < block_size else block_sizes
         for threads in block_sizes:
@@ -273,11 +266,12 @@ def fused_grad_launch(spec: NormSpec, rows: int, cols: int, target: Target) -> O
     where its shared memory leaves no block resident. Peeled rows read the
     weight from a copy in shared memory or from its phase copies
     (AUTO_GRAD_PHASE_COPIES_FROM_BLOCK)."""
+    tuned = profile_for(target.facts)
     if spec.peel and spec.weight:
         spec = replace(spec, weight_source="phase_copies")
     smem = grad_smem_bytes(spec, cols)
     blocks = target.max_active_blocks(spec, spec.block_size, smem, True)
-    phases_from = AUTO_GRAD_PHASE_COPIES_FROM_BLOCK.get((family_of(spec.op), spec.ftype.itemsize), math.inf)
+    phases_from = tuned.AUTO_GRAD_PHASE_COPIES_FROM_BLOCK.get((family_of(spec.op), spec.ftype.itemsize), math.inf)
     if spec.peel and spec.weight and blocks and spec.block_size < phases_from:
         copied = replace(spec, weight_source="shared_copy")
         copied_smem = grad_smem_bytes(copied, cols)
@@ -300,9 +294,10 @@ def fused_grad_plan(main: KernelLaunch, cols: int) -> NormGradPlan:
 
 def param_grad_launches(family, dtype, rows, cols, target):
     """The column reduction (dy * xhat and dy over chunks of rows) and its grid."""
+    tuned = profile_for(target.facts)
     col_tiles = ceil_div(cols, PARAM_GRAD_BLOCK[0])
     row_tiles = ceil_div(rows, PARAM_GRAD_BLOCK[1])
-    wanted = ceil_div(target.facts.sm_count * PARAM_GRAD_BLOCKS_PER_SM, col_tiles)
+    wanted = ceil_div(target.facts.sm_count * tuned.PARAM_GRAD_BLOCKS_PER_SM, col_tiles)
     rows_per_chunk = ceil_div(rows, min(row_tiles, wanted))
     chunks = ceil_div(rows, rows_per_chunk)
     spec = NormSpec(f"{family}_param_grad", "param_grad", dtype)
@@ -321,6 +316,7 @@ def auto_backward_dx(fields, rows, cols, align, target) -> KernelLaunch:
     """auto's dx kernel without fused partials (rows too long for register
     partials, or no dweight / dbias wanted): the warp path, a register block
     rung, shared memory or the row read twice."""
+    tuned = profile_for(target.facts)
     ftype = dtypes.BY_SHORT[fields["dtype"]]
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     pack = vector_pack_size(cols, ftype.itemsize, align)
@@ -329,7 +325,7 @@ def auto_backward_dx(fields, rows, cols, align, target) -> KernelLaunch:
         return warp_launch(fields, rows, cols, pack, ladder, target, "auto")
     # the ladder counts bytes as stored, register rungs in the compute type
     widening = compute_itemsize // ftype.itemsize
-    ladder = AUTO_GRAD_BLOCK_LADDER[family_of(fields["op"])]
+    ladder = tuned.AUTO_GRAD_BLOCK_LADDER[family_of(fields["op"])]
     block_ladder = [(block_size, max_bytes * widening, grad_holding(held, "regs", rows_per_access), True)
                     for block_size, max_bytes, held, _, rows_per_access in ladder]
     launch = first_register_rung(fields, rows, cols, target, "backward", block_ladder, pack, False)

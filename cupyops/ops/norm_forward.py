@@ -12,11 +12,11 @@ from typing import Optional
 from .. import async_row, dtypes
 from ..device import WARP_SIZE
 from ..launch import BLOCK_SIZE_LADDER, MAX_GRID_X, KernelLaunch, Target
+from ..profile import profile_for
 from .norm_paths import (auto_warp_ladder, block_launch, first_register_rung, smem_launch, uncached_launch,
                          uses_local_memory, warp_launch, warp_max_cols_per_thread)
 from .norm_spec import AUTO_FORWARD_WARP_BLOCK_THREADS, NormSpec, fewest_warps, full_packs_per_thread
-from .row_packs import (AUTO_PEELED_SMALL_BLOCKS, AUTO_PEELED_SMALL_MAX_PACKS, AUTO_PEELED_SMALL_MIN_COLS,
-                        peeled_pack, peeled_small_rows_per_block, vector_pack_size)
+from .row_packs import peeled_pack, peeled_small_rows_per_block, vector_pack_size
 
 # auto, forward warp path with a weight or bias and no residual, from
 # AUTO_HELD_AFFINE_FROM_COLS: each lane reads its columns' weight / bias
@@ -39,9 +39,9 @@ from .row_packs import (AUTO_PEELED_SMALL_BLOCKS, AUTO_PEELED_SMALL_MAX_PACKS, A
 # (x and residual loaded pack by pack, h stored) holding lost: LayerNorm
 # f16 / bf16 1024 cols 83.0 against 90.8 (4 arrays counted), 512 cols
 # -0.1 / -0.5.
-AUTO_HELD_AFFINE_FROM_COLS = 64
-AUTO_HELD_AFFINE_RESIDENT_THREADS = (1024, 768, 512)
-AUTO_HELD_AFFINE_MIN_BYTES_IN_FLIGHT = 48 * 1024
+# AUTO_HELD_AFFINE_FROM_COLS: a value of the device profile (cupyops/profiles/*.json).
+# AUTO_HELD_AFFINE_RESIDENT_THREADS: a value of the device profile (cupyops/profiles/*.json).
+# AUTO_HELD_AFFINE_MIN_BYTES_IN_FLIGHT: a value of the device profile (cupyops/profiles/*.json).
 # auto, forward, by storage itemsize: (block_size, most bytes of compute values
 # a thread holds, taken only when the kernel needs no local memory on the
 # target). 32 floats a thread (four 16-byte packs of 16-bit input) measured
@@ -58,11 +58,7 @@ AUTO_HELD_AFFINE_MIN_BYTES_IN_FLIGHT = 48 * 1024
 # 93.5 / 94.2 against 88.3 / 91.0, RMSNorm 94.0 / 95.1 against 94.9 / 95.3;
 # at 1536 cols, 64 x 6 packs, LayerNorm 95.6 against 96.5). 16 doubles a
 # thread at most.
-AUTO_BLOCK_REGS_LADDER = {
-    2: ((64, 128, True), (128, 128, True), (256, 128, True), (512, 128, True), (1024, 128, True)),
-    4: ((64, 80, True), (128, 128, True), (256, 128, True), (512, 128, True), (1024, 128, True)),
-    8: ((128, 64, True), (256, 64, True), (512, 64, True), (1024, 64, True)),
-}
+# AUTO_BLOCK_REGS_LADDER: a value of the device profile (cupyops/profiles/*.json).
 # auto, forward: (op, dtype) -> from these cols, 16-byte packs, the row cached
 # as stored in shared memory with 512 threads before the register rungs.
 # RMSNorm bf16 (H200): 16384 cols 97.3 % of copy against 96.8 % in registers
@@ -70,7 +66,7 @@ AUTO_BLOCK_REGS_LADDER = {
 # near tie since bfloat16 converts by a mov (common.cuh; 84.6 and 80.1 % in
 # registers before). LayerNorm bf16 is slower there (84 % at 32768 cols).
 # From 20000 cols the rows cached by cp.async come first (AUTO_ASYNC_FIRST).
-AUTO_SMEM_FIRST = {("rms_norm", "bf16"): 16384}
+# AUTO_SMEM_FIRST: a value of the device profile (cupyops/profiles/*.json).
 # auto, forward, rows of 16-byte packs: the row's sources (x, and the
 # residual) cached by cp.async (norm_block_async), a block a row, the packs
 # a thread holds in registers (a register tail) and the rest in shared
@@ -99,16 +95,8 @@ AUTO_SMEM_FIRST = {("rms_norm", "bf16"): 16384}
 #     512 x 8 98.3 / 98.4 against 96.5 / 96.7 (float16 now takes 7 packs and
 #     8 KiB, 8 spill: 98.0 in cupyops bench). RMSNorm f32 32768 cols stays
 #     in registers: 97.8 against 96.9.
-AUTO_ASYNC_FIRST = {   # (op, storage itemsize) -> (from cols, "whole" or "largest", rungs)
-    ("layer_norm", 2): (16384, "whole", ((256, 8, 2), (512, 8, 2))),
-    ("layer_norm", 4): (8192, "whole", ((512, 8, 2),)),
-    ("rms_norm", 2): (20000, "largest", ((512, 8, 2),)),
-}
-AUTO_ASYNC_LADDER = {   # storage itemsize -> rungs
-    2: ((512, 8, 2), (1024, 8, 1)),
-    4: ((1024, 8, 1),),
-    8: ((1024, 3, 1),),
-}
+# AUTO_ASYNC_FIRST: a value of the device profile (cupyops/profiles/*.json).
+# AUTO_ASYNC_LADDER: a value of the device profile (cupyops/profiles/*.json).
 # auto, forward: (op, storage itemsize) -> rows of these cols and more, in
 # 16-byte packs, skip the warp path for the register block path; with a
 # residual also AUTO_RESIDUAL_REGS_FROM_COLS. RMSNorm 16-bit at 1024 cols,
@@ -120,9 +108,9 @@ AUTO_ASYNC_LADDER = {   # storage itemsize -> rungs
 # packs (H200, five interleaved rounds): LayerNorm 94.7 % against 92.5 % on
 # the warp path, RMSNorm 95.3 % against 92.9 % (768 cols, 64 x 3: 92.9 / 93.3
 # against 92.5 / 93.1, a tie).
-AUTO_REGS_FROM_COLS = {("layer_norm", 4): 1024, ("rms_norm", 4): 1024}
-AUTO_RESIDUAL_REGS_FROM_COLS = {("rms_norm", 2): 1024}
-AUTO_SMEM_FIRST_BLOCK_SIZE = 512
+# AUTO_REGS_FROM_COLS: a value of the device profile (cupyops/profiles/*.json).
+# AUTO_RESIDUAL_REGS_FROM_COLS: a value of the device profile (cupyops/profiles/*.json).
+# AUTO_SMEM_FIRST_BLOCK_SIZE: a value of the device profile (cupyops/profiles/*.json).
 # auto, forward: (op, storage itemsize) -> after each block size's rung of
 # AUTO_BLOCK_REGS_LADDER, the same block size holding at most this many bytes
 # of packs as loaded (packed: converted at each use): 16-bit LayerNorm rows
@@ -136,7 +124,7 @@ AUTO_SMEM_FIRST_BLOCK_SIZE = 512
 # against 82.9 / 82.1 at 512 x 4 in float). Eight packs lose
 # to four in float at twice the threads (16384 cols 91.2 against 96.2, 8192
 # 95.4 against 96.8), so at most seven.
-AUTO_PACKED_RUNG_BYTES = {("layer_norm", 2): 112}
+# AUTO_PACKED_RUNG_BYTES: a value of the device profile (cupyops/profiles/*.json).
 # auto, forward, peeled rows (off the 16-byte grid, every operand at the same
 # phase): (op, storage itemsize) -> (block_size, most bytes a thread holds of
 # packs as loaded), in place of the ladders above. RMSNorm f16 (H200): 12345
@@ -145,13 +133,13 @@ AUTO_PACKED_RUNG_BYTES = {("layer_norm", 2): 112}
 # cols 128 x 4 95.5 % (64 x 8: 91.9 %); 2049 cols 64 x 4 91.8 % (128 x 2:
 # 85.5 %). LayerNorm takes its ladder: 2049 cols 64 x 4 in float 89.3 %
 # against 80.5 % as loaded.
-AUTO_PEELED_PACKED_LADDER = {("rms_norm", 2): ((64, 64), (128, 128), (256, 128), (512, 128), (1024, 128))}
+# AUTO_PEELED_PACKED_LADDER: a value of the device profile (cupyops/profiles/*.json).
 # auto, forward, peeled rows of the other ops: (op, storage itemsize) -> the
 # packed rungs of their ladder from this block size. LayerNorm f16 / bf16
 # 3595 cols (H200): 128 x 4 packs in float 85.5 / 84.4 % of copy against
 # 80.5 / 79.5 at 64 x 7 as loaded, every pack checked (64 x 7 with no pack
 # checked comes first: AUTO_PEELED_FULL_PACKS).
-AUTO_PEELED_PACKED_FROM_BLOCK = {("layer_norm", 2): 128}
+# AUTO_PEELED_PACKED_FROM_BLOCK: a value of the device profile (cupyops/profiles/*.json).
 # auto, forward, peeled rows: (op, storage itemsize) -> packs a thread holds
 # as loaded, tried in order before the ladder, each at the fewest whole warps
 # (at least AUTO_PEELED_FULL_MIN_BLOCK) that hold a row with one element a
@@ -186,19 +174,20 @@ def _auto_registers(fields, rows, cols, align, same_phase, target, block_ladder,
     no 16-byte pack peels each row's edges and reads 16-byte packs, trying
     peeled_ladder; such rows from AUTO_PEELED_SMALL_MIN_COLS first take a
     peeled block of a warp or two (row_packs)."""
+    tuned = profile_for(target.facts)
     ftype = dtypes.BY_SHORT[fields["dtype"]]
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     pack = vector_pack_size(cols, ftype.itemsize, align)
     regs_pack, peel = peeled_pack(pack, ftype.itemsize, same_phase)
-    if peel and cols >= AUTO_PEELED_SMALL_MIN_COLS:
-        small_rungs = [(block_size, AUTO_PEELED_SMALL_MAX_PACKS * regs_pack * compute_itemsize,
+    if peel and cols >= tuned.AUTO_PEELED_SMALL_MIN_COLS:
+        small_rungs = [(block_size, tuned.AUTO_PEELED_SMALL_MAX_PACKS * regs_pack * compute_itemsize,
                         {"rows_per_block": peeled_small_rows_per_block(block_size)}, True)
-                       for block_size in AUTO_PEELED_SMALL_BLOCKS]
+                       for block_size in tuned.AUTO_PEELED_SMALL_BLOCKS]
         launch = first_register_rung(fields, rows, cols, target, "forward", small_rungs, regs_pack, peel)
         if launch is not None:
             return launch, pack
     ladder = auto_warp_ladder(cols, pack, warp_max_cols_per_thread("forward", compute_itemsize, pack))
-    regs_tables = (AUTO_REGS_FROM_COLS, AUTO_RESIDUAL_REGS_FROM_COLS if fields["residual"] else {})
+    regs_tables = (tuned.AUTO_REGS_FROM_COLS, tuned.AUTO_RESIDUAL_REGS_FROM_COLS if fields["residual"] else {})
     regs_first = pack * ftype.itemsize == 16 and any(
         cols >= table.get((fields["op"], ftype.itemsize), cols + 1) for table in regs_tables)
     if ladder is not None and not regs_first:
@@ -212,13 +201,14 @@ def _auto_registers(fields, rows, cols, align, same_phase, target, block_ladder,
 def held_affine(launch: KernelLaunch, cols: int, target: Target) -> KernelLaunch:
     """The forward warp launch with its lanes holding weight and bias
     (AUTO_HELD_AFFINE_*), or the launch as given."""
+    tuned = profile_for(target.facts)
     spec = launch.spec
-    if not (spec.weight or spec.bias) or spec.residual or cols < AUTO_HELD_AFFINE_FROM_COLS:
+    if not (spec.weight or spec.bias) or spec.residual or cols < tuned.AUTO_HELD_AFFINE_FROM_COLS:
         return launch
     row_bytes_a_lane = spec.cols_per_thread * spec.rows_per_access * spec.ftype.itemsize
-    bounds = [0] + [resident // spec.threads_per_block for resident in AUTO_HELD_AFFINE_RESIDENT_THREADS
+    bounds = [0] + [resident // spec.threads_per_block for resident in tuned.AUTO_HELD_AFFINE_RESIDENT_THREADS
                     if resident < spec.resident_threads
-                    and resident * row_bytes_a_lane >= AUTO_HELD_AFFINE_MIN_BYTES_IN_FLIGHT]
+                    and resident * row_bytes_a_lane >= tuned.AUTO_HELD_AFFINE_MIN_BYTES_IN_FLIGHT]
     for min_blocks in bounds:
         held = replace(spec, hold_affine=True, min_blocks=min_blocks)
         if not uses_local_memory(held, target):
@@ -267,29 +257,30 @@ def _peeled_full_rungs(op: str, itemsize: int, cols: int) -> list:
 
 
 def auto_forward(spec_fields, rows, cols, align, same_phase, target) -> KernelLaunch:
+    tuned = profile_for(target.facts)
     itemsize = dtypes.BY_SHORT[spec_fields["dtype"]].itemsize
     pack = vector_pack_size(cols, itemsize, align)
     aligned = pack * itemsize == async_row.PACK_BYTES
-    from_cols, tails, first_rungs = AUTO_ASYNC_FIRST.get((spec_fields["op"], itemsize), (math.inf, None, ()))
+    from_cols, tails, first_rungs = tuned.AUTO_ASYNC_FIRST.get((spec_fields["op"], itemsize), (math.inf, None, ()))
     if aligned and cols >= from_cols:
         launch = _async_launch(spec_fields, rows, cols, pack, target, first_rungs, tails == "whole")
         if launch is not None:
             return launch
-    first_cols = AUTO_SMEM_FIRST.get((spec_fields["op"], spec_fields["dtype"]))
+    first_cols = tuned.AUTO_SMEM_FIRST.get((spec_fields["op"], spec_fields["dtype"]))
     if first_cols is not None and cols >= first_cols and aligned:
-        spec = NormSpec(impl="block_smem", pack_size=pack, block_size=AUTO_SMEM_FIRST_BLOCK_SIZE,
+        spec = NormSpec(impl="block_smem", pack_size=pack, block_size=tuned.AUTO_SMEM_FIRST_BLOCK_SIZE,
                         packed_cache=True, **spec_fields)
         if target.max_active_blocks(spec, spec.block_size, cols * itemsize, True):
             return block_launch(spec, rows, cols * itemsize, target, "auto", True)
-    packed_bytes = AUTO_PACKED_RUNG_BYTES.get((spec_fields["op"], itemsize))
+    packed_bytes = tuned.AUTO_PACKED_RUNG_BYTES.get((spec_fields["op"], itemsize))
     block_ladder = []
-    for block_size, max_bytes, spill_checked in AUTO_BLOCK_REGS_LADDER[itemsize]:
+    for block_size, max_bytes, spill_checked in tuned.AUTO_BLOCK_REGS_LADDER[itemsize]:
         block_ladder.append((block_size, max_bytes, {}, spill_checked))
         if packed_bytes:
             block_ladder.append((block_size, packed_bytes, {"packed": True}, True))
     peeled_ladder = [(block_size, max_bytes, {"packed": True}, True)
-                     for block_size, max_bytes in AUTO_PEELED_PACKED_LADDER.get((spec_fields["op"], itemsize), ())]
-    packed_from = AUTO_PEELED_PACKED_FROM_BLOCK.get((spec_fields["op"], itemsize), 0)
+                     for block_size, max_bytes in tuned.AUTO_PEELED_PACKED_LADDER.get((spec_fields["op"], itemsize), ())]
+    packed_from = tuned.AUTO_PEELED_PACKED_FROM_BLOCK.get((spec_fields["op"], itemsize), 0)
     peeled_ladder = peeled_ladder or [(block_size, max_bytes, extra, spill_checked)
                                       for block_size, max_bytes, extra, spill_checked in block_ladder
                                       if block_size >= packed_from or not extra.get("packed")]
@@ -299,7 +290,7 @@ def auto_forward(spec_fields, rows, cols, align, same_phase, target) -> KernelLa
     if launch is not None:
         return launch
     if aligned:
-        launch = _async_launch(spec_fields, rows, cols, pack, target, AUTO_ASYNC_LADDER[itemsize], False)
+        launch = _async_launch(spec_fields, rows, cols, pack, target, tuned.AUTO_ASYNC_LADDER[itemsize], False)
         if launch is not None:
             return launch
     launch = smem_launch(spec_fields, rows, cols, pack, cols * itemsize, target, "auto", True,

@@ -32,10 +32,10 @@ from ..device import WARP_SIZE
 # 65.6, f32 257 66.1 (four rows: within 1 of two; eight lose up to 4);
 # 128 threads a row: softmax f16 1023 74.9; LayerNorm f32 1023 takes two
 # warps (four packs a thread): 92.5 against 89.4 at one warp and eight.
-AUTO_PEELED_SMALL_BLOCKS = (32, 64)
-AUTO_PEELED_SMALL_MAX_PACKS = 4
+# AUTO_PEELED_SMALL_BLOCKS: a value of the device profile (cupyops/profiles/*.json).
+# AUTO_PEELED_SMALL_MAX_PACKS: a value of the device profile (cupyops/profiles/*.json).
 AUTO_PEELED_SMALL_WARP_ROWS = 2
-AUTO_PEELED_SMALL_MIN_COLS = 255
+# AUTO_PEELED_SMALL_MIN_COLS: a value of the device profile (cupyops/profiles/*.json).
 
 
 def vector_pack_size(cols: int, itemsize: int, align: int) -> int:

@@ -26,21 +26,22 @@ import numpy
 from .. import arrays, dtypes, jit
 from ..device import WARP_SIZE, DeviceFacts, has_clusters
 from ..launch import LaunchCache, Target, get_num_blocks, live_function
+from ..profile import profile_for
 from .row_packs import vector_pack_size
 from .softmax_rows import INPUTS
 
 OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
 
 # Slices narrower than this (elements along inner) take the rows path with a copy.
-AXIS_MIN_INNER = 32
+# AXIS_MIN_INNER: a value of the device profile (cupyops/profiles/*.json).
 # Bytes of each row a tile covers (plan()'s rule 3): the wide tiles, widest first,
 # then the narrow one (a 32-byte sector) for the longest cols.
 AXIS_TILE_ROW_BYTES = (128, 64)
 AXIS_NARROW_ROW_BYTES = 32
 # Most threads along inner (a warp).
 AXIS_MAX_BLOCK_X = 32
-AXIS_BLOCK_THREADS = 256
-AXIS_CACHED_MAX_BLOCK_THREADS = 512
+# AXIS_BLOCK_THREADS: a value of the device profile (cupyops/profiles/*.json).
+# AXIS_CACHED_MAX_BLOCK_THREADS: a value of the device profile (cupyops/profiles/*.json).
 AXIS_MAX_BLOCK_THREADS = 1024
 STATIC_SMEM_BYTES = 48 * 1024      # CUDA's limit on a kernel's static shared memory
 # Loads through registers: bytes a thread loads before using the first of
@@ -57,10 +58,10 @@ AXIS_THREAD_REGISTERS = 64
 # Largest share of a tile a block keeps in shared memory for a single read of
 # the array, and (plan()'s rule 3) the largest a block caches alone.
 AXIS_CACHE_MAX_BYTES = 128 * 1024
-AXIS_ALONE_MAX_BYTES = 128 * 1024
-AXIS_ALONE_MAX_BYTES_16BIT_FORWARD = 64 * 1024
+# AXIS_ALONE_MAX_BYTES: a value of the device profile (cupyops/profiles/*.json).
+# AXIS_ALONE_MAX_BYTES_16BIT_FORWARD: a value of the device profile (cupyops/profiles/*.json).
 # Tiles too large to cache and fewer than this many per SM: the rows path.
-AXIS_MIN_TILES_PER_SM = 0.25
+# AXIS_MIN_TILES_PER_SM: a value of the device profile (cupyops/profiles/*.json).
 # Thread-block clusters (sm_90 and newer, device.has_clusters): a tile too
 # large for a block alone is shared by the blocks of a cluster of one of
 # AXIS_CLUSTER_SIZES (the portable sizes, fewest first), each caching at most
@@ -295,11 +296,12 @@ def plan(op: str, outer: int, cols: int, inner: int, dtype: str, target: Target,
        hold allows it (kernels/softmax.cuh, RowSoftmax): 80.7 % of copy at
        (64, 4096, 256), 79.1 % dividing by the sum.
     """
+    tuned = profile_for(target.facts)
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
     if outer < 1 or cols < 1 or inner < 1:
         raise ValueError(f"outer, cols and inner must be positive, got {outer} x {cols} x {inner}")
-    if inner < AXIS_MIN_INNER:
+    if inner < tuned.AXIS_MIN_INNER:
         return None
     facts = target.facts
     itemsize = dtypes.BY_SHORT[dtype].itemsize
@@ -308,9 +310,9 @@ def plan(op: str, outer: int, cols: int, inner: int, dtype: str, target: Target,
     row_pack_bytes = len(INPUTS[op]) * pack_bytes   # a pack of every input: a thread's row of a tile
     inner_packs = inner // pack_size
     backward = op.endswith("_backward")
-    alone_bytes = AXIS_ALONE_MAX_BYTES
+    alone_bytes = tuned.AXIS_ALONE_MAX_BYTES
     if not backward and itemsize == 2:
-        alone_bytes = min(alone_bytes, AXIS_ALONE_MAX_BYTES_16BIT_FORWARD)
+        alone_bytes = min(alone_bytes, tuned.AXIS_ALONE_MAX_BYTES_16BIT_FORWARD)
     twice_width = (twice_tile_width(outer, inner_packs, pack_bytes, facts.sm_count)
                    if backward and has_clusters(facts.arch) else None)
     block_x, cluster = tile_shape(facts.arch, cols, inner_packs, pack_bytes, len(INPUTS[op]), alone_bytes,
@@ -319,13 +321,13 @@ def plan(op: str, outer: int, cols: int, inner: int, dtype: str, target: Target,
 
     # Threads per block (rules 4 and 5), from the tile's share before short
     # cols widen block_x (below, which then recomputes the share).
-    threads = AXIS_BLOCK_THREADS
+    threads = tuned.AXIS_BLOCK_THREADS
     share_bytes = block_rows * block_x * row_pack_bytes
     if share_bytes <= AXIS_CACHE_MAX_BYTES:   # shared memory bounds the resident blocks
         def resident(block_threads: int) -> int:
             return resident_blocks(facts, share_bytes, block_threads, AXIS_THREAD_REGISTERS)
 
-        while threads < AXIS_CACHED_MAX_BLOCK_THREADS and resident(2 * threads) == resident(threads):
+        while threads < tuned.AXIS_CACHED_MAX_BLOCK_THREADS and resident(2 * threads) == resident(threads):
             threads *= 2
     num_blocks = outer * -(-inner_packs // block_x) * cluster
     gpu_threads = facts.sm_count * facts.max_threads_per_sm
@@ -343,7 +345,7 @@ def plan(op: str, outer: int, cols: int, inner: int, dtype: str, target: Target,
         block_y //= 2
     num_tiles = outer * -(-inner_packs // block_x)
     block_bytes = block_rows * block_x * row_pack_bytes
-    if block_bytes > AXIS_CACHE_MAX_BYTES and num_tiles < AXIS_MIN_TILES_PER_SM * facts.sm_count:
+    if block_bytes > AXIS_CACHE_MAX_BYTES and num_tiles < tuned.AXIS_MIN_TILES_PER_SM * facts.sm_count:
         return None
 
     threads = block_x * block_y

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from .. import arrays, async_row, dtypes, jit
 from ..device import has_clusters
 from ..launch import MAX_GRID_X, KernelLaunch, Target, choose_block_size, get_num_blocks
-from .row_packs import (AUTO_PEELED_SMALL_BLOCKS, AUTO_PEELED_SMALL_MAX_PACKS, AUTO_PEELED_SMALL_MIN_COLS,
-                        peeled_pack, peeled_small_rows_per_block, vector_pack_size)
+from ..profile import profile_for
+from .row_packs import peeled_pack, peeled_small_rows_per_block, vector_pack_size
 
 OPS = ("softmax", "log_softmax", "softmax_backward", "log_softmax_backward")
 # Arrays each op reads (the kernel's parameters, in order).
@@ -38,11 +38,11 @@ THREAD_GROUP_WIDTHS = (1, 2, 4, 8, 16, 32)
 # auto, measured on an H200 (rows 49152, f16 and f32, 512 ... 65536 cols,
 # forward and backward; the budgets are per input array):
 # the warp path while a lane holds at most this many bytes of the row,
-AUTO_WARP_MAX_BYTES_PER_LANE = 128
+# AUTO_WARP_MAX_BYTES_PER_LANE: a value of the device profile (cupyops/profiles/*.json).
 # one row per access for 16-bit and float32 types where OneFlow takes two
 # (bf16 256 cols: 67 % of copy against 60 %; 128 cols: 54 % against 49 %;
 # f32 128 cols: 71.3 % against 70.2 %);
-AUTO_WARP_ROWS_PER_ACCESS = {2: 1, 4: 1}      # itemsize -> rows per access
+# AUTO_WARP_ROWS_PER_ACCESS: a value of the device profile (cupyops/profiles/*.json).
 # then the register block path: the smallest of these block sizes giving a
 # thread at most AUTO_BLOCK_REGS_MAX_PACKS[itemsize] packs (peeled rows, off
 # the 16-byte grid: AUTO_PEELED_MAX_PACKS) while a block holds at most 64 KiB
@@ -60,11 +60,11 @@ AUTO_WARP_ROWS_PER_ACCESS = {2: 1, 4: 1}      # itemsize -> rows per access
 AUTO_BLOCK_REGS_SIZES = (128, 256, 512, 1024)
 # log-softmax stops at 512 threads (f32 16384 cols: 77.6 % at 1024 x 4 against
 # 91.9 % through cp.async)
-AUTO_BLOCK_REGS_LARGEST = {"log_softmax": 512}
-AUTO_BLOCK_REGS_MAX_PACKS = {(2, 1): 4, (4, 1): 16, (8, 1): 4}   # (itemsize, inputs); else 4
-AUTO_PEELED_MAX_PACKS = {(2, 1): 8, (4, 1): 16, (8, 1): 8}       # else 8
-AUTO_BLOCK_REGS_MAX_BYTES = 64 * 1024
-AUTO_BLOCK_REGS_MIN_RESIDENT = 384
+# AUTO_BLOCK_REGS_LARGEST: a value of the device profile (cupyops/profiles/*.json).
+# AUTO_BLOCK_REGS_MAX_PACKS: a value of the device profile (cupyops/profiles/*.json).
+# AUTO_PEELED_MAX_PACKS: a value of the device profile (cupyops/profiles/*.json).
+# AUTO_BLOCK_REGS_MAX_BYTES: a value of the device profile (cupyops/profiles/*.json).
+# AUTO_BLOCK_REGS_MIN_RESIDENT: a value of the device profile (cupyops/profiles/*.json).
 # then cp.async into shared memory (16-byte packs), a block or a cluster per
 # row (the GPU's scheduler starts the next row's block as one leaves, rather
 # than a persistent block fetching its next row), the forward maximum and sum
@@ -78,7 +78,7 @@ AUTO_BLOCK_REGS_MIN_RESIDENT = 384
 # 98.7 / 96.7, f32 16384 97.5 / 96.9, log-softmax backward bf16 16384 102.0
 # / 95.6; f32 12288 97.0 / 97.5; at 8192 cols the register path is as fast or
 # faster: f16 97.3 / 96.4 for regs, backward bf16 102.2 / 101.2);
-AUTO_ASYNC_MIN_ROW_BYTES = 24 * 1024
+# AUTO_ASYNC_MIN_ROW_BYTES: a value of the device profile (cupyops/profiles/*.json).
 # The async plan is the first rung of a ladder that holds the row, each rung
 # (cluster_size, block_size, most tail packs, blocks an SM): the row shared
 # by cluster_size blocks (a thread-block cluster, sm_90 and newer), each
@@ -117,19 +117,9 @@ AUTO_ASYNC_MIN_ROW_BYTES = 24 * 1024
 #     either way; float64 log_softmax_backward 16384 x 16384 gains too (102.7
 #     against 78.1) but 16384 x 15000 does not (94.9 either way), nor 512
 #     threads at 18000 cols (94.6 against 102.7 in clusters of 4).
-_BACKWARD_ASYNC_LADDER = ((1, 256, 0, 1), (1, 256, 4, 1), (1, 1024, 4, 1),
-                          (4, 256, 8, 2), (8, 256, 8, 2), (8, 512, 8, 1))
-_BACKWARD_ASYNC_LADDER_16BIT = ((1, 256, 0, 1), (1, 1024, 4, 1),
-                                (4, 256, 8, 2), (8, 256, 8, 2), (8, 512, 8, 1))
-AUTO_ASYNC_LADDERS = {   # (inputs, itemsize) -> rungs
-    (1, 2): ((1, 512, 0, 2), (1, 512, 8, 2), (1, 1024, 8, 1), (4, 512, 8, 2), (8, 512, 8, 2)),
-    (1, 4): ((1, 512, 0, 1), (1, 1024, 8, 1), (2, 1024, 8, 1), (4, 1024, 8, 1), (8, 1024, 8, 1)),
-    # float64 as float32, its tails up to 3 packs (4 spill at 1024 threads)
-    (1, 8): ((1, 512, 0, 1), (1, 1024, 3, 1), (2, 1024, 3, 1), (4, 1024, 3, 1), (8, 1024, 3, 1)),
-    (2, 2): _BACKWARD_ASYNC_LADDER_16BIT,
-    (2, 4): _BACKWARD_ASYNC_LADDER,
-    (2, 8): _BACKWARD_ASYNC_LADDER,
-}
+# AUTO_ASYNC_LADDERS: a value of the device profile (cupyops/profiles/*.json),
+# (inputs, itemsize) -> rungs; float64 forward as float32, its tails up to 3
+# packs (4 spill at 1024 threads).
 # rows that allow no 16-byte pack: shared memory filled through registers,
 # blocks of AUTO_SMEM_BLOCK_SIZES[(inputs, itemsize)] threads, else
 # AUTO_SMEM_BLOCK_SIZE. A row's cache leaves few blocks an SM, and 256
@@ -144,8 +134,8 @@ AUTO_ASYNC_LADDERS = {   # (inputs, itemsize) -> rungs
 # threads, against both inputs: f16 16384 x 30001 53.5 against 48.4, 16384 x
 # 40001 54.7 / 49.2, 2048 x 55758 66.6 / 66.5, 459 x 18246 44.6 / 51.3; f32
 # 459 x 18246 65.9 / 59.7.
-AUTO_SMEM_BLOCK_SIZE = 256
-AUTO_SMEM_BLOCK_SIZES = {(2, 2): 1024, (2, 4): 1024, (1, 4): 1024}
+# AUTO_SMEM_BLOCK_SIZE: a value of the device profile (cupyops/profiles/*.json).
+# AUTO_SMEM_BLOCK_SIZES: a value of the device profile (cupyops/profiles/*.json).
 # Such rows whose operands share each row's phase (odd cols of contiguous
 # arrays) peel their edges and cache 16-byte packs between them, in blocks of
 # AUTO_PEELED_SMEM_BLOCKS[(inputs, itemsize)] = (threads, launch bounds'
@@ -169,8 +159,8 @@ AUTO_SMEM_BLOCK_SIZES = {(2, 2): 1024, (2, 4): 1024, (1, 4): 1024}
 #   uncached (287 x 116863, 512 / 1024 threads, narrow 1024): softmax f16 /
 #     f32 47.4 / 45.3 / 24.5 and 50.5 / 47.3 / 35.9; softmax_backward 52.1 /
 #     49.5 and 53.7 / 50.5; log_softmax_backward 63.8 / 56.9 and 65.0 / 61.2.
-AUTO_PEELED_SMEM_BLOCKS = {(1, 2): (512, 0), (1, 4): (512, 0), (2, 2): (1024, 2), (2, 4): (512, 0)}
-AUTO_PEELED_UNCACHED_BLOCK_SIZE = 512
+# AUTO_PEELED_SMEM_BLOCKS: a value of the device profile (cupyops/profiles/*.json).
+# AUTO_PEELED_UNCACHED_BLOCK_SIZE: a value of the device profile (cupyops/profiles/*.json).
 # Rows of at most AUTO_NARROW_MAX_COLS cols in 1-element packs (odd cols) of
 # 16-bit and float32 types (AUTO_NARROW_ITEMSIZES) take the narrowest group of
 # lanes each holding at most AUTO_NARROW_LANE_ELEMENTS[inputs] elements (a
@@ -181,8 +171,8 @@ AUTO_PEELED_UNCACHED_BLOCK_SIZE = 512
 # (two lanes of 3) against 19.9 / 37.9 and 31.9 / 57.2; 7 cols (two lanes of
 # 4) 64.0 / 90.8 and 70.5 / 91.8 against 26.3 / 48.8 and 41.3 / 69.3 (a lane
 # of 7: 26.6 / 38.9 and 36.9 / 53.2).
-AUTO_NARROW_MAX_COLS = 8
-AUTO_NARROW_ITEMSIZES = (2, 4)
+# AUTO_NARROW_MAX_COLS: a value of the device profile (cupyops/profiles/*.json).
+# AUTO_NARROW_ITEMSIZES: a value of the device profile (cupyops/profiles/*.json).
 AUTO_NARROW_LANE_ELEMENTS = {1: 5, 2: 4}
 # float32 forward rows of these cols, 16-byte aligned, take OneFlow's plan
 # (unless it reads the row twice): its shared-memory plan for softmax at 1024
@@ -192,7 +182,7 @@ AUTO_NARROW_LANE_ELEMENTS = {1: 5, 2: 4}
 # registers); its warp plan of 2-element packs for log-softmax at 256 cols
 # (83.6 % against 83.3 % with 4) and 512 cols (91.7 % against 91.0 %; at 128
 # and 1024 cols 4 is as fast or faster).
-AUTO_ONEFLOW_COLS = {("softmax", "f32"): (1024, 2048), ("log_softmax", "f32"): (256, 512, 2048, 4096)}
+# AUTO_ONEFLOW_COLS: a value of the device profile (cupyops/profiles/*.json).
 
 
 @dataclass(frozen=True)
@@ -333,7 +323,8 @@ def _oneflow_smem_plan(op, dtype, rows, cols, pack_size, target):
 def _uncached_plan(op, dtype, rows, pack_size, online, target, peel=False):
     """online: a running (max, sum) pass instead of separate max and sum passes (forward only);
     peel: 16-byte packs between each row's edges (auto)."""
-    block_size = AUTO_PEELED_UNCACHED_BLOCK_SIZE if peel else UNCACHED_BLOCK_SIZE
+    tuned = profile_for(target.facts)
+    block_size = tuned.AUTO_PEELED_UNCACHED_BLOCK_SIZE if peel else UNCACHED_BLOCK_SIZE
     spec = SoftmaxSpec(op, "block_uncached", dtype, pack_size, block_size=block_size,
                        online=online and len(INPUTS[op]) == 1, peel=peel)
     return _block_plan(spec, rows, 0, target)
@@ -356,6 +347,7 @@ def _oneflow_plan(op, dtype, rows, cols, align, target) -> SoftmaxPlan:
 def _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target, small_peeled=False):
     """A block per row cached in registers, or None where no block size fits.
     small_peeled: only AUTO_PEELED_SMALL_BLOCKS, for rows off the 16-byte grid."""
+    tuned = profile_for(target.facts)
     ftype = dtypes.BY_SHORT[dtype]
     num_inputs = len(INPUTS[op])
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
@@ -366,23 +358,23 @@ def _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target, small_peele
         return None
     num_packs = cols // regs_pack
     if small_peeled:
-        block_sizes, max_packs = AUTO_PEELED_SMALL_BLOCKS, AUTO_PEELED_SMALL_MAX_PACKS
+        block_sizes, max_packs = tuned.AUTO_PEELED_SMALL_BLOCKS, tuned.AUTO_PEELED_SMALL_MAX_PACKS
     else:
-        largest = AUTO_BLOCK_REGS_LARGEST.get(op, AUTO_BLOCK_REGS_SIZES[-1])
+        largest = tuned.AUTO_BLOCK_REGS_LARGEST.get(op, AUTO_BLOCK_REGS_SIZES[-1])
         block_sizes = [size for size in AUTO_BLOCK_REGS_SIZES if size <= largest]
-        max_packs = (AUTO_PEELED_MAX_PACKS.get((ftype.itemsize, num_inputs), 8) if peel
-                     else AUTO_BLOCK_REGS_MAX_PACKS.get((ftype.itemsize, num_inputs), 4))
+        max_packs = (tuned.AUTO_PEELED_MAX_PACKS.get((ftype.itemsize, num_inputs), 8) if peel
+                     else tuned.AUTO_BLOCK_REGS_MAX_PACKS.get((ftype.itemsize, num_inputs), 4))
     for block_size in block_sizes:
         packs_per_thread = -(-num_packs // block_size)
         if (packs_per_thread <= max_packs and
-                packs_per_thread * regs_pack * compute_itemsize * block_size <= AUTO_BLOCK_REGS_MAX_BYTES):
+                packs_per_thread * regs_pack * compute_itemsize * block_size <= tuned.AUTO_BLOCK_REGS_MAX_BYTES):
             rows_per_block = peeled_small_rows_per_block(block_size) if small_peeled else 1
             spec = SoftmaxSpec(op, "block_regs", dtype, regs_pack, block_size=block_size,
                                packs_per_thread=packs_per_thread, rows_per_block=rows_per_block, peel=peel,
                                storage_cache=ftype.itemsize < compute_itemsize)
             threads = spec.threads_per_block
             resident = target.max_active_blocks(spec, threads, 0, False) * threads
-            if resident >= AUTO_BLOCK_REGS_MIN_RESIDENT:
+            if resident >= tuned.AUTO_BLOCK_REGS_MIN_RESIDENT:
                 return _block_plan(spec, rows, 0, target)
     return None
 
@@ -397,10 +389,11 @@ def _async_plan(op, dtype, rows, cols, pack_size, target):
     """cp.async into shared memory: the first rung of AUTO_ASYNC_LADDERS that
     holds the row (a block or a cluster per row, with or without a register
     tail); None when none does."""
+    tuned = profile_for(target.facts)
     num_inputs = len(INPUTS[op])
     itemsize = dtypes.BY_SHORT[dtype].itemsize
     row_bytes = cols * itemsize
-    for cluster_size, block_size, most, min_blocks in AUTO_ASYNC_LADDERS[num_inputs, itemsize]:
+    for cluster_size, block_size, most, min_blocks in tuned.AUTO_ASYNC_LADDERS[num_inputs, itemsize]:
         if cluster_size > 1 and not has_clusters(target.facts.arch):
             continue
 
@@ -420,30 +413,31 @@ def _async_plan(op, dtype, rows, cols, pack_size, target):
 
 
 def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
+    tuned = profile_for(target.facts)
     ftype = dtypes.BY_SHORT[dtype]
     num_inputs = len(INPUTS[op])
-    if cols in AUTO_ONEFLOW_COLS.get((op, dtype), ()) and align == 16:
+    if cols in tuned.AUTO_ONEFLOW_COLS.get((op, dtype), ()) and align == 16:
         oneflow = _oneflow_plan(op, dtype, rows, cols, align, target)
         if oneflow.spec.impl != "block_uncached":
             return oneflow
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     pack_size = vector_pack_size(cols, ftype.itemsize, align)
-    max_cols_per_thread = max(AUTO_WARP_MAX_BYTES_PER_LANE // compute_itemsize, pack_size)
-    if cols >= AUTO_PEELED_SMALL_MIN_COLS:
+    max_cols_per_thread = max(tuned.AUTO_WARP_MAX_BYTES_PER_LANE // compute_itemsize, pack_size)
+    if cols >= tuned.AUTO_PEELED_SMALL_MIN_COLS:
         small_plan = _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target, small_peeled=True)
         if small_plan is not None:
             return small_plan
-    if pack_size == 1 and cols <= AUTO_NARROW_MAX_COLS and ftype.itemsize in AUTO_NARROW_ITEMSIZES:
+    if pack_size == 1 and cols <= tuned.AUTO_NARROW_MAX_COLS and ftype.itemsize in tuned.AUTO_NARROW_ITEMSIZES:
         ladder = narrow_ladder(cols, num_inputs)
     else:
         ladder = warp_ladder(cols, rows, pack_size, max_cols_per_thread)
     if ladder is not None:
         cols_per_thread, width, rows_per_access = ladder
-        rows_per_access = AUTO_WARP_ROWS_PER_ACCESS.get(ftype.itemsize, rows_per_access)
+        rows_per_access = tuned.AUTO_WARP_ROWS_PER_ACCESS.get(ftype.itemsize, rows_per_access)
         return warp_plan(op, dtype, rows, cols, pack_size, (cols_per_thread, width, rows_per_access),
                           target)
     aligned = pack_size * ftype.itemsize == 16   # cp.async's 16-byte packs
-    if not (aligned and cols * ftype.itemsize >= AUTO_ASYNC_MIN_ROW_BYTES):
+    if not (aligned and cols * ftype.itemsize >= tuned.AUTO_ASYNC_MIN_ROW_BYTES):
         regs_plan = _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target)
         if regs_plan is not None:
             return regs_plan
@@ -459,9 +453,9 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
     cache_bytes = cached_inputs * cols * ftype.itemsize
     key = (num_inputs, ftype.itemsize)
     if peel:
-        block_size, min_blocks = AUTO_PEELED_SMEM_BLOCKS.get(key, (AUTO_SMEM_BLOCK_SIZE, 0))
+        block_size, min_blocks = tuned.AUTO_PEELED_SMEM_BLOCKS.get(key, (tuned.AUTO_SMEM_BLOCK_SIZE, 0))
     else:
-        block_size, min_blocks = AUTO_SMEM_BLOCK_SIZES.get(key, AUTO_SMEM_BLOCK_SIZE), 0
+        block_size, min_blocks = tuned.AUTO_SMEM_BLOCK_SIZES.get(key, tuned.AUTO_SMEM_BLOCK_SIZE), 0
     spec = SoftmaxSpec(op, "block_smem", dtype, cache_pack, block_size=block_size, storage_cache=True, peel=peel,
                        cached_inputs=cached_inputs if cached_inputs < num_inputs else 0)
     if min_blocks:   # where the row's cache leaves room for them

@@ -31,6 +31,7 @@ import numpy
 
 from .. import dtypes, jit
 from ..launch import MAX_GRID_X, LaunchCache, Target, live_function
+from ..profile import profile_for
 from . import softmax_rows
 from .row_packs import peeled_pack, vector_pack_size
 from .softmax_rows import INPUTS, OPS
@@ -38,21 +39,21 @@ from .softmax_rows import INPUTS, OPS
 STAGES = ("partials", "finish", "coop")
 TWO_LAUNCH_STAGES = ("partials", "finish")
 
-SPLIT_BLOCK_SIZE = 512
+# SPLIT_BLOCK_SIZE: a value of the device profile (cupyops/profiles/*.json).
 # Blocks for this many full waves of the GPU.
-SPLIT_WAVES = 2
+# SPLIT_WAVES: a value of the device profile (cupyops/profiles/*.json).
 # Smallest chunk a block owns, in bytes of each input.
-SPLIT_MIN_CHUNK_BYTES = 16 * 1024
+# SPLIT_MIN_CHUNK_BYTES: a value of the device profile (cupyops/profiles/*.json).
 # Chunk lengths are multiples of this many bytes.
-SPLIT_CHUNK_GRANULE_BYTES = 128
+# SPLIT_CHUNK_GRANULE_BYTES: a value of the device profile (cupyops/profiles/*.json).
 # Rows at least this many times the SM count: a block per row fills the GPU.
-SPLIT_MAX_ROWS_PER_SM = 1
+# SPLIT_MAX_ROWS_PER_SM: a value of the device profile (cupyops/profiles/*.json).
 # Rows shorter than this (bytes of each input) are left to the ordinary paths.
-SPLIT_MIN_ROW_BYTES = 128 * 1024
+# SPLIT_MIN_ROW_BYTES: a value of the device profile (cupyops/profiles/*.json).
 # Bytes of each input a thread loads before using the first of them, in at
 # most SPLIT_MAX_LOADS_IN_FLIGHT packs.
-SPLIT_BYTES_IN_FLIGHT = 64
-SPLIT_MAX_LOADS_IN_FLIGHT = 8
+# SPLIT_BYTES_IN_FLIGHT: a value of the device profile (cupyops/profiles/*.json).
+# SPLIT_MAX_LOADS_IN_FLIGHT: a value of the device profile (cupyops/profiles/*.json).
 
 # Coop blocks of 256 threads. H200, % of copy, against 512-thread blocks
 # (whose float32 and float64 forward threads held 64 bytes, float64 backward
@@ -72,13 +73,13 @@ COOP_BLOCK_SIZE = 256
 # of inputs); doubled, up to COOP_DOUBLINGS times, where a row's chunks would
 # outnumber the resident blocks. None needs local memory (sm_90: 4 blocks an
 # SM; 3 for float64 softmax and log_softmax_backward, 2 for float32 backward).
-COOP_BYTES_PER_THREAD = {(2, 1): 128, (4, 1): 128, (8, 1): 128, (2, 2): 64, (4, 2): 128, (8, 2): 64}
-COOP_DOUBLINGS = 2
+# COOP_BYTES_PER_THREAD: a value of the device profile (cupyops/profiles/*.json).
+# COOP_DOUBLINGS: a value of the device profile (cupyops/profiles/*.json).
 # Most packs (of all inputs together) a coop thread holds: each takes at least
 # a register, so narrow packs hold fewer bytes.
-COOP_MAX_CACHED_PACKS = 32
+# COOP_MAX_CACHED_PACKS: a value of the device profile (cupyops/profiles/*.json).
 # Narrower packs (odd cols, misaligned rows) take the two launches.
-COOP_MIN_PACK_BYTES = 4
+# COOP_MIN_PACK_BYTES: a value of the device profile (cupyops/profiles/*.json).
 # Rows whose operands share each row's phase take coop packs of at least this
 # many bytes; narrower ones lose to the two launches peeled (16-byte packs
 # between single-element edges). H200, % of copy, peeled two launches against
@@ -86,10 +87,10 @@ COOP_MIN_PACK_BYTES = 4
 # 8 x (2^20 + 7) 47.1 / 36.3, 32 x 262145 48.7 / 38.2, 3 x (2^20 + 7) 31.4 /
 # 32.7, 1 x 300001 5.5 / 5.9; log_softmax 47.8 / 32.8, 48.9 / 36.3, 47.9 /
 # 38.1, 31.8 / 32.6.
-COOP_MIN_PEELABLE_PACK_BYTES = 8
+# COOP_MIN_PEELABLE_PACK_BYTES: a value of the device profile (cupyops/profiles/*.json).
 # Rows of at least this many bytes (all inputs together) are split even when
 # many rows fill the GPU: longer than the ordinary paths keep on chip.
-COOP_MIN_ROW_BYTES = 256 * 1024
+# COOP_MIN_ROW_BYTES: a value of the device profile (cupyops/profiles/*.json).
 # Coop slots with several rows each prefetch the next one (plan()'s rule 3) below this
 # many rows an SM, for the (itemsize, number of inputs) in COOP_PREFETCH.
 # H200, % of copy, prefetching / reading each row after the last: float32
@@ -99,8 +100,8 @@ COOP_MIN_ROW_BYTES = 256 * 1024
 # softmax (8 x 2^20 32.6 / 31.8 but 32 x 2^18 34.9 / 37.0), float32
 # softmax_backward (spills); 16-bit forward kernels need more registers to
 # prefetch (80 instead of 58), leaving 3 blocks an SM instead of 4.
-COOP_PREFETCH_MAX_ROWS_PER_SM = 1
-COOP_PREFETCH = {(4, 1)}
+# COOP_PREFETCH_MAX_ROWS_PER_SM: a value of the device profile (cupyops/profiles/*.json).
+# COOP_PREFETCH: a value of the device profile (cupyops/profiles/*.json).
 # Where the plain coop plan takes more than one round, threads of the
 # (itemsize, number of inputs) in COOP_SHARED hold its bytes of each input of
 # a longer chunk in registers and the rest (shared_packs, at most
@@ -122,8 +123,8 @@ COOP_PREFETCH = {(4, 1)}
 # softmax_backward 8 x 2^20: 32 (57.7) against 48 (57.4) and 64 (57.0;
 # log_softmax_backward 48.0: 76 registers, 3 blocks an SM); f32
 # softmax_backward: 48 and 80 within 0.7 of each other.
-COOP_SHARED = {(2, 1): 80, (4, 1): 80, (2, 2): 32, (4, 2): 48}
-COOP_MAX_SHARED_PACKS = 32
+# COOP_SHARED: a value of the device profile (cupyops/profiles/*.json).
+# COOP_MAX_SHARED_PACKS: a value of the device profile (cupyops/profiles/*.json).
 
 
 @dataclass(frozen=True)
@@ -251,13 +252,14 @@ def coop_candidate(op: str, rows: int, cols: int, dtype: str, target: Target, al
     input in registers (or, where that takes more than one round, a longer
     chunk partly in shared memory, or prefetching), or None when it cannot be
     (plan()'s rule 3)."""
+    tuned = profile_for(target.facts)
     facts = target.facts
     itemsize = dtypes.BY_SHORT[dtype].itemsize
     pack_size = vector_pack_size(cols, itemsize, align)
     pack_bytes = pack_size * itemsize
     num_inputs = len(INPUTS[op])
     packs_per_thread = max(1, bytes_per_thread // pack_bytes)
-    if pack_bytes < COOP_MIN_PACK_BYTES or packs_per_thread * num_inputs > COOP_MAX_CACHED_PACKS:
+    if pack_bytes < tuned.COOP_MIN_PACK_BYTES or packs_per_thread * num_inputs > tuned.COOP_MAX_CACHED_PACKS:
         return None
 
     def resident_blocks(spec: SoftmaxSplitSpec) -> int:
@@ -282,17 +284,17 @@ def coop_candidate(op: str, rows: int, cols: int, dtype: str, target: Target, al
     if plain is None or plain.slots >= rows:
         return plain
     kind = (itemsize, num_inputs)
-    if kind in COOP_SHARED:
+    if kind in tuned.COOP_SHARED:
         # one round: a chunk for each of the plain kernel's resident blocks
         blocks_a_row = resident_blocks(plain.spec) // rows
         chunk_packs = -(-(cols // pack_size) // max(1, blocks_a_row))
-        register_packs = min(packs_per_thread, max(1, COOP_SHARED[kind] // pack_bytes))
+        register_packs = min(packs_per_thread, max(1, tuned.COOP_SHARED[kind] // pack_bytes))
         shared_packs = -(-chunk_packs // COOP_BLOCK_SIZE) - register_packs
-        if blocks_a_row >= 2 and 0 < shared_packs * num_inputs <= COOP_MAX_SHARED_PACKS:
+        if blocks_a_row >= 2 and 0 < shared_packs * num_inputs <= tuned.COOP_MAX_SHARED_PACKS:
             one_round = candidate(register_packs, shared_packs)
             if one_round is not None and one_round.slots >= rows:
                 return one_round
-    if kind in COOP_PREFETCH and rows < COOP_PREFETCH_MAX_ROWS_PER_SM * facts.sm_count:
+    if kind in tuned.COOP_PREFETCH and rows < tuned.COOP_PREFETCH_MAX_ROWS_PER_SM * facts.sm_count:
         prefetching = candidate(packs_per_thread, prefetch=True)
         if prefetching is not None and plain.slots <= prefetching.slots < rows:
             return prefetching
@@ -304,9 +306,10 @@ def coop_plan(op: str, rows: int, cols: int, dtype: str, target: Target,
               align: int = 16) -> Optional[CoopPlan]:
     """The one-launch cooperative plan (rule 3 of plan()) for a
     row that is split, or None when a row's chunks cannot all be resident."""
+    tuned = profile_for(target.facts)
     _check(op, rows, cols)
-    preferred = COOP_BYTES_PER_THREAD[(dtypes.BY_SHORT[dtype].itemsize, len(INPUTS[op]))]
-    for doubling in range(COOP_DOUBLINGS + 1):
+    preferred = tuned.COOP_BYTES_PER_THREAD[(dtypes.BY_SHORT[dtype].itemsize, len(INPUTS[op]))]
+    for doubling in range(tuned.COOP_DOUBLINGS + 1):
         candidate = coop_candidate(op, rows, cols, dtype, target, align, preferred << doubling)
         if candidate is not None:
             return candidate
@@ -359,16 +362,17 @@ def plan(op: str, rows: int, cols: int, dtype: str, target: Target, align: int =
        splits then = the chunks of that size covering the row. Fewer than 2
        chunks per row, or many rows: the ordinary path -> None.
     """
+    tuned = profile_for(target.facts)
     _check(op, rows, cols)
     itemsize = dtypes.BY_SHORT[dtype].itemsize
-    few_long_rows = (rows < SPLIT_MAX_ROWS_PER_SM * target.facts.sm_count
-                     and cols * itemsize >= SPLIT_MIN_ROW_BYTES)
+    few_long_rows = (rows < tuned.SPLIT_MAX_ROWS_PER_SM * target.facts.sm_count
+                     and cols * itemsize >= tuned.SPLIT_MIN_ROW_BYTES)
     if not few_long_rows:
-        if cols * itemsize * len(INPUTS[op]) < COOP_MIN_ROW_BYTES:
+        if cols * itemsize * len(INPUTS[op]) < tuned.COOP_MIN_ROW_BYTES:
             return None
         if softmax_rows.plan(op, rows, cols, dtype, "auto", target, align, same_phase).spec.impl == "block_async":
             return None   # one block (a register tail) or a cluster keeps the row on chip
-    if same_phase and vector_pack_size(cols, itemsize, align) * itemsize < COOP_MIN_PEELABLE_PACK_BYTES:
+    if same_phase and vector_pack_size(cols, itemsize, align) * itemsize < tuned.COOP_MIN_PEELABLE_PACK_BYTES:
         return two_launch_plan(op, rows, cols, dtype, target, align, same_phase) or \
             coop_plan(op, rows, cols, dtype, target, align)
     return coop_plan(op, rows, cols, dtype, target, align) or \
@@ -379,26 +383,27 @@ def plan(op: str, rows: int, cols: int, dtype: str, target: Target, align: int =
 def two_launch_plan(op: str, rows: int, cols: int, dtype: str, target: Target,
                     align: int = 16, same_phase: bool = True) -> Optional[SplitPlan]:
     """The two-launch split plan (rule 4 of plan()), or None."""
+    tuned = profile_for(target.facts)
     _check(op, rows, cols)
     facts = target.facts
     itemsize = dtypes.BY_SHORT[dtype].itemsize
-    if rows >= SPLIT_MAX_ROWS_PER_SM * facts.sm_count or cols * itemsize < SPLIT_MIN_ROW_BYTES:
+    if rows >= tuned.SPLIT_MAX_ROWS_PER_SM * facts.sm_count or cols * itemsize < tuned.SPLIT_MIN_ROW_BYTES:
         return None
     pack_size, peel = peeled_pack(vector_pack_size(cols, itemsize, align), itemsize, same_phase)
     pack_bytes = pack_size * itemsize
     num_packs = cols // pack_size
-    loads_in_flight = min(SPLIT_MAX_LOADS_IN_FLIGHT, max(1, SPLIT_BYTES_IN_FLIGHT // pack_bytes))
-    partials, finish = (SoftmaxSplitSpec(op, stage, dtype, pack_size, SPLIT_BLOCK_SIZE,
+    loads_in_flight = min(tuned.SPLIT_MAX_LOADS_IN_FLIGHT, max(1, tuned.SPLIT_BYTES_IN_FLIGHT // pack_bytes))
+    partials, finish = (SoftmaxSplitSpec(op, stage, dtype, pack_size, tuned.SPLIT_BLOCK_SIZE,
                                          loads_in_flight, peel=peel) for stage in TWO_LAUNCH_STAGES)
-    resident = facts.sm_count * target.max_active_blocks(partials, SPLIT_BLOCK_SIZE, 0, opt_in=False)
-    splits = min(-(-SPLIT_WAVES * resident // rows), num_packs * pack_bytes // SPLIT_MIN_CHUNK_BYTES)
+    resident = facts.sm_count * target.max_active_blocks(partials, tuned.SPLIT_BLOCK_SIZE, 0, opt_in=False)
+    splits = min(-(-tuned.SPLIT_WAVES * resident // rows), num_packs * pack_bytes // tuned.SPLIT_MIN_CHUNK_BYTES)
     if splits < 2:
         return None
-    granule = max(1, SPLIT_CHUNK_GRANULE_BYTES // pack_bytes)
+    granule = max(1, tuned.SPLIT_CHUNK_GRANULE_BYTES // pack_bytes)
     chunk_packs = _round_up(-(-num_packs // splits), granule)
     splits = -(-num_packs // chunk_packs)
     return SplitPlan(partials, finish, splits, chunk_packs * pack_size,
-                     (SPLIT_BLOCK_SIZE, 1, 1), (rows * splits, 1, 1))
+                     (tuned.SPLIT_BLOCK_SIZE, 1, 1), (rows * splits, 1, 1))
 
 
 # -- launch ------------------------------------------------------------------
