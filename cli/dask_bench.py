@@ -6,9 +6,12 @@ Bytes counted: x read and y written (2 * x.nbytes). A Dask run: x persisted on t
 workers first, an even run of its row blocks on each; then, repeated, y = op(x) persisted,
 waited for and every worker's GPU synchronised, timed by the client's clock from the persist
 to the last GPU idle (the graph of y built before); the median, the first run (compiles,
-memory pools) left out. Between runs y's futures are released and the scheduler is waited
-on until it has forgotten y's keys: the next run's graph has the same keys, and a key
-resubmitted while the scheduler still cancels or releases it comes back cancelled.
+memory pools) left out. Between runs, outside the timed region, y's futures are released
+and the scheduler and workers are waited on until none holds y's keys: the next run's graph
+has the same keys (a key resubmitted while the scheduler still cancels or releases it comes
+back cancelled), and its blocks reuse the memory the last run's gave back. The timed region
+holds the persist call (the client optimises and sends the built graph), the tasks, and one
+`client.run` round trip for the GPU synchronisation.
 Nothing moves to the client. The plain op: one array of the bytes each GPU holds in the
 Dask run, on a worker, timed by CUDA events; the median.
 
@@ -77,18 +80,25 @@ def _known_tasks(keys, dask_scheduler=None) -> int:
     return sum(key in dask_scheduler.tasks for key in keys)
 
 
+def _held_keys(keys, dask_worker=None) -> int:
+    """On a worker: how many of `keys` it still holds data of."""
+    return sum(key in dask_worker.data for key in keys)
+
+
 def _release(client, futures, wait: bool = True) -> None:
-    """Releases `futures` and (`wait`) waits until the scheduler has forgotten their keys, so that
-    a graph of the same keys (the same op over the same x) is submitted anew, into free memory."""
+    """Releases `futures` and (`wait`) waits until the scheduler has forgotten their keys and no
+    worker holds their data any more, so that a graph of the same keys (the same op over the same
+    x) is submitted anew, and its blocks are allocated from memory the last run's gave back to
+    the workers' pools (the scheduler forgets a key before its worker drops the block)."""
     keys = [future.key for future in futures]
     for future in futures:
         future.release()
     if not wait:
         return
     deadline = time.monotonic() + FORGET_TIMEOUT_S
-    while client.run_on_scheduler(_known_tasks, keys):
+    while client.run_on_scheduler(_known_tasks, keys) or any(client.run(_held_keys, keys).values()):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the scheduler still holds keys of released futures after {FORGET_TIMEOUT_S} s")
+            raise TimeoutError(f"the cluster still holds keys of released futures after {FORGET_TIMEOUT_S} s")
         time.sleep(0.005)
 
 

@@ -111,15 +111,28 @@ def random_normal(shape: tuple, chunks, dtype, seed: int = 0):
 
 def persist_spread(client, x):
     """x persisted with its blocks along axis 0 split into one contiguous run per worker, the runs
-    as even as the blocks allow (the scheduler alone may give one worker more)."""
+    as even as the blocks allow (the scheduler alone may give one worker more).
+
+    The runs are persisted apart and then their concatenation is persisted too, so that each block
+    of the result is a key held in memory: left as `da.concatenate(parts)`, every graph built on
+    the result would carry the concatenation's layer, one more task a block (it only renames the
+    block, but each task costs the scheduler and the worker as much as a kernel's), run again on
+    every compute. Each renaming task runs where its block is (its only dependency): nothing
+    moves, nothing is copied."""
     import dask.array as da
+    import distributed
 
     workers = sorted(client.scheduler_info()["workers"])
     bounds = numpy.linspace(0, x.numblocks[0], len(workers) + 1).round().astype(int)
     starts = (*chunk_starts(x.chunks)[0], x.shape[0])
     parts = [client.persist(x[starts[first]:starts[last]], workers=[worker])
              for worker, first, last in zip(workers, bounds[:-1], bounds[1:]) if last > first]
-    return da.concatenate(parts)
+    if len(parts) == 1:
+        return parts[0]
+    spread = client.persist(da.concatenate(parts))
+    distributed.wait(spread)           # the parts' keys may go only once the renaming tasks have run
+    del parts
+    return spread
 
 
 def synchronize_workers(client) -> None:

@@ -616,6 +616,7 @@ def test_bench_dask_reruns_a_graph_of_the_same_keys(monkeypatch):
             keys.update(graph.__dask_keys__())
             assert dask_bench._persist_seconds(client, graph) > 0
         assert len(keys) == 64 and client.run_on_scheduler(dask_bench._known_tasks, list(keys)) == 0
+        assert not any(client.run(dask_bench._held_keys, list(keys)).values())
         assert distributed.futures_of(x) and all(f.status == "finished" for f in distributed.futures_of(x))
 
 
@@ -692,3 +693,22 @@ def test_persist_spread_gives_each_worker_an_even_run_of_blocks():
         runs = [len(list(group)) for _, group in itertools.groupby(holders)]
         assert sorted(runs) == [3, 4, 4] and len(set(holders)) == 3
         numpy.testing.assert_array_equal(spread.compute(), x.compute())
+
+
+def test_persist_spread_adds_no_task_to_the_graphs_built_on_it():
+    """Its blocks are keys in memory: an op over it runs one task a block (a concatenation of the
+    runs left in its graph would run one more a block, every time), each where its block is."""
+    distributed = pytest.importorskip("distributed")
+    x = da.arange(1100, chunks=100).reshape(1100, 1)
+    with distributed.LocalCluster(n_workers=2, processes=False, dashboard_address=None) as cluster, \
+            distributed.Client(cluster) as client:
+        spread = dask_cluster.persist_spread(client, x)
+        assert set(dict(spread.__dask_graph__())) == {f.key for f in distributed.futures_of(spread)}
+        assert len(distributed.futures_of(spread)) == spread.npartitions == 11
+        with distributed.get_task_stream(client) as stream:
+            doubled = client.persist(spread * 2)
+            distributed.wait(doubled)
+        assert len(stream.data) == 11 and {r["key"][0] for r in stream.data} == {doubled.name}
+        assert all(r["worker"] in client.who_has(source)[source.key] for r in stream.data
+                   for source in distributed.futures_of(spread) if source.key[1:] == r["key"][1:])
+        numpy.testing.assert_array_equal(doubled.compute(), 2 * x.compute())
