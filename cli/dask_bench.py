@@ -2,8 +2,10 @@
 the workers of a local cluster, one worker per GPU (cupyops.dask_cluster), on 1 and 2 GPUs,
 against the plain single-array op over the bytes one GPU holds. Needs the `dask` extra.
 
-Bytes counted: x read and y written (2 * x.nbytes). A Dask run: x persisted on the
-workers first, an even run of its row blocks on each; then, repeated, y = op(x) persisted,
+Bytes counted: x read and y written (2 * x.nbytes), times the ops a run chains. A Dask run:
+x persisted on the workers first, an even run of its row blocks on each; then, repeated,
+y = op(x) (with --chain N, y = op(op(...op(x))), N ops each reading the last one's output, so
+that the persist and the synchronisation are paid once for N ops' bytes) persisted,
 waited for and every worker's GPU synchronised, timed by the client's clock from the persist
 to the last GPU idle (the graph of y built before); the median, the first run (compiles,
 memory pools) left out. Between runs, outside the timed region, y's futures are released
@@ -132,10 +134,17 @@ def _persist_seconds(client, graph) -> float:
     return seconds
 
 
-def _dask_seconds(client, op: str, x, weight, bias, reps: int) -> float:
+def _chained(op: str, x, weight, bias, chain: int):
+    """op applied `chain` times through cupyops.dask, each to the last one's output."""
     import cupyops.dask as cd
 
-    samples = [_persist_seconds(client, _apply(op, cd, x, weight, bias)) for _ in range(reps + 1)]
+    for _ in range(chain):
+        x = _apply(op, cd, x, weight, bias)
+    return x
+
+
+def _dask_seconds(client, op: str, x, weight, bias, reps: int, chain: int) -> float:
+    samples = [_persist_seconds(client, _chained(op, x, weight, bias, chain)) for _ in range(reps + 1)]
     return statistics.median(samples[1:])
 
 
@@ -170,13 +179,14 @@ class _Results:
 
 
 def measure(ops: list, gib: float, cols: int, chunk_mibs: list, gpu_counts: list, dtype, reps: int,
-            report: Callable = lambda result, line: None) -> dict:
+            report: Callable = lambda result, line: None, chain: int = 1) -> dict:
     """Every (op, GPUs, chunk size) point: median seconds and GB/s; the plain op per GPU count.
     A cluster, plain op or point that fails is in result["errors"] and the others go on;
     report(result, line) after each entry."""
     rows = int(gib * GIB) // (cols * dtype.itemsize)
-    num_bytes = 2 * rows * cols * dtype.itemsize
-    result = {"dtype": dtype.name, "rows": rows, "cols": cols, "bytes": num_bytes, "clusters": {}, "points": [],
+    num_bytes = 2 * rows * cols * dtype.itemsize * chain
+    result = {"dtype": dtype.name, "rows": rows, "cols": cols, "chain": chain, "bytes": num_bytes, "clusters": {},
+              "points": [],
               "plain": [], "errors": []}
     results = _Results(result, report)
     for gpus in gpu_counts:
@@ -208,7 +218,7 @@ def _measure_cluster(results: _Results, gpus: int, ops: list, rows: int, cols: i
                 results.failed(error, gpus=gpus, op=op, stage="plain")
                 continue
             results.add("plain", {"op": op, "gpus": gpus, "rows": rows // gpus, "seconds": seconds,
-                                  "gbs": num_bytes / gpus / seconds / 1e9},
+                                  "gbs": num_bytes / results.result["chain"] / gpus / seconds / 1e9},
                         f"plain {op}, {rows // gpus} rows on one GPU: {seconds * 1e3:.1f} ms")
         client.run(_free_pools)
         weight, bias = client.persist([random_normal((cols,), -1, dtype, seed=s) for s in (1, 2)])
@@ -224,7 +234,7 @@ def _measure_cluster(results: _Results, gpus: int, ops: list, rows: int, cols: i
                 _wait(futures)
                 for op in ops:
                     try:
-                        seconds = _dask_seconds(client, op, x, weight, bias, reps)
+                        seconds = _dask_seconds(client, op, x, weight, bias, reps, results.result["chain"])
                     except Exception as error:  # noqa: BLE001
                         results.failed(error, gpus=gpus, op=op, chunk_mib=chunk_mib, stage="dask")
                         continue
@@ -244,8 +254,10 @@ def format_table(result: dict) -> str:
     plain = {(p["op"], p["gpus"]): p["gbs"] for p in result["plain"]}
     one_gpu = {(p["op"], p["chunk_mib"]): p["gbs"] for p in result["points"] if p["gpus"] == 1}
     nan = float("nan")
+    chain = result.get("chain", 1)
+    ops = f"{chain} chained ops" if chain > 1 else "one op"
     lines = [f"{result['dtype']} {result['rows']} x {result['cols']}, {result['bytes'] / 1e9:.1f} GB moved "
-             f"(x read + y written); clusters: {result['clusters']}",
+             f"(x read + y written, {ops} a run); clusters: {result['clusters']}",
              f"{'op':<11} {'gpus':>4} {'chunk MiB':>9} {'blocks':>6} {'ms':>9} {'GB/s':>8} {'GB/s/GPU':>9} "
              f"{'x 1 GPU':>8} {'x plain':>8}"]
     for p in result["points"]:
@@ -269,9 +281,12 @@ def format_table(result: dict) -> str:
 @click.option("--chunk-mib", default="256,1024", show_default=True, help="Comma-separated chunk sizes (MiB).")
 @click.option("--gpus", default="1,2", show_default=True, help="Comma-separated numbers of workers, one GPU each.")
 @click.option("--reps", default=7, show_default=True, help="Timed runs of each point (after one more, untimed).")
+@click.option("--chain", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Ops a timed run chains, each over the last one's output (the persist and the GPU "
+                   "synchronisation paid once for all).")
 @dtype_option
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write results as JSON.")
-def dask_command(ops, gib, cols, chunk_mib, gpus, reps, dtype, json_path):
+def dask_command(ops, gib, cols, chunk_mib, gpus, reps, chain, dtype, json_path):
     """Throughput of cupyops.dask layer_norm and softmax on 1 and 2 GPUs (a local cluster, one
     worker per GPU) against the plain single-array op over the bytes each GPU holds."""
     if importlib.util.find_spec("distributed") is None:
@@ -292,7 +307,7 @@ def dask_command(ops, gib, cols, chunk_mib, gpus, reps, dtype, json_path):
         if json_path:
             _write_json(result, json_path)
 
-    result = measure(names, gib, cols, int_list(chunk_mib), counts, dtypes.parse_dtype(dtype), reps, report)
+    result = measure(names, gib, cols, int_list(chunk_mib), counts, dtypes.parse_dtype(dtype), reps, report, chain)
     click.echo(format_table(result))
     if json_path:
         _write_json(result, json_path)

@@ -643,9 +643,10 @@ def test_bench_dask_reports_what_fails_and_goes_on(monkeypatch):
     assert "FAILED (gpus 3, stage cluster): RuntimeError: no such cluster" in dask_bench.format_table(result)
 
 
-def test_bench_dask_measures_every_point(monkeypatch):
+@pytest.mark.parametrize("chain", [1, 3])
+def test_bench_dask_measures_every_point(monkeypatch, chain):
     """The whole sweep on in-process clusters, NumPy stand-ins for the GPU parts: every point and
-    plain op measured, several runs of each over the same x."""
+    plain op measured, several runs of each over the same x; a chain of ops counts each op's bytes."""
     distributed = pytest.importorskip("distributed")
 
     def random_normal(shape, chunks, dtype, seed=0):
@@ -661,8 +662,13 @@ def test_bench_dask_measures_every_point(monkeypatch):
     monkeypatch.setattr(dask_bench, "_apply", apply)
     monkeypatch.setattr(dask_bench, "_plain_seconds", lambda op, rows, cols, dtype, reps: 1e-3)
     monkeypatch.setattr(dask_bench, "_free_pools", lambda: None)
-    result = dask_bench.measure(["layer_norm", "softmax"], 2 ** -8, 64, [1, 2], [1, 2], F32, 3)
+    applied = []
+    monkeypatch.setattr(dask_bench, "_apply", lambda *args: applied.append(args[0]) or apply(*args))
+    result = dask_bench.measure(["layer_norm", "softmax"], 2 ** -8, 64, [1, 2], [1, 2], F32, 3, chain=chain)
     assert not result["errors"]
+    assert len(applied) == 2 * 2 * 2 * 4 * chain      # ops x GPU counts x chunk sizes x runs, each a chain
+    assert result["bytes"] == 2 * 2 ** -8 * dask_bench.GIB * chain and {p["gbs"] for p in result["plain"]} == \
+        {2 ** -7 * dask_bench.GIB / g / 1e-3 / 1e9 for g in (1, 2)}
     assert sorted((p["op"], p["gpus"], p["chunk_mib"], p["blocks"]) for p in result["points"]) == \
         [(op, g, c, 4 // c) for op in ("layer_norm", "softmax") for g in (1, 2) for c in (1, 2)]
     assert len(result["plain"]) == 4
