@@ -1,17 +1,25 @@
 """Host cost of a repeated small call of every public op against bare
-cupy launches of the same kernels with the same arguments.
+cupy launches of the same kernels with the same arguments, and of every
+cupyops.torch function against torch's own op.
 
 Each op runs on a 64 x 128 float32 array (--rows, --cols, --dtype), with
 `out=` where it takes one and allocating. Its launches are recorded once (the
-compiled functions wrapped while the call memos are rebuilt), then timed
-plain: µs per call over repeated calls, against µs per round of the recorded
-launches made directly through their cupy.RawKernel objects (same grid,
-block, shared memory and arguments, outputs included). The backward norms
-launch two kernels (dx with fused dweight / dbias partial sums, and the
+compiled kernels wrapped while the call and launch memos are rebuilt), then
+timed plain: µs per call over repeated calls, against µs per round of the
+recorded launches made directly through their cupy.RawKernel objects (same
+grid, block, shared memory and arguments, outputs included). The backward
+norms launch two kernels (dx with fused dweight / dbias partial sums, and the
 kernel summing the partials): their bare round is those two launches. Exits
 1 when an op costs more than MAX_RATIO times its bare launches.
 
-Usage (repository root): PYTHONPATH=. python scripts/call_overhead.py
+The torch section (skipped without torch or a GPU torch sees) times each
+cupyops.torch function on the same small shape and on the shapes of
+examples/transformer_block.py (--batch, --seq, --width, --heads): under
+torch.no_grad, with inputs that need gradients (the forward builds the
+graph) and forward + backward, against torch's own op in the same mode and
+the bare launches of the cupyops op it calls. Informational: no limit.
+
+Usage (repository root): PYTHONPATH=. python scripts/call_overhead.py [--section torch]
 """
 from __future__ import annotations
 
@@ -23,12 +31,13 @@ import cupy
 import numpy
 
 import cupyops
-from cupyops import jit, launch
+from cupyops import jit
 from cupyops.callcache import CallCache
 from cupyops.device import live_facts
 from cupyops.dtypes import parse_dtype
 from cupyops.launch import LaunchCache
-from cupyops.ops import norm, norm_launch, softmax
+from cupyops.ops import activations, fused_softmax, norm, norm_launch, softmax, softmax_axis, softmax_split
+from cupyops.ops.elementwise import FusedFunction
 
 MAX_RATIO = 2.0
 
@@ -49,35 +58,62 @@ def per_call_us(fn, calls: int) -> float:
 
 
 def _fresh_memos() -> None:
-    softmax._calls, softmax._launches = CallCache(), LaunchCache()
-    norm._calls, norm_launch._ready_launches = CallCache(), {}
+    """Empties the call and launch memos: the next call of each op compiles its launches anew."""
+    softmax._calls, norm._calls = CallCache(), CallCache()
+    for module in (softmax, softmax_axis, softmax_split, fused_softmax):
+        module._launches = LaunchCache()
+    norm_launch._ready_launches = {}
+    for function in vars(activations).values():
+        if isinstance(function, FusedFunction):
+            function._launchers = LaunchCache()
+
+
+class _RecordingKernel:
+    """A compiled kernel (cupy.RawKernel) whose launches through .kernel are logged; its
+    other attributes are the kernel's."""
+
+    def __init__(self, raw, log: list):
+        self.__dict__.update(raw=raw, log=log)
+
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.raw, name, value)
+
+    @property
+    def kernel(self):
+        return _RecordingFunction(self.raw, self.log)
+
+
+class _RecordingFunction:
+    """A kernel's cupy.cuda.Function that logs each launch as (kernel, grid, block, args,
+    shared memory) before making it; its other attributes are the function's."""
+
+    def __init__(self, raw, log: list):
+        self.raw, self.function, self.log = raw, raw.kernel, log
+
+    def __getattr__(self, name):
+        return getattr(self.function, name)
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        self.log.append((self.raw, grid, block, args, shared_mem))
+        self.function(grid, block, args, shared_mem, stream)
 
 
 def recorded_launches(call) -> list:
     """The launches of call() taken from the call memo (its second run):
     [(cupy.RawKernel, grid, block, args, smem)]."""
     log = []
-
-    def recording(spec, device_id, dynamic_smem=0):
-        function = launch.live_function(spec, device_id, dynamic_smem)
-        raw = jit.kernel(spec, device_id)
-
-        def record(grid, block, args, shared_mem=0):
-            log.append((raw, grid, block, args, shared_mem))
-            function(grid, block, args, shared_mem=shared_mem)
-        return record
-
-    modules = (softmax, norm_launch)
-    for module in modules:
-        module.live_function = recording
+    compile_kernel = jit.kernel
+    jit.kernel = lambda spec, device_id: _RecordingKernel(compile_kernel(spec, device_id), log)
     _fresh_memos()
     try:
         call()
         del log[:]
         call()
     finally:
-        for module in modules:
-            module.live_function = launch.live_function
+        jit.kernel = compile_kernel
         _fresh_memos()
     return log
 
@@ -121,13 +157,8 @@ def cases(rows: int, cols: int, dtype) -> list:
     return found
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--cols", type=int, default=128)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--calls", type=int, default=20000)
-    options = parser.parse_args()
+def cupy_section(options) -> int:
+    """The table of the public ops against their bare launches; 1 when one exceeds MAX_RATIO."""
     dtype = parse_dtype(options.dtype)
     device_name = live_facts(cupy.cuda.Device().id).name
     print(f"{device_name}, {options.rows} x {options.cols} {options.dtype}, host time per call")
@@ -143,6 +174,101 @@ def main() -> int:
         print(f"{label:44s} {len(launches):7d} {took:8.2f} {bare:8.2f} {ratio:6.2f}{flag}")
     print(f"worst ratio {worst:.2f} (limit {MAX_RATIO})")
     return 0 if worst <= MAX_RATIO else 1
+
+
+def torch_cases(torch, options) -> list:
+    """(label, calls, cupyops.torch function, torch's function, inputs) of every cupyops.torch
+    function on rows x cols and on the example block's shapes: activations (batch * seq,
+    width), attention scores (batch, heads, seq, seq), MLP hidden (batch * seq, 4 * width)."""
+    import cupyops.torch as ct
+
+    F = torch.nn.functional
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def tensor(*shape):
+        return torch.randn(shape, dtype=getattr(torch, options.dtype), device="cuda", generator=generator)
+
+    small = (options.rows, options.cols)
+    tokens = options.batch * options.seq
+    shapes = [(f"{options.rows}x{options.cols}", options.torch_calls, small, small, small),
+              (f"b{options.batch} s{options.seq} w{options.width}", options.example_calls, (tokens, options.width),
+               (options.batch, options.heads, options.seq, options.seq), (tokens, 4 * options.width))]
+    found = []
+    for tag, calls, rows, scores, hidden in shapes:
+        h, r, s, a, g = tensor(*rows), tensor(*rows), tensor(*scores), tensor(*hidden), tensor(*hidden)
+        w, b, bias = tensor(rows[-1]), tensor(rows[-1]), tensor(hidden[-1])
+        causal = torch.ones(scores[-2:], dtype=torch.bool, device="cuda").tril()
+        found += [
+            (f"softmax {tag}", calls, lambda s: ct.softmax(s, -1), lambda s: torch.softmax(s, -1), [s]),
+            (f"log_softmax {tag}", calls, lambda s: ct.log_softmax(s, -1), lambda s: torch.log_softmax(s, -1), [s]),
+            (f"layer_norm {tag}", calls, lambda h, w, b: ct.layer_norm(h, h.shape[-1:], w, b),
+             lambda h, w, b: F.layer_norm(h, h.shape[-1:], w, b), [h, w, b]),
+            (f"rms_norm {tag}", calls, lambda h, w: ct.rms_norm(h, h.shape[-1:], w),
+             lambda h, w: F.rms_norm(h, h.shape[-1:], w), [h, w]),
+            (f"fused_softmax causal {tag}", calls, lambda s: ct.fused_softmax(s, scale=0.125, causal=True),
+             lambda s, causal=causal: torch.softmax((s * 0.125).masked_fill(~causal, float("-inf")), -1), [s]),
+            (f"bias_gelu {tag}", calls, ct.bias_gelu, lambda x, bias: F.gelu(x + bias), [a, bias]),
+            (f"bias_silu {tag}", calls, ct.bias_silu, lambda x, bias: F.silu(x + bias), [a, bias]),
+            (f"swiglu {tag}", calls, ct.swiglu, lambda a, g: F.silu(a) * g, [a, g]),
+            (f"geglu {tag}", calls, ct.geglu, lambda a, g: F.gelu(a) * g, [a, g]),
+            (f"bias_dropout_add {tag}", calls, lambda h, b, r: ct.bias_dropout_add(h, b, r, 0.1, 7),
+             lambda h, b, r: r + F.dropout(h + b, 0.1), [h, b, r]),
+        ]
+    return found
+
+
+def torch_section(options) -> None:
+    """Each cupyops.torch function against torch's op under no_grad, with inputs needing
+    gradients and forward + backward, and against the bare launches its forward makes."""
+    try:
+        import torch
+    except ImportError:
+        print("torch section skipped: torch is not installed")
+        return
+    if not torch.cuda.is_available():
+        print("torch section skipped: torch sees no CUDA GPU")
+        return
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {options.dtype}: host time per call "
+          "(cupyops.torch, torch's op, the bare launches of the cupyops forward)")
+    print(f"{'function':36s} {'mode':8s} {'cupyops':>8s} {'torch':>8s} {'bare fwd':>8s} {'ratio':>6s}")
+    for label, calls, ours, theirs, inputs in torch_cases(torch, options):
+        with torch.no_grad():
+            launches = recorded_launches(lambda: ours(*inputs))
+        bare = per_call_us(bare_round(launches), calls)
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        dy = torch.randn_like(theirs(*inputs))
+
+        def no_grad(function):
+            def run():
+                with torch.no_grad():
+                    function(*inputs)
+            return run
+
+        modes = {"no_grad": no_grad, "grad": lambda function: lambda: function(*leaves),
+                 "fwd+bwd": lambda function: lambda: torch.autograd.grad(function(*leaves), leaves, dy)}
+        for mode, timed in modes.items():
+            took, reference = per_call_us(timed(ours), calls), per_call_us(timed(theirs), calls)
+            print(f"{label:36s} {mode:8s} {took:8.2f} {reference:8.2f} {bare:8.2f} {took / reference:6.2f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--section", choices=("all", "cupy", "torch"), default="all")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--cols", type=int, default=128)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--torch-calls", type=int, default=2000, help="calls per round, torch section, rows x cols")
+    parser.add_argument("--example-calls", type=int, default=50, help="calls per round, example shapes")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    options = parser.parse_args()
+    status = cupy_section(options) if options.section in ("all", "cupy") else 0
+    if options.section in ("all", "torch"):
+        torch_section(options)
+    return status
 
 
 if __name__ == "__main__":
