@@ -3,7 +3,8 @@
 # the benchmarks, results under $OUT (at most 8 files).
 # Usage (repository root): OUT=/some/dir bash scripts/gpu_check.sh MODE, where MODE is
 #   close          tests, then targets: the GPU tests and the issues' figures in one call (~7 min)
-#   tests | sanitize | targets | odd-rows (rows at mixed phases against torch) |
+#   tests | sanitize | targets | odd-rows (rows at mixed phases against torch) | small-rows (auto
+#   against oneflow at short rows) | fused-tune (scripts/tune_fused_softmax.py) |
 #   bench-forward | bench-rest (the full sweeps over cols) | elementwise | families | all
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -89,6 +90,18 @@ if run families; then   # fused softmax, int8 convolution, host cost, the torch 
     bench fused_softmax_backward "$dtype" causal "${ATTENTION[@]}" --causal
   done
   python -m cupyops.cli bench conv2d_int8 --layers all --json "$OUT/json/bench_conv2d_int8.json" | tee -a "$OUT/bench.txt"
+fi
+if run small-rows; then   # auto against the oneflow policy at short rows, every row-wise op and type
+  for op in softmax log_softmax softmax_backward log_softmax_backward layer_norm rms_norm layer_norm_backward \
+      rms_norm_backward; do
+    for dtype in float16 bfloat16 float32; do
+      bench "$op" "$dtype" small --rows 49152 --cols 32,64,128,256,512,1024 --baseline oneflow,copy
+    done
+  done
+fi
+if run fused-tune; then   # the paths the fused softmax can take, timed against each other
+  (cd scripts && python tune_fused_softmax.py) > "$OUT/tune_fused_softmax.txt" 2>&1
+  tail -n 200 "$OUT/tune_fused_softmax.txt"
 fi
 EW_SHAPES=(--shape 16384,8192 --shape 4096,4096 --shape 1024,1024)
 if run elementwise; then   # fused elementwise: sanitizers, host cost, benches (its tests: mode tests)

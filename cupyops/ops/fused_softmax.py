@@ -359,9 +359,23 @@ def _apply_dropout(a, p: float, seed: int, offset: int):
     return (a.astype(compute) * keep).astype(a.dtype)
 
 
+def _writable_out(out, x, operands: Operands, *inputs):
+    """`out` itself where the kernel can write it (x's shape and dtype, reduced axis last,
+    C-contiguous, overlapping no input, dropout in the kernel), else a new array that
+    _deliver copies into `out`, checking it."""
+    import cupy
+
+    if out is None or not isinstance(out, cupy.ndarray) or operands.axis != x.ndim - 1 or \
+            _separate_dropout(operands) or out.shape != x.shape or out.dtype != x.dtype or \
+            out.device.id != x.device.id or not out.flags.c_contiguous or \
+            any(a is not None and cupy.may_share_memory(out, a) for a in inputs):
+        return cupy.empty_like(x)
+    return out
+
+
 def _deliver(result, out):
-    """result, copied into `out` when one was given."""
-    if out is None:
+    """result, copied into `out` when one was given (and is not result itself)."""
+    if out is None or out is result:
         return result
     arrays.check_out(out, result.shape, result.dtype, result.device.id)
     out[...] = result
@@ -390,7 +404,7 @@ def fused_softmax(x, *, scale=1.0, bias=None, mask=None, causal=False, diagonal=
         operands = prepare(x, scale=scale, bias=bias, mask=mask, causal=causal, diagonal=diagonal,
                            dropout=dropout, axis=axis)
         x = operands.x
-        y = cupy.empty_like(x)
+        y = _writable_out(out, x, operands, x, operands.bias, operands.mask)
         lse = cupy.empty(x.shape[:-1], numpy.float32) if return_lse else None
         if x.size:
             _launch("forward", operands, policy, y, None, seed=seed, offset=offset)
@@ -430,7 +444,7 @@ def fused_softmax_backward(dy, x, lse, *, scale=1.0, bias=None, mask=None, causa
         if lse.shape != x.shape[:-1]:
             raise ValueError(f"lse must have shape {x.shape[:-1]} (x's without the reduced axis), got {lse.shape}")
         lse = cupy.ascontiguousarray(lse, dtype=numpy.float32)
-        dx = cupy.empty_like(x)
+        dx = _writable_out(out, x, operands, x, dy, lse, operands.bias, operands.mask)
         if x.size:
             _launch("backward", operands, policy, dx, lse, dy=dy, seed=seed, offset=offset)
         return _deliver(_restore_axis(dx, operands.axis), out)
