@@ -1,7 +1,8 @@
 """`explain`, `compile`, `bench` and `tune` for the int8 convolution (conv2d_int8).
 
 Bench figures: TOPS = 2 * GEMM_M * GEMM_N * GEMM_K / median time (L2 flushed),
-the fraction of the device's dense int8 peak, and ratios to torch's float16
+the fraction of the device's dense int8 peak measured in the same run (the best
+of the tensor-core instructions' peak kernels, cupyops.ops.mma_peak), and ratios to torch's float16
 conv2d (cuDNN, channels_last, cudnn.benchmark), to torch._int_mm at the
 implicit GEMM's shape (N*OH*OW x C*R*S) @ (C*R*S x K), and to policy="megengine"."""
 from __future__ import annotations
@@ -14,6 +15,7 @@ import click
 from cupyops import jit
 from cupyops.device import ARCH_PROFILES
 from cupyops.ops import conv2d_int8 as conv
+from cupyops.ops import mma_peak
 from cupyops.ops.conv_layout import ConvGeometry, pair
 
 from .common import (bench, compile_, compile_and_report, device_option, explain, int_list, json_flag,
@@ -39,8 +41,6 @@ LAYERS = {
     ],
 }
 LAYERS["all"] = LAYERS["resnet50"] + LAYERS["others"]
-# Dense int8 tensor-core peak, TOPS, by a part of the device name.
-INT8_PEAK_TOPS = {"H100": 1979, "H200": 1979, "A100": 624}
 BASELINES = ("cudnn_fp16", "int_mm", "megengine")
 
 
@@ -141,9 +141,15 @@ def explain_conv(input_shape, filter_shape, stride, padding, dilation, policy, d
               help="Target arch (repeatable)  [default: every one]")
 def compile_conv(archs):
     """NVRTC-compile every configuration the conv2d_int8 generator can produce (both policies,
-    and the split-K reduction), with registers, shared memory and spills (no GPU needed)."""
+    wgmma on sm_90 (for sm_90a), the split-K reduction and the int8 peak kernels bench
+    measures), with registers, shared memory and spills (no GPU needed)."""
     compile_and_report(((spec.name, arch, lambda spec=spec: spec) for arch in archs or sorted(ARCH_PROFILES)
-                        for spec in conv.all_specs(arch) + [conv.SplitReduceSpec()]), spills_fail=True)
+                        for spec in compiled_specs(arch)), spills_fail=True)
+
+
+def compiled_specs(arch: str) -> list:
+    """What `compile conv2d_int8` compiles for `arch`."""
+    return conv.all_specs(arch) + [conv.SplitReduceSpec()] + mma_peak.peak_specs(arch)
 
 
 @bench.command(name=OP)
@@ -153,8 +159,9 @@ def compile_conv(archs):
                    "the GEMM's shape), megengine (policy='megengine').")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write results as JSON.")
 def bench_conv(layers_name, baseline, json_path):
-    """Time conv2d_int8 over a layer table on the live GPU: TOPS, fraction of the int8 peak,
-    and ratios to cuDNN float16, torch._int_mm and the megengine policy."""
+    """Time conv2d_int8 over a layer table on the live GPU: TOPS, fraction of the int8 peak
+    (measured first, per tensor-core instruction), and ratios to cuDNN float16,
+    torch._int_mm and the megengine policy."""
     from . import conv_bench
 
     baselines = [b.strip() for b in baseline.split(",") if b.strip()]
@@ -164,7 +171,7 @@ def bench_conv(layers_name, baseline, json_path):
                                  param_hint="--baseline")
     layers = load_layers(layers_name)
     live_device("bench times the live GPU, and no GPU is usable here")
-    result = conv_bench.run(layers, baselines, INT8_PEAK_TOPS)
+    result = conv_bench.run(layers, baselines)
     click.echo(conv_bench.format_table(result))
     if json_path:
         with open(json_path, "w") as handle:

@@ -5,6 +5,12 @@ deriving from KernelSpec. Its `name` is the kernel symbol, the cache key and
 the label in logs and benchmarks. `kernel(spec)` returns a memoised
 cupy.RawKernel; `compile_cubin(spec, arch)` compiles without a GPU and
 reports registers, shared memory and spills from the ptxas log.
+
+A spec whose `arch_specific` is true (wgmma needs sm_90a) is compiled for the
+arch-specific target, e.g. "sm_90a", which runs on that compute capability
+alone. CuPy's RawKernel cannot ask NVRTC for it, so such kernels are compiled
+here to a cubin, cached on disk beside CuPy's kernel cache and loaded with the
+driver (CubinKernel, launched like a RawKernel's function).
 """
 from __future__ import annotations
 
@@ -68,6 +74,11 @@ class KernelSpec:
     def threads_per_block(self) -> int:
         raise NotImplementedError
 
+    @property
+    def arch_specific(self) -> bool:
+        """Whether the kernel needs the arch-specific target ("sm_90a" for "sm_90")."""
+        return False
+
     def template_args(self) -> dict:
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
@@ -92,6 +103,12 @@ def compile_options() -> tuple:
     return ("-std=c++17", f"-I{resource_dir('kernels')}")
 
 
+def target_arch(spec: KernelSpec, arch: str) -> str:
+    """The arch NVRTC compiles `spec` for: `arch` ("sm_90"), or its arch-specific
+    variant ("sm_90a") where the spec needs one."""
+    return f"{arch}a" if spec.arch_specific else arch
+
+
 _kernels: dict = {}
 _kernels_lock = threading.Lock()
 
@@ -106,10 +123,87 @@ def kernel(spec: KernelSpec, device_id: int):
         with _kernels_lock:
             found = _kernels.get(key)
             if found is None:
-                found = cupy.RawKernel(render(spec), spec.name, options=compile_options(),
-                                       backend="nvrtc")
+                if spec.arch_specific:
+                    found = CubinKernel.load(spec, device_id)
+                else:
+                    found = cupy.RawKernel(render(spec), spec.name, options=compile_options(),
+                                           backend="nvrtc")
                 _kernels[key] = found
     return found
+
+
+class CubinKernel:
+    """An arch-specific kernel of one GPU: NVRTC's cubin (cached on disk), loaded
+    with the driver. Offers what launchers use of a cupy.RawKernel: `kernel` (the
+    function to launch), register / shared / local sizes and the dynamic shared
+    memory opt-in."""
+
+    CACHE_FOLDER = "cupyops_cubin"
+
+    def __init__(self, module, function, device_id: int):
+        self._module = module            # keeps the module loaded
+        self.kernel = function
+        self.device_id = device_id
+
+    @classmethod
+    def load(cls, spec: KernelSpec, device_id: int) -> "CubinKernel":
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            major, minor = cupy.cuda.Device(device_id).compute_capability
+            arch = target_arch(spec, f"sm_{major}{minor}")
+            module = cupy.cuda.function.Module()
+            module.load(cached_cubin(spec, arch))
+            return cls(module, module.get_function(spec.name), device_id)
+
+    def _attribute(self, name: str) -> int:
+        """The driver's CU_FUNC_ATTRIBUTE_<name> of the function."""
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            return cupy.cuda.driver.funcGetAttribute(getattr(cupy.cuda.driver, f"CU_FUNC_ATTRIBUTE_{name}"),
+                                                     self.kernel.ptr)
+
+    num_regs = property(lambda self: self._attribute("NUM_REGS"))
+    shared_size_bytes = property(lambda self: self._attribute("SHARED_SIZE_BYTES"))
+    local_size_bytes = property(lambda self: self._attribute("LOCAL_SIZE_BYTES"))
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        return self._attribute("MAX_DYNAMIC_SHARED_SIZE_BYTES")
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value: int) -> None:
+        import cupy
+
+        with cupy.cuda.Device(self.device_id):
+            cupy.cuda.driver.funcSetAttribute(
+                self.kernel.ptr, cupy.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(value))
+
+
+def cached_cubin(spec: KernelSpec, arch: str) -> bytes:
+    """NVRTC's cubin of `spec` for `arch` (e.g. "sm_90a"), from the disk cache beside
+    CuPy's (keyed by the rendered source, arch, options and NVRTC version) or compiled now."""
+    import os
+
+    from cupy_backends.cuda.libs import nvrtc
+
+    from .tune import cache_dir
+
+    source = render(spec)
+    options = [f"--gpu-architecture={arch}", *compile_options(), *CUPY_ADDED_OPTIONS]
+    digest = hashlib.sha256("\0".join([source, *options, repr(nvrtc.getVersion())]).encode()).hexdigest()
+    path = cache_dir() / CubinKernel.CACHE_FOLDER / f"{spec.name}_{digest[:32]}.cubin"
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        pass
+    cubin = _nvrtc(spec, arch, source, options, lambda nvrtc_, program: nvrtc_.getCUBIN(program))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    scratch.write_bytes(cubin)
+    scratch.replace(path)
+    return cubin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,17 +265,20 @@ def _entry_log(log: str, name: str) -> str:
 
 def compile_ptx(spec: KernelSpec, arch: str) -> str:
     """The PTX NVRTC emits for `spec` on `arch` (e.g. "sm_90"): no GPU needed."""
-    options = [f"--gpu-architecture={arch.replace('sm_', 'compute_')}", *compile_options(), *CUPY_ADDED_OPTIONS]
+    virtual = target_arch(spec, arch).replace("sm_", "compute_")
+    options = [f"--gpu-architecture={virtual}", *compile_options(), *CUPY_ADDED_OPTIONS]
     ptx = _nvrtc(spec, arch, render(spec), options, lambda nvrtc, program: nvrtc.getPTX(program))
     return ptx.decode() if isinstance(ptx, bytes) else ptx
 
 
 @functools.lru_cache(maxsize=None)
 def compile_cubin(spec: KernelSpec, arch: str) -> CompileReport:
-    """Render and compile `spec` for `arch` (e.g. "sm_90") with NVRTC alone: no GPU needed."""
+    """Render and compile `spec` for `arch` (e.g. "sm_90"; "sm_90a" where the spec is
+    arch-specific) with NVRTC alone: no GPU needed."""
     import time
 
     source = render(spec)
+    arch = target_arch(spec, arch)
     options = [f"--gpu-architecture={arch}", "--ptxas-options=-v", *compile_options(),
                *CUPY_ADDED_OPTIONS]
     start = time.perf_counter()

@@ -5,7 +5,9 @@
 // channel group c / taps at tap c % taps. A is the packed filter, row-major
 // (K, C/32, FH, FW, 32): each row is GEMM_K contiguous bytes. B is the
 // input: 32 contiguous channels of a pixel per chunk. A block computes a
-// TM x TN tile of C over 64-byte steps of GEMM_K (two chunks); warps of WM x WN.
+// TM x TN tile of C over 64-byte steps of GEMM_K (two chunks): by mma.sync
+// (warps of WM x WN, ldmatrix from shared memory) or, on sm_90a, by wgmma
+// (warpgroups of 64 x WN reading the same shared tiles through descriptors).
 //
 // Global -> shared: thread t loads 16-byte vector (t & 3) of rows t / 4,
 // t / 4 + THREADS / 4, ... of both tiles: 16-byte loads, each 32-byte chunk
@@ -14,12 +16,14 @@
 // Shared tiles hold 64-byte rows, vector v of row r at r * 64 + 16 * (v ^
 // ((r >> 1) & 3)): the eight rows an ldmatrix phase reads, and the eight
 // vectors a phase of stores writes, fall in distinct banks without padding.
+// This is also the 64-byte swizzle wgmma descriptors describe (kernels/mma.cuh).
 //
 // Epilogue: each warp passes its accumulators through 1 KB of shared memory,
-// 32 channels x 8 pixels at a time, so that a lane ends with 8 consecutive
-// channels of one pixel: y = alpha * acc + beta * bias + gamma * z, ReLU,
-// stored as 8 contiguous outputs (a warp writes 8 whole NCHW32 pixels). Int
-// (i, pixel c) sits at c * 32 + (i ^ swizzle(c)), conflict-free both ways.
+// 32 channels x 8 pixels at a time (16 x 16 for wgmma, whose warps own 16
+// rows), so that a lane ends with 8 consecutive channels of one pixel:
+// y = alpha * acc + beta * bias + gamma * z, ReLU, stored as 8 contiguous
+// outputs (a warp writes 8 whole NCHW32 pixels, or 16 halves). Int (i, pixel c)
+// sits at c * 32 + (i ^ swizzle(c)), conflict-free both ways.
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
@@ -107,11 +111,206 @@ __device__ __forceinline__ void conv_epilogue_store(const int (&acc)[8], int oc,
   }
 }
 
-// One block's TM x TN tile of the convolution. k32: m16n8k32 (else m8n8k16);
-// async: a cp.async pipeline of `stages` (else two stages through registers).
-// blockIdx.x: the tile, GEMM_M tiles fastest (the blocks sharing an input tile
-// run together, so it is read from DRAM once); blockIdx.z: the split of GEMM_K
-// (p.splits > 1 writes raw int32 partials, split z at z * GEMM_M * GEMM_N of y).
+// The block's tile: blockIdx.x numbers the tiles, GEMM_M tiles fastest (the blocks
+// sharing an input tile run together, so it is read from DRAM once); blockIdx.z is
+// the split of GEMM_K, `steps` 64-byte steps from step_begin.
+struct ConvTile {
+  int m0, n0, step_begin, steps;
+};
+
+template <int TM, int TN>
+__device__ __forceinline__ ConvTile conv_tile(const ConvParams& p) {
+  const int m_tiles = (p.gemm_m + TM - 1) / TM;
+  const int block = blockIdx.x, n_tile = block / m_tiles;
+  const int step_begin = blockIdx.z * p.steps_per_split;
+  return ConvTile{(block - n_tile * m_tiles) * TM, n_tile * TN, step_begin,
+                  min(p.k_steps, step_begin + p.steps_per_split) - step_begin};
+}
+
+// Global -> shared loads of a block's A (TM filter rows) and B (TN pixels) tiles,
+// one 64-byte GEMM_K step at a time: thread t loads 16-byte vector (t & 3) of rows
+// t / 4, t / 4 + THREADS / 4, ... of both (see the top of this file).
+template <int TM, int TN, int THREADS>
+struct ConvTileLoader {
+  static constexpr int ROW_STEP = THREADS / 4;
+  static constexpr int A_ITERS = TM / ROW_STEP, B_ITERS = TN / ROW_STEP;
+  static_assert(TM % ROW_STEP == 0 && TN % ROW_STEP == 0, "every thread loads whole rows");
+
+  // The current chunk, read from the tap table once a step.
+  struct Chunk {
+    bool valid;           // within GEMM_K
+    int dh, dw;           // the tap's offset in rows and columns
+    int a_offset, b_offset;
+  };
+
+  const signed char* x;
+  const signed char* w;
+  const ConvParams& p;
+  // Parameters the loop reads, held in registers (the cp.async statements'
+  // memory clobber would otherwise reload them from the parameter block).
+  // Offsets within an image and along a filter row fit 32 bits (the host checks).
+  int h, width, c32, taps, gemm_k, group_bytes;
+  // This thread's loads: vector `vector` of rows row0 + i * ROW_STEP, chunk
+  // (group, tap) = chunk of GEMM_K, two chunks further each step.
+  int vector, row0, chunk, group, tap;
+  const signed char* a_row;   // this thread's first filter row
+  int a_rows;                 // its rows i * ROW_STEP below this are within GEMM_M
+  int64 b_base[B_ITERS];      // offsets of where this thread's pixels' (ih0, iw0) would be
+  int b_ih[B_ITERS], b_iw[B_ITERS];
+
+  __device__ __forceinline__ ConvTileLoader(const signed char* x_, const signed char* w_, const ConvParams& p_,
+                                            const ConvTile& tile)
+      : x(x_), w(w_), p(p_), h(p_.h), width(p_.w), c32(p_.c32), taps(p_.taps) {
+    gemm_k = c32 * 32 * taps;
+    group_bytes = h * width * 32;
+    const int tid = threadIdx.x;
+    const int ohw = p.oh * p.ow;
+    vector = tid & 3;
+    row0 = tid >> 2;
+    chunk = tile.step_begin * 2 + (vector >> 1);
+    group = chunk / taps;
+    tap = chunk - group * taps;
+    a_row = w + static_cast<int64>(tile.m0 + row0) * gemm_k;
+    a_rows = p.gemm_m - tile.m0 - row0;
+#pragma unroll
+    for (int i = 0; i < B_ITERS; ++i) {
+      const int j = tile.n0 + row0 + i * ROW_STEP;
+      b_ih[i] = -(1 << 30);   // fails every bounds check: a pixel past GEMM_N
+      b_iw[i] = 0;
+      b_base[i] = 0;
+      if (j < p.gemm_n) {
+        const int image = j / ohw, rest = j - image * ohw;
+        const int oh = rest / p.ow, ow = rest - oh * p.ow;
+        b_ih[i] = oh * p.stride_h - p.pad_h;
+        b_iw[i] = ow * p.stride_w - p.pad_w;
+        b_base[i] = static_cast<int64>(image) * c32 * group_bytes +
+                    (static_cast<int64>(b_ih[i]) * width + b_iw[i]) * 32 + (vector & 1) * 16;
+      }
+    }
+  }
+
+  __device__ __forceinline__ Chunk current_chunk() const {
+    return Chunk{group < c32, p.tap_dh[tap], p.tap_dw[tap], chunk * 32 + (vector & 1) * 16,
+                 group * group_bytes + p.tap_offset[tap]};
+  }
+  // The chunk's source of A row i / B row i, nullptr where it reads zeros.
+  __device__ __forceinline__ const signed char* a_source(const Chunk& c, int i) const {
+    return c.valid && i * ROW_STEP < a_rows ? a_row + static_cast<int64>(i) * ROW_STEP * gemm_k + c.a_offset
+                                            : nullptr;
+  }
+  __device__ __forceinline__ const signed char* b_source(const Chunk& c, int i) const {
+    const bool inside = c.valid && static_cast<unsigned>(b_ih[i] + c.dh) < static_cast<unsigned>(h) &&
+                        static_cast<unsigned>(b_iw[i] + c.dw) < static_cast<unsigned>(width);
+    return inside ? x + b_base[i] + c.b_offset : nullptr;
+  }
+  __device__ __forceinline__ void advance() {
+    chunk += 2;
+    tap += 2;
+    while (tap >= taps) {
+      tap -= taps;
+      ++group;
+    }
+  }
+  // Shared offsets of this thread's A row i and B row i within a stage.
+  __device__ __forceinline__ int a_slot(int i) const { return conv_tile_offset(row0 + i * ROW_STEP, vector); }
+  __device__ __forceinline__ int b_slot(int i) const {
+    return TM * CONV_STEP_BYTES + conv_tile_offset(row0 + i * ROW_STEP, vector);
+  }
+
+  // cp.async of the current step into the stage at shared address `stage`, then the next step.
+  __device__ __forceinline__ void issue_async(unsigned stage) {
+    const Chunk c = current_chunk();
+#pragma unroll
+    for (int i = 0; i < A_ITERS; ++i) {
+      const signed char* src = a_source(c, i);
+      cp_async_16(stage + a_slot(i), src ? src : w, src ? 16 : 0);
+    }
+#pragma unroll
+    for (int i = 0; i < B_ITERS; ++i) {
+      const signed char* src = b_source(c, i);
+      cp_async_16(stage + b_slot(i), src ? src : x, src ? 16 : 0);
+    }
+    advance();
+  }
+
+  // The register path: the current step into registers (then the next step), and to a stage.
+  __device__ __forceinline__ void fetch(int4 (&a_held)[A_ITERS], int4 (&b_held)[B_ITERS]) {
+    const Chunk c = current_chunk();
+#pragma unroll
+    for (int i = 0; i < A_ITERS; ++i) {
+      const signed char* src = a_source(c, i);
+      a_held[i] = src ? __ldg(reinterpret_cast<const int4*>(src)) : make_int4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < B_ITERS; ++i) {
+      const signed char* src = b_source(c, i);
+      b_held[i] = src ? __ldg(reinterpret_cast<const int4*>(src)) : make_int4(0, 0, 0, 0);
+    }
+    advance();
+  }
+  __device__ __forceinline__ void store(char* stage, const int4 (&a_held)[A_ITERS],
+                                        const int4 (&b_held)[B_ITERS]) const {
+#pragma unroll
+    for (int i = 0; i < A_ITERS; ++i) *reinterpret_cast<int4*>(stage + a_slot(i)) = a_held[i];
+#pragma unroll
+    for (int i = 0; i < B_ITERS; ++i) *reinterpret_cast<int4*>(stage + b_slot(i)) = b_held[i];
+  }
+};
+
+// The epilogue of one warp's accumulators through its 256 ints of shared memory
+// `exchange`. acc[rb][nb][e] holds output channel channel0 + 8 rb + lane / 4,
+// pixel pixel0 + 8 nb + 2 (lane & 3) + e: the C fragment of mma.sync m16n8 and of
+// wgmma alike. A round moves 32 x 8 ints -- four 8-channel blocks of one 8-pixel
+// block where the warp holds 32 channels or more (RB >= 4), two 8-channel blocks
+// of two 8-pixel blocks where it holds 16 (wgmma: a warp owns 16 rows of 64) --
+// so that each lane ends with 8 consecutive channels of one pixel. Int (row i,
+// column c) sits at c * 32 + (i ^ swizzle(c)), conflict-free both ways.
+template <int RB, int NB>
+__device__ __forceinline__ void conv_warp_epilogue(const int (&acc)[RB][NB][2], int* exchange, int channel0,
+                                                   int pixel0, const ConvParams& p, void* y, const signed char* z,
+                                                   const float* alpha_vec, const void* bias) {
+  constexpr int ROW_BLOCKS = RB >= 4 ? 4 : RB;   // 8-channel blocks of a round
+  constexpr int COL_BLOCKS = 4 / ROW_BLOCKS;      // 8-pixel blocks of a round
+  static_assert(RB % ROW_BLOCKS == 0 && NB % COL_BLOCKS == 0 && (RB == 2 || RB % 4 == 0), "warp tile");
+  const int lane = threadIdx.x & 31;
+  const int group_id = lane >> 2, in_group = lane & 3;   // writer: accumulator coordinates
+  const int pixel = lane >> 2, quarter = lane & 3;        // reader: pixel, channels 8 * quarter ..
+  const int pixel_swizzle = conv_exchange_swizzle(pixel);
+  const int ohw = p.oh * p.ow;
+  const int64 split_offset = p.splits > 1 ? static_cast<int64>(blockIdx.z) * p.gemm_m * p.gemm_n : 0;
+#pragma unroll
+  for (int slice = 0; slice < RB / ROW_BLOCKS; ++slice) {
+#pragma unroll
+    for (int round = 0; round < NB / COL_BLOCKS; ++round) {
+#pragma unroll
+      for (int block = 0; block < 4; ++block) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int column = in_group * 2 + e, row = block * 8 + group_id;
+          exchange[column * 32 + (row ^ conv_exchange_swizzle(column))] =
+              acc[slice * ROW_BLOCKS + block % ROW_BLOCKS][round * COL_BLOCKS + block / ROW_BLOCKS][e];
+        }
+      }
+      __syncwarp();
+      const int4 low = *reinterpret_cast<const int4*>(exchange + pixel * 32 + ((quarter * 8) ^ pixel_swizzle));
+      const int4 high = *reinterpret_cast<const int4*>(exchange + pixel * 32 + ((quarter * 8 + 4) ^ pixel_swizzle));
+      __syncwarp();
+      const int oc = channel0 + (slice * ROW_BLOCKS + quarter % ROW_BLOCKS) * 8;
+      const int j = pixel0 + (round * COL_BLOCKS + quarter / ROW_BLOCKS) * 8 + pixel;
+      if (oc < p.gemm_m && j < p.gemm_n) {
+        const int image = j / ohw, rest = j - image * ohw;
+        const int64 offset = (static_cast<int64>(image * p.k32 + (oc >> 5)) * ohw + rest) * 32 + (oc & 31);
+        const int values[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
+        conv_epilogue_store(values, oc, offset + split_offset, p, y, z, alpha_vec, bias);
+      }
+    }
+  }
+}
+
+// One block's TM x TN tile of the convolution by mma.sync, warps of WM x WN.
+// k32: m16n8k32 (else m8n8k16); async: a cp.async pipeline of `stages` (else two
+// stages through registers). p.splits > 1 writes raw int32 partials, split z at
+// z * GEMM_M * GEMM_N of y.
 template <int TM, int TN, int WM, int WN, bool k32, int stages, bool async>
 __device__ __forceinline__ void conv2d_int8_fprop(const signed char* __restrict__ x,
                                                   const signed char* __restrict__ w, void* y,
@@ -121,84 +320,20 @@ __device__ __forceinline__ void conv2d_int8_fprop(const signed char* __restrict_
   constexpr int THREADS = WARPS_M * (TN / WN) * 32;
   constexpr int KV = k32 ? 2 : 1;               // 16-byte k vectors an mma takes
   constexpr int MMA_STEPS = CONV_STEP_BYTES / (16 * KV);
-  constexpr int ROW_STEP = THREADS / 4;
-  constexpr int A_ITERS = TM / ROW_STEP, B_ITERS = TN / ROW_STEP;
   constexpr int A_FRAGS = WM / 8 * KV, B_FRAGS = WN / 8 * KV;
   constexpr int STAGE_BYTES = (TM + TN) * CONV_STEP_BYTES;
-  static_assert(TM % ROW_STEP == 0 && TN % ROW_STEP == 0, "every thread loads whole rows");
   static_assert(WM % 32 == 0 && WN % 8 == 0 && A_FRAGS % 4 == 0 && B_FRAGS % 4 == 0, "warp tile");
   static_assert(async || stages == 2, "the register pipeline has two stages");
+  typedef ConvTileLoader<TM, TN, THREADS> Loader;
   extern __shared__ int4 conv_shared[];
   char* shared = reinterpret_cast<char*>(conv_shared);
   const unsigned shared_base = shared_address(shared);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warp_m = (warp % WARPS_M) * WM, warp_n = (warp / WARPS_M) * WN;
-  const int m_tiles = (p.gemm_m + TM - 1) / TM;
-  const int n_tile = blockIdx.x / m_tiles;
-  const int m0 = (blockIdx.x - n_tile * m_tiles) * TM, n0 = n_tile * TN;
-  const int step_begin = blockIdx.z * p.steps_per_split;
-  const int steps = min(p.k_steps, step_begin + p.steps_per_split) - step_begin;
-  // Parameters the loop reads, held in registers (the cp.async statements'
-  // memory clobber would otherwise reload them from the parameter block).
-  // Offsets within an image and along a filter row fit 32 bits (the host checks).
-  const int h = p.h, width = p.w, c32 = p.c32, taps = p.taps;
-  const int gemm_k = c32 * 32 * taps;
-  const int group_bytes = h * width * 32;
-  const int ohw = p.oh * p.ow;
-
-  // This thread's loads: vector `vector` of rows row0 + i * ROW_STEP, chunk
-  // (group, tap) = chunk of GEMM_K, two chunks further each step.
-  const int vector = tid & 3, row0 = tid >> 2;
-  int chunk = step_begin * 2 + (vector >> 1);
-  int group = chunk / taps, tap = chunk - group * taps;
-  const signed char* a_row = w + static_cast<int64>(m0 + row0) * gemm_k;   // this thread's first filter row
-  const int a_rows = p.gemm_m - m0 - row0;   // its rows i * ROW_STEP below this are within GEMM_M
-  int64 b_base[B_ITERS];   // offsets of where this thread's pixels' (ih0, iw0) would be
-
-  int b_ih[B_ITERS], b_iw[B_ITERS];
-#pragma unroll
-  for (int i = 0; i < B_ITERS; ++i) {
-    const int j = n0 + row0 + i * ROW_STEP;
-    b_ih[i] = -(1 << 30);   // fails every bounds check: a pixel past GEMM_N
-    b_iw[i] = 0;
-    b_base[i] = 0;
-    if (j < p.gemm_n) {
-      const int image = j / ohw, rest = j - image * ohw;
-      const int oh = rest / p.ow, ow = rest - oh * p.ow;
-      b_ih[i] = oh * p.stride_h - p.pad_h;
-      b_iw[i] = ow * p.stride_w - p.pad_w;
-      b_base[i] = static_cast<int64>(image) * c32 * group_bytes +
-                  (static_cast<int64>(b_ih[i]) * width + b_iw[i]) * 32 + (vector & 1) * 16;
-    }
-  }
-  // The current chunk, read from the tap table once a step.
-  struct Chunk {
-    bool valid;           // within GEMM_K
-    int dh, dw;           // the tap's offset in rows and columns
-    int a_offset, b_offset;
-  };
-  auto current_chunk = [&]() {
-    return Chunk{group < c32, p.tap_dh[tap], p.tap_dw[tap], chunk * 32 + (vector & 1) * 16,
-                 group * group_bytes + p.tap_offset[tap]};
-  };
-  // The chunk's source of A row i / B row i, nullptr where it reads zeros.
-  auto a_source = [&](const Chunk& c, int i) -> const signed char* {
-    return c.valid && i * ROW_STEP < a_rows ? a_row + static_cast<int64>(i) * ROW_STEP * gemm_k + c.a_offset : nullptr;
-  };
-  auto b_source = [&](const Chunk& c, int i) -> const signed char* {
-    const bool inside = c.valid && static_cast<unsigned>(b_ih[i] + c.dh) < static_cast<unsigned>(h) &&
-                        static_cast<unsigned>(b_iw[i] + c.dw) < static_cast<unsigned>(width);
-    return inside ? x + b_base[i] + c.b_offset : nullptr;
-  };
-  auto advance = [&]() {
-    chunk += 2;
-    tap += 2;
-    while (tap >= taps) {
-      tap -= taps;
-      ++group;
-    }
-  };
+  const ConvTile tile = conv_tile<TM, TN>(p);
+  const int steps = tile.steps;
+  Loader loader(x, w, p, tile);
 
   int acc[WM / 8][WN / 8][2];
 #pragma unroll
@@ -245,105 +380,113 @@ __device__ __forceinline__ void conv2d_int8_fprop(const signed char* __restrict_
   };
 
   if constexpr (async) {
-    auto issue = [&](int stage) {
-      const unsigned tile = shared_base + stage * STAGE_BYTES;
-      const Chunk c = current_chunk();
-#pragma unroll
-      for (int i = 0; i < A_ITERS; ++i) {
-        const signed char* src = a_source(c, i);
-        cp_async_16(tile + conv_tile_offset(row0 + i * ROW_STEP, vector), src ? src : w, src ? 16 : 0);
-      }
-#pragma unroll
-      for (int i = 0; i < B_ITERS; ++i) {
-        const signed char* src = b_source(c, i);
-        cp_async_16(tile + TM * CONV_STEP_BYTES + conv_tile_offset(row0 + i * ROW_STEP, vector), src ? src : x,
-                    src ? 16 : 0);
-      }
-      advance();
-    };
 #pragma unroll
     for (int s = 0; s < stages - 1; ++s) {
-      if (s < steps) issue(s);
+      if (s < steps) loader.issue_async(shared_base + s * STAGE_BYTES);
       cp_async_commit();
     }
     for (int t = 0; t < steps; ++t) {
       cp_async_wait<stages - 2>();
       __syncthreads();
-      if (t + stages - 1 < steps) issue((t + stages - 1) % stages);
+      if (t + stages - 1 < steps) loader.issue_async(shared_base + (t + stages - 1) % stages * STAGE_BYTES);
       cp_async_commit();
       compute(t % stages);
     }
     cp_async_wait<0>();
   } else {
-    int4 a_held[A_ITERS], b_held[B_ITERS];
-    auto fetch = [&]() {
-      const Chunk c = current_chunk();
-#pragma unroll
-      for (int i = 0; i < A_ITERS; ++i) {
-        const signed char* src = a_source(c, i);
-        a_held[i] = src ? __ldg(reinterpret_cast<const int4*>(src)) : make_int4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int i = 0; i < B_ITERS; ++i) {
-        const signed char* src = b_source(c, i);
-        b_held[i] = src ? __ldg(reinterpret_cast<const int4*>(src)) : make_int4(0, 0, 0, 0);
-      }
-      advance();
-    };
-    auto store = [&](int stage) {
-      char* tile = shared + stage * STAGE_BYTES;
-#pragma unroll
-      for (int i = 0; i < A_ITERS; ++i)
-        *reinterpret_cast<int4*>(tile + conv_tile_offset(row0 + i * ROW_STEP, vector)) = a_held[i];
-#pragma unroll
-      for (int i = 0; i < B_ITERS; ++i)
-        *reinterpret_cast<int4*>(tile + TM * CONV_STEP_BYTES + conv_tile_offset(row0 + i * ROW_STEP, vector)) =
-            b_held[i];
-    };
-    fetch();
-    store(0);
+    int4 a_held[Loader::A_ITERS], b_held[Loader::B_ITERS];
+    loader.fetch(a_held, b_held);
+    loader.store(shared, a_held, b_held);
     __syncthreads();
     for (int t = 0; t < steps; ++t) {
-      if (t + 1 < steps) fetch();
+      if (t + 1 < steps) loader.fetch(a_held, b_held);
       compute(t & 1);
-      if (t + 1 < steps) store((t + 1) & 1);
+      if (t + 1 < steps) loader.store(shared + ((t + 1) & 1) * STAGE_BYTES, a_held, b_held);
       __syncthreads();
     }
   }
   __syncthreads();   // every warp is done with the pipeline's shared memory
+  conv_warp_epilogue(acc, reinterpret_cast<int*>(shared) + warp * 256, tile.m0 + warp_m, tile.n0 + warp_n, p, y, z,
+                     alpha_vec, bias);
+}
 
-  // Epilogue through this warp's 256 ints of shared memory.
-  int* exchange = reinterpret_cast<int*>(shared) + warp * 256;
-  const int group_id = lane >> 2, in_group = lane & 3;   // writer: mma accumulator coordinates
-  const int pixel = lane >> 2, quarter = lane & 3;        // reader: pixel, channels 8 * quarter ..
-  const int pixel_swizzle = conv_exchange_swizzle(pixel);
-  const int64 split_offset = p.splits > 1 ? static_cast<int64>(blockIdx.z) * p.gemm_m * p.gemm_n : 0;
+// One block's TM x TN tile by wgmma (sm_90a): warpgroups of 64 x WN (TM / 64 of
+// them along GEMM_M, TN / WN along GEMM_N), each issuing m64nWNk32 with A and B
+// from the shared stages, which every thread fills by cp.async (the loader above,
+// unchanged). Pipeline of `stages` 64-byte steps, loads DEPTH = stages - 2 steps
+// ahead, one wgmma group (a step: two k32 halves) in flight per warpgroup.
+//
+// Invariant. Iteration t: (1) cp.async.wait: this thread's copies of step t have
+// landed; (2) fence.proxy.async: they are visible to the async proxy that wgmma
+// reads through; (3) barrier: so are every thread's, and every warpgroup has
+// passed its wgmma.wait_group 1 of iteration t - 1, i.e. its wgmma of steps
+// <= t - 2 are complete; (4) wgmma of stage t % stages, committed as one group;
+// (5) cp.async of step t + DEPTH into stage (t + DEPTH) % stages = (t - 2) % stages,
+// last read by step t - 2's wgmma, complete in every warpgroup by (3); stage
+// (t - 1) % stages, which step t - 1's wgmma may still read, is not written;
+// (6) wgmma.wait_group 1: step t - 1's group is complete. Stages in use at once:
+// t - 1, t and the DEPTH loading ahead = stages.
+template <int TM, int TN, int WN, int stages>
+__device__ __forceinline__ void conv2d_int8_fprop_wgmma(const signed char* __restrict__ x,
+                                                        const signed char* __restrict__ w, void* y,
+                                                        const signed char* z, const float* alpha_vec,
+                                                        const void* bias, const ConvParams& p) {
+  constexpr int WARPGROUPS_M = TM / 64;
+  constexpr int THREADS = WARPGROUPS_M * (TN / WN) * 128;
+  constexpr int STAGE_BYTES = (TM + TN) * CONV_STEP_BYTES;
+  constexpr int DEPTH = stages - 2;
+  static_assert(TM % 64 == 0 && TN % WN == 0 && WN % 16 == 0 && WN <= 256, "warpgroup tile");
+  static_assert(stages >= 3, "one stage read by wgmma in flight, one being read, one loading");
+  static_assert(STAGE_BYTES % 1024 == 0, "stages keep the 1024-byte alignment of the first");
+  extern __shared__ int4 conv_shared[];
+  // Descriptors address the swizzle pattern by shared address bits: the stages
+  // start on a 1024-byte boundary (the host adds 1024 bytes of slack).
+  const unsigned raw_base = shared_address(conv_shared);
+  const unsigned shared_base = (raw_base + 1023u) & ~1023u;
+  int* exchange_base = reinterpret_cast<int*>(reinterpret_cast<char*>(conv_shared) + (shared_base - raw_base));
+
+  const int warp = threadIdx.x >> 5, warpgroup = threadIdx.x >> 7;
+  const int wg_m = (warpgroup % WARPGROUPS_M) * 64, wg_n = (warpgroup / WARPGROUPS_M) * WN;
+  const ConvTile tile = conv_tile<TM, TN>(p);
+  const int steps = tile.steps;
+  ConvTileLoader<TM, TN, THREADS> loader(x, w, p, tile);
+
+  int acc[2][WN / 8][2];
 #pragma unroll
-  for (int slice = 0; slice < WM / 32; ++slice) {
+  for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int nb = 0; nb < WN / 8; ++nb) {
+    for (int j = 0; j < WN / 8; ++j) acc[h][j][0] = acc[h][j][1] = 0;
+
 #pragma unroll
-      for (int block = 0; block < 4; ++block) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int column = in_group * 2 + e, row = block * 8 + group_id;
-          exchange[column * 32 + (row ^ conv_exchange_swizzle(column))] = acc[slice * 4 + block][nb][e];
-        }
-      }
-      __syncwarp();
-      const int4 low = *reinterpret_cast<const int4*>(exchange + pixel * 32 + ((quarter * 8) ^ pixel_swizzle));
-      const int4 high = *reinterpret_cast<const int4*>(exchange + pixel * 32 + ((quarter * 8 + 4) ^ pixel_swizzle));
-      __syncwarp();
-      const int oc = m0 + warp_m + slice * 32 + quarter * 8;
-      const int j = n0 + warp_n + nb * 8 + pixel;
-      if (oc < p.gemm_m && j < p.gemm_n) {
-        const int image = j / ohw, rest = j - image * ohw;
-        const int64 offset = (static_cast<int64>(image * p.k32 + (oc >> 5)) * ohw + rest) * 32 + (oc & 31);
-        const int values[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
-        conv_epilogue_store(values, oc, offset + split_offset, p, y, z, alpha_vec, bias);
-      }
-    }
+  for (int s = 0; s < DEPTH; ++s) {
+    if (s < steps) loader.issue_async(shared_base + s * STAGE_BYTES);
+    cp_async_commit();
   }
+  for (int t = 0; t < steps; ++t) {
+    cp_async_wait<DEPTH - 1>();
+    fence_proxy_async_shared();
+    __syncthreads();
+    const unsigned stage = shared_base + t % stages * STAGE_BYTES;
+    wgmma_fence_operands(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int half = 0; half < CONV_STEP_BYTES / 32; ++half) {
+      WgmmaS8<WN>::mma(acc, wgmma_descriptor_sw64(stage + wg_m * CONV_STEP_BYTES + half * 32),
+                       wgmma_descriptor_sw64(stage + (TM + wg_n) * CONV_STEP_BYTES + half * 32));
+    }
+    wgmma_commit();
+    wgmma_fence_operands(acc);
+    if (t + DEPTH < steps) loader.issue_async(shared_base + (t + DEPTH) % stages * STAGE_BYTES);
+    cp_async_commit();
+    wgmma_wait<1>();
+    wgmma_fence_operands(acc);
+  }
+  wgmma_wait<0>();
+  wgmma_fence_operands(acc);
+  cp_async_wait<0>();
+  __syncthreads();   // every warpgroup is done with the pipeline's shared memory
+  conv_warp_epilogue(acc, exchange_base + warp * 256, tile.m0 + wg_m + (warp & 3) * 16, tile.n0 + wg_n, p, y, z,
+                     alpha_vec, bias);
 }
 
 // Sums the p.splits int32 partials of split-K and applies the epilogue: each

@@ -1,4 +1,5 @@
-// Tensor-core building blocks as inline PTX: ldmatrix, int8 mma.sync, cp.async.
+// Tensor-core building blocks as inline PTX: ldmatrix, int8 mma.sync, cp.async,
+// and sm_90a's warpgroup MMA (wgmma) with its shared-memory descriptors.
 //
 // Fragment layouts (PTX ISA, "Matrix fragments for mma"), with
 // g = lane >> 2 (group) and t = lane & 3 (thread in group):
@@ -48,6 +49,72 @@ __device__ __forceinline__ void mma_m16n8k32_s8(int* d, const unsigned* a, const
 // Committed and awaited with cp_async_commit / cp_async_wait (common.cuh).
 __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// -- wgmma (sm_90a) -------------------------------------------------------------
+//
+// wgmma.mma_async m64nNk32 .s32.s8.s8: a warpgroup (4 warps, 128 threads) computes
+// D (64 x N) += A (64 x 32) * B (32 x N), A and B read from shared memory through
+// 64-bit descriptors, both K-major (8-bit types allow no other). The accumulator
+// fragment (PTX ISA, "Matrix fragments for wgmma .m64nNk32", CUTLASS's
+// CLayout_64xN): warp w of the warpgroup holds rows 16w .. 16w+15, and within it
+// lane (g = lane >> 2, t = lane & 3) holds d[4j + 2h + e] = D[16w + g + 8h][8j + 2t + e]
+// -- per 8-column block j, the C fragment of mma.sync m16n8. Kernels keep it as
+// int d[2][N / 8][2], d[h][j][e].
+//
+// Descriptor (PTX ISA, "Matrix Descriptor Format"): bits 0-13 start address >> 4,
+// 16-29 leading-dimension byte offset >> 4, 32-45 stride-dimension byte offset
+// >> 4, 49-51 base offset, 62-63 swizzle (1: 128B, 2: 64B, 3: 32B). Operands here
+// are the convolution's shared tiles: 64-byte rows (one GEMM_K step), vector v of
+// row r at r * 64 + 16 * (v ^ ((r >> 1) & 3)) -- CUTLASS's Swizzle<2,4,3>, the
+// 64B swizzle on shared addresses whose pattern repeats every 8 rows (512 bytes).
+// K-major with 64B swizzle: rows of an 8-row core group 64 bytes apart (implied
+// by the mode), 8-row groups WGMMA_SW64_GROUP_BYTES apart (the stride offset);
+// the leading offset is unused (one k32 step, 32 bytes, lies within a row; 1, as
+// CUTLASS writes it). The k32 half of a step starts 32 bytes into the rows: the
+// hardware applies the swizzle to the computed address, so the start address just
+// moves by 32 bytes. Tiles start on 1024-byte boundaries, so address bits 7-9
+// (the pattern's phase) are those of the row and the base offset stays 0.
+constexpr int WGMMA_SWIZZLE_64B = 2;
+constexpr int WGMMA_SW64_GROUP_BYTES = 8 * 64;
+constexpr int WGMMA_LEADING_BYTE_OFFSET_UNUSED = 1;
+
+__device__ __forceinline__ unsigned long long wgmma_descriptor_sw64(unsigned address) {
+  return static_cast<unsigned long long>((address & 0x3ffff) >> 4) |
+         (static_cast<unsigned long long>(WGMMA_LEADING_BYTE_OFFSET_UNUSED) << 16) |
+         (static_cast<unsigned long long>(WGMMA_SW64_GROUP_BYTES >> 4) << 32) |
+         (static_cast<unsigned long long>(WGMMA_SWIZZLE_64B) << 62);
+}
+
+// wgmma_m64nNk32 s8: WgmmaS8<N>::mma(d, a_descriptor, b_descriptor), d += A * B.
+// Its operand list (N / 2 accumulator registers) is written out per N by the
+// rendering template (templates/wgmma.j2), which defines the specialisation each
+// translation unit uses.
+template <int N>
+struct WgmmaS8;
+
+// Orders this thread's generic-proxy shared-memory writes (cp.async included)
+// before later async-proxy reads (wgmma) once a barrier has been passed.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// wgmma.fence: orders prior register and shared-memory accesses before the wgmma that follow.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most `pending` committed wgmma groups of this warpgroup are in flight.
+template <int pending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(pending) : "memory");
+}
+// Pins the accumulators at this point of the program (no code is emitted): the
+// compiler may not move their reads or writes across it, so none lands while a
+// wgmma that writes them is in flight.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void wgmma_fence_operands(int (&d)[ROWS][COLS][2]) {
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+    for (int j = 0; j < COLS; ++j) asm volatile("" : "+r"(d[i][j][0]), "+r"(d[i][j][1])::"memory");
 }
 
 }  // namespace cupyops

@@ -6,6 +6,8 @@
 #   tests | sanitize | targets | odd-rows (rows at mixed phases against torch) | small-rows (auto
 #   against oneflow at short rows) | fused-tune (scripts/tune_fused_softmax.py) |
 #   bench-forward | bench-rest (the full sweeps over cols) | elementwise | families | all
+#   conv           the int8 convolution alone: its GPU tests, compute-sanitizer over every
+#                  kernel configuration (wgmma's on sm_90), the measured int8 peaks and its bench
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-$PWD/out}"
@@ -116,6 +118,18 @@ if run elementwise; then   # fused elementwise: sanitizers, host cost, benches (
       bench elementwise "$dtype" "$label" --expr "$expr" "${EW_SHAPES[@]}"
     done
   done
+fi
+if [ "$mode" = conv ]; then   # not part of "all": the families mode benches it there
+  python -m pytest -n 8 -q -rs -m gpu -p no:cacheprovider tests/test_conv2d_int8_gpu.py > "$OUT/conv_pytest.txt" 2>&1
+  tail -n 3 "$OUT/conv_pytest.txt"; grep -E "^(FAILED|ERROR)" "$OUT/conv_pytest.txt" | head -n 30
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer --tool $tool scripts/sanitize_conv.py" | tee -a "$OUT/conv_sanitize.txt"
+    compute-sanitizer --tool "$tool" --error-exitcode 9 python scripts/sanitize_conv.py > "$OUT/conv_$tool.log" 2>&1
+    echo "exit $?" | tee -a "$OUT/conv_sanitize.txt"
+    grep -E "ERROR SUMMARY|all paths ran" "$OUT/conv_$tool.log" | tail -n 3 | tee -a "$OUT/conv_sanitize.txt"
+    grep -B2 -A12 -m 3 "^========= [A-Z]" "$OUT/conv_$tool.log" >> "$OUT/conv_sanitize.txt"; rm -f "$OUT/conv_$tool.log"
+  done
+  python -m cupyops.cli bench conv2d_int8 --layers all --json "$OUT/json/bench_conv2d_int8.json" | tee "$OUT/conv_bench.txt"
 fi
 if run dask; then   # mode dask (7 min at most): cupyops.dask's GPU tests, examples/dask_multi_gpu.py, bench dask
   { timeout -k 10 90 python -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/test_dask_gpu.py \

@@ -1,8 +1,8 @@
 """Runs every conv2d_int8 kernel once on small shapes, for compute-sanitizer
 (memcheck, racecheck): python scripts/sanitize_conv.py.
 
-Every configuration the generator can produce (both policies' kernels) on a
-shape with tails in GEMM_M, GEMM_N and GEMM_K, with and without split-K (the
+Every configuration the generator can produce (both policies' kernels, and on
+sm_90 every wgmma configuration) on a shape with tails in GEMM_M, GEMM_N and GEMM_K, with and without split-K (the
 reduction kernel), then the public function through each policy with every
 out_dtype and the whole epilogue (bias, z, per-channel alpha, ReLU), and a
 1x7 filter with padding only at the sides. Prints each kernel's name."""

@@ -1,8 +1,11 @@
 """A NumPy model of kernels/conv_int8.cuh, thread by thread: the loaders (tap
 table, chunk walk, zero predicates), the swizzled shared tiles, ldmatrix and
-mma.sync as the PTX ISA defines their fragments, split-K, and the epilogue's
-shared-memory exchange. It runs the kernel's index arithmetic on the CPU
-(raw int32 outputs), so a wrong address or fragment shows up without a GPU."""
+mma.sync as the PTX ISA defines their fragments, wgmma reading the tiles
+through its shared-memory descriptors (decoded as the PTX ISA's canonical
+K-major 64B-swizzle layout) into its accumulator fragment, split-K, and the
+epilogue's shared-memory exchange. It runs the kernel's index arithmetic on the
+CPU (raw int32 outputs), so a wrong address, descriptor or fragment shows up
+without a GPU."""
 from __future__ import annotations
 
 import numpy
@@ -19,6 +22,30 @@ def tile_offset(row, vector):
 
 def exchange_swizzle(pixel):
     return ((pixel >> 1) & 3) * 8 + (pixel & 1) * 4
+
+
+# kernels/mma.cuh's wgmma descriptor (tests check its constants against this)
+SWIZZLE_64B = 2
+GROUP_BYTES = 8 * 64          # stride-dimension byte offset: 8 rows of 64 bytes
+LEADING_BYTE_OFFSET = 1       # unused for swizzled K-major layouts
+
+
+def wgmma_descriptor_sw64(address: int) -> int:
+    """The 64-bit descriptor of a K-major, 64B-swizzled operand starting at shared `address`."""
+    return (((address & 0x3FFFF) >> 4) | (LEADING_BYTE_OFFSET << 16) | ((GROUP_BYTES >> 4) << 32)
+            | (SWIZZLE_64B << 62))
+
+
+def wgmma_operand(shared: numpy.ndarray, descriptor: int, rows: int) -> numpy.ndarray:
+    """(rows, 32) int8 operand of one wgmma k32 as the hardware reads it (PTX ISA, K-major
+    canonical layout with 64B swizzle): row r, byte k at start + (r // 8) * SBO + (r % 8) * 64
+    + k, then address bits 4-5 XOR bits 7-8 (CUTLASS's Swizzle<2,4,3>)."""
+    start = (descriptor & 0x3FFF) << 4
+    stride = ((descriptor >> 32) & 0x3FFF) << 4
+    assert descriptor >> 62 == SWIZZLE_64B and (descriptor >> 49) & 7 == 0, "64B swizzle, base offset 0"
+    r, k = numpy.meshgrid(numpy.arange(rows), numpy.arange(32), indexing="ij")
+    address = start + (r // 8) * stride + (r % 8) * 64 + k
+    return shared[address ^ (((address >> 7) & 3) << 4)]
 
 
 def ldmatrix_x4(shared: numpy.ndarray, addresses: numpy.ndarray) -> numpy.ndarray:
@@ -62,104 +89,164 @@ def run(spec: ConvInt8Spec, geometry, x5, w5, splits=1, steps_per_split=None):
     x, w = x5.reshape(-1).astype(numpy.int64), w5.reshape(-1).astype(numpy.int64)
     out = numpy.zeros((splits, *g.output_shape), numpy.int64).reshape(splits, -1)
     writes = numpy.zeros_like(out)
-    offsets, tap_dh, tap_dw = conv_layout.tap_table(g)
-    tm, tn, wm, wn = spec.tile_m, spec.tile_n, spec.warp_m, spec.warp_n
-    k32 = spec.instruction == "m16n8k32"
-    kv = 2 if k32 else 1
-    warps_m = tm // wm
-    threads = spec.threads_per_block
-    row_step = threads // 4
-    c32, taps, ohw = g.c // INTERLEAVE, g.r * g.s, g.oh * g.ow
-    gemm_k = g.c * taps
-    group_bytes = g.h * g.w * 32
+    tm, tn = spec.tile_m, spec.tile_n
+    compute = _wgmma_step if spec.wgmma else _mma_sync_step
     for bz in range(splits):
         step_begin = bz * steps_per_split
         steps = min(g.k_steps, step_begin + steps_per_split) - step_begin
         m_tiles = -(-m_total // tm)
         for block in range(m_tiles * -(-n_total // tn)):
             m0, n0 = block % m_tiles * tm, block // m_tiles * tn
-            acc = numpy.zeros((threads // 32, wm // 8, wn // 8, 32, 2), numpy.int64)
+            acc = None
             for step in range(step_begin, step_begin + steps):
-                shared = numpy.zeros((tm + tn) * STEP_BYTES, numpy.int64)
-                for tid in range(threads):
-                    vector, row0 = tid & 3, tid >> 2
-                    chunk = step * 2 + (vector >> 1)
-                    group, tap = divmod(chunk, taps)
-                    for i in range(tm // row_step):
-                        row = m0 + row0 + i * row_step
-                        if group < c32 and row < m_total:
-                            src = row * gemm_k + chunk * 32 + (vector & 1) * 16
-                            dst = tile_offset(row0 + i * row_step, vector)
-                            shared[dst: dst + 16] = w[src: src + 16]
-                    for i in range(tn // row_step):
-                        j = n0 + row0 + i * row_step
-                        if j >= n_total or group >= c32:
-                            continue
-                        image, rest = divmod(j, ohw)
-                        oh, ow = divmod(rest, g.ow)
-                        ih, iw = oh * g.stride[0] - g.padding[0], ow * g.stride[1] - g.padding[1]
-                        if not (0 <= ih + tap_dh[tap] < g.h and 0 <= iw + tap_dw[tap] < g.w):
-                            continue
-                        base = image * c32 * group_bytes + (ih * g.w + iw) * 32 + (vector & 1) * 16
-                        src = base + group * group_bytes + offsets[tap]
-                        dst = tm * STEP_BYTES + tile_offset(row0 + i * row_step, vector)
-                        shared[dst: dst + 16] = x[src: src + 16]
-                lanes = numpy.arange(32)
-                for warp in range(threads // 32):
-                    warp_m, warp_n = (warp % warps_m) * wm, (warp // warps_m) * wn
-                    for ks in range(STEP_BYTES // (16 * kv)):
-                        a = numpy.zeros((wm // 8 * kv, 32, 4), numpy.int64)
-                        b = numpy.zeros((wn // 8 * kv, 32, 4), numpy.int64)
-                        for frags, base_row, tile_base in ((a, warp_m, 0), (b, warp_n, tm * STEP_BYTES)):
-                            for c in range(len(frags) // 4):
-                                index = c * 4 + (lanes >> 3)
-                                rows = base_row + index // kv * 8 + (lanes & 7)
-                                addresses = tile_base + tile_offset(rows, ks * kv + index % kv)
-                                frags[c * 4: c * 4 + 4] = ldmatrix_x4(shared, addresses)
-                        for mi in range(wm // (8 * kv)):
-                            for ni in range(wn // 8):
-                                if k32:
-                                    d = numpy.concatenate([acc[warp, 2 * mi, ni], acc[warp, 2 * mi + 1, ni]], 1)
-                                    mma(d, [a[4 * mi], a[4 * mi + 2], a[4 * mi + 1], a[4 * mi + 3]],
-                                        [b[2 * ni], b[2 * ni + 1]], True)
-                                    acc[warp, 2 * mi, ni], acc[warp, 2 * mi + 1, ni] = d[:, :2], d[:, 2:]
-                                else:
-                                    mma(acc[warp, mi, ni], [a[mi]], [b[ni]], False)
-            _epilogue(acc, spec, g, m0, n0, out[bz], writes[bz])
+                acc = compute(spec, _load_step(spec, g, x, w, m0, n0, step), acc)
+            if acc is None:   # no steps: zeros
+                acc = compute(spec, numpy.zeros((tm + tn) * STEP_BYTES, numpy.int64), None)
+            for warp, (channel0, pixel0) in enumerate(_warp_origins(spec)):
+                _epilogue(acc[warp], g, m0 + channel0, n0 + pixel0, out[bz], writes[bz])
     return out.sum(0).astype(numpy.int32).reshape(g.output_shape), writes.reshape(splits, *g.output_shape)
 
 
-def _epilogue(acc, spec, g, m0, n0, out, writes):
-    """The exchange through shared memory, then the 8-channel stores of raw int32."""
+def _load_step(spec, g, x, w, m0, n0, step):
+    """The shared stage of one 64-byte GEMM_K step as every thread's loads fill it."""
     m_total, n_total, _ = g.gemm
-    wm, wn, warps_m = spec.warp_m, spec.warp_n, spec.tile_m // spec.warp_m
+    tm, tn = spec.tile_m, spec.tile_n
+    offsets, tap_dh, tap_dw = conv_layout.tap_table(g)
+    threads = spec.threads_per_block
+    row_step = threads // 4
+    c32, taps, ohw = g.c // INTERLEAVE, g.r * g.s, g.oh * g.ow
+    gemm_k = g.c * taps
+    group_bytes = g.h * g.w * 32
+    shared = numpy.zeros((tm + tn) * STEP_BYTES, numpy.int64)
+    for tid in range(threads):
+        vector, row0 = tid & 3, tid >> 2
+        chunk = step * 2 + (vector >> 1)
+        group, tap = divmod(chunk, taps)
+        for i in range(tm // row_step):
+            row = m0 + row0 + i * row_step
+            if group < c32 and row < m_total:
+                src = row * gemm_k + chunk * 32 + (vector & 1) * 16
+                dst = tile_offset(row0 + i * row_step, vector)
+                shared[dst: dst + 16] = w[src: src + 16]
+        for i in range(tn // row_step):
+            j = n0 + row0 + i * row_step
+            if j >= n_total or group >= c32:
+                continue
+            image, rest = divmod(j, ohw)
+            oh, ow = divmod(rest, g.ow)
+            ih, iw = oh * g.stride[0] - g.padding[0], ow * g.stride[1] - g.padding[1]
+            if not (0 <= ih + tap_dh[tap] < g.h and 0 <= iw + tap_dw[tap] < g.w):
+                continue
+            base = image * c32 * group_bytes + (ih * g.w + iw) * 32 + (vector & 1) * 16
+            src = base + group * group_bytes + offsets[tap]
+            dst = tm * STEP_BYTES + tile_offset(row0 + i * row_step, vector)
+            shared[dst: dst + 16] = x[src: src + 16]
+    return shared
+
+
+def _warp_origins(spec):
+    """(channel, pixel) of each warp's accumulator block 0 within the tile."""
+    warps = spec.threads_per_block // 32
+    if spec.wgmma:   # warpgroup wg: rows wg_m .. wg_m + 63; warp w of it: 16 of them
+        groups_m = spec.tile_m // 64
+        return [((warp // 4) % groups_m * 64 + (warp % 4) * 16, (warp // 4) // groups_m * spec.warp_n)
+                for warp in range(warps)]
+    warps_m = spec.tile_m // spec.warp_m
+    return [((warp % warps_m) * spec.warp_m, (warp // warps_m) * spec.warp_n) for warp in range(warps)]
+
+
+def _mma_sync_step(spec, shared, acc):
+    """One step of every warp's ldmatrix + mma.sync; acc (warps, WM/8, WN/8, lanes, 2)."""
+    tm, wm, wn = spec.tile_m, spec.warp_m, spec.warp_n
+    k32 = spec.instruction == "m16n8k32"
+    kv = 2 if k32 else 1
+    warps = spec.threads_per_block // 32
+    if acc is None:
+        acc = numpy.zeros((warps, wm // 8, wn // 8, 32, 2), numpy.int64)
+    lanes = numpy.arange(32)
+    for warp, (warp_m, warp_n) in enumerate(_warp_origins(spec)):
+        for ks in range(STEP_BYTES // (16 * kv)):
+            a = numpy.zeros((wm // 8 * kv, 32, 4), numpy.int64)
+            b = numpy.zeros((wn // 8 * kv, 32, 4), numpy.int64)
+            for frags, base_row, tile_base in ((a, warp_m, 0), (b, warp_n, tm * STEP_BYTES)):
+                for c in range(len(frags) // 4):
+                    index = c * 4 + (lanes >> 3)
+                    rows = base_row + index // kv * 8 + (lanes & 7)
+                    addresses = tile_base + tile_offset(rows, ks * kv + index % kv)
+                    frags[c * 4: c * 4 + 4] = ldmatrix_x4(shared, addresses)
+            for mi in range(wm // (8 * kv)):
+                for ni in range(wn // 8):
+                    if k32:
+                        d = numpy.concatenate([acc[warp, 2 * mi, ni], acc[warp, 2 * mi + 1, ni]], 1)
+                        mma(d, [a[4 * mi], a[4 * mi + 2], a[4 * mi + 1], a[4 * mi + 3]],
+                            [b[2 * ni], b[2 * ni + 1]], True)
+                        acc[warp, 2 * mi, ni], acc[warp, 2 * mi + 1, ni] = d[:, :2], d[:, 2:]
+                    else:
+                        mma(acc[warp, mi, ni], [a[mi]], [b[ni]], False)
+    return acc
+
+
+def _wgmma_step(spec, shared, acc):
+    """One step of every warpgroup's two wgmma k32 halves, operands decoded from the
+    descriptors the kernel builds; acc (warps, 2, WN/8, lanes, 2) in the wgmma
+    accumulator fragment: warp w of a warpgroup, lane (g, t): d[h][j][e] =
+    D[16 w + g + 8 h][8 j + 2 t + e]."""
+    tm, wn = spec.tile_m, spec.warp_n
+    warps = spec.threads_per_block // 32
+    if acc is None:
+        acc = numpy.zeros((warps, 2, wn // 8, 32, 2), numpy.int64)
+    lanes = numpy.arange(32)
+    g, t = lanes >> 2, lanes & 3
+    for first_warp in range(0, warps, 4):
+        channel0, pixel0 = _warp_origins(spec)[first_warp]
+        for half in range(STEP_BYTES // 32):
+            a = wgmma_operand(shared, wgmma_descriptor_sw64(channel0 * STEP_BYTES + half * 32), 64)
+            b = wgmma_operand(shared, wgmma_descriptor_sw64((tm + pixel0) * STEP_BYTES + half * 32), wn)
+            product = a @ b.T
+            for w in range(4):
+                for h in range(2):
+                    for j in range(wn // 8):
+                        for e in range(2):
+                            acc[first_warp + w, h, j, :, e] += product[16 * w + g + 8 * h, 8 * j + 2 * t + e]
+    return acc
+
+
+def _epilogue(acc, g, channel0, pixel0, out, writes):
+    """One warp's exchange through shared memory (conv_warp_epilogue: four 8-channel blocks
+    of an 8-pixel block a round, or two of two where the warp holds 16 channels), then the
+    8-channel stores of raw int32. acc (RB, NB, lanes, 2): channel channel0 + 8 rb + lane / 4,
+    pixel pixel0 + 8 nb + 2 (lane & 3) + e."""
+    m_total, n_total, _ = g.gemm
     ohw = g.oh * g.ow
+    rb_count, nb_count = acc.shape[:2]
+    row_blocks = min(4, rb_count)
+    col_blocks = 4 // row_blocks
     lanes = numpy.arange(32)
     group_id, in_group = lanes >> 2, lanes & 3
     pixel, quarter = lanes >> 2, lanes & 3
-    for warp in range(acc.shape[0]):
-        warp_m, warp_n = (warp % warps_m) * wm, (warp // warps_m) * wn
-        for slice_ in range(wm // 32):
-            for nb in range(wn // 8):
-                exchange = numpy.full(256, -(1 << 40), numpy.int64)
-                stored = numpy.zeros(256, numpy.int64)
-                for block in range(4):
-                    for e in range(2):
-                        column, row = in_group * 2 + e, block * 8 + group_id
-                        where = column * 32 + (row ^ exchange_swizzle(column))
-                        exchange[where] = acc[warp, slice_ * 4 + block, nb, :, e]
-                        stored[where] += 1
-                assert (stored == 1).all(), "the exchange's writes overlap"
-                swz = exchange_swizzle(pixel)
-                low = pixel * 32 + ((quarter * 8) ^ swz)
-                high = pixel * 32 + ((quarter * 8 + 4) ^ swz)
-                values = numpy.concatenate([exchange[low[:, None] + numpy.arange(4)],
-                                            exchange[high[:, None] + numpy.arange(4)]], 1)
-                for lane in range(32):
-                    oc = m0 + warp_m + slice_ * 32 + quarter[lane] * 8
-                    j = n0 + warp_n + nb * 8 + pixel[lane]
-                    if oc < m_total and j < n_total:
-                        image, rest = divmod(j, ohw)
-                        offset = ((image * (m_total // 32) + (oc >> 5)) * ohw + rest) * 32 + (oc & 31)
-                        out[offset: offset + 8] = values[lane]
-                        writes[offset: offset + 8] += 1
+    for slice_ in range(rb_count // row_blocks):
+        for round_ in range(nb_count // col_blocks):
+            exchange = numpy.full(256, -(1 << 40), numpy.int64)
+            stored = numpy.zeros(256, numpy.int64)
+            for block in range(4):
+                rb = slice_ * row_blocks + block % row_blocks
+                nb = round_ * col_blocks + block // row_blocks
+                for e in range(2):
+                    column, row = in_group * 2 + e, block * 8 + group_id
+                    where = column * 32 + (row ^ exchange_swizzle(column))
+                    exchange[where] = acc[rb, nb, :, e]
+                    stored[where] += 1
+            assert (stored == 1).all(), "the exchange's writes overlap"
+            swz = exchange_swizzle(pixel)
+            low = pixel * 32 + ((quarter * 8) ^ swz)
+            high = pixel * 32 + ((quarter * 8 + 4) ^ swz)
+            values = numpy.concatenate([exchange[low[:, None] + numpy.arange(4)],
+                                        exchange[high[:, None] + numpy.arange(4)]], 1)
+            for lane in range(32):
+                oc = channel0 + (slice_ * row_blocks + quarter[lane] % row_blocks) * 8
+                j = pixel0 + (round_ * col_blocks + quarter[lane] // row_blocks) * 8 + pixel[lane]
+                if oc < m_total and j < n_total:
+                    image, rest = divmod(j, ohw)
+                    offset = ((image * (m_total // 32) + (oc >> 5)) * ohw + rest) * 32 + (oc & 31)
+                    out[offset: offset + 8] = values[lane]
+                    writes[offset: offset + 8] += 1

@@ -1,8 +1,9 @@
 """CPU tests of the int8 convolution (SPEC §7, §10, §11): the NumPy reference,
 the NCHW32 / filter layouts, the tap table and parameter block, a thread-level
 NumPy model of the kernel (tests/conv_emulation.py) against the reference,
-the planner, the tuner with a fake clock, and NVRTC compiles of every
-configuration for sm_80 and sm_90."""
+wgmma's descriptors, the planner, the tuner with a fake clock, NVRTC compiles of
+every configuration for sm_80 and sm_90 (sm_90a for wgmma) and of the int8 peak
+kernels, and the sm_90a cubin cache."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ from cupyops.launch import Target
 from cupyops.ops import conv2d_int8 as conv
 from cupyops.ops import conv_layout
 from cupyops.ops import conv_reference as ref
+from cupyops.ops import mma_peak
 from cupyops.ops.conv_layout import ConvGeometry
 
 import conv_emulation
@@ -168,29 +170,68 @@ EMULATED = [  # (geometry, tile config): every filter shape, tails in N * OH * O
 ]
 
 
-@pytest.mark.parametrize("policy", ["megengine", "auto"])
-@pytest.mark.parametrize("geometry,config", EMULATED)
-def test_kernel_model_matches_the_reference(rng, geometry, config, policy):
-    g = geometry
+def _wgmma(tile_m, tile_n, warp_n):
+    return next(c for c in conv.WGMMA_CONFIGS if (c.tile_m, c.tile_n, c.warp_n) == (tile_m, tile_n, warp_n))
+
+
+EMULATED_WGMMA = [  # every warpgroup layout; tails in GEMM_M, GEMM_N and GEMM_K
+    (ConvGeometry(2, 64, 7, 5, 64, 3, 3, (1, 1), (1, 1)), _wgmma(64, 128, 128)),
+    (ConvGeometry(1, 96, 9, 9, 96, 3, 3, (2, 2), (1, 1)), _wgmma(128, 128, 128)),   # half step, M tail
+    (ConvGeometry(2, 32, 11, 13, 160, 1, 1), _wgmma(256, 128, 128)),                 # four warpgroups
+    (ConvGeometry(1, 64, 12, 12, 128, 3, 3, (1, 1), (1, 1)), _wgmma(128, 256, 256)),
+    (ConvGeometry(1, 32, 8, 9, 64, 5, 5, (1, 1), (2, 2)), _wgmma(64, 256, 128)),     # split along N
+    (ConvGeometry(1, 32, 8, 8, 32, 3, 3, (1, 1), (1, 1)), _wgmma(64, 256, 256)),     # C = K = 32
+]
+
+
+def _check_model(rng, g, spec, splits=1, per_split=None):
     x, w = _random(rng, (g.n, g.c, g.h, g.w)), _random(rng, (g.k, g.c, g.r, g.s))
-    spec = conv.spec_for(config, policy, "sm_90")
-    y, writes = conv_emulation.run(spec, g, cupyops.to_nchw32(x), cupyops.pack_conv_filter(w))
-    assert (writes == 1).all(), "outputs not written exactly once"
+    y, writes = conv_emulation.run(spec, g, cupyops.to_nchw32(x), cupyops.pack_conv_filter(w), splits, per_split)
+    assert (writes == 1).all(), f"{spec.name}: outputs not written exactly once"
     expected = ref.accumulators(x, w, g.stride, g.padding, g.dilation)
-    got = cupyops.from_nchw32(y)
-    bad = numpy.argwhere(got != expected)
+    bad = numpy.argwhere(cupyops.from_nchw32(y) != expected)
     assert not len(bad), f"{spec.name}: first mismatch at (n, k, oh, ow) {bad[0].tolist()}"
 
 
-def test_kernel_model_split_k(rng):
+@pytest.mark.parametrize("policy", ["megengine", "auto"])
+@pytest.mark.parametrize("geometry,config", EMULATED)
+def test_kernel_model_matches_the_reference(rng, geometry, config, policy):
+    _check_model(rng, geometry, conv.spec_for(config, policy, "sm_80"))
+
+
+@pytest.mark.parametrize("geometry,config", EMULATED_WGMMA)
+def test_wgmma_kernel_model_matches_the_reference(rng, geometry, config):
+    _check_model(rng, geometry, conv.spec_for(config, "auto", "sm_90"))
+
+
+@pytest.mark.parametrize("config", [_auto(32, 128), _wgmma(64, 128, 128)])
+def test_kernel_model_split_k(rng, config):
     g = ConvGeometry(1, 64, 4, 4, 32, 3, 3, (1, 1), (1, 1))
-    x, w = _random(rng, (g.n, g.c, g.h, g.w)), _random(rng, (g.k, g.c, g.r, g.s))
     splits, per_split = conv.split_k(g, 1, 132)
     assert splits > 1 and (splits - 1) * per_split < g.k_steps <= splits * per_split
-    spec = conv.spec_for(_auto(32, 128), "auto", "sm_90")
-    y, writes = conv_emulation.run(spec, g, cupyops.to_nchw32(x), cupyops.pack_conv_filter(w), splits, per_split)
-    assert (writes == 1).all()
-    numpy.testing.assert_array_equal(cupyops.from_nchw32(y), ref.accumulators(x, w, g.stride, g.padding))
+    _check_model(rng, g, conv.spec_for(config, "auto", "sm_90"), splits, per_split)
+
+
+def test_wgmma_descriptor_matches_the_header_and_the_tile_layout():
+    """kernels/mma.cuh's descriptor fields equal the model's, and the model's
+    decoding of a descriptor reads the tile exactly as conv_tile_offset lays it out."""
+    header = (jit.resource_dir("kernels") / "mma.cuh").read_text()
+    constant = lambda name: eval(re.search(rf"constexpr int {name} = ([^;]+);", header).group(1))  # noqa: E731
+    assert constant("WGMMA_SWIZZLE_64B") == conv_emulation.SWIZZLE_64B == 2
+    assert constant("WGMMA_SW64_GROUP_BYTES") == conv_emulation.GROUP_BYTES == 512
+    assert constant("WGMMA_LEADING_BYTE_OFFSET_UNUSED") == conv_emulation.LEADING_BYTE_OFFSET
+    descriptor = conv_emulation.wgmma_descriptor_sw64(0x2400 + 32)
+    assert descriptor & 0x3FFF == (0x2400 + 32) >> 4 and (descriptor >> 16) & 0x3FFF == 1
+    assert (descriptor >> 32) & 0x3FFF == 32 and (descriptor >> 49) & 7 == 0 and descriptor >> 62 == 2
+    rows = 16
+    tile = numpy.zeros(0x2400 + rows * 64, numpy.int64)
+    for row in range(rows):
+        for vector in range(4):
+            offset = 0x2400 + conv_emulation.tile_offset(row, vector)
+            tile[offset: offset + 16] = row * 64 + vector * 16 + numpy.arange(16)
+    for half in range(2):
+        operand = conv_emulation.wgmma_operand(tile, conv_emulation.wgmma_descriptor_sw64(0x2400 + 32 * half), rows)
+        numpy.testing.assert_array_equal(operand, numpy.arange(rows)[:, None] * 64 + 32 * half + numpy.arange(32))
 
 
 def test_shared_tile_swizzle_is_conflict_free():
@@ -239,13 +280,57 @@ def test_megengine_plan_is_the_articles_kernel():
 def test_auto_plan_default_rule_and_explain():
     chosen = conv.plan(RESNET_3X3, "auto", H100)
     info = chosen.explain()
-    assert info["source"] == "default rule" and info["instruction"] == "mma.sync.m16n8k32.s8"
+    assert info["source"] == "default rule" and info["instruction"].startswith("wgmma.mma_async.m64n")
     assert chosen.spec.async_copy and 3 <= chosen.spec.stages <= 6 and chosen.spec.tile_m <= 64
+    assert info["warpgroup"] == f"64x{chosen.spec.warp_n}x64" and info["warp"] == f"16x{chosen.spec.warp_n}x64"
     m, n, _ = RESNET_3X3.gemm
     assert info["grid"] == [-(-n // chosen.spec.tile_n) * -(-m // chosen.spec.tile_m), 1, 1]
-    assert info["kernel"].startswith("conv2d_int8_fprop_sm80_m16n8k32_s8_tb")
-    assert conv.plan(ConvGeometry(64, 256, 14, 14, 256, 3, 3), "auto", Target.profile("a100")).spec.instruction \
-        == "m16n8k32"
+    assert info["kernel"].startswith(f"conv2d_int8_fprop_sm90a_wgmma_m64n{chosen.spec.warp_n}k32_s8_tb")
+    a100 = conv.plan(ConvGeometry(64, 256, 14, 14, 256, 3, 3), "auto", Target.profile("a100"))
+    assert a100.spec.instruction == "m16n8k32" and a100.explain()["instruction"] == "mma.sync.m16n8k32.s8"
+    vgg = conv.plan(ConvGeometry(32, 256, 56, 56, 256, 3, 3, padding=(1, 1)), "auto", H100).spec
+    assert (vgg.instruction, vgg.tile_m, vgg.tile_n) == ("wgmma", 128, 256)
+    assert vgg.name == "conv2d_int8_fprop_sm90a_wgmma_m64n256k32_s8_tb128x256x64_wg2x1_st6_cpasync_align16_nchw32_lincomb"
+
+
+GEOMETRIES = [RESNET_3X3, ConvGeometry(1, 32, 8, 8, 32, 3, 3), ConvGeometry(64, 512, 7, 7, 512, 3, 3),
+              ConvGeometry(32, 256, 56, 56, 256, 3, 3), ConvGeometry(2, 96, 19, 17, 160, 3, 3)]
+
+
+@pytest.mark.parametrize("profile", ["h100", "a100"])
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_candidates_are_structurally_valid(profile, geometry):
+    """wgmma on sm_90 only; every candidate launchable: threads, shared memory, whole
+    rows per loading thread, wgmma's N, warps covering the tile, split-K covering GEMM_K."""
+    facts = Target.profile(profile).facts
+    found = conv.candidates(geometry, facts.sm_count, facts.smem_per_block_optin, facts.arch)
+    assert found and any(c["wgmma"] for c in found) == (facts.arch == "sm_90")
+    for candidate in found:
+        chosen = conv.plan_from(geometry, candidate, facts.arch, "test")
+        spec = chosen.spec
+        threads = spec.threads_per_block
+        assert threads <= 1024 and spec.smem_bytes <= facts.smem_per_block_optin
+        assert spec.tile_m % (threads // 4) == 0 and spec.tile_n % (threads // 4) == 0, spec.name
+        if spec.wgmma:
+            assert threads % 128 == 0 and spec.tile_m % 64 == 0 and spec.warp_m == 64
+            assert spec.tile_n % spec.warp_n == 0 and spec.warp_n % 16 == 0 and spec.warp_n <= 256
+            assert spec.stages >= 3 and (spec.tile_m + spec.tile_n) * 64 % 1024 == 0
+            assert spec.smem_bytes == spec.stages * (spec.tile_m + spec.tile_n) * 64 + 1024
+        assert (chosen.splits - 1) * chosen.steps_per_split < geometry.k_steps <= chosen.splits * chosen.steps_per_split
+    rule = conv.default_candidate(geometry, facts.sm_count, facts.smem_per_block_optin, facts.arch)
+    assert rule in found and rule["wgmma"] == (facts.arch == "sm_90")
+
+
+def test_wgmma_runs_on_sm_90_alone():
+    assert not any(spec.wgmma for spec in conv.all_specs("sm_80"))
+    assert {spec.name for spec in conv.all_specs("sm_90") if spec.wgmma} == \
+        {conv.spec_for(c, "auto", "sm_90").name for c in conv.WGMMA_CONFIGS}
+    with pytest.raises(ValueError, match="sm_90"):
+        conv.spec_for(conv.WGMMA_CONFIGS[0], "auto", "sm_80")
+    with pytest.raises(ValueError, match="auto"):
+        conv.spec_for(conv.WGMMA_CONFIGS[0], "megengine", "sm_90")
+    legacy = {k: v for k, v in conv.candidates(RESNET_3X3, 132, 232448, "sm_80")[0].items() if k != "wgmma"}
+    assert not conv.plan(RESNET_3X3, "auto", H100, tuned=legacy).spec.wgmma   # tables from before wgmma
 
 
 def test_auto_plan_splits_k_where_the_grid_is_small():
@@ -256,7 +341,7 @@ def test_auto_plan_splits_k_where_the_grid_is_small():
 
 
 def test_candidates_fit_shared_memory_and_tuned_plans_are_used():
-    found = conv.candidates(RESNET_3X3, 132, 232448)
+    found = conv.candidates(RESNET_3X3, 132, 232448, "sm_90")
     assert found and all(c["tile_m"] <= 64 for c in found)
     assert all(c["stages"] * (c["tile_m"] + c["tile_n"]) * 64 <= 232448 for c in found)
     assert json.loads(json.dumps(found)) == found
@@ -322,11 +407,13 @@ def test_tuning_table_sits_beside_cupys_cache(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_configuration_compiles_without_spills(arch):
-    specs = conv.all_specs(arch) + [conv.SplitReduceSpec()]
-    assert {s.instruction for s in specs[:-1]} == {"m8n8k16", "m16n8k32"}
+    specs = conv.all_specs(arch) + [conv.SplitReduceSpec()] + mma_peak.peak_specs(arch)
+    assert {s.instruction for s in specs if isinstance(s, conv.ConvInt8Spec)} == \
+        {"m8n8k16", "m16n8k32"} | ({"wgmma"} if arch == "sm_90" else set())
     failures = []
     for spec in specs:
         report = jit.compile_cubin(spec, arch)
+        assert report.arch == (f"{arch}a" if spec.arch_specific else arch)
         assert 0 < report.registers <= 255, (spec.name, report.registers)
         if report.spill_bytes or report.stack_bytes:
             failures.append(f"{spec.name}: {report.spill_bytes} spill bytes, {report.stack_bytes} stack, "
@@ -345,6 +432,8 @@ def _cli(*args):
 
 
 def test_cli_explain_and_compile():
+    from cli import conv as conv_cli
+
     result = _cli("explain", "conv2d_int8", "--input", "64,256,14,14", "--filter", "256,256,3,3",
                   "--padding", "1", "--device", "h100", "--json")
     assert result.exit_code == 0, result.output
@@ -358,7 +447,7 @@ def test_cli_explain_and_compile():
     assert result.exit_code != 0 and "to_nchw32" in result.output
     result = _cli("compile", "conv2d_int8", "--arch", "sm_90")
     assert result.exit_code == 0, result.output
-    assert f"{len(conv.all_specs('sm_90')) + 1} kernels compiled for sm_90, 0 failed or spilled" in result.output
+    assert f"{len(conv_cli.compiled_specs('sm_90'))} kernels compiled for sm_90, 0 failed or spilled" in result.output
 
 
 def test_cli_layers_tables_and_files(tmp_path):
@@ -375,3 +464,43 @@ def test_cli_layers_tables_and_files(tmp_path):
     csv_path = tmp_path / "layers.csv"
     csv_path.write_text("n,c,h,w,k,r,s,stride\n1,32,8,8,32,1,1,2\n")
     assert conv_cli.load_layers(str(csv_path))[0]["geometry"].stride == (2, 2)
+
+
+# -- sm_90a ------------------------------------------------------------------
+
+def test_wgmma_kernel_fences_its_pipeline():
+    """The PTX of a wgmma kernel: the proxy fence, wgmma.fence, commit, wait 1 in the
+    loop and wait 0 after it, and both operands through 64B-swizzled descriptors."""
+    spec = conv.spec_for(conv.WGMMA_CONFIGS[0], "auto", "sm_90")
+    ptx = jit.compile_ptx(spec, "sm_90")
+    assert ".target sm_90a" in ptx
+    for text in ("fence.proxy.async.shared::cta", "wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned",
+                 "wgmma.wait_group.sync.aligned 1", "wgmma.wait_group.sync.aligned 0",
+                 "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8"):
+        assert text in ptx, text
+    assert ptx.count("wgmma.mma_async") == 2   # the two k32 halves of a step
+
+
+def test_arch_specific_cubins_are_cached_on_disk(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    spec = mma_peak.MmaPeakSpec("wgmma_m64n256k32")
+    assert spec.arch_specific and jit.target_arch(spec, "sm_90") == "sm_90a"
+    assert jit.target_arch(mma_peak.MmaPeakSpec("m16n8k32"), "sm_90") == "sm_90"
+    cubin = jit.cached_cubin(spec, "sm_90a")
+    (path,) = (tmp_path / jit.CubinKernel.CACHE_FOLDER).glob(f"{spec.name}_*.cubin")
+    assert path.read_bytes() == cubin and cubin[:4] == b"\x7fELF"
+
+    def no_compile(*args):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(jit, "_nvrtc", no_compile)
+    assert jit.cached_cubin(spec, "sm_90a") == cubin
+
+
+def test_peak_kernels_per_arch():
+    assert [s.instruction for s in mma_peak.peak_specs("sm_80")] == ["m8n8k16", "m16n8k32"]
+    assert [s.instruction for s in mma_peak.peak_specs("sm_90")] == ["m8n8k16", "m16n8k32", "wgmma_m64n256k32"]
+    assert [s.instruction for s in mma_peak.peak_specs("sm_100")] == ["m8n8k16", "m16n8k32"]
+    wgmma = mma_peak.MmaPeakSpec("wgmma_m64n256k32")
+    assert wgmma.ops_per_iteration == 2 * mma_peak.WGMMA_BATCH * 2 * 64 * 256 * 32
+    assert mma_peak.MmaPeakSpec("m8n8k16").ops_per_iteration == 8 * mma_peak.MMA_SYNC_CHAINS * 2 * 8 * 8 * 16

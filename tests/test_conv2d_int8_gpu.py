@@ -1,7 +1,9 @@
 """GPU tests of conv2d_int8 against the exact NumPy reference (tests/conftest.py
 skips them where no GPU is usable): every filter shape, stride, padding,
-dilation, tails, both policies, every kernel configuration, split-K, the
-epilogue (bias, z, per-channel alpha, ReLU) and every out_dtype, bad input."""
+dilation, tails, both policies, every kernel configuration (wgmma's on sm_90),
+every candidate the generator yields for tail shapes with every out_dtype,
+split-K, the epilogue (bias, z, per-channel alpha, ReLU), the int8 peak
+kernels, bad input."""
 from __future__ import annotations
 
 import numpy
@@ -12,6 +14,7 @@ from cupyops import tune
 from cupyops.launch import Target
 from cupyops.ops import conv2d_int8 as conv
 from cupyops.ops import conv_reference as ref
+from cupyops.ops import mma_peak
 from cupyops.ops.conv_layout import ConvGeometry
 
 pytestmark = pytest.mark.gpu
@@ -72,6 +75,18 @@ def _check_exact(y, expected, label):
                     f"expected {expected[first]}")
 
 
+def _check_output(y, value, label):
+    """int32: exact; int8: exact but next to a rounding boundary; float16 / float32: close."""
+    if y.dtype == numpy.int32:
+        _check_exact(y, value, label)
+    elif y.dtype == numpy.int8:
+        _check_int8(y, value, label)
+    else:
+        tolerance = dict(rtol=1e-3, atol=2e-2) if y.dtype == numpy.float16 else dict(rtol=1e-5, atol=1e-4)
+        numpy.testing.assert_allclose(cupyops.from_nchw32(y).get().astype(numpy.float64), value,
+                                      err_msg=label, **tolerance)
+
+
 def _run(x, w, g, **options):
     import cupy
 
@@ -119,13 +134,7 @@ def test_full_epilogue(rng, shape, policy, out_dtype, bias_dtype):
     y = _run(x, w, g, bias=cupy.asarray(bias), z=cupy.asarray(cupyops.to_nchw32(z)), alpha=cupy.asarray(alpha),
              beta=beta, gamma=gamma, relu=True, out_dtype=out_dtype, out=out, policy=policy)
     assert y is out
-    label = f"{shape} {policy} {out_dtype} bias {numpy.dtype(bias_dtype)}"
-    if out_dtype == "int8":
-        _check_int8(y, value, label)
-    else:
-        tolerance = dict(rtol=1e-3, atol=2e-2) if out_dtype == "float16" else dict(rtol=1e-5, atol=1e-4)
-        numpy.testing.assert_allclose(cupyops.from_nchw32(y).get().astype(numpy.float64), value,
-                                      err_msg=label, **tolerance)
+    _check_output(y, value, f"{shape} {policy} {out_dtype} bias {numpy.dtype(bias_dtype)}")
 
 
 @pytest.mark.parametrize("spec_index", range(len(conv.all_specs("sm_90"))))
@@ -144,6 +153,52 @@ def test_every_configuration(rng, spec_index, splits):
     y = cupy.full(g.output_shape, -7, dtype=numpy.int32)
     conv.launch(chosen, x5, w5, y, None, None, None, conv.Epilogue(out_dtype="int32"))
     _check_exact(y, ref.accumulators(x, w, g.stride, g.padding, g.dilation), f"{spec.name} splits {splits}")
+
+
+GENERATOR_SHAPES = [SHAPES[2], SHAPES[7], (2, 96, 19, 17, 160, 3, 3, 1, 1, 1), SHAPES[10]]
+
+
+@pytest.mark.parametrize("out_dtype", ["int32", "int8", "float16", "float32"])
+@pytest.mark.parametrize("shape", GENERATOR_SHAPES)
+def test_every_candidate_of_the_generator(rng, shape, out_dtype):
+    """Every auto candidate the generator yields on this GPU (wgmma's on sm_90) for shapes
+    with tails in GEMM_M, GEMM_N and GEMM_K, N = 1, C = K = 32 and a small grid, each also
+    split along GEMM_K in three, through the whole epilogue (raw int32: none)."""
+    import cupy
+
+    g = _geometry(shape)
+    x, w = _inputs(rng, g)
+    acc = ref.accumulators(x, w, g.stride, g.padding, g.dilation)
+    x5, w5 = cupy.asarray(cupyops.to_nchw32(x)), cupy.asarray(cupyops.pack_conv_filter(w))
+    if out_dtype == "int32":
+        arrays, epilogue, value = (None, None, None), conv.Epilogue(out_dtype="int32"), acc
+    else:
+        alpha = (_scale(g) * rng.uniform(0.5, 1.5, g.k)).astype(numpy.float32)
+        bias = rng.integers(-20, 20, g.k).astype(numpy.float32)
+        z = rng.integers(-128, 128, (g.n, g.k, g.oh, g.ow), dtype=numpy.int8)
+        arrays = (cupy.asarray(cupyops.to_nchw32(z)), cupy.asarray(alpha), cupy.asarray(bias))
+        epilogue = conv.Epilogue(out_dtype, "float32", True, True, True, 1.0, 0.75, 0.125)
+        value = ref.epilogue(acc, alpha=alpha, beta=0.75, gamma=0.125, bias=bias, z=z, relu=True)
+    facts = Target.live(cupy.cuda.runtime.getDevice()).facts
+    found = conv.candidates(g, facts.sm_count, facts.smem_per_block_optin, facts.arch)
+    assert any(c["wgmma"] for c in found) == (facts.arch == conv.WGMMA_ARCH)
+    for candidate in found + [{**c, "splits": 3, "steps_per_split": -(-g.k_steps // 3)} for c in found]:
+        chosen = conv.plan_from(g, candidate, facts.arch, "test")
+        if (chosen.splits - 1) * chosen.steps_per_split >= g.k_steps:
+            continue   # a split would be empty
+        y = cupy.full(g.output_shape, -7 if out_dtype == "int32" else 77, dtype=out_dtype)   # poisoned
+        conv.launch(chosen, x5, w5, y, *arrays, epilogue)
+        _check_output(y, value, f"{chosen.spec.name} splits {chosen.splits} {out_dtype}")
+
+
+def test_int8_peak_kernels_run():
+    """Each peak kernel of this GPU's arch runs and reports a plausible figure (TOPS)."""
+    import cupy
+
+    device_id = cupy.cuda.runtime.getDevice()
+    peaks = mma_peak.measure_peaks(device_id)
+    assert set(peaks) == {s.instruction for s in mma_peak.peak_specs(Target.live(device_id).facts.arch)}
+    assert all(10 < tops < 20000 for tops in peaks.values()), peaks
 
 
 def test_first_use_tunes_and_explain_says_so(rng, monkeypatch, tmp_path):

@@ -1,15 +1,16 @@
 """int8 convolution on tensor cores by implicit GEMM, NCHW32 (SPEC §7):
 spec -> candidate configurations -> plan (default rule or measured) -> launch -> public function.
 
-Two policies share one kernel (kernels/conv_int8.cuh) through template parameters:
+Two policies share one loader and one epilogue (kernels/conv_int8.cuh):
 - "megengine": MegEngine's kernel, mma.sync m8n8k16, two stages through
   registers, threadblock 128x128x64 and warp 64x64x64 (smaller tiles from
   MegEngine's list where K is small).
-- "auto": mma.sync m16n8k32 (sm_80 and newer), a cp.async pipeline of 3-6
-  stages, the tile / warp / stage configuration from the measured tuner
-  (cupyops.tune) or else the default rule, split-K (int32 partials summed by a
-  second kernel that applies the epilogue) where the tiles of N * OH * OW
-  leave SMs idle.
+- "auto": on sm_90 (compute capability 9.0 exactly: sm_90a code runs nowhere
+  else) wgmma m64nNk32 from the shared stages, warpgroups of 64 x N; elsewhere
+  mma.sync m16n8k32 (sm_80 and newer). Both with a cp.async pipeline of 3-6
+  stages, the configuration from the measured tuner (cupyops.tune) or else the
+  default rule, split-K (int32 partials summed by a second kernel that applies
+  the epilogue) where the tiles of N * OH * OW leave SMs idle.
 """
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ from .conv_layout import INTERLEAVE, OUT_KINDS, ConvGeometry
 OP = "conv2d_int8"
 POLICIES = ("auto", "megengine")
 STEP_BYTES = 64
+WGMMA = "wgmma"              # ConvInt8Spec.instruction of the sm_90a kernels
+WGMMA_ARCH = "sm_90"         # the one arch they run on
+WGMMA_ALIGN_SLACK = 1024     # dynamic shared memory the kernel may skip to align its stages
 REDUCE_THREADS = 256
 REDUCE_BLOCKS_PER_SM = 8
 MAX_SPLITS = 16
@@ -36,9 +40,10 @@ MIN_STEPS_PER_SPLIT = 4
 @dataclass(frozen=True)
 class ConvInt8Spec(jit.KernelSpec):
     """One instantiation of the convolution kernel; its name carries the minimum
-    arch, instruction, dtypes, threadblock, warp, stages, copy path, alignment and layout."""
+    arch, instruction, dtypes, threadblock, warp (or warpgroup), stages, copy path,
+    alignment and layout. For wgmma warp_m x warp_n is a warpgroup's tile (64 x N)."""
     template: ClassVar[str] = "conv2d_int8.cu.j2"
-    instruction: str         # "m16n8k32" (sm_80+) or "m8n8k16" (sm_75+)
+    instruction: str         # "wgmma" (sm_90a), "m16n8k32" (sm_80+) or "m8n8k16" (sm_75+)
     tile_m: int
     tile_n: int
     warp_m: int
@@ -47,27 +52,45 @@ class ConvInt8Spec(jit.KernelSpec):
     async_copy: bool         # cp.async multistage, else registers (two stages)
 
     @property
+    def wgmma(self) -> bool:
+        return self.instruction == WGMMA
+
+    @property
     def arch(self) -> str:
-        return "sm80" if self.instruction == "m16n8k32" else "sm75"
+        return {"wgmma": "sm90a", "m16n8k32": "sm80"}.get(self.instruction, "sm75")
+
+    @property
+    def arch_specific(self) -> bool:
+        return self.wgmma
+
+    @property
+    def mma_shape(self) -> str:
+        """The tensor-core instruction's shape, e.g. m64n256k32."""
+        return f"m64n{self.warp_n}k32" if self.wgmma else self.instruction
 
     @property
     def name(self) -> str:
         copy = "cpasync" if self.async_copy else "ldg"
-        return (f"conv2d_int8_fprop_{self.arch}_{self.instruction}_s8_tb{self.tile_m}x{self.tile_n}x{STEP_BYTES}"
-                f"_w{self.warp_m}x{self.warp_n}x{STEP_BYTES}_st{self.stages}_{copy}_align16_nchw32_lincomb")
+        if self.wgmma:
+            groups = f"wg{self.tile_m // self.warp_m}x{self.tile_n // self.warp_n}"
+        else:
+            groups = f"w{self.warp_m}x{self.warp_n}x{STEP_BYTES}"
+        return (f"conv2d_int8_fprop_{self.arch}_{self.instruction}{'_' + self.mma_shape if self.wgmma else ''}_s8_"
+                f"tb{self.tile_m}x{self.tile_n}x{STEP_BYTES}_{groups}_st{self.stages}_{copy}_align16_nchw32_lincomb")
 
     @property
     def threads_per_block(self) -> int:
-        return (self.tile_m // self.warp_m) * (self.tile_n // self.warp_n) * 32
+        threads = 128 if self.wgmma else 32
+        return (self.tile_m // self.warp_m) * (self.tile_n // self.warp_n) * threads
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.tile_m + self.tile_n) * STEP_BYTES
+        return self.stages * (self.tile_m + self.tile_n) * STEP_BYTES + (WGMMA_ALIGN_SLACK if self.wgmma else 0)
 
     def template_args(self) -> dict:
         return dict(tile_m=self.tile_m, tile_n=self.tile_n, warp_m=self.warp_m, warp_n=self.warp_n,
-                    k32=self.instruction == "m16n8k32", stages=self.stages, async_copy=self.async_copy,
-                    split_reduce=False)
+                    k32=self.instruction == "m16n8k32", wgmma=self.wgmma, stages=self.stages,
+                    async_copy=self.async_copy, split_reduce=False)
 
 
 @dataclass(frozen=True)
@@ -84,16 +107,18 @@ class SplitReduceSpec(jit.KernelSpec):
         return REDUCE_THREADS
 
     def template_args(self) -> dict:
-        return dict(split_reduce=True)
+        return dict(split_reduce=True, wgmma=False)
 
 
 @dataclass(frozen=True)
 class TileConfig:
+    """Threadblock, warp (for wgmma: warpgroup) tile and stages of one kernel configuration."""
     tile_m: int
     tile_n: int
     warp_m: int
     warp_n: int
     stages: int
+    wgmma: bool = False
 
     @property
     def area(self) -> int:
@@ -110,20 +135,35 @@ AUTO_CONFIGS = (TileConfig(256, 128, 64, 64, 3), TileConfig(128, 256, 64, 64, 3)
                 TileConfig(64, 256, 64, 64, 4),
                 TileConfig(128, 64, 64, 32, 4), TileConfig(64, 128, 32, 64, 4),
                 TileConfig(64, 64, 32, 32, 5), TileConfig(32, 128, 32, 32, 6))
+# sm_90's wgmma configurations: warpgroups of 64 x N (N <= 256: N / 2 accumulators
+# a thread), tiles as large as a step's loads and 2 x 128 accumulators allow.
+WGMMA_CONFIGS = (TileConfig(128, 256, 64, 256, 6, True), TileConfig(128, 256, 64, 256, 4, True),
+                 TileConfig(256, 128, 64, 128, 4, True), TileConfig(128, 128, 64, 128, 6, True),
+                 TileConfig(64, 256, 64, 256, 6, True), TileConfig(64, 256, 64, 128, 4, True),
+                 TileConfig(64, 128, 64, 128, 6, True))
 
 
 def spec_for(config: TileConfig, policy: str, arch: str) -> ConvInt8Spec:
     """The kernel of `config` under `policy` on `arch` ("sm_80", "sm_90", ...)."""
+    if config.wgmma:
+        if policy != "auto" or arch != WGMMA_ARCH:
+            raise ValueError(f"wgmma configurations run on {WGMMA_ARCH} under policy='auto' only, not {arch}")
+        return ConvInt8Spec(WGMMA, config.tile_m, config.tile_n, config.warp_m, config.warp_n, config.stages, True)
     if policy == "megengine" or int(arch.removeprefix("sm_")) < 80:
         return ConvInt8Spec("m8n8k16", config.tile_m, config.tile_n, config.warp_m, config.warp_n, 2, False)
     return ConvInt8Spec("m16n8k32", config.tile_m, config.tile_n, config.warp_m, config.warp_n,
                         config.stages, True)
 
 
+def auto_configs(arch: str) -> tuple:
+    """The auto policy's configurations on `arch`: wgmma's first on sm_90, then mma.sync's."""
+    return (WGMMA_CONFIGS if arch == WGMMA_ARCH else ()) + AUTO_CONFIGS
+
+
 def all_specs(arch: str) -> list:
     """Every kernel the planner can choose on `arch`: both policies' configurations."""
     specs = [spec_for(c, "megengine", arch) for c in MEGENGINE_LADDER]
-    specs += [spec_for(c, "auto", arch) for c in AUTO_CONFIGS]
+    specs += [spec_for(c, "auto", arch) for c in auto_configs(arch)]
     return list(dict.fromkeys(specs))
 
 
@@ -143,13 +183,14 @@ def split_k(geometry: ConvGeometry, tiles: int, sm_count: int) -> tuple:
     return -(-steps // per_split), per_split
 
 
-def candidates(geometry: ConvGeometry, sm_count: int, smem_limit: int) -> list:
-    """The auto configurations that suit this shape (tile_m within K rounded up to
-    the next tile, shared memory within the limit), each with and without split-K."""
+def candidates(geometry: ConvGeometry, sm_count: int, smem_limit: int, arch: str) -> list:
+    """The auto configurations of `arch` that suit this shape (tile_m within K rounded
+    up to the next tile, or the smallest tile of the instruction: 32, 64 for wgmma;
+    shared memory within the limit), each with and without split-K."""
     found = []
-    for config in AUTO_CONFIGS:
-        if config.tile_m > max(32, 1 << (geometry.k - 1).bit_length()) or \
-                config.stages * (config.tile_m + config.tile_n) * STEP_BYTES > smem_limit:
+    for config in auto_configs(arch):
+        if config.tile_m > max(64 if config.wgmma else 32, 1 << (geometry.k - 1).bit_length()) or \
+                spec_for(config, "auto", arch).smem_bytes > smem_limit:
             continue
         splits, per_split = split_k(geometry, _grid_tiles(geometry, config), sm_count)
         found.append({**asdict(config), "splits": 1, "steps_per_split": geometry.k_steps})
@@ -158,10 +199,11 @@ def candidates(geometry: ConvGeometry, sm_count: int, smem_limit: int) -> list:
     return found
 
 
-def default_candidate(geometry: ConvGeometry, sm_count: int, smem_limit: int) -> dict:
-    """The default rule: the largest tile (then the most stages) whose grid fills every
-    SM; where none does, the smallest tile, split along GEMM_K."""
-    found = candidates(geometry, sm_count, smem_limit)
+def default_candidate(geometry: ConvGeometry, sm_count: int, smem_limit: int, arch: str) -> dict:
+    """The default rule: wgmma where the arch has it; the largest tile (then the most
+    stages) whose grid fills every SM; where none does, the smallest tile, split along GEMM_K."""
+    found = candidates(geometry, sm_count, smem_limit, arch)
+    found = [c for c in found if c["wgmma"]] or found
     full = [c for c in found if c["splits"] == 1 and
             _grid_tiles(geometry, _config(c)) >= sm_count]
     if full:
@@ -177,7 +219,9 @@ def megengine_config(geometry: ConvGeometry) -> TileConfig:
 
 
 def _config(candidate: dict) -> TileConfig:
-    return TileConfig(*(candidate[name] for name in ("tile_m", "tile_n", "warp_m", "warp_n", "stages")))
+    # tables written before wgmma existed hold no "wgmma" key
+    return TileConfig(*(candidate[name] for name in ("tile_m", "tile_n", "warp_m", "warp_n", "stages")),
+                      candidate.get("wgmma", False))
 
 
 @dataclass(frozen=True)
@@ -201,10 +245,14 @@ class ConvPlan:
 
     def explain(self) -> dict:
         m, n, k = self.geometry.gemm
+        spec = self.spec
+        groups = {"warp": f"{spec.warp_m}x{spec.warp_n}x{STEP_BYTES}"}
+        if spec.wgmma:   # a warp holds 16 rows of its warpgroup's 64
+            groups = {"warpgroup": groups["warp"], "warp": f"16x{spec.warp_n}x{STEP_BYTES}"}
         return {"op": OP, "policy": self.policy, "gemm_mnk": [m, n, k],
-                "instruction": f"mma.sync.{self.spec.instruction}.s8",
-                "tile": f"{self.spec.tile_m}x{self.spec.tile_n}x{STEP_BYTES}",
-                "warp": f"{self.spec.warp_m}x{self.spec.warp_n}x{STEP_BYTES}",
+                "instruction": f"wgmma.mma_async.{spec.mma_shape}.s8" if spec.wgmma
+                else f"mma.sync.{spec.instruction}.s8",
+                "tile": f"{self.spec.tile_m}x{self.spec.tile_n}x{STEP_BYTES}", **groups,
                 "stages": self.spec.stages, "copy": "cp.async" if self.spec.async_copy else "registers",
                 "split_k": self.splits, "block": list(self.block), "grid": list(self.grid),
                 "smem_bytes": self.spec.smem_bytes, "kernel": self.spec.name, "source": self.source}
@@ -226,7 +274,7 @@ def plan(geometry: ConvGeometry, policy: str, target: Target, tuned: Optional[di
                         "megengine ladder", policy)
     if tuned is not None:
         return plan_from(geometry, tuned, facts.arch, "tuned")
-    return plan_from(geometry, default_candidate(geometry, facts.sm_count, facts.smem_per_block_optin),
+    return plan_from(geometry, default_candidate(geometry, facts.sm_count, facts.smem_per_block_optin, facts.arch),
                      facts.arch, "default rule")
 
 
@@ -301,7 +349,7 @@ def tune_shape(geometry: ConvGeometry, device_id: int, table: Optional[tune.Tuni
         x = cupy.ones((geometry.n, geometry.c // INTERLEAVE, geometry.h, geometry.w, INTERLEAVE), numpy.int8)
         w = cupy.ones((geometry.k, geometry.c // INTERLEAVE, geometry.r, geometry.s, INTERLEAVE), numpy.int8)
         y = cupy.empty(geometry.output_shape, numpy.int8)
-        found = candidates(geometry, facts.sm_count, facts.smem_per_block_optin)
+        found = candidates(geometry, facts.sm_count, facts.smem_per_block_optin, facts.arch)
         return tune.tune(table or tune.default_table(), tune.DeviceKey.live(device_id), OP, geometry.key(),
                          found, _time_candidate(geometry, facts.arch, (x, w, y)))
 
