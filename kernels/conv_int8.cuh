@@ -135,6 +135,7 @@ struct ConvTileLoader {
   static constexpr int ROW_STEP = THREADS / 4;
   static constexpr int A_ITERS = TM / ROW_STEP, B_ITERS = TN / ROW_STEP;
   static_assert(TM % ROW_STEP == 0 && TN % ROW_STEP == 0, "every thread loads whole rows");
+  static_assert(ROW_STEP % 8 == 0, "a thread's rows share their swizzle phase");
 
   // The current chunk, read from the tap table once a step.
   struct Chunk {
@@ -153,6 +154,7 @@ struct ConvTileLoader {
   // This thread's loads: vector `vector` of rows row0 + i * ROW_STEP, chunk
   // (group, tap) = chunk of GEMM_K, two chunks further each step.
   int vector, row0, chunk, group, tap;
+  int slot;                   // shared offset of its vector of row row0: conv_tile_offset(row0, vector)
   const signed char* a_row;   // this thread's first filter row
   int a_rows;                 // its rows i * ROW_STEP below this are within GEMM_M
   int64 b_base[B_ITERS];      // offsets of where this thread's pixels' (ih0, iw0) would be
@@ -167,6 +169,7 @@ struct ConvTileLoader {
     const int ohw = p.oh * p.ow;
     vector = tid & 3;
     row0 = tid >> 2;
+    slot = conv_tile_offset(row0, vector);
     chunk = tile.step_begin * 2 + (vector >> 1);
     group = chunk / taps;
     tap = chunk - group * taps;
@@ -193,15 +196,17 @@ struct ConvTileLoader {
     return Chunk{group < c32, p.tap_dh[tap], p.tap_dw[tap], chunk * 32 + (vector & 1) * 16,
                  group * group_bytes + p.tap_offset[tap]};
   }
-  // The chunk's source of A row i / B row i, nullptr where it reads zeros.
+  // Whether the chunk's A row i / B row i lies inside the operands (else it reads zeros), and its source.
+  __device__ __forceinline__ bool a_inside(const Chunk& c, int i) const { return c.valid && i * ROW_STEP < a_rows; }
   __device__ __forceinline__ const signed char* a_source(const Chunk& c, int i) const {
-    return c.valid && i * ROW_STEP < a_rows ? a_row + static_cast<int64>(i) * ROW_STEP * gemm_k + c.a_offset
-                                            : nullptr;
+    return a_row + static_cast<int64>(i) * ROW_STEP * gemm_k + c.a_offset;
+  }
+  __device__ __forceinline__ bool b_inside(const Chunk& c, int i) const {
+    return c.valid && static_cast<unsigned>(b_ih[i] + c.dh) < static_cast<unsigned>(h) &&
+           static_cast<unsigned>(b_iw[i] + c.dw) < static_cast<unsigned>(width);
   }
   __device__ __forceinline__ const signed char* b_source(const Chunk& c, int i) const {
-    const bool inside = c.valid && static_cast<unsigned>(b_ih[i] + c.dh) < static_cast<unsigned>(h) &&
-                        static_cast<unsigned>(b_iw[i] + c.dw) < static_cast<unsigned>(width);
-    return inside ? x + b_base[i] + c.b_offset : nullptr;
+    return x + b_base[i] + c.b_offset;
   }
   __device__ __forceinline__ void advance() {
     chunk += 2;
@@ -211,24 +216,24 @@ struct ConvTileLoader {
       ++group;
     }
   }
-  // Shared offsets of this thread's A row i and B row i within a stage.
-  __device__ __forceinline__ int a_slot(int i) const { return conv_tile_offset(row0 + i * ROW_STEP, vector); }
-  __device__ __forceinline__ int b_slot(int i) const {
-    return TM * CONV_STEP_BYTES + conv_tile_offset(row0 + i * ROW_STEP, vector);
-  }
+  // Shared offsets of this thread's A row i and B row i within a stage (rows i * ROW_STEP
+  // apart, a multiple of the swizzle's 8 rows: the same vector slot in each).
+  __device__ __forceinline__ int a_slot(int i) const { return slot + i * ROW_STEP * CONV_STEP_BYTES; }
+  __device__ __forceinline__ int b_slot(int i) const { return slot + (TM + i * ROW_STEP) * CONV_STEP_BYTES; }
 
   // cp.async of the current step into the stage at shared address `stage`, then the next step.
+  // Rows outside the operands are filled with zeros (source size 0, from a valid address).
   __device__ __forceinline__ void issue_async(unsigned stage) {
     const Chunk c = current_chunk();
 #pragma unroll
     for (int i = 0; i < A_ITERS; ++i) {
-      const signed char* src = a_source(c, i);
-      cp_async_16(stage + a_slot(i), src ? src : w, src ? 16 : 0);
+      const bool inside = a_inside(c, i);
+      cp_async_16(stage + a_slot(i), inside ? a_source(c, i) : w, inside ? 16 : 0);
     }
 #pragma unroll
     for (int i = 0; i < B_ITERS; ++i) {
-      const signed char* src = b_source(c, i);
-      cp_async_16(stage + b_slot(i), src ? src : x, src ? 16 : 0);
+      const bool inside = b_inside(c, i);
+      cp_async_16(stage + b_slot(i), inside ? b_source(c, i) : x, inside ? 16 : 0);
     }
     advance();
   }
@@ -237,15 +242,11 @@ struct ConvTileLoader {
   __device__ __forceinline__ void fetch(int4 (&a_held)[A_ITERS], int4 (&b_held)[B_ITERS]) {
     const Chunk c = current_chunk();
 #pragma unroll
-    for (int i = 0; i < A_ITERS; ++i) {
-      const signed char* src = a_source(c, i);
-      a_held[i] = src ? __ldg(reinterpret_cast<const int4*>(src)) : make_int4(0, 0, 0, 0);
-    }
+    for (int i = 0; i < A_ITERS; ++i)
+      a_held[i] = a_inside(c, i) ? __ldg(reinterpret_cast<const int4*>(a_source(c, i))) : make_int4(0, 0, 0, 0);
 #pragma unroll
-    for (int i = 0; i < B_ITERS; ++i) {
-      const signed char* src = b_source(c, i);
-      b_held[i] = src ? __ldg(reinterpret_cast<const int4*>(src)) : make_int4(0, 0, 0, 0);
-    }
+    for (int i = 0; i < B_ITERS; ++i)
+      b_held[i] = b_inside(c, i) ? __ldg(reinterpret_cast<const int4*>(b_source(c, i))) : make_int4(0, 0, 0, 0);
     advance();
   }
   __device__ __forceinline__ void store(char* stage, const int4 (&a_held)[A_ITERS],
@@ -462,22 +463,29 @@ __device__ __forceinline__ void conv2d_int8_fprop_wgmma(const signed char* __res
     if (s < steps) loader.issue_async(shared_base + s * STAGE_BYTES);
     cp_async_commit();
   }
+  // This warpgroup's operands in stage 0; those of stage s and of the second k32 half
+  // are the same descriptors moved by s * STAGE_BYTES + 32 bytes.
+  const unsigned long long a_descriptor = wgmma_descriptor_sw64(shared_base + wg_m * CONV_STEP_BYTES);
+  const unsigned long long b_descriptor = wgmma_descriptor_sw64(shared_base + (TM + wg_n) * CONV_STEP_BYTES);
+  constexpr unsigned LAST_STAGE = (stages - 1) * STAGE_BYTES;
+  unsigned stage = 0, load_stage = DEPTH * STAGE_BYTES;   // offsets of stages t % stages, (t + DEPTH) % stages
   for (int t = 0; t < steps; ++t) {
     cp_async_wait<DEPTH - 1>();
     fence_proxy_async_shared();
     __syncthreads();
-    const unsigned stage = shared_base + t % stages * STAGE_BYTES;
     wgmma_fence_operands(acc);
     wgmma_fence();
 #pragma unroll
     for (int half = 0; half < CONV_STEP_BYTES / 32; ++half) {
-      WgmmaS8<WN>::mma(acc, wgmma_descriptor_sw64(stage + wg_m * CONV_STEP_BYTES + half * 32),
-                       wgmma_descriptor_sw64(stage + (TM + wg_n) * CONV_STEP_BYTES + half * 32));
+      WgmmaS8<WN>::mma(acc, wgmma_descriptor_moved(a_descriptor, stage + half * 32),
+                       wgmma_descriptor_moved(b_descriptor, stage + half * 32));
     }
     wgmma_commit();
     wgmma_fence_operands(acc);
-    if (t + DEPTH < steps) loader.issue_async(shared_base + (t + DEPTH) % stages * STAGE_BYTES);
+    if (t + DEPTH < steps) loader.issue_async(shared_base + load_stage);
     cp_async_commit();
+    stage = stage == LAST_STAGE ? 0 : stage + STAGE_BYTES;
+    load_stage = load_stage == LAST_STAGE ? 0 : load_stage + STAGE_BYTES;
     wgmma_wait<1>();
     wgmma_fence_operands(acc);
   }

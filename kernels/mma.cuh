@@ -86,6 +86,13 @@ __device__ __forceinline__ unsigned long long wgmma_descriptor_sw64(unsigned add
          (static_cast<unsigned long long>(WGMMA_SWIZZLE_64B) << 62);
 }
 
+// `descriptor` with its start address moved by `bytes` (a multiple of 16): a 32-bit
+// add to the low word, which holds the start address in bits 0-13 and never
+// carries out of it (shared addresses stay below 2^18 bytes).
+__device__ __forceinline__ unsigned long long wgmma_descriptor_moved(unsigned long long descriptor, unsigned bytes) {
+  return (descriptor & 0xffffffff00000000ull) | (static_cast<unsigned>(descriptor) + (bytes >> 4));
+}
+
 // wgmma_m64nNk32 s8: WgmmaS8<N>::mma(d, a_descriptor, b_descriptor), d += A * B.
 // Its operand list (N / 2 accumulator registers) is written out per N by the
 // rendering template (templates/wgmma.j2), which defines the specialisation each

@@ -36,6 +36,11 @@ def wgmma_descriptor_sw64(address: int) -> int:
             | (SWIZZLE_64B << 62))
 
 
+def wgmma_descriptor_moved(descriptor: int, moved: int) -> int:
+    """kernels/mma.cuh's wgmma_descriptor_moved: a 32-bit add of moved >> 4 to the low word."""
+    return (descriptor & ~0xFFFFFFFF) | ((descriptor + (moved >> 4)) & 0xFFFFFFFF)
+
+
 def wgmma_operand(shared: numpy.ndarray, descriptor: int, rows: int) -> numpy.ndarray:
     """(rows, 32) int8 operand of one wgmma k32 as the hardware reads it (PTX ISA, K-major
     canonical layout with 64B swizzle): row r, byte k at start + (r // 8) * SBO + (r % 8) * 64
@@ -199,9 +204,11 @@ def _wgmma_step(spec, shared, acc):
     g, t = lanes >> 2, lanes & 3
     for first_warp in range(0, warps, 4):
         channel0, pixel0 = _warp_origins(spec)[first_warp]
+        a_descriptor = wgmma_descriptor_sw64(channel0 * STEP_BYTES)
+        b_descriptor = wgmma_descriptor_sw64((tm + pixel0) * STEP_BYTES)
         for half in range(STEP_BYTES // 32):
-            a = wgmma_operand(shared, wgmma_descriptor_sw64(channel0 * STEP_BYTES + half * 32), 64)
-            b = wgmma_operand(shared, wgmma_descriptor_sw64((tm + pixel0) * STEP_BYTES + half * 32), wn)
+            a = wgmma_operand(shared, wgmma_descriptor_moved(a_descriptor, half * 32), 64)
+            b = wgmma_operand(shared, wgmma_descriptor_moved(b_descriptor, half * 32), wn)
             product = a @ b.T
             for w in range(4):
                 for h in range(2):
