@@ -5,29 +5,23 @@ registers the ops as torch.library custom ops in the "cupyops" namespace
 (torch.ops.cupyops.*), each with a fake implementation for torch.compile
 and its backward through cupyops' own backward kernels (or torch formulas
 for the elementwise ops), so `torch.compile(model, fullgraph=True)` captures
-a model using them without a graph break. In eager mode a call skips torch's
-dispatcher: it runs the same implementation directly, through a
-torch.autograd.Function where an input needs a gradient (same outputs and
-gradients, bit for bit). The ops run on torch's current stream of the
-tensors' GPU, read torch's memory in place and write outputs that torch's
-caching allocator gave, without copies or DLPack; outputs are torch tensors.
-CPU tensors take torch's own ops (but for the dropout ops, whose keep masks
-are cupyops' own).
+a model using them without a graph break. The ops run on torch's current
+stream of the tensors' GPU, read torch's memory in place and return their
+outputs through DLPack, without copies; outputs are torch tensors. CPU
+tensors take torch's own ops (but for the dropout ops, whose keep masks are
+cupyops' own).
 
 Functions: softmax, log_softmax, layer_norm, rms_norm (with an optional
 residual added first), fused_softmax, bias_gelu, bias_silu, swiglu, geglu,
-bias_dropout_add. Modules: LayerNorm, RMSNorm (drop-in for
-torch.nn.LayerNorm / torch.nn.RMSNorm: the same arguments, parameters and
-state_dict keys) and FusedSoftmax.
+bias_dropout_add (each where cupyops has the op). Modules: LayerNorm,
+RMSNorm (drop-in for torch.nn.LayerNorm / torch.nn.RMSNorm: the same
+arguments, parameters and state_dict keys) and FusedSoftmax.
 """
-import functools
-import types
 from typing import Optional, Sequence, Union
 
 import cupy
 import numpy
 import torch
-from torch.autograd.function import once_differentiable
 
 import cupyops
 from cupyops import fx
@@ -37,12 +31,14 @@ _ShapeLike = Union[int, Sequence[int], torch.Size]
 
 # -- torch <-> cupy --------------------------------------------------------------------------
 
+_external_streams: dict = {}
+
+
 _NUMPY_DTYPES = {torch.float16: numpy.dtype(numpy.float16), torch.bfloat16: BFLOAT16,
                  torch.float32: numpy.dtype(numpy.float32), torch.float64: numpy.dtype(numpy.float64),
                  torch.bool: numpy.dtype(numpy.bool_), torch.int8: numpy.dtype(numpy.int8),
                  torch.uint8: numpy.dtype(numpy.uint8), torch.int16: numpy.dtype(numpy.int16),
                  torch.int32: numpy.dtype(numpy.int32), torch.int64: numpy.dtype(numpy.int64)}
-_TORCH_DTYPES = {dtype: torch_dtype for torch_dtype, dtype in _NUMPY_DTYPES.items()}
 
 
 def _to_cupy(tensor: Optional[torch.Tensor]):
@@ -61,59 +57,26 @@ def _to_cupy(tensor: Optional[torch.Tensor]):
                         tuple(step * dtype.itemsize for step in strides))
 
 
-class _StreamHandle:
-    """A raw CUDA stream in the CUDA stream protocol, for cupy.cuda.Stream.from_external."""
-
-    def __init__(self, pointer: int):
-        self.pointer = pointer
-
-    def __cuda_stream__(self) -> tuple:
-        return 0, self.pointer
-
-
-_cupy_streams: dict = {}   # torch stream pointer -> the cupy.cuda.Stream on it
-
-
-def _cupy_stream(index: int):
-    """torch's current stream on GPU `index` as a cupy stream, wrapped once per stream (torch
-    never destroys its streams). The pointer comes the way torch.compile's generated code
-    reads it (torch.cuda.current_stream builds a Python Stream object per call)."""
-    pointer = torch._C._cuda_getCurrentRawStream(index)
-    stream = _cupy_streams.get(pointer)
-    if stream is None:
-        stream = _cupy_streams[pointer] = cupy.cuda.Stream.from_external(_StreamHandle(pointer))
-    return stream
+def _to_torch(array) -> Optional[torch.Tensor]:
+    """A torch view of a CuPy array, contiguous as the fake implementations say."""
+    if array is None:
+        return None
+    if array.dtype == BFLOAT16:
+        return torch.from_dlpack(array.view(numpy.int16)).view(torch.bfloat16).contiguous()
+    return torch.from_dlpack(array).contiguous()
 
 
 def _run(device: torch.device, compute):
-    """compute() (cupy arrays, None or a tuple of them) on torch's current stream of `device`,
-    as torch tensors. Every cupy allocation inside is a byte tensor from torch's caching
-    allocator, so the outputs are torch memory: views of those tensors, no DLPack."""
-    index = device.index
-    blocks = {}
-
-    def allocate(size: int):
-        block = torch.empty(size, dtype=torch.uint8, device=device)
-        blocks[block.data_ptr()] = block
-        return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.data_ptr(), size, block, index), 0)
-
-    def as_tensor(array) -> Optional[torch.Tensor]:
-        if array is None:
-            return None
-        dtype = _TORCH_DTYPES[array.dtype]
-        if array.size == 0:
-            return torch.empty(array.shape, dtype=dtype, device=device)
-        block = blocks.get(array.data.mem.ptr)
-        if block is None:
-            raise AssertionError("a cupyops op returned memory it did not allocate in the call")
-        itemsize = array.itemsize
-        return torch.empty(0, dtype=dtype, device=device).set_(
-            block.untyped_storage(), (array.data.ptr - block.data_ptr()) // itemsize, array.shape,
-            tuple(step // itemsize for step in array.strides))
-
-    with cupy.cuda.Device(index), _cupy_stream(index), cupy.cuda.using_allocator(allocate):
+    """compute() (cupy arrays, None or a tuple of them) with cupy's current
+    device and stream those torch uses for `device`, as torch tensors."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pointer = torch.cuda.current_stream(index).cuda_stream
+    stream = _external_streams.get((index, pointer))
+    if stream is None:
+        stream = _external_streams[index, pointer] = cupy.cuda.ExternalStream(pointer, index)
+    with cupy.cuda.Device(index), stream:
         result = compute()
-    return tuple(map(as_tensor, result)) if isinstance(result, tuple) else as_tensor(result)
+        return tuple(map(_to_torch, result)) if isinstance(result, tuple) else _to_torch(result)
 
 
 def _nothing(x: torch.Tensor) -> torch.Tensor:
@@ -121,13 +84,11 @@ def _nothing(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(0)
 
 
-def _empty_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-def _contiguous(outputs):
-    """outputs (a tensor or a tuple) laid out as the fake implementations say."""
-    return tuple(t.contiguous() for t in outputs) if isinstance(outputs, tuple) else outputs.contiguous()
+def _define(name: str, schema: str, implementation, fake):
+    """The custom op cupyops::name with its fake implementation."""
+    op = torch.library.custom_op(f"cupyops::{name}", implementation, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    return op
 
 
 def _check_float(x: torch.Tensor) -> None:
@@ -139,78 +100,28 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _output_grad(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """An output's gradient in like's dtype; zeros where autograd gives None (the eager route
-    leaves the gradients of unused outputs unmade)."""
-    return torch.zeros_like(like) if grad is None else grad.to(like.dtype)
-
-
-# -- the two routes to an op -----------------------------------------------------------------
-
-class _Op:
-    """cupyops::name and the way a call reaches it. While torch.compile traces
-    (torch.compiler.is_compiling()), the registered custom op, seen through `fake`; in eager
-    mode `implementation` itself, without the dispatcher's per-call cost, through a
-    torch.autograd.Function where an input needs a gradient. Both routes share the
-    implementation and (differentiable) its setup_context and gradient."""
-
-    def __init__(self, name: str, schema: str, implementation, fake):
-        self.name, self.implementation, self.function = name, implementation, None
-        self.traced = torch.library.custom_op(f"cupyops::{name}", lambda *args: _contiguous(implementation(*args)),
-                                              mutates_args=(), schema=schema)
-        self.traced.register_fake(fake)
-
-    def differentiable(self, setup_context, gradient) -> "_Op":
-        """Both routes differentiable: setup_context(ctx, inputs, output) saves what
-        gradient(call, ctx, *output gradients) -> a gradient per input reads, where
-        call(op, *args) runs a backward _Op the route's way."""
-        self.traced.register_autograd(functools.partial(gradient, _call_traced), setup_context=setup_context)
-
-        def eager_setup_context(ctx, inputs, output):
-            ctx.set_materialize_grads(False)   # no zeros made for outputs the caller left unused
-            setup_context(ctx, inputs, output)
-
-        eager_gradient = once_differentiable(functools.partial(gradient, _Op.__call__))
-        members = dict(forward=staticmethod(self.implementation), setup_context=staticmethod(eager_setup_context),
-                       backward=staticmethod(eager_gradient))
-        self.function = types.new_class(f"cupyops_{self.name}", (torch.autograd.Function,),
-                                        exec_body=lambda namespace: namespace.update(members))
-        return self
-
-    def __call__(self, *args):
-        if torch.compiler.is_compiling():
-            return self.traced(*args)
-        if self.function is not None and torch.is_grad_enabled() and any(
-                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return self.function.apply(*args)
-        return self.implementation(*args)
-
-
-def _call_traced(op: _Op, *args):
-    """A backward op as the custom op's backward calls it: its custom op, traced with it."""
-    return op.traced(*args)
-
-
 # -- softmax, log_softmax --------------------------------------------------------------------
 
-def _softmax_op(name: str) -> _Op:
-    """cupyops::name, differentiable through cupyops::name_backward."""
+def _softmax_op(name: str):
+    """cupyops::name and cupyops::name_backward, the first differentiable through the second."""
     forward, backward = getattr(cupyops, name), getattr(cupyops, f"{name}_backward")
-    backward_op = _Op(f"{name}_backward", "(Tensor grad, Tensor y, int dim) -> Tensor",
-                      lambda grad, y, dim: _run(y.device, lambda: backward(_to_cupy(grad), _to_cupy(y), axis=dim)),
-                      lambda grad, y, dim: _empty_contiguous(y))
+    forward_op = _define(name, "(Tensor x, int dim) -> Tensor",
+                         lambda x, dim: _run(x.device, lambda: forward(_to_cupy(x), axis=dim)),
+                         lambda x, dim: torch.empty_like(x, memory_format=torch.contiguous_format))
+    backward_op = _define(f"{name}_backward", "(Tensor grad, Tensor y, int dim) -> Tensor",
+                          lambda grad, y, dim: _run(y.device, lambda: backward(_to_cupy(grad), _to_cupy(y), axis=dim)),
+                          lambda grad, y, dim: torch.empty_like(y, memory_format=torch.contiguous_format))
 
     def setup_context(ctx, inputs, output):
         ctx.dim = inputs[1]
         ctx.save_for_backward(output)
 
-    def gradient(call, ctx, grad):
+    def gradient(ctx, grad):
         y, = ctx.saved_tensors
-        return call(backward_op, grad.to(y.dtype), y, ctx.dim), None
+        return backward_op(grad.to(y.dtype), y, ctx.dim), None
 
-    return _Op(name, "(Tensor x, int dim) -> Tensor",
-               lambda x, dim: _run(x.device, lambda: forward(_to_cupy(x), axis=dim)),
-               lambda x, dim: _empty_contiguous(x)).differentiable(setup_context, gradient)
+    forward_op.register_autograd(gradient, setup_context=setup_context)
+    return forward_op
 
 
 _softmax = _softmax_op("softmax")
@@ -250,7 +161,7 @@ def _norm_forward(centered: bool, x, weight, bias, residual, ndim: int, eps: flo
 
 def _norm_forward_fake(centered: bool, x, residual, ndim: int):
     stats = [x.new_empty(x.shape[:x.dim() - ndim], dtype=_stats_dtype(x.dtype)) for _ in range(1 + centered)]
-    y = _empty_contiguous(x)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     return (y, _nothing(x) if residual is None else torch.empty_like(y), *stats)
 
 
@@ -271,17 +182,26 @@ def _norm_backward(centered: bool, grad, x, mean, rstd, weight, ndim: int, need_
 def _norm_backward_fake(centered: bool, x, ndim: int, need_weight_grad: bool, need_bias_grad: bool):
     def grad(wanted: bool):
         return x.new_empty(x.shape[x.dim() - ndim:]) if wanted else _nothing(x)
-    dx = _empty_contiguous(x)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     return (dx, grad(need_weight_grad), grad(need_bias_grad)) if centered else (dx, grad(need_weight_grad))
 
 
-_layer_norm_backward = _Op(
+_layer_norm = _define(
+    "layer_norm", "(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, int ndim, float eps) "
+                  "-> (Tensor, Tensor, Tensor, Tensor)",
+    lambda x, weight, bias, residual, ndim, eps: _norm_forward(True, x, weight, bias, residual, ndim, eps),
+    lambda x, weight, bias, residual, ndim, eps: _norm_forward_fake(True, x, residual, ndim))
+_rms_norm = _define(
+    "rms_norm", "(Tensor x, Tensor? weight, Tensor? residual, int ndim, float eps) -> (Tensor, Tensor, Tensor)",
+    lambda x, weight, residual, ndim, eps: _norm_forward(False, x, weight, None, residual, ndim, eps),
+    lambda x, weight, residual, ndim, eps: _norm_forward_fake(False, x, residual, ndim))
+_layer_norm_backward = _define(
     "layer_norm_backward", "(Tensor grad, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, int ndim, "
                            "bool need_weight_grad, bool need_bias_grad) -> (Tensor, Tensor, Tensor)",
     lambda grad, x, mean, rstd, weight, ndim, need_w, need_b: _norm_backward(True, grad, x, mean, rstd, weight,
                                                                              ndim, need_w, need_b),
     lambda grad, x, mean, rstd, weight, ndim, need_w, need_b: _norm_backward_fake(True, x, ndim, need_w, need_b))
-_rms_norm_backward = _Op(
+_rms_norm_backward = _define(
     "rms_norm_backward", "(Tensor grad, Tensor x, Tensor rstd, Tensor? weight, int ndim, bool need_weight_grad) "
                          "-> (Tensor, Tensor)",
     lambda grad, x, rstd, weight, ndim, need_w: _norm_backward(False, grad, x, None, rstd, weight, ndim, need_w,
@@ -296,41 +216,31 @@ def _norm_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1] if ctx.residual else x, weight, *output[2:])
 
 
-def _with_residual_grad(ctx, dx: torch.Tensor, grad_h: Optional[torch.Tensor]) -> torch.Tensor:
-    """dx plus the gradient reaching h directly (with a residual, where h was used)."""
-    return dx + grad_h if ctx.residual and grad_h is not None else dx
-
-
-def _layer_norm_gradient(call, ctx, grad_y, grad_h, grad_mean, grad_rstd):
+def _layer_norm_gradient(ctx, grad_y, grad_h, grad_mean, grad_rstd):
     x, weight, mean, rstd = ctx.saved_tensors
     need_weight_grad = weight is not None and ctx.needs_input_grad[1]
     need_bias_grad = ctx.needs_input_grad[2]
-    dx, dweight, dbias = call(_layer_norm_backward, _output_grad(grad_y, x), x, mean, rstd, weight, ctx.ndim,
-                              need_weight_grad, need_bias_grad)
-    dx = _with_residual_grad(ctx, dx, grad_h)
+    dx, dweight, dbias = _layer_norm_backward(grad_y.to(x.dtype), x, mean, rstd, weight, ctx.ndim, need_weight_grad,
+                                              need_bias_grad)
+    if ctx.residual:
+        dx = dx + grad_h
     return (dx, dweight if need_weight_grad else None, dbias if need_bias_grad else None,
             dx if ctx.residual else None, None, None)
 
 
-def _rms_norm_gradient(call, ctx, grad_y, grad_h, grad_rstd):
+def _rms_norm_gradient(ctx, grad_y, grad_h, grad_rstd):
     x, weight, rstd = ctx.saved_tensors
     need_weight_grad = weight is not None and ctx.needs_input_grad[1]
-    dx, dweight = call(_rms_norm_backward, _output_grad(grad_y, x), x, rstd, weight, ctx.ndim, need_weight_grad)
-    dx = _with_residual_grad(ctx, dx, grad_h)
+    dx, dweight = _rms_norm_backward(grad_y.to(x.dtype), x, rstd, weight, ctx.ndim, need_weight_grad)
+    if ctx.residual:
+        dx = dx + grad_h
     return dx, dweight if need_weight_grad else None, dx if ctx.residual else None, None, None
 
 
-_layer_norm = _Op(
-    "layer_norm", "(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, int ndim, float eps) "
-                  "-> (Tensor, Tensor, Tensor, Tensor)",
-    lambda x, weight, bias, residual, ndim, eps: _norm_forward(True, x, weight, bias, residual, ndim, eps),
-    lambda x, weight, bias, residual, ndim, eps: _norm_forward_fake(True, x, residual, ndim),
-).differentiable(_norm_setup, _layer_norm_gradient)
-_rms_norm = _Op(
-    "rms_norm", "(Tensor x, Tensor? weight, Tensor? residual, int ndim, float eps) -> (Tensor, Tensor, Tensor)",
-    lambda x, weight, residual, ndim, eps: _norm_forward(False, x, weight, None, residual, ndim, eps),
-    lambda x, weight, residual, ndim, eps: _norm_forward_fake(False, x, residual, ndim),
-).differentiable(_norm_setup, _rms_norm_gradient)
+_layer_norm.register_autograd(_layer_norm_gradient, setup_context=_norm_setup)
+_rms_norm.register_autograd(_rms_norm_gradient, setup_context=_norm_setup)
+
+
 def _normalized_ndim(x: torch.Tensor, normalized_shape: _ShapeLike) -> int:
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if not shape or tuple(x.shape[x.dim() - len(shape):]) != shape or len(shape) > x.dim():
@@ -405,54 +315,57 @@ def _elementwise_fake(*operands):
     return operands[0].new_empty(shape, dtype=dtype)
 
 
-def _elementwise_op(name: str, schema: str, compute, gradient, saved: int) -> _Op:
+def _elementwise_op(name: str, schema: str, compute, gradient, saved: int):
     """cupyops::name of `saved` tensor operands (and scalars after them),
     computed by compute(*cupy operands, *scalars), differentiated by
-    gradient(call, grad, *operands, *scalars) -> a gradient per operand."""
+    gradient(grad, *operands, *scalars) -> a gradient per operand."""
+    op = _define(name, schema,
+                 lambda *args: _run(args[0].device, lambda: compute(*map(_to_cupy, args[:saved]), *args[saved:])),
+                 lambda *args: _elementwise_fake(*args[:saved]))
+
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:saved])
         ctx.scalars = inputs[saved:]
 
-    def backward(call, ctx, grad):
+    def backward(ctx, grad):
         operands = ctx.saved_tensors
-        grads = gradient(call, grad, *operands, *ctx.scalars)
+        grads = gradient(grad, *operands, *ctx.scalars)
         return (*(_sum_to(g, t) for g, t in zip(grads, operands)), *(None for _ in ctx.scalars))
 
-    return _Op(name, schema,
-               lambda *args: _run(args[0].device, lambda: compute(*map(_to_cupy, args[:saved]), *args[saved:])),
-               lambda *args: _elementwise_fake(*args[:saved])).differentiable(setup_context, backward)
+    op.register_autograd(backward, setup_context=setup_context)
+    return op
 
 
-def _gelu_gradient(call, grad, x, bias, approximate):
+def _gelu_gradient(grad, x, bias, approximate):
     dz = torch.ops.aten.gelu_backward(grad, x + bias, approximate=approximate)
     return dz, dz
 
 
-def _geglu_gradient(call, grad, a, b, approximate):
+def _geglu_gradient(grad, a, b, approximate):
     return (torch.ops.aten.gelu_backward(grad * b, a.to(grad.dtype), approximate=approximate),
             grad * torch.nn.functional.gelu(a.to(grad.dtype), approximate=approximate))
 
 
-def _silu_gradient(call, grad, x, bias):
+def _silu_gradient(grad, x, bias):
     dz = torch.ops.aten.silu_backward(grad, x + bias)
     return dz, dz
 
 
-def _swiglu_gradient(call, grad, a, b):
+def _swiglu_gradient(grad, a, b):
     return (torch.ops.aten.silu_backward(grad * b, a.to(grad.dtype)),
             grad * torch.nn.functional.silu(a.to(grad.dtype)))
 
 
 # dropout(g) with the mask of g's shape: the gradient of bias_dropout_add's x + bias
 _dropout = cupyops.fuse(lambda g, p, seed, offset: fx.dropout(g, p, seed, offset))
-_dropout_gradient = _Op(
+_dropout_gradient_op = _define(
     "dropout_gradient", "(Tensor grad, float p, int seed, int offset) -> Tensor",
     lambda grad, p, seed, offset: _run(grad.device, lambda: _dropout(_to_cupy(grad), p, seed, offset)),
-    lambda grad, p, seed, offset: _empty_contiguous(grad))
+    lambda grad, p, seed, offset: torch.empty_like(grad, memory_format=torch.contiguous_format))
 
 
-def _bias_dropout_add_gradient(call, grad, x, bias, residual, p, seed, offset):
-    dz = call(_dropout_gradient, grad, p, seed, offset)
+def _bias_dropout_add_gradient(grad, x, bias, residual, p, seed, offset):
+    dz = _dropout_gradient_op(grad, p, seed, offset)
     return dz, dz, grad
 
 
@@ -503,7 +416,7 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor
 _FUSED_SCALARS = "float scale, bool causal, int diagonal, float dropout, int dim"
 
 
-def _fused_softmax_op() -> _Op:
+def _fused_softmax_op():
     """cupyops::fused_softmax -> (y, lse: empty unless need_lse), differentiable in x and bias
     through cupyops::fused_softmax_backward. rng: [seed, offset] (int64, on the CPU)."""
     def forward(x, bias, mask, rng, scale, causal, diagonal, dropout, dim, need_lse):
@@ -522,7 +435,7 @@ def _fused_softmax_op() -> _Op:
         rows = list(x.shape)
         del rows[dim]
         lse = x.new_empty(rows, dtype=torch.float32) if need_lse else _nothing(x)
-        return _empty_contiguous(x), lse
+        return torch.empty_like(x, memory_format=torch.contiguous_format), lse
 
     def backward(grad, x, lse, bias, mask, rng, scale, causal, diagonal, dropout, dim):
         seed, offset = rng.tolist()
@@ -530,29 +443,27 @@ def _fused_softmax_op() -> _Op:
             _to_cupy(grad), _to_cupy(x), _to_cupy(lse), scale=scale, bias=_to_cupy(bias), mask=_to_cupy(mask),
             causal=causal, diagonal=diagonal, dropout=dropout, seed=seed, offset=offset, axis=dim))
 
-    backward_op = _Op("fused_softmax_backward", "(Tensor grad, Tensor x, Tensor lse, Tensor? bias, Tensor? mask, "
-                                                f"Tensor rng, {_FUSED_SCALARS}) -> Tensor", backward,
-                      lambda grad, x, *args: _empty_contiguous(x))
+    forward_op = _define("fused_softmax", f"(Tensor x, Tensor? bias, Tensor? mask, Tensor rng, {_FUSED_SCALARS}, "
+                                          "bool need_lse) -> (Tensor, Tensor)", forward, forward_fake)
+    backward_op = _define("fused_softmax_backward", "(Tensor grad, Tensor x, Tensor lse, Tensor? bias, Tensor? mask, "
+                                                    f"Tensor rng, {_FUSED_SCALARS}) -> Tensor", backward,
+                          lambda grad, x, *args: torch.empty_like(x, memory_format=torch.contiguous_format))
 
     def setup_context(ctx, inputs, output):
         x, bias, mask, rng, *scalars = inputs
         ctx.scalars = scalars[:-1]   # need_lse is the forward's alone
         ctx.save_for_backward(x, output[1], bias, mask, rng)
 
-    def gradient(call, ctx, grad_y, grad_lse):
+    def gradient(ctx, grad_y, grad_lse):
         x, lse, bias, mask, rng = ctx.saved_tensors
-        dx = call(backward_op, _output_grad(grad_y, x), x, lse, bias, mask, rng, *ctx.scalars)
+        dx = backward_op(grad_y.to(x.dtype), x, lse, bias, mask, rng, *ctx.scalars)
         dbias = None
         if bias is not None and ctx.needs_input_grad[1]:   # dx / scale summed over bias's broadcast axes
             dbias = (dx.float() / ctx.scalars[0]).sum_to_size(bias.shape).to(bias.dtype)
         return dx, dbias, *(None for _ in range(8))
 
-    return _Op("fused_softmax", f"(Tensor x, Tensor? bias, Tensor? mask, Tensor rng, {_FUSED_SCALARS}, "
-                                "bool need_lse) -> (Tensor, Tensor)", forward, forward_fake
-               ).differentiable(setup_context, gradient)
-
-
-_fused_softmax = _fused_softmax_op()
+    forward_op.register_autograd(gradient, setup_context=setup_context)
+    return forward_op
 
 
 def _fused_softmax_call(x, bias, mask, rng, scale, causal, diagonal, dropout, dim) -> torch.Tensor:
@@ -562,34 +473,36 @@ def _fused_softmax_call(x, bias, mask, rng, scale, causal, diagonal, dropout, di
                           need_lse)[0]
 
 
-def fused_softmax(x: torch.Tensor, *, scale: float = 1.0, bias: Optional[torch.Tensor] = None,
-                  mask: Optional[torch.Tensor] = None, causal: bool = False, diagonal: int = 0,
-                  dropout: float = 0.0, seed: int = 0, offset: int = 0, dim: int = -1) -> torch.Tensor:
-    """dropout(softmax(x * scale + bias, masked -inf), dim) by cupyops.fused_softmax: torch's
-    ``F.dropout(torch.softmax((x * scale + bias).masked_fill(~mask, -inf), dim), dropout)``
-    (causal: also masked above the `diagonal`-th diagonal), the keep mask a function of
-    (x.shape, dropout, seed, offset). Differentiable in x and bias (dbias: dx / scale
-    summed over bias's broadcast axes)."""
-    rng = torch.tensor([seed, offset], dtype=torch.int64)
-    return _fused_softmax_call(x, bias, mask, rng, scale, causal, diagonal, dropout, dim)
+if hasattr(cupyops, "fused_softmax") and hasattr(cupyops, "fused_softmax_backward"):
+    _fused_softmax = _fused_softmax_op()
 
+    def fused_softmax(x: torch.Tensor, *, scale: float = 1.0, bias: Optional[torch.Tensor] = None,
+                      mask: Optional[torch.Tensor] = None, causal: bool = False, diagonal: int = 0,
+                      dropout: float = 0.0, seed: int = 0, offset: int = 0, dim: int = -1) -> torch.Tensor:
+        """dropout(softmax(x * scale + bias, masked -inf), dim) by cupyops.fused_softmax: torch's
+        ``F.dropout(torch.softmax((x * scale + bias).masked_fill(~mask, -inf), dim), dropout)``
+        (causal: also masked above the `diagonal`-th diagonal), the keep mask a function of
+        (x.shape, dropout, seed, offset). Differentiable in x and bias (dbias: dx / scale
+        summed over bias's broadcast axes)."""
+        rng = torch.tensor([seed, offset], dtype=torch.int64)
+        return _fused_softmax_call(x, bias, mask, rng, scale, causal, diagonal, dropout, dim)
 
-class FusedSoftmax(torch.nn.Module):
-    """Attention probabilities: :func:`fused_softmax` of scores with an optional bias and
-    mask given to forward; dropout in training with a fresh seed each call (torch's CPU
-    generator), none in eval, as ``torch.nn.Dropout(p)(torch.softmax(...))``."""
+    class FusedSoftmax(torch.nn.Module):
+        """Attention probabilities: :func:`fused_softmax` of scores with an optional bias and
+        mask given to forward; dropout in training with a fresh seed each call (torch's CPU
+        generator), none in eval, as ``torch.nn.Dropout(p)(torch.softmax(...))``."""
 
-    def __init__(self, dim: int = -1, scale: float = 1.0, causal: bool = False, diagonal: int = 0,
-                 dropout: float = 0.0):
-        super().__init__()
-        self.dim, self.scale, self.causal, self.diagonal, self.dropout = dim, scale, causal, diagonal, dropout
+        def __init__(self, dim: int = -1, scale: float = 1.0, causal: bool = False, diagonal: int = 0,
+                     dropout: float = 0.0):
+            super().__init__()
+            self.dim, self.scale, self.causal, self.diagonal, self.dropout = dim, scale, causal, diagonal, dropout
 
-    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        p = self.dropout if self.training else 0.0
-        rng = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64) if p else torch.zeros(2, dtype=torch.int64)
-        return _fused_softmax_call(x, bias, mask, rng, self.scale, self.causal, self.diagonal, p, self.dim)
+        def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                    mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+            p = self.dropout if self.training else 0.0
+            rng = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64) if p else torch.zeros(2, dtype=torch.int64)
+            return _fused_softmax_call(x, bias, mask, rng, self.scale, self.causal, self.diagonal, p, self.dim)
 
-    def extra_repr(self) -> str:
-        return (f"dim={self.dim}, scale={self.scale}, causal={self.causal}, diagonal={self.diagonal}, "
-                f"dropout={self.dropout}")
+        def extra_repr(self) -> str:
+            return (f"dim={self.dim}, scale={self.scale}, causal={self.causal}, diagonal={self.diagonal}, "
+                    f"dropout={self.dropout}")
