@@ -149,9 +149,9 @@ class CubinKernel:
     def load(cls, spec: KernelSpec, device_id: int) -> "CubinKernel":
         import cupy
 
-        with cupy.cuda.Device(device_id):
-            major, minor = cupy.cuda.Device(device_id).compute_capability
-            arch = target_arch(spec, f"sm_{major}{minor}")
+        device = cupy.cuda.Device(device_id)
+        with device:
+            arch = target_arch(spec, f"sm_{device.compute_capability}")   # compute_capability: "90"
             module = cupy.cuda.function.Module()
             module.load(cached_cubin(spec, arch))
             return cls(module, module.get_function(spec.name), device_id)
@@ -181,6 +181,18 @@ class CubinKernel:
                 self.kernel.ptr, cupy.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(value))
 
 
+def _whole_elf(cubin: bytes) -> bytes:
+    """`cubin` as long as its ELF header says: CuPy's getCUBIN drops the last byte (a
+    NUL, taken for a string terminator), which loads only because a Python bytes
+    object ends in a NUL in memory; the file kept on disk is the whole ELF."""
+    import struct
+
+    ph_offset, sh_offset = struct.unpack_from("<QQ", cubin, 0x20)
+    ph_size, ph_count, sh_size, sh_count = struct.unpack_from("<HHHH", cubin, 0x36)
+    end = max(ph_offset + ph_size * ph_count, sh_offset + sh_size * sh_count)
+    return cubin + bytes(max(0, end - len(cubin)))
+
+
 def cached_cubin(spec: KernelSpec, arch: str) -> bytes:
     """NVRTC's cubin of `spec` for `arch` (e.g. "sm_90a"), from the disk cache beside
     CuPy's (keyed by the rendered source, arch, options and NVRTC version) or compiled now."""
@@ -198,7 +210,7 @@ def cached_cubin(spec: KernelSpec, arch: str) -> bytes:
         return path.read_bytes()
     except FileNotFoundError:
         pass
-    cubin = _nvrtc(spec, arch, source, options, lambda nvrtc_, program: nvrtc_.getCUBIN(program))
+    cubin = _whole_elf(_nvrtc(spec, arch, source, options, lambda nvrtc_, program: nvrtc_.getCUBIN(program)))
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     scratch.write_bytes(cubin)

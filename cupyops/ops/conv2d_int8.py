@@ -136,11 +136,13 @@ AUTO_CONFIGS = (TileConfig(256, 128, 64, 64, 3), TileConfig(128, 256, 64, 64, 3)
                 TileConfig(128, 64, 64, 32, 4), TileConfig(64, 128, 32, 64, 4),
                 TileConfig(64, 64, 32, 32, 5), TileConfig(32, 128, 32, 32, 6))
 # sm_90's wgmma configurations: warpgroups of 64 x N (N <= 256: N / 2 accumulators
-# a thread), tiles as large as a step's loads and 2 x 128 accumulators allow.
+# a thread), tiles as large as a step's loads and 2 x 128 accumulators allow; fewer
+# stages where that lets two blocks share an SM (short GEMM_K: one block's prologue
+# and epilogue overlap the other's main loop).
 WGMMA_CONFIGS = (TileConfig(128, 256, 64, 256, 6, True), TileConfig(128, 256, 64, 256, 4, True),
                  TileConfig(256, 128, 64, 128, 4, True), TileConfig(128, 128, 64, 128, 6, True),
-                 TileConfig(64, 256, 64, 256, 6, True), TileConfig(64, 256, 64, 128, 4, True),
-                 TileConfig(64, 128, 64, 128, 6, True))
+                 TileConfig(64, 256, 64, 256, 6, True), TileConfig(64, 256, 64, 256, 4, True),
+                 TileConfig(64, 256, 64, 128, 4, True), TileConfig(64, 128, 64, 128, 6, True))
 
 
 def spec_for(config: TileConfig, policy: str, arch: str) -> ConvInt8Spec:
