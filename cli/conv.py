@@ -192,7 +192,8 @@ def tune_conv(layers_name):
         began = time.perf_counter()
         result = conv.tune_shape(layer["geometry"], device_id, table)
         best = result.best
-        click.echo(f"{layer['label']:<20} {best['tile_m']}x{best['tile_n']} warp {best['warp_m']}x{best['warp_n']} "
+        group = "wgmma warpgroup" if best.get("wgmma") else "mma.sync warp"
+        click.echo(f"{layer['label']:<20} {best['tile_m']}x{best['tile_n']} {group} {best['warp_m']}x{best['warp_n']} "
                    f"st{best['stages']} split {best['splits']}: {result.best_us:.1f} us "
                    f"({len(result.timings)} candidates, {time.perf_counter() - began:.1f} s)")
     click.echo(f"kept in {table.path}")
