@@ -7,80 +7,85 @@ kernel) runs once for a key and leaves a ready call. A key holds everything
 the slow path decides from: the op with its flags and policy, and for each
 array its shape, strides, dtype, address modulo 16 (the alignment and phase
 the plans depend on: arrays.alignment, arrays.same_phase) and GPU. Only
-cupy.ndarray arguments (or None) on the current GPU take the fast path;
-anything else goes the slow way, which converts, checks and explains. An
-output that overlaps an input other than by being it goes the slow way too
+cupy.ndarray arguments (or None) with the first on the current GPU take the
+fast path; anything else goes the slow way, which converts, checks and
+explains. Since a ready call is remembered only once the slow path has
+accepted its arguments, a key found implies they pass every check. An output
+that overlaps an input other than by being it goes the slow way too
 (rowwise.run computes into a fresh array and copies).
+
+The hit path creates no Python object besides the key and the kernel's
+argument tuple: cupy is bound once (`cupy_module`), ready launches are
+slotted objects calling the compiled function positionally, and outputs are
+allocated by `cupy.empty` with a shape and dtype worked out on the slow path.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from .launch import LaunchCache
 
+_cupy = None
 
-class ReadyLaunch(NamedTuple):
+
+def cupy_module():
+    """The cupy module, imported on first use (cupyops imports without a GPU
+    stack); the hit paths read the global `_cupy` first."""
+    global _cupy
+    if _cupy is None:
+        import cupy
+        _cupy = cupy
+    return _cupy
+
+
+class ReadyLaunch:
     """One kernel launch, ready: the compiled function, grid, block and
-    dynamic shared memory."""
-    function: object
-    grid: tuple
-    block: tuple
-    smem: int
+    dynamic shared memory; calling it with the argument tuple launches."""
+    __slots__ = ("function", "grid", "block", "smem")
+
+    def __init__(self, function, grid: tuple, block: tuple, smem: int):
+        self.function, self.grid, self.block, self.smem = function, grid, block, smem
 
     def __call__(self, args: tuple) -> None:
-        self.function(self.grid, self.block, args, shared_mem=self.smem)
+        self.function(self.grid, self.block, args, self.smem)
 
 
-class CallCache(LaunchCache):
-    """Ready calls per call key (call_key); a key None never matches."""
-
-    def find(self, key):
-        """The ready call of `key`, or None."""
-        if key is None:
-            return None
-        try:
-            return self._entries.get(key)
-        except TypeError:   # an unhashable argument: the slow path explains it
-            return None
-
-    def remember(self, key, call) -> None:
-        if key is not None:
-            try:
-                self.put(key, call)
-            except TypeError:
-                pass
+# Ready calls per call key (call_key): LaunchCache.find and .remember take a key
+# None or unhashable as a miss. One kind of memo, so that a family may keep its
+# calls beside its launches (fused_softmax) and every memo empties the same way.
+CallCache = LaunchCache
 
 
 def call_key(flags: tuple, arrays: tuple):
     """The key of a call: `flags` (op, policy and the arguments besides
-    arrays, hashable) and each array's layout (None for None); None when an
-    array is neither None nor a cupy.ndarray or the first is not on the
-    current GPU."""
-    import cupy
-
-    layouts = []
+    arrays, hashable) followed by each array's layout, flat: shape, strides
+    (True for a C-contiguous array: the row layout of its shape, whatever the
+    strides of its axes of size 1), dtype, address % 16 and GPU of each
+    cupy.ndarray, None for None. None when an array is neither, or the first
+    is not a cupy.ndarray on the current GPU."""
+    cupy = _cupy or cupy_module()
+    ndarray = cupy.ndarray
+    first = arrays[0]
+    if type(first) is not ndarray or first.data.device_id != cupy.cuda.runtime.getDevice():
+        return None
+    key = [flags]
     for array in arrays:
         if array is None:
-            layouts.append(None)
-        elif type(array) is cupy.ndarray:
+            key.append(None)
+        elif type(array) is ndarray:
             memory = array.data
-            layouts.append((array.shape, array.strides, array.dtype, memory.ptr & 15, memory.device_id))
+            key += array.shape, array._c_contiguous or array.strides, array.dtype, memory.ptr & 15, memory.device_id
         else:
             return None
-    if layouts[0][4] != cupy.cuda.runtime.getDevice():
-        return None
-    return flags, tuple(layouts)
+    return tuple(key)
 
 
-def writable(out, inputs: tuple) -> bool:
-    """Whether a ready call may write `out` (None: a fresh array) directly:
-    it is one of `inputs` (None entries ignored) or overlaps none of them."""
+def writable(out, inputs: tuple, in_place: bool = True) -> bool:
+    """Whether a ready call may write `out` (None: a fresh array) directly: it
+    overlaps none of `inputs` (None entries ignored), or, with `in_place`, is one."""
     if out is None:
         return True
-    import cupy
-
+    may_share_memory = (_cupy or cupy_module()).may_share_memory
     for array in inputs:
-        if array is not None and array is not out and cupy.may_share_memory(out, array):
+        if array is not None and (array is not out or not in_place) and may_share_memory(out, array):
             return False
     return True
 

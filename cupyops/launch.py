@@ -104,9 +104,10 @@ def live_function(spec: jit.KernelSpec, device_id: int, dynamic_smem: int = 0):
 
 
 class LaunchCache:
-    """Launch configurations memoised per key (op, shape, dtype, alignment,
-    device), so a repeated call costs a dict lookup. Bounded: a process that
-    meets many shapes starts over rather than growing without end."""
+    """Launch configurations (or whole calls, callcache) memoised per key (op,
+    shape, dtype, alignment, device), so a repeated call costs a dict lookup.
+    Bounded: a process that meets many shapes starts over rather than growing
+    without end."""
 
     def __init__(self, max_entries: int = 4096):
         self._entries: dict = {}
@@ -123,6 +124,22 @@ class LaunchCache:
     def peek(self, key):
         """The entry for `key`, or None."""
         return self._entries.get(key)
+
+    def find(self, key):
+        """The entry for `key`, or None, also for a key None or unhashable (a call whose
+        arguments the slow path must check or explain)."""
+        try:
+            return self._entries.get(key)
+        except TypeError:
+            return None
+
+    def remember(self, key, value) -> None:
+        """put(key, value) unless the key is None or unhashable."""
+        if key is not None:
+            try:
+                self.put(key, value)
+            except TypeError:
+                pass
 
     def put(self, key, value) -> None:
         if len(self._entries) >= self._max_entries:

@@ -12,6 +12,8 @@ right.
 """
 from __future__ import annotations
 
+import collections
+
 import numpy
 import pytest
 
@@ -147,6 +149,42 @@ def test_norm_backward_repeats_with_weight_phase_copies(device):
     _call_twice(device, lambda: cupyops.rms_norm_backward(dy, x, rstd, weight), dy=dy, x=x, rstd=rstd, weight=weight)
 
 
+ROW_CALLS = {   # label -> call(x, dy, weight, stats, out)
+    "softmax": lambda x, dy, w, stats, out: cupyops.softmax(x, axis=-1),
+    "log_softmax out=": lambda x, dy, w, stats, out: cupyops.log_softmax(x, axis=-1, out=out),
+    "softmax_backward": lambda x, dy, w, stats, out: cupyops.softmax_backward(dy, x),
+    "log_softmax_backward out=": lambda x, dy, w, stats, out: cupyops.log_softmax_backward(dy, x, out=out),
+    "layer_norm": lambda x, dy, w, stats, out: cupyops.layer_norm(x, w, w),
+    "rms_norm out=": lambda x, dy, w, stats, out: cupyops.rms_norm(x, w, out=out),
+    "rms_norm stats": lambda x, dy, w, stats, out: cupyops.rms_norm(x, w, return_stats=True),
+    "layer_norm_backward": lambda x, dy, w, stats, out: cupyops.layer_norm_backward(dy, x, stats, stats, w),
+    "rms_norm_backward": lambda x, dy, w, stats, out: cupyops.rms_norm_backward(dy, x, stats, w),
+}
+
+
+@pytest.mark.parametrize("label", sorted(ROW_CALLS))
+def test_repeated_calls_neither_check_nor_plan(device, monkeypatch, label):
+    """The memo's hit path runs no argument check or conversion, no planner and no
+    rowwise.run: the key implies what they found for the first call."""
+    from cupyops import arrays, rowwise
+    from cupyops.ops import norm, norm_args, softmax
+
+    counts = collections.Counter()
+    for owner, name in ((softmax, "plan"), (norm, "plan"), (arrays, "as_cupy"), (arrays, "check_out"),
+                        (arrays, "normalize_axes"), (norm_args, "check_like"), (norm_args, "check_stat"),
+                        (rowwise, "run")):
+        original = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _name=name, _original=original, **k:
+                            counts.update([_name]) or _original(*a, **k))
+    x, dy, out = (device.array((64, 128), "float32") for _ in range(3))
+    weight, stats = device.array((128,), "float32"), device.array((64,), "float32")
+    ROW_CALLS[label](x, dy, weight, stats, out)
+    assert counts["run"] == 1
+    counts.clear()
+    ROW_CALLS[label](x, dy, weight, stats, out)
+    assert not counts, f"the repeated call ran {dict(counts)}"
+
+
 def test_another_layout_flag_or_eps_misses(device):
     x = device.array((64, 128), "float32")
     cupyops.layer_norm(x)
@@ -174,7 +212,12 @@ def test_call_key():
 
 def test_call_key_layouts(device):
     x = device.array((4, 6), "float16", 6)
-    assert callcache.call_key(("op", -1), (x, None)) == (("op", -1), (((4, 6), (12, 2), x.dtype, 6, 0), None))
+    assert callcache.call_key(("op", -1), (x, None)) == (("op", -1), (4, 6), True, x.dtype, 6, 0, None)
+    strided = device.array((4, 6), "float16", 6, strides=(24, 2))
+    assert callcache.call_key(("op", -1), (strided,)) == (("op", -1), (4, 6), (24, 2), x.dtype, 6, 0)
+    assert callcache.call_key(("op", -1), (None, x)) is None        # the first array decides the GPU
+    # the keys read CuPy's flag behind flags.c_contiguous
+    assert (x._c_contiguous, strided._c_contiguous) == (x.flags.c_contiguous, strided.flags.c_contiguous)
 
 
 def test_writable(device):

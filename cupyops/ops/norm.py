@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy
 
-from .. import arrays, dtypes, rowwise
+from .. import arrays, callcache, dtypes, rowwise
 from ..callcache import CallCache, call_key, run_on, writable
 from ..launch import Target
 from . import norm_args, norm_backward
@@ -122,13 +122,11 @@ class _ForwardOutputs(NamedTuple):
     mean: bool
     rstd: bool
 
-    def allocate(self) -> tuple:
-        """(h, mean, rstd), None where not stored."""
-        import cupy
-
-        return (cupy.empty(self.shape, self.dtype) if self.residual else None,
-                cupy.empty(self.stats_shape, self.stats_dtype) if self.mean else None,
-                cupy.empty(self.stats_shape, self.stats_dtype) if self.rstd else None)
+    def allocate(self, empty) -> tuple:
+        """(h, mean, rstd) by empty(shape, dtype), None where not stored."""
+        return (empty(self.shape, self.dtype) if self.residual else None,
+                empty(self.stats_shape, self.stats_dtype) if self.mean else None,
+                empty(self.stats_shape, self.stats_dtype) if self.rstd else None)
 
     def result(self, y, h, mean, rstd):
         """What the public function returns: y, then h, then the statistics."""
@@ -141,24 +139,26 @@ class _ForwardOutputs(NamedTuple):
 
 
 def _replay_forward(call, x, weight, bias, residual, out):
-    import cupy
-
     launch, outputs = call
-    y = cupy.empty(outputs.shape, outputs.dtype) if out is None else out
-    h, mean, rstd = outputs.allocate()
+    empty = callcache._cupy.empty
+    y = empty(outputs.shape, outputs.dtype) if out is None else out
+    if not (outputs.residual or outputs.rstd):   # y alone
+        run_forward(launch, x, residual, weight, bias, y, None, None, None)
+        return y
+    h, mean, rstd = outputs.allocate(empty)
     run_forward(launch, x, residual, weight, bias, y, h, mean, rstd)
     return outputs.result(y, h, mean, rstd)
 
 
 def _forward(op, x, weight, bias, axis, eps, residual, return_stats, out, policy, stream):
-    import cupy
-
     key = call_key((op, policy, axis, eps, return_stats), (x, weight, bias, residual, out))
     call = _calls.find(key)
     if call is not None and (out is None or writable(out, (x, residual))):
         if stream is None:
             return _replay_forward(call, x, weight, bias, residual, out)
         return run_on(stream, _replay_forward, call, x, weight, bias, residual, out)
+
+    import cupy
 
     caller = (x, residual, weight, bias)
     x = norm_args.float_input(x)
@@ -180,7 +180,7 @@ def _forward(op, x, weight, bias, axis, eps, residual, return_stats, out, policy
     with arrays.on_device(x, stream):
         weight = None if weight is None else cupy.ascontiguousarray(weight)
         bias = None if bias is None else cupy.ascontiguousarray(bias)
-        h, mean, rstd = outputs.allocate()
+        h, mean, rstd = outputs.allocate(cupy.empty)
 
         def launch(operands, output, rows, cols):
             x_op = operands[0]
@@ -255,23 +255,21 @@ class _BackwardOutputs(NamedTuple):
 
 
 def _replay_backward(call, dy, x, mean, rstd, weight):
-    import cupy
-
     launch, outputs = call
-    dx, dweight, dbias = outputs.allocate(cupy.empty)
+    dx, dweight, dbias = outputs.allocate(callcache._cupy.empty)
     run_backward(launch, dy, x, dx, rstd, mean, weight, dweight, dbias)
     return (dx, dweight, dbias) if outputs.centered else (dx, dweight)
 
 
 def _backward(op, dy, x, mean, rstd, weight, axis, need_weight_grad, need_bias_grad, policy, stream):
-    import cupy
-
     key = call_key((op, policy, axis, need_weight_grad, need_bias_grad), (x, dy, mean, rstd, weight))
     call = _calls.find(key)
     if call is not None:
         if stream is None:
             return _replay_backward(call, dy, x, mean, rstd, weight)
         return run_on(stream, _replay_backward, call, dy, x, mean, rstd, weight)
+
+    import cupy
 
     caller = (dy, x, mean, rstd, weight)
     x = norm_args.float_input(x)

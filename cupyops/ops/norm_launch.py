@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional
 
 import numpy
 
-from .. import dtypes
+from .. import callcache, dtypes
 from ..callcache import ReadyLaunch
 from ..launch import KernelLaunch, live_function
 
@@ -40,7 +40,8 @@ class BackwardLaunch(NamedTuple):
     weight's phase copies (or None), their elements and its scalar
     arguments; the dx kernel and the column reduction (steps: launch, writes
     dx, writes partials) and their scalar arguments; the finish kernel (or
-    None) and its; the shape of a gradient's [parts, cols] partial sums."""
+    None) and its; the shapes of the partial sums of two gradients and of one
+    ([2, parts, cols] and [1, parts, cols])."""
     weight_phases: Optional[ReadyLaunch]
     phase_copies: int
     phases_scalars: tuple
@@ -48,7 +49,7 @@ class BackwardLaunch(NamedTuple):
     scalars: tuple
     finish: Optional[ReadyLaunch]
     finish_scalars: tuple
-    parts_shape: tuple
+    parts_shapes: tuple
 
 
 def forward_launch(chosen, device_id: int, rows: int, cols: int, ftype: dtypes.FloatType, eps: float,
@@ -61,9 +62,11 @@ def forward_launch(chosen, device_id: int, rows: int, cols: int, ftype: dtypes.F
 
 def run_forward(launch: ForwardLaunch, x, residual, weight, bias, y, h, mean, rstd) -> None:
     """Runs a ready forward plan; None for an array not read or not stored."""
-    launch.main((x, _NULL if residual is None else residual, _NULL if weight is None else weight,
-                 _NULL if bias is None else bias, y, _NULL if h is None else h, _NULL if mean is None else mean,
-                 _NULL if rstd is None else rstd, *launch.scalars))
+    main = launch.main
+    main.function(main.grid, main.block,
+                  (x, _NULL if residual is None else residual, _NULL if weight is None else weight,
+                   _NULL if bias is None else bias, y, _NULL if h is None else h, _NULL if mean is None else mean,
+                   _NULL if rstd is None else rstd, *launch.scalars), main.smem)
 
 
 def backward_launch(chosen, device_id: int, rows: int, cols: int, dy_stride: int, x_stride: int, dx_stride: int,
@@ -79,7 +82,7 @@ def backward_launch(chosen, device_id: int, rows: int, cols: int, dy_stride: int
         _int64s(cols, phase_stride), steps,
         _int64s(rows, cols, dy_stride, x_stride, dx_stride, chosen.rows_per_chunk, phase_stride),
         None if chosen.finish is None else ready(chosen.finish, device_id), _int64s(chosen.num_parts, cols),
-        (chosen.num_parts, cols))
+        ((2, chosen.num_parts, cols), (1, chosen.num_parts, cols)))
 
 
 def run_backward(launch: BackwardLaunch, dy, x, dx, rstd, mean, weight, dweight, dbias) -> None:
@@ -87,24 +90,27 @@ def run_backward(launch: BackwardLaunch, dy, x, dx, rstd, mean, weight, dweight,
     mean (None for RMSNorm) [rows] in the compute type, weight contiguous
     [cols]; dweight / dbias (None unless wanted) [cols]. The weight's phase
     copies and the partial sums of the gradients wanted take one workspace each."""
-    import cupy
-
+    empty = (callcache._cupy or callcache.cupy_module()).empty
     if launch.weight_phases is not None:
-        copies = cupy.empty(launch.phase_copies, weight.dtype)
+        copies = empty(launch.phase_copies, weight.dtype)
         launch.weight_phases((weight, launch.phases_scalars[0], copies, launch.phases_scalars[1]))
         weight = copies
     weight_parts = bias_parts = _NULL
     if dweight is not None or dbias is not None:
-        parts = cupy.empty(((dweight is not None) + (dbias is not None), *launch.parts_shape), rstd.dtype)
+        parts = empty(launch.parts_shapes[dweight is None or dbias is None], rstd.dtype)
         if dweight is not None:
             weight_parts = parts
         if dbias is not None:
             bias_parts = parts if dweight is None else numpy.uint64(parts.data.ptr + parts.strides[0])
     weight = _NULL if weight is None else weight
     mean = _NULL if mean is None else mean
+    scalars = launch.scalars
     for step, writes_dx, writes_parts in launch.steps:
-        step((dy, x, weight, mean, rstd, dx if writes_dx else _NULL, weight_parts if writes_parts else _NULL,
-              bias_parts if writes_parts else _NULL, *launch.scalars))
-    if launch.finish is not None:
-        launch.finish((weight_parts, bias_parts, *launch.finish_scalars, _NULL if dweight is None else dweight,
-                       _NULL if dbias is None else dbias))
+        step.function(step.grid, step.block,
+                      (dy, x, weight, mean, rstd, dx if writes_dx else _NULL, weight_parts if writes_parts else _NULL,
+                       bias_parts if writes_parts else _NULL, *scalars), step.smem)
+    finish = launch.finish
+    if finish is not None:
+        finish.function(finish.grid, finish.block,
+                        (weight_parts, bias_parts, *launch.finish_scalars, _NULL if dweight is None else dweight,
+                         _NULL if dbias is None else dbias), finish.smem)

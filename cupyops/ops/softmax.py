@@ -8,11 +8,9 @@ place (softmax_axis, auto). Other layouts are copied to rows (rowwise).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy
 
-from .. import arrays, dtypes, rowwise
+from .. import arrays, callcache, dtypes, rowwise
 from ..callcache import CallCache, ReadyLaunch, call_key, run_on, writable
 from ..launch import LaunchCache, Target, live_function
 from . import softmax_axis, softmax_split
@@ -52,21 +50,20 @@ def _launch(op, policy, inputs, output, rows, cols):
 _calls = CallCache()
 
 
-class _ReadyCall(NamedTuple):
+class _ReadyCall:
     """A memoised call: its row kernel ready, the scalar arguments cast for
     it, and the shape and dtype of a fresh output."""
-    launch: ReadyLaunch
-    scalars: tuple
-    shape: tuple
-    dtype: object
+    __slots__ = ("function", "grid", "block", "smem", "scalars", "shape", "dtype")
 
+    def __init__(self, launch: ReadyLaunch, scalars: tuple, shape: tuple, dtype):
+        self.function, self.grid, self.block, self.smem = launch.function, launch.grid, launch.block, launch.smem
+        self.scalars, self.shape, self.dtype = scalars, shape, dtype
 
-def _replay(call: _ReadyCall, inputs: tuple, out):
-    import cupy
-
-    result = cupy.empty(call.shape, call.dtype) if out is None else out
-    call.launch((*inputs, result, *call.scalars))
-    return result
+    def run(self, inputs: tuple, out):
+        """Launches on `inputs` into `out` (None: a fresh array); returns the result."""
+        result = callcache._cupy.empty(self.shape, self.dtype) if out is None else out
+        self.function(self.grid, self.block, (*inputs, result, *self.scalars), self.smem)
+        return result
 
 
 def _run_rows(op, policy, inputs: list, axes, out, result_dtype, key):
@@ -87,12 +84,12 @@ def _run_rows(op, policy, inputs: list, axes, out, result_dtype, key):
 
 
 def _forward(op, x, axis, out, policy, stream):
-    import cupy
-
     key = call_key((op, policy, axis), (x, out))
     call = _calls.find(key)
     if call is not None and (out is None or writable(out, (x,))):
-        return _replay(call, (x,), out) if stream is None else run_on(stream, _replay, call, (x,), out)
+        return call.run((x,), out) if stream is None else run_on(stream, call.run, (x,), out)
+
+    import cupy
 
     caller_x = x
     x = arrays.as_cupy(x)
@@ -124,12 +121,12 @@ def _forward(op, x, axis, out, policy, stream):
 
 
 def _backward(op, dy, y, axis, out, policy, stream):
-    import cupy
-
     key = call_key((op, policy, axis), (dy, y, out))
     call = _calls.find(key)
     if call is not None and (out is None or writable(out, (dy, y))):
-        return _replay(call, (dy, y), out) if stream is None else run_on(stream, _replay, call, (dy, y), out)
+        return call.run((dy, y), out) if stream is None else run_on(stream, call.run, (dy, y), out)
+
+    import cupy
 
     dy, y = arrays.as_cupy(dy, "dy"), arrays.as_cupy(y, "y")
     arrays.check_policy(policy)
