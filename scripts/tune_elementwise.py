@@ -1,10 +1,12 @@
 """Times the elementwise launch candidates (block, packs a thread) against OneFlow's launch
-to choose AUTO_LAUNCH, and the host cost of a repeated small call against a bare RawKernel
-launch of the same kernel.
+to choose AUTO_LAUNCH, and the host cost of a repeated small call (fuse with out= and
+allocating, cupyops.elementwise, every named op) against a bare RawKernel launch of the
+kernel and arguments that call launches (ratio limit HOST_RATIO, flagged).
 
 Bytes counted: each operand read once at its own size, each output written once. Every
 candidate is run once into a NaN-filled output and checked against the default plan's
-result before it is timed. Usage: python scripts/tune_elementwise.py [--budget 0.1] [--host-only] [--expr TEXT] [--dtype NAME]
+result before it is timed. Usage (repository root):
+PYTHONPATH=. python scripts/tune_elementwise.py [--budget 0.1] [--host-only] [--calls N] [--expr TEXT] [--dtype NAME]
 """
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ import numpy
 
 import cupyops
 from cupyops import jit
+from cupyops.device import live_facts
 from cupyops.dtypes import BFLOAT16
+from cupyops.launch import LaunchCache
 from cupyops.ops import elementwise as ew
-from call_overhead import per_call_us
+from call_overhead import bare_round, per_call_us, recorded_launches
 from tuning import Tuning
 
 CASES = [   # expression, operand shapes as fractions of (rows, cols)
@@ -63,10 +67,10 @@ def throughput(tuning: Tuning, only: list, dtypes: list):
                     plan = function.plan(tuple(args), None, "oneflow" if label == "oneflow" else "auto",
                                          tuning.target, launch)
                     out = cupy.empty(shape, dtype)
-                    launcher = ew._Launcher(plan, jit.kernel(plan.spec, tuning.device_id), tuple(args), out)
+                    launcher = ew._Launcher(plan, jit.kernel(plan.spec, tuning.device_id).kernel, tuple(args), out)
 
                     def run(launcher=launcher, out=out):
-                        launcher(tuple(args), out, None)
+                        launcher.run(tuple(args), out, None)
 
                     def error_of(out):
                         return float(cupy.max(cupy.abs(out.astype(cupy.float32) - reference.astype(cupy.float32))))
@@ -76,26 +80,60 @@ def throughput(tuning: Tuning, only: list, dtypes: list):
                           f"{gbs:>7.0f} {of_copy:>6.1%}", flush=True)
 
 
-def host_cost(tuning: Tuning):
-    a = cupy.random.default_rng().standard_normal((64, 128), dtype=cupy.float32)
-    b, out = cupy.empty_like(a), cupy.empty_like(a)
-    function = ew.compiled_expression("sigmoid(a + b)")
-    plan = function.plan((a, b), target=tuning.target)
-    raw = jit.kernel(plan.spec, tuning.device_id)
-    bare_args = ew._Launcher(plan, raw, (a, b), out).arguments((a, b), (out,))   # the kernel's own
-    bare = per_call_us(lambda: raw((plan.grid,), (plan.block,), bare_args), 20000)
-    print(f"bare RawKernel launch                     {bare:6.2f} us/call")
+HOST_RATIO = 1.5   # issue 40: a repeated small call within 1.5x a bare launch of its kernel
+
+
+def host_cases(a, b, bias, out, fused) -> list:
+    """(label, call) of `fused` (sigmoid(a + b) by cupyops.fuse, with out= and allocating),
+    cupyops.elementwise and every named op, each as a repeated call on small arrays makes it."""
+    return [("fuse(f)(a, b, out=)", lambda: fused(a, b, out=out)),
+            ("fuse(f)(a, b)", lambda: fused(a, b)),
+            ("elementwise('sigmoid(a + b)', out=)", lambda: cupyops.elementwise("sigmoid(a + b)", a=a, b=b, out=out)),
+            ("elementwise('sigmoid(a + b)')", lambda: cupyops.elementwise("sigmoid(a + b)", a=a, b=b)),
+            ("bias_gelu(x, bias, out=)", lambda: cupyops.bias_gelu(a, bias, out=out)),
+            ("bias_gelu(x, bias)", lambda: cupyops.bias_gelu(a, bias)),
+            ("bias_gelu(x, bias, 'tanh')", lambda: cupyops.bias_gelu(a, bias, "tanh")),
+            ("bias_silu(x, bias)", lambda: cupyops.bias_silu(a, bias)),
+            ("swiglu(a, b, out=)", lambda: cupyops.swiglu(a, b, out=out)),
+            ("swiglu(a, b)", lambda: cupyops.swiglu(a, b)),
+            ("geglu(a, b)", lambda: cupyops.geglu(a, b)),
+            ("geglu(a, b, 'tanh')", lambda: cupyops.geglu(a, b, "tanh")),
+            ("bias_dropout_add(x, bias, r, 0.1, seed, offset)",
+             lambda: cupyops.bias_dropout_add(a, bias, b, 0.1, 1234, 5678))]
+
+
+def _fresh_launchers(fused) -> None:
+    """The launchers of `fused` and of cupyops.elementwise's expressions made anew on their
+    next call, as recorded_launches makes the named ops' (and records them)."""
+    ew._expressions.clear()
+    fused._launchers = LaunchCache()
+
+
+def host_cost(calls: int) -> None:
+    """µs per repeated call of each case on 64 x 128 float32 arrays against a bare
+    cupy.RawKernel launch of the very kernel and arguments it launches (call_overhead's
+    recording), and the first call of a new expression."""
+    rng = cupy.random.default_rng()
+    a, b = (rng.standard_normal((64, 128), dtype=cupy.float32) for _ in range(2))
+    bias, out = rng.standard_normal(128, dtype=cupy.float32), cupy.empty_like(a)
 
     @cupyops.fuse
     def fused(a, b):
         return cupyops.fx.sigmoid(a + b)
-    for label, fn in [("elementwise('sigmoid(a + b)', out=)", lambda: cupyops.elementwise("sigmoid(a + b)", a=a, b=b, out=out)),
-                      ("elementwise('sigmoid(a + b)')", lambda: cupyops.elementwise("sigmoid(a + b)", a=a, b=b)),
-                      ("fuse(f)(a, b, out=)", lambda: fused(a, b, out=out)),
-                      ("fuse(f)(a, b)", lambda: fused(a, b)),
-                      ("bias_gelu(a, bias)", lambda: cupyops.bias_gelu(a, a[0]))]:
-        us = per_call_us(fn, 20000)
-        print(f"{label:<41} {us:6.2f} us/call  ({us / bare:.2f}x bare)")
+
+    print(f"# {live_facts(cupy.cuda.runtime.getDevice()).name}")
+    print(f"{'host cost, 64 x 128 float32':<48} {'us/call':>8} {'bare us':>8} {'ratio':>6}")
+    worst = 0.0
+    for label, call in host_cases(a, b, bias, out, fused):
+        _fresh_launchers(fused)
+        launches = recorded_launches(call)
+        _fresh_launchers(fused)
+        bare = per_call_us(bare_round(launches), calls)
+        took = per_call_us(call, calls)
+        worst = max(worst, took / bare)
+        flag = "" if took / bare <= HOST_RATIO else f"  > {HOST_RATIO}x"
+        print(f"{label:<48} {took:8.2f} {bare:8.2f} {took / bare:6.2f}{flag}", flush=True)
+    print(f"worst ratio {worst:.2f} (limit {HOST_RATIO})")
     expr = f"tanh(a * {time.time()!r}) + b"          # a new expression: render + NVRTC
     for label in ("first call of a new expression", "first call, kernel in CuPy's disk cache"):
         ew._expressions.clear()
@@ -103,21 +141,21 @@ def host_cost(tuning: Tuning):
         began = time.perf_counter()
         cupyops.elementwise(expr, a=a, b=b)
         cupy.cuda.Device().synchronize()
-        print(f"{label:<41} {(time.perf_counter() - began) * 1e3:6.1f} ms")
+        print(f"{label:<48} {(time.perf_counter() - began) * 1e3:8.1f} ms")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--budget", type=float, default=0.1)
     parser.add_argument("--host-only", action="store_true")
+    parser.add_argument("--calls", type=int, default=20000, help="calls a round of the host-cost timing")
     parser.add_argument("--expr", action="append", default=[], help="only the cases containing this text")
     parser.add_argument("--dtype", action="append", default=[], help="only these dtypes")
     options = parser.parse_args()
-    tuning = Tuning(options.budget)
-    host_cost(tuning)
+    host_cost(options.calls)
     if not options.host_only:
         dtypes = [d for d in DTYPES if not options.dtype or d.name in options.dtype]
-        throughput(tuning, options.expr, dtypes)
+        throughput(Tuning(options.budget), options.expr, dtypes)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """A GPU stand-in for the public functions' host path on the CPU: cupy arrays
 over fake device memory, kernels recorded rather than run, plans made for
 the H100 profile (occupancy from NVRTC compiles). Only paths that launch the
-ops' own kernels work: no CuPy kernel (fill, copy, astype) can run."""
+ops' own kernels work: no CuPy kernel (fill, copy, astype) can run. Covers
+the row-wise ops, fused softmax and dropout_mask, cupyops.fuse /
+cupyops.elementwise and the named elementwise ops."""
 from __future__ import annotations
 
 import itertools
@@ -14,6 +16,7 @@ cupy = pytest.importorskip("cupy")
 from cupyops import launch, rowwise  # noqa: E402
 from cupyops.callcache import CallCache  # noqa: E402
 from cupyops.launch import LaunchCache, Target  # noqa: E402
+from cupyops.ops import activations, elementwise, fused_softmax  # noqa: E402
 from cupyops.ops import norm, norm_launch, softmax, softmax_axis, softmax_split  # noqa: E402
 
 ALLOCATION_BYTES = 512   # CuPy's pool rounds allocations up to this
@@ -28,7 +31,7 @@ class FakeFunction:
     def __init__(self, spec, launches: list):
         self.name, self._launches = spec.name, launches
 
-    def __call__(self, grid, block, args, shared_mem=0, **kwargs):
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
         self._launches.append(Launch(self.name, grid, block, shared_mem, args))
 
 
@@ -47,14 +50,18 @@ class FakeDevice:
         monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
         monkeypatch.setattr(cupy, "empty", self.empty)
         monkeypatch.setattr(launch, "_live_target", lambda device_id: target)
-        for module in (softmax, softmax_axis, softmax_split, norm_launch):
+        for module in (softmax, softmax_axis, softmax_split, norm_launch, elementwise, fused_softmax):
             monkeypatch.setattr(module, "live_function",
                                 lambda spec, device_id, smem=0: FakeFunction(spec, self.launches))
         for module, name in ((softmax, "_calls"), (norm, "_calls")):
             monkeypatch.setattr(module, name, CallCache())
-        for module in (softmax, softmax_axis, softmax_split):
+        for module in (softmax, softmax_axis, softmax_split, fused_softmax):
             monkeypatch.setattr(module, "_launches", LaunchCache())
         monkeypatch.setattr(norm_launch, "_ready_launches", {})
+        monkeypatch.setattr(elementwise, "_expressions", {})
+        for function in vars(activations).values():
+            if isinstance(function, elementwise.FusedFunction):
+                monkeypatch.setattr(function, "_launchers", LaunchCache())
         run = rowwise.run
 
         def counted_run(*args):

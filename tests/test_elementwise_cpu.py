@@ -1,8 +1,10 @@
 """CPU tests of the fused elementwise family: the parser's whitelist, tracing and NumPy
-promotion, operand layouts, launch plans of both policies, rendering, and NVRTC compiles of
-every named op and namespace function for sm_80 and sm_90 (no GPU needed)."""
+promotion, operand layouts, launch plans of both policies, rendering, NVRTC compiles of
+every named op and namespace function for sm_80 and sm_90 (no GPU needed), and repeated
+calls on a GPU stand-in (fake_device.py) taking the memoised launcher."""
 from __future__ import annotations
 
+import collections
 import math
 import re
 
@@ -13,7 +15,7 @@ from fx_reference import evaluate, rounded
 import cupyops
 from cupyops import fx, jit
 from cupyops.dtypes import BFLOAT16
-from cupyops.launch import Target
+from cupyops.launch import LaunchCache, Target
 from cupyops.ops import activations
 from cupyops.ops import elementwise as ew
 
@@ -368,3 +370,99 @@ def test_launch_geometry_caps_the_grid_at_its_waves():
     assert ew.launch_geometry((256, 32, 2), 10**7, 16, facts) == (256, 2, 2 * 132 * 8)
     assert ew.launch_geometry((256, 32, 2), 10**5, 16, facts) == (256, 2, -(-10**5 // 512))
     assert ew.launch_geometry((1024, 16, None), 5, 16, facts) == (1024, 1, 1)
+
+
+# -- repeated calls (a GPU stand-in: tests/fake_device.py) -----------------------------------------
+
+@pytest.fixture
+def device(monkeypatch):
+    return pytest.importorskip("fake_device").FakeDevice(monkeypatch)
+
+
+def count_calls(monkeypatch, counts, *targets):
+    """Counts calls of each (owner, name) in `counts` under that name."""
+    for owner, name in targets:
+        original = getattr(owner, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            counts[_name] += 1
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(owner, name, counted)
+
+
+def described(launches, arrays: dict) -> list:
+    """Each launch as (kernel, grid, block, args): arrays by name (fresh ones by shape), scalars by value."""
+    names = {a.data.ptr: name for name, a in arrays.items()}
+    return [(k.name, k.grid, k.block, tuple((type(a).__name__, a.item()) if isinstance(a, numpy.generic)
+                                            else names.get(a.data.ptr, ("fresh", a.shape)) for a in k.args))
+            for k in launches]
+
+
+REPEATED = {   # label -> call(arrays, seed)
+    "fuse(f)(a, b)": lambda v, seed: FUSED_SIGMOID(v["x"], v["y"]),
+    "fuse(f)(a, b, out=)": lambda v, seed: FUSED_SIGMOID(v["x"], v["y"], out=v["out"]),
+    "fuse(f)(a, 0.5, out=a)": lambda v, seed: FUSED_AXPY(v["x"], 0.5, out=v["x"]),
+    "elementwise(expr, out=)": lambda v, seed: cupyops.elementwise("sigmoid(a + b)", a=v["x"], b=v["y"], out=v["out"]),
+    "elementwise(expr)": lambda v, seed: cupyops.elementwise("relu(a + b) * 0.5", a=v["x"], b=v["y"]),
+    "bias_gelu": lambda v, seed: cupyops.bias_gelu(v["x"], v["bias"]),
+    "bias_gelu tanh, out=": lambda v, seed: cupyops.bias_gelu(v["x"], v["bias"], "tanh", out=v["out"]),
+    "bias_silu": lambda v, seed: cupyops.bias_silu(v["x"], v["bias"]),
+    "swiglu": lambda v, seed: cupyops.swiglu(v["x"], v["y"]),
+    "geglu tanh": lambda v, seed: cupyops.geglu(v["x"], v["y"], approximate="tanh"),
+    "bias_dropout_add": lambda v, seed: cupyops.bias_dropout_add(v["x"], v["bias"], v["y"], 0.1, seed, 2 * seed),
+}
+
+
+@cupyops.fuse
+def FUSED_SIGMOID(a, b):
+    return fx.sigmoid(a + b)
+
+
+@cupyops.fuse
+def FUSED_AXPY(a, s):
+    return a * s + 1.0
+
+
+@pytest.mark.parametrize("label", sorted(REPEATED))
+def test_repeated_calls_neither_trace_nor_plan(device, monkeypatch, label):
+    """A repeated call with operands of one signature takes its memoised launcher: no parsing,
+    tracing, planning or preparing, the same kernel launched with the call's own arrays and
+    scalars (a new seed goes into the kernel's arguments)."""
+    values = {"x": device.array((64, 128), "float32"), "y": device.array((64, 128), "float32"),
+              "bias": device.array((128,), "float32"), "out": device.array((64, 128), "float32")}
+    for function in (FUSED_SIGMOID, FUSED_AXPY):     # launchers of this test's stand-in alone
+        monkeypatch.setattr(function, "_launchers", LaunchCache())
+    counts = collections.Counter()
+    count_calls(monkeypatch, counts, (fx, "parse"), (ew.FusedFunction, "trace"), (ew, "make_plan"),
+                (ew.FusedFunction, "_prepare"))
+    seen = []
+    for seed in (7, 8):
+        counts.clear()
+        device.launches.clear()
+        result = REPEATED[label](values, seed)
+        seen.append(described(device.launches, {**values, "result": result}))
+    assert not counts, f"the repeated call ran {dict(counts)}"
+    (first,), (second,) = seen
+    assert first[:3] == second[:3]
+    if label == "bias_dropout_add":
+        assert first[3][3:6] == (("float64", 0.1), ("int64", 7), ("int64", 14)) and second[3][4:6] == (("int64", 8), ("int64", 16))
+    else:
+        assert first == second
+
+
+def test_memoised_signatures_still_check_their_arguments(device):
+    x, bias = device.array((64, 128), "float32"), device.array((128,), "float32")
+    cupyops.bias_dropout_add(x, bias, x, 0.1, 1)
+    cupyops.bias_gelu(x, bias)
+    launched = len(device.launches)
+    with pytest.raises(ValueError, match="dropout probability"):
+        cupyops.bias_dropout_add(x, bias, x, 1.5, 1)
+    with pytest.raises(ValueError, match="approximate"):
+        cupyops.bias_gelu(x, bias, approximate="fast")
+    with pytest.raises(ValueError, match="approximate"):
+        cupyops.bias_gelu(x, bias, approximate=["tanh"])
+    with pytest.raises(ValueError, match="out"):
+        cupyops.bias_gelu(x, bias, out=device.array((64, 128), "float16"))
+    with pytest.raises(TypeError, match="out"):
+        cupyops.bias_gelu(x, bias, out=(numpy.empty((64, 128), numpy.float32),))
+    assert len(device.launches) == launched

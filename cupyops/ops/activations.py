@@ -44,16 +44,22 @@ def _bias_dropout_add(x, bias, residual, p, seed, offset):
     return residual + fx.dropout(x + bias, p, seed, offset)
 
 
-def _gelu_variant(approximate: str, exact, tanh):
-    if approximate not in APPROXIMATIONS:
-        raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
-    return exact if approximate == "none" else tanh
+# The fused function of each approximation, per op: a named op's call is a lookup and its
+# fused function's call (traced and planned once per signature).
+_BIAS_GELU = dict(zip(APPROXIMATIONS, (_bias_gelu, _bias_gelu_tanh)))
+_GEGLU = dict(zip(APPROXIMATIONS, (_geglu, _geglu_tanh)))
+
+
+def _gelu_variant(variants: dict, approximate: str):
+    try:
+        return variants[approximate]
+    except (KeyError, TypeError):
+        raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}") from None
 
 
 def bias_gelu(x, bias, approximate: str = "none", *, out=None, policy: str = "auto", stream=None):
     """gelu(x + bias) in one kernel: torch.nn.functional.gelu(x + bias, approximate=approximate)."""
-    return _gelu_variant(approximate, _bias_gelu, _bias_gelu_tanh)(x, bias, out=out, policy=policy,
-                                                                   stream=stream)
+    return _gelu_variant(_BIAS_GELU, approximate)(x, bias, out=out, policy=policy, stream=stream)
 
 
 def bias_silu(x, bias, *, out=None, policy: str = "auto", stream=None):
@@ -68,7 +74,7 @@ def swiglu(a, b, *, out=None, policy: str = "auto", stream=None):
 
 def geglu(a, b, approximate: str = "none", *, out=None, policy: str = "auto", stream=None):
     """gelu(a) * b in one kernel: torch.nn.functional.gelu(a, approximate=approximate) * b."""
-    return _gelu_variant(approximate, _geglu, _geglu_tanh)(a, b, out=out, policy=policy, stream=stream)
+    return _gelu_variant(_GEGLU, approximate)(a, b, out=out, policy=policy, stream=stream)
 
 
 def bias_dropout_add(x, bias, residual, p: float, seed: int, offset: int = 0, *, out=None,
@@ -78,6 +84,5 @@ def bias_dropout_add(x, bias, residual, p: float, seed: int, offset: int = 0, *,
     of each element's linear index + offset, keyed by seed). torch equivalent:
     residual + torch.nn.functional.dropout(x + bias, p) with a mask that depends only on
     (shape, p, seed, offset)."""
-    fx.check_dropout_p(p)
-    return _bias_dropout_add(x, bias, residual, float(p), int(seed), int(offset), out=out, policy=policy,
-                             stream=stream)
+    return _bias_dropout_add(x, bias, residual, fx.check_dropout_p(p), int(seed), int(offset), out=out,
+                             policy=policy, stream=stream)

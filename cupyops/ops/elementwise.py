@@ -16,6 +16,8 @@ lists what it chooses among, `AUTO_LAUNCH` the winners).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import operator
 import threading
@@ -24,8 +26,9 @@ from typing import Callable, Optional
 
 import numpy
 
-from .. import arrays, fx, jit
-from ..launch import MAX_GRID_X, LaunchCache, Target, get_num_blocks
+from .. import arrays, callcache, fx
+from ..callcache import cupy_module
+from ..launch import MAX_GRID_X, LaunchCache, Target, get_num_blocks, live_function
 from .elementwise_kernel import C_TYPES, ElementwiseSpec, OperandSpec, fast_divider, fast_math, generate
 
 ONEFLOW_BLOCK = 256
@@ -287,20 +290,12 @@ def operand_kind(value, name: str):
 
 
 def _array_key(array) -> tuple:
-    """What a plan depends on of an array (FusedFunction.__call__ inlines it)."""
-    return array.dtype, array.shape, array.strides, array.data.ptr & (MAX_PACK_BYTES - 1)
-
-
-def _cupy():
-    """The cupy module, imported on first use (cupyops imports without a GPU stack)."""
-    global _cupy_module
-    if _cupy_module is None:
-        import cupy
-        _cupy_module = cupy
-    return _cupy_module
-
-
-_cupy_module = None
+    """What a launcher depends on of an array (FusedFunction.__call__ inlines it): strides
+    stand as True for a C-contiguous array, which a plan reads like any other of its shape
+    (the strides of axes of size 1 it differs in are never read)."""
+    memory = array.data
+    return (array.dtype, array.shape, array._c_contiguous or array.strides, memory.ptr & (MAX_PACK_BYTES - 1),
+            memory.device_id)
 
 
 def _span(info: ArrayInfo) -> tuple:
@@ -321,22 +316,24 @@ def _getter(positions: tuple) -> Callable:
 
 
 class _Launcher:
-    """A plan bound to its compiled kernel: all a repeated call with the same signature does."""
+    """A plan bound to its compiled function for one signature (operand layouts, out given
+    or not): all a repeated call does, `run(args, out, stream)`, chosen once for the signature."""
 
-    def __init__(self, plan: ElementwisePlan, kernel, args: tuple, out, device: Optional[int] = None):
-        import cupy
-
+    def __init__(self, plan: ElementwisePlan, function, args: tuple, out, device: Optional[int] = None):
+        cupy = cupy_module()
         self.plan = plan
         self.device = device          # the operands' GPU where it is not the current one
         self.on_device = cupy.cuda.Device
-        self.function = kernel.kernel
+        self.function = function
         self.grid, self.block = (plan.grid,), (plan.block,)
-        self.take_arrays = _getter(plan.arrays)
+        # operands passed as given (every argument an array, in order) or picked and cast
+        in_order = not plan.scalars and plan.arrays == tuple(range(len(args)))
+        self.take_arrays = None if in_order else _getter(plan.arrays)
         self.scalars, self.dropout_p = plan.scalars, plan.dropout_p
         self.tail = (numpy.int64(plan.size), *plan.params) if plan.size else None
         self.empty = cupy.empty
         self.outputs = tuple((plan.shape, dtype) for dtype in plan.out_dtypes)
-        self.single = len(self.outputs) == 1
+        self.shape, self.dtype = self.outputs[0]
         infos = [ArrayInfo.of(args[position]) for position in plan.arrays]
         # operands an output may share memory with: (position, bytes before, bytes after, read
         # at the very elements written)
@@ -344,8 +341,10 @@ class _Launcher:
                            for position, info, operand in zip(plan.arrays, infos, plan.spec.operands))
         outs = () if out is None else out if isinstance(out, tuple) else (out,)
         self.out_spans = tuple(_span(ArrayInfo.of(o)) if o.flags.c_contiguous else None for o in outs)
+        single = len(self.outputs) == 1
+        launch = (self._fresh if out is None else self._into) if single else self._several
         # run(args, out, stream): the launch, under the operands' GPU where it is not the current
-        self.run = self._launch if device is None else self._launch_on_device
+        self.run = launch if device is None else functools.partial(self._on_device, launch)
 
     def _direct(self, k: int, out, args) -> bool:
         """Whether out (the k-th output) can be written by the kernel itself: C-contiguous, and
@@ -364,39 +363,59 @@ class _Launcher:
         return True
 
     def arguments(self, args: tuple, targets: tuple) -> tuple:
-        """The kernel's arguments: operand pointers, scalars, outputs, size, layout parameters."""
-        if self.scalars:
-            return (*self.take_arrays(args), *[cast(args[p]) for p, cast in self.scalars], *targets, *self.tail)
-        return (*self.take_arrays(args), *targets, *self.tail)
+        """The kernel's arguments: operand pointers, scalars, outputs, size, layout parameters;
+        dropout probabilities among the scalars checked (ValueError)."""
+        if self.take_arrays is not None:
+            if self.dropout_p:
+                self.check_dropout(args)
+            args = (*self.take_arrays(args), *[cast(args[p]) for p, cast in self.scalars])
+        return (*args, *targets, *self.tail)
 
-    def __call__(self, args: tuple, out, stream):
-        return self.run(args, out, stream)
+    def check_dropout(self, args: tuple) -> None:
+        """ValueError unless every dropout probability among the scalars is in [0, 1)."""
+        for position in self.dropout_p:
+            fx.check_dropout_p(args[position])
 
-    def _launch_on_device(self, args: tuple, out, stream):
+    def _on_device(self, launch, args: tuple, out, stream):
         with self.on_device(self.device):      # its current stream too
-            return self._launch(args, out, stream)
+            return launch(args, out, stream)
 
-    def _launch(self, args: tuple, out, stream):
-        if self.dropout_p:
-            for position in self.dropout_p:
-                fx.check_dropout_p(args[position])
-        if self.single:
-            if out is None:
-                target = out = self.empty(*self.outputs[0])
-            else:
-                if isinstance(out, tuple):
-                    (out,) = out
-                target = out if self._direct(0, out, args) else self.empty(*self.outputs[0])
-            if self.tail is not None:
-                self.function(self.grid, self.block, self.arguments(args, (target,)), 0, stream)
-            if target is not out:
-                out[...] = target
-            return out
+    def _fresh(self, args: tuple, out, stream):
+        """One output, allocated."""
+        target = self.empty(self.shape, self.dtype)
+        if self.tail is None:
+            self.check_dropout(args)           # where nothing is launched
+        elif self.take_arrays is None:
+            self.function(self.grid, self.block, (*args, target, *self.tail), 0, stream)
+        else:
+            self.function(self.grid, self.block, self.arguments(args, (target,)), 0, stream)
+        return target
+
+    def _into(self, args: tuple, out, stream):
+        """One output, into out (an array or a tuple of one): directly where it can be, else
+        through a fresh array copied in."""
+        if type(out) is tuple:
+            (out,) = out
+        target = out if self._direct(0, out, args) else self.empty(self.shape, self.dtype)
+        if self.tail is None:
+            self.check_dropout(args)
+        elif self.take_arrays is None:
+            self.function(self.grid, self.block, (*args, target, *self.tail), 0, stream)
+        else:
+            self.function(self.grid, self.block, self.arguments(args, (target,)), 0, stream)
+        if target is not out:
+            out[...] = target
+        return out
+
+    def _several(self, args: tuple, out, stream):
+        """Several outputs, allocated or into the arrays of out."""
         outs = tuple(self.empty(shape, dtype) for shape, dtype in self.outputs) if out is None else out
         targets = tuple(o if out is None or self._direct(k, o, args) else self.empty(*self.outputs[k])
                         for k, o in enumerate(outs))
         if self.tail is not None:
             self.function(self.grid, self.block, self.arguments(args, targets), 0, stream)
+        else:
+            self.check_dropout(args)
         for o, t in zip(outs, targets):
             if o is not t:
                 o[...] = t
@@ -405,7 +424,8 @@ class _Launcher:
 
 class FusedFunction:
     """A function of arrays and numbers compiled into one elementwise kernel per signature
-    (operand dtypes, shapes, strides, alignment, device): see `fuse`."""
+    (operand dtypes, shapes, strides, alignment, device): see `fuse`. Traces are memoised per
+    operand kinds, launchers per signature: a repeated call builds its key and launches."""
 
     def __init__(self, trace: Callable, names: Optional[tuple] = None, label: str = "function"):
         self._trace_fn, self._names, self._label = trace, names, label
@@ -441,8 +461,7 @@ class FusedFunction:
         roots = self.trace(kinds)
         outs = self._out_infos(out, len(roots))
         if target is None:
-            import cupy
-            target = Target.live(cupy.cuda.runtime.getDevice())
+            target = Target.live(cupy_module().cuda.runtime.getDevice())
         return make_plan(roots, kinds, outs, names, arrays.check_policy(policy), target, launch)
 
     @staticmethod
@@ -455,14 +474,14 @@ class FusedFunction:
         return tuple(o if isinstance(o, ArrayInfo) else ArrayInfo.of(o) for o in outs)
 
     def __call__(self, *args, out=None, policy: str = "auto", stream=None):
-        cupy = _cupy_module or _cupy()
+        cupy = callcache._cupy or cupy_module()
         ndarray = cupy.ndarray
         key = [policy, cupy.cuda.runtime.getDevice()]
-        for a in args:          # what a plan depends on of each operand, flat
+        for a in args:          # what a launcher depends on of each operand, flat (_array_key)
             kind = type(a)
             if kind is ndarray:
                 memory = a.data
-                key += a.dtype, a.shape, a.strides, memory.ptr & 15, memory.device_id
+                key += a.dtype, a.shape, a._c_contiguous or a.strides, memory.ptr & 15, memory.device_id
             elif kind is float or kind is int or kind is bool:
                 key.append(kind)
             elif isinstance(a, numpy.generic):
@@ -473,7 +492,8 @@ class FusedFunction:
                               arrays.as_cupy(b, name) for b, name in zip(args, names)),
                             out=out, policy=policy, stream=stream)
         if type(out) is ndarray:
-            key += out.dtype, out.shape, out.strides, out.data.ptr & 15
+            memory = out.data
+            key += out.dtype, out.shape, out._c_contiguous or out.strides, memory.ptr & 15, memory.device_id
         elif out is not None:
             key.append(tuple(_array_key(_check_out(o)) for o in (out if isinstance(out, tuple) else (out,))))
         key = tuple(key)
@@ -485,8 +505,7 @@ class FusedFunction:
     def _prepare(self, key: tuple, args: tuple, out, policy: str) -> _Launcher:
         """The launcher of a new signature, on the GPU of the array operands (the current one
         where there are none): ValueError naming an operand or output on another GPU."""
-        import cupy
-
+        cupy = cupy_module()
         names = self._names_for(len(args))
         outs = () if out is None else out if isinstance(out, tuple) else (out,)
         placed = [(name, a) for name, a in zip(names, args) if isinstance(a, cupy.ndarray)]
@@ -495,18 +514,17 @@ class FusedFunction:
         for name, a in placed:
             if a.device.id != device_id:
                 raise ValueError(f"{name} is on GPU {a.device.id}, {placed[0][0]} on GPU {device_id}")
-        with self._lock, cupy.cuda.Device(device_id):
+        current = device_id == key[1]
+        with self._lock, contextlib.nullcontext() if current else cupy.cuda.Device(device_id):
             plan = self.plan(args, out, policy, Target.live(device_id))
-            launcher = _Launcher(plan, jit.kernel(plan.spec, device_id), args, out,
-                                 None if device_id == key[1] else device_id)
+            launcher = _Launcher(plan, live_function(plan.spec, device_id), args, out,
+                                 None if current else device_id)
             self._launchers.put(key, launcher)
         return launcher
 
 
 def _check_out(out):
-    import cupy
-
-    if not isinstance(out, cupy.ndarray):
+    if not isinstance(out, cupy_module().ndarray):
         raise TypeError(f"out must be a cupy.ndarray, got {type(out).__name__}")
     return out
 
