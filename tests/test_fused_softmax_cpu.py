@@ -4,6 +4,7 @@ with the raw-storage ones swapped out) and an NVRTC compile of every
 instantiation the plans produce for a sweep of shapes, for sm_80 and sm_90."""
 from __future__ import annotations
 
+import collections
 import itertools
 
 import numpy
@@ -184,3 +185,77 @@ def test_explain_shows_the_path():
     info = chosen.explain()
     assert info["impl"] == chosen.spec.path.impl and info["fusion"] == "scale_mask_causal_drop"
     assert info["kernel"] == chosen.spec.name
+
+
+# -- repeated calls (a GPU stand-in: tests/fake_device.py) -------------------------------------
+
+def _counted(monkeypatch, counts, owner, name):
+    original = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        counts[name] += 1
+        return original(*args, **kwargs)
+    monkeypatch.setattr(owner, name, counted)
+
+
+def _launched(device, arrays: dict) -> list:
+    """The launches recorded: (kernel, grid, block, smem, args), arrays by name, fresh ones by shape."""
+    names = {}
+    for name, a in arrays.items():
+        names.setdefault(a.data.ptr, name)
+    return [(k.name, k.grid, k.block, k.smem,
+             tuple((type(a).__name__, a.item()) if isinstance(a, numpy.generic)
+                   else names.get(a.data.ptr, ("fresh", a.shape)) for a in k.args))
+            for k in device.launches]
+
+
+def test_repeated_calls_replay_their_stages(monkeypatch):
+    """A repeated forward (with its log-sum-exp stage, or mask, dropout and out=), backward or
+    dropout_mask on arrays of one layout neither checks, lays out nor plans again: it launches
+    what the first call launched, with the seed and offset of its own call."""
+    device = pytest.importorskip("fake_device").FakeDevice(monkeypatch)
+    counts = collections.Counter()
+    for owner, name in ((fs, "prepare"), (fs, "plan"), (fs, "live_function"), (fs, "_stage")):
+        _counted(monkeypatch, counts, owner, name)
+    x, dy = device.array((2, 4, 64, 128), "float16"), device.array((2, 4, 64, 128), "float16")
+    lse, out = device.array((2, 4, 64), "float32"), device.array((2, 4, 64, 128), "float16")
+    mask, bias = device.array((64, 128), "bool"), device.array((4, 1, 128), "float32")
+    options = dict(scale=0.125, causal=True, dropout=0.1)
+    calls = {
+        "forward": lambda seed: fs.fused_softmax(x, seed=seed, offset=seed, return_lse=True, **options),
+        "forward into out": lambda seed: fs.fused_softmax(x, mask=mask, bias=bias, seed=seed, out=out),
+        "backward": lambda seed: fs.fused_softmax_backward(dy, x, lse, seed=seed, offset=3, **options),
+        "dropout_mask": lambda seed: fs.dropout_mask((64, 128), 0.1, seed),
+    }
+    for label, call in calls.items():
+        seen = []
+        for seed in (5, 2 ** 64 + 6):
+            counts.clear()
+            device.launches.clear()
+            result = call(seed)
+            results = result if isinstance(result, tuple) else (result,)
+            seen.append(_launched(device, dict(x=x, dy=dy, lse=lse, out=out, mask=mask, bias=bias,
+                                               **{f"result {k}": r for k, r in enumerate(results)})))
+        assert not counts, f"{label}: the repeated call ran {counts}"
+        first, second = seen
+        assert [launch[:4] for launch in first] == [launch[:4] for launch in second], label
+        for before, after in zip(first, second):
+            # the same arguments but for the seed (and the offset where it follows it), which a
+            # kernel without dropout does not take
+            changed = [k for k, (a, b) in enumerate(zip(before[4], after[4])) if a != b]
+            wanted = 0 if "drop" not in before[0] else 2 if label == "forward" else 1
+            assert [after[4][k] for k in changed] == [("uint64", 6)] * wanted, (label, before[0])
+            assert (label == "forward into out") == ("out" in before[4]), label
+
+
+def test_memoised_calls_still_check_their_arguments(monkeypatch):
+    device = pytest.importorskip("fake_device").FakeDevice(monkeypatch)
+    x = device.array((64, 128), "float32")
+    fs.fused_softmax(x, dropout=0.1, seed=1)
+    launched = len(device.launches)
+    for kwargs, error in [(dict(dropout=1.0), ValueError), (dict(scale=float("nan")), ValueError),
+                          (dict(dropout=0.1, seed="one"), TypeError), (dict(policy="fast"), ValueError),
+                          (dict(out=device.array((64, 128), "float16")), ValueError)]:
+        with pytest.raises(error):
+            fs.fused_softmax(x, **kwargs)
+    assert len(device.launches) == launched

@@ -15,12 +15,14 @@ probabilities from x and the row's log-sum-exp, so nothing else is stored.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy
 
-from .. import arrays, dtypes, jit, philox
+from .. import arrays, callcache, dtypes, jit, philox
+from ..callcache import call_key, run_on, writable
 from ..launch import KernelLaunch, LaunchCache, Target, get_num_blocks, live_function
 from . import softmax_rows as softmax
 
@@ -313,10 +315,31 @@ def prepare(x, *, scale, bias, mask, causal, diagonal, dropout, axis) -> Operand
 
 # -- launch ------------------------------------------------------------------
 
+# Stage launches, whole calls (call_key) and dropout-mask launches, memoised side by side.
 _launches = LaunchCache()
+_NO_DROPOUT = (numpy.uint64(0), numpy.uint64(0), numpy.uint32(0))
 
 
-def _launch(stage: str, operands: Operands, policy: str, out, lse, dy=None, seed: int = 0, offset: int = 0):
+class _StageLaunch:
+    """One stage's kernel ready for a call's layout: the compiled function, grid, block and
+    shared memory, the scalar arguments before the dropout's, and its threshold (None for a
+    kernel without dropout: seed and offset pass as 0, though each must still be a number)."""
+    __slots__ = ("function", "grid", "block", "smem", "scalars", "threshold")
+
+    def __init__(self, function, grid, block, smem, scalars, threshold):
+        self.function, self.grid, self.block, self.smem = function, grid, block, smem
+        self.scalars, self.threshold = scalars, threshold
+
+    def run(self, pointers: tuple, seed, offset) -> None:
+        """Launches on `pointers` (x, dy, bias, mask, out, lse: those the stage reads and writes)."""
+        seed, offset = seed % 2 ** 64, offset % 2 ** 64
+        counters = _NO_DROPOUT if self.threshold is None else \
+            (numpy.uint64(seed), numpy.uint64(offset), self.threshold)
+        self.function(self.grid, self.block, (*pointers, *self.scalars, *counters), self.smem)
+
+
+def _stage(stage: str, operands: Operands, policy: str, out, dy=None) -> _StageLaunch:
+    """The launch of `stage` for these operands writing `out` (None for "lse")."""
     x = operands.x
     device_id = x.device.id
     dtype = dtypes.BY_DTYPE[x.dtype].short
@@ -331,15 +354,55 @@ def _launch(stage: str, operands: Operands, policy: str, out, lse, dy=None, seed
         return chosen, live_function(chosen.spec, device_id, chosen.smem_bytes)
 
     chosen, function = _launches.get(key, make)
-    pointers = [x] + ([dy] if stage == "backward" else []) + \
-        [a for a in (operands.bias, operands.mask) if a is not None] + \
-        ([out] if stage != "lse" else []) + ([lse] if stage != "forward" else [])
     keep_scale = 1.0 / (1.0 - operands.dropout)
     scalars = (numpy.int64(operands.rows), numpy.int64(operands.cols), numpy.float64(operands.scale),
-               numpy.float64(keep_scale), *(numpy.int64(v) for v in operands.geometry),
-               numpy.uint64(seed % 2 ** 64), numpy.uint64(offset % 2 ** 64),
-               numpy.uint32(philox.dropout_threshold(operands.dropout)))
-    function(chosen.grid, chosen.block, (*pointers, *scalars), shared_mem=chosen.smem_bytes)
+               numpy.float64(keep_scale), *(numpy.int64(v) for v in operands.geometry))
+    threshold = numpy.uint32(philox.dropout_threshold(operands.dropout)) if chosen.spec.dropout else None
+    return _StageLaunch(function, chosen.grid, chosen.block, chosen.smem_bytes, scalars, threshold)
+
+
+def _inputs(x, dy, operands: Operands) -> list:
+    """What every stage reads, in the kernels' order: x, dy (backward), bias, mask (given)."""
+    return [a for a in (x, dy, operands.bias, operands.mask) if a is not None]
+
+
+class _ReadyCall:
+    """A memoised call: the stage writing out (forward or backward), the log-sum-exp stage
+    (a forward returning it; else None), the output's shape and dtype, which of (x, dy,
+    bias, mask) the stages read."""
+    __slots__ = ("main", "lse", "shape", "dtype", "take")
+
+    def __init__(self, main: _StageLaunch, lse: Optional[_StageLaunch], shape, dtype, read: tuple):
+        self.main, self.lse, self.shape, self.dtype = main, lse, shape, dtype
+        positions = tuple(k for k, a in enumerate(read) if a is not None)
+        self.take = (lambda arrays: arrays[:1]) if positions == (0,) else operator.itemgetter(*positions)
+
+    def run(self, read: tuple, out, lse, seed, offset):
+        """The call on `read` = (x, dy, bias, mask), writing `out` (None: a fresh array) and
+        reading `lse` (backward): the result, with the new lse where the forward returns it."""
+        empty = callcache._cupy.empty
+        y = empty(self.shape, self.dtype) if out is None else out
+        inputs = self.take(read)
+        if self.lse is None:
+            self.main.run((*inputs, y) if lse is None else (*inputs, y, lse), seed, offset)
+            return y
+        lse = empty(self.shape[:-1], numpy.float32)
+        self.main.run((*inputs, y), seed, offset)
+        self.lse.run((*inputs, lse), seed, offset)
+        return y, lse
+
+
+def _remember(key, operands: Operands, caller: tuple, read: tuple, written, out, main, lse=None) -> None:
+    """Remembers the call under `key` where it was its stages alone on the caller's arrays:
+    reduced axis last (no dropout of its own, no moved result), every array read the
+    caller's (`caller` and `read`: x, dy, lse, bias, mask, None where absent), out (if given)
+    written by the kernel."""
+    x = operands.x
+    if key is None or operands.axis != x.ndim - 1 or (out is not None and written is not out):
+        return
+    if all((a is None) == (b is None) and (a is None or a.data.ptr == b.data.ptr) for a, b in zip(caller, read)):
+        ready = _ReadyCall(main, lse, x.shape, x.dtype, (read[0], read[1], read[3], read[4]))
+        _launches.remember(key, ready)
 
 
 def _restore_axis(result, axis: int):
@@ -360,29 +423,30 @@ def _apply_dropout(a, p: float, seed: int, offset: int):
 
 
 def _writable_out(out, x, operands: Operands, *inputs):
-    """`out` itself where the kernel can write it (x's shape and dtype, reduced axis last,
-    C-contiguous, overlapping no input, dropout in the kernel), else a new array that
-    _deliver copies into `out`, checking it."""
+    """`out` checked against the caller's x (TypeError / ValueError), and itself where the
+    kernel can write it (reduced axis last, C-contiguous, overlapping no input, dropout in
+    the kernel), else a new array that _deliver copies into `out`."""
     import cupy
 
-    if out is None or not isinstance(out, cupy.ndarray) or operands.axis != x.ndim - 1 or \
-            _separate_dropout(operands) or out.shape != x.shape or out.dtype != x.dtype or \
-            out.device.id != x.device.id or not out.flags.c_contiguous or \
-            any(a is not None and cupy.may_share_memory(out, a) for a in inputs):
-        return cupy.empty_like(x)
+    if out is not None:
+        arrays.check_out(out, _restore_axis(x, operands.axis).shape, x.dtype, x.device.id)
+    if out is None or operands.axis != x.ndim - 1 or _separate_dropout(operands) or \
+            not out.flags.c_contiguous or not writable(out, inputs, in_place=False):
+        return cupy.empty(x.shape, x.dtype)
     return out
 
 
 def _deliver(result, out):
-    """result, copied into `out` when one was given (and is not result itself)."""
+    """result, copied into `out` (checked by _writable_out) when one was given and is not result."""
     if out is None or out is result:
         return result
-    arrays.check_out(out, result.shape, result.dtype, result.device.id)
     out[...] = result
     return out
 
 
 # -- public functions --------------------------------------------------------
+# A repeated call on arrays of one layout replays its stages (callcache): seed and offset
+# are its only arguments read anew, the memo key holding the rest.
 
 def fused_softmax(x, *, scale=1.0, bias=None, mask=None, causal=False, diagonal=0, dropout=0.0, seed=0,
                   offset=0, axis=-1, return_lse=False, out=None, policy: str = "auto", stream=None):
@@ -397,19 +461,32 @@ def fused_softmax(x, *, scale=1.0, bias=None, mask=None, causal=False, diagonal=
     1 / (1 - dropout). return_lse: also the float32 log-sum-exp of each row (-inf where no
     position is kept), what fused_softmax_backward needs.
     """
+    key = call_key(("forward", policy, scale, causal, diagonal, dropout, axis, return_lse), (x, bias, mask, out))
+    call = _launches.find(key)
+    if call is not None and writable(out, (x, bias, mask), in_place=False):
+        read = (x, None, bias, mask)
+        return call.run(read, out, None, seed, offset) if stream is None else \
+            run_on(stream, call.run, read, out, None, seed, offset)
+
     arrays.check_policy(policy)
     import cupy
 
     with arrays.on_device(arrays.as_cupy(x, "x"), stream):
         operands = prepare(x, scale=scale, bias=bias, mask=mask, causal=causal, diagonal=diagonal,
                            dropout=dropout, axis=axis)
-        x = operands.x
+        caller, x = (x, None, None, bias, mask), operands.x
         y = _writable_out(out, x, operands, x, operands.bias, operands.mask)
         lse = cupy.empty(x.shape[:-1], numpy.float32) if return_lse else None
         if x.size:
-            _launch("forward", operands, policy, y, None, seed=seed, offset=offset)
+            inputs = _inputs(x, None, operands)
+            main = _stage("forward", operands, policy, y)
+            main.run((*inputs, y), seed, offset)
+            lse_stage = None
             if return_lse:
-                _launch("lse", operands, policy, None, lse)
+                lse_stage = _stage("lse", operands, policy, None)
+                lse_stage.run((*inputs, lse), seed, offset)
+            _remember(key, operands, caller, (x, None, None, operands.bias, operands.mask), y, out, main,
+                      lse_stage)
         y = _restore_axis(y, operands.axis)
         if _separate_dropout(operands):
             y = _apply_dropout(y, operands.dropout, seed, offset)
@@ -427,13 +504,21 @@ def fused_softmax_backward(dy, x, lse, *, scale=1.0, bias=None, mask=None, causa
     of the forward's expression. The gradient w.r.t. bias is dx / scale summed over the axes
     bias was broadcast along: bias_gradient(dx, bias.shape, scale).
     """
+    key = call_key(("backward", policy, scale, causal, diagonal, dropout, axis),
+                   (x, dy, lse, bias, mask, out))
+    call = _launches.find(key)
+    if call is not None and writable(out, (x, dy, lse, bias, mask), in_place=False):
+        read = (x, dy, bias, mask)
+        return call.run(read, out, lse, seed, offset) if stream is None else \
+            run_on(stream, call.run, read, out, lse, seed, offset)
+
     arrays.check_policy(policy)
     import cupy
 
     with arrays.on_device(arrays.as_cupy(x, "x"), stream):
         operands = prepare(x, scale=scale, bias=bias, mask=mask, causal=causal, diagonal=diagonal,
                            dropout=dropout, axis=axis)
-        x = operands.x
+        caller, x = (x, dy, lse, bias, mask), operands.x
         dy = arrays.as_cupy(dy, "dy")
         if dy.shape != _restore_axis(x, operands.axis).shape or dy.dtype != x.dtype:
             raise ValueError(f"dy must match x ({x.dtype} {x.shape}), got {dy.dtype} {dy.shape}")
@@ -446,7 +531,9 @@ def fused_softmax_backward(dy, x, lse, *, scale=1.0, bias=None, mask=None, causa
         lse = cupy.ascontiguousarray(lse, dtype=numpy.float32)
         dx = _writable_out(out, x, operands, x, dy, lse, operands.bias, operands.mask)
         if x.size:
-            _launch("backward", operands, policy, dx, lse, dy=dy, seed=seed, offset=offset)
+            main = _stage("backward", operands, policy, dx, dy)
+            main.run((*_inputs(x, dy, operands), dx, lse), seed, offset)
+            _remember(key, operands, caller, (x, dy, lse, operands.bias, operands.mask), dx, out, main)
         return _deliver(_restore_axis(dx, operands.axis), out)
 
 
@@ -461,18 +548,24 @@ def bias_gradient(dx, bias_shape: tuple, scale=1.0):
     return (dx.sum(axis=axes, dtype=accumulate) / accumulate(scale)).astype(dx.dtype).reshape(bias_shape)
 
 
+def _mask_launch(size: int, threshold: int, device_id: int) -> _StageLaunch:
+    """The dropout-mask kernel ready for `size` elements on GPU `device_id` (memoised)."""
+    key = ("dropout_mask", size, threshold, device_id)
+    found = _launches.peek(key)
+    if found is None:
+        grid = get_num_blocks(Target.live(device_id).facts, MASK_BLOCK_SIZE, -(-size // MASK_BLOCK_SIZE))
+        found = _StageLaunch(live_function(DropoutMaskSpec(), device_id), (grid,), (MASK_BLOCK_SIZE,), 0,
+                             (numpy.int64(size),), numpy.uint32(threshold))
+        _launches.put(key, found)
+    return found
+
+
 def dropout_mask(shape, p, seed, offset=0):
     """The boolean keep mask (cupy) of an array of `shape` that fused_softmax applies
     (cupyops.philox.keep_mask_reference on the host; torch: none, its masks depend on the launch)."""
-    import cupy
-
     threshold = philox.dropout_threshold(p)
-    keep = cupy.empty(tuple(shape), dtype=numpy.bool_)
-    if keep.size:
-        device_id = keep.device.id
-        spec = DropoutMaskSpec()
-        grid = get_num_blocks(Target.live(device_id).facts, MASK_BLOCK_SIZE, -(-keep.size // MASK_BLOCK_SIZE))
-        live_function(spec, device_id)((grid,), (MASK_BLOCK_SIZE,),
-                                        (keep, numpy.int64(keep.size), numpy.uint64(seed % 2 ** 64),
-                                         numpy.uint64(offset % 2 ** 64), numpy.uint32(threshold)))
+    keep = (callcache._cupy or callcache.cupy_module()).empty(tuple(shape), numpy.bool_)
+    size = keep.size
+    if size:
+        _mask_launch(size, threshold, keep.data.device_id).run((keep,), seed, offset)
     return keep
