@@ -7,7 +7,8 @@
 // input: 32 contiguous channels of a pixel per chunk. A block computes a
 // TM x TN tile of C over 64-byte steps of GEMM_K (two chunks): by mma.sync
 // (warps of WM x WN, ldmatrix from shared memory) or, on sm_90a, by wgmma
-// (warpgroups of 64 x WN reading the same shared tiles through descriptors).
+// (warpgroups of 64 x WN reading the same shared tiles through descriptors),
+// whose stages may also hold 128-byte steps (four chunks, two 64-byte steps).
 //
 // Global -> shared: thread t loads 16-byte vector (t & 3) of rows t / 4,
 // t / 4 + THREADS / 4, ... of both tiles: 16-byte loads, each 32-byte chunk
@@ -17,6 +18,10 @@
 // ((r >> 1) & 3)): the eight rows an ldmatrix phase reads, and the eight
 // vectors a phase of stores writes, fall in distinct banks without padding.
 // This is also the 64-byte swizzle wgmma descriptors describe (kernels/mma.cuh).
+// 128-byte rows (wgmma only) hold vector v of row r at r * 128 + 16 * (v ^ (r & 7)),
+// the 128-byte swizzle: thread t loads vectors (t & 3) + 4 h, h = 0, 1, of the
+// same rows, one 64-byte half each, odd rows' threads the upper half first so
+// that the two rows of a phase of stores still cover all banks.
 //
 // Epilogue: each warp passes its accumulators through 1 KB of shared memory,
 // 32 channels x 8 pixels at a time (16 x 16 for wgmma, whose warps own 16
@@ -31,7 +36,7 @@
 namespace cupyops {
 
 constexpr int CONV_MAX_TAPS = 128;
-constexpr int CONV_STEP_BYTES = 64;     // GEMM_K bytes a pipeline stage holds per row
+constexpr int CONV_STEP_BYTES = 64;     // GEMM_K bytes of a step (p.k_steps counts them)
 
 enum ConvOut { CONV_OUT_S8 = 0, CONV_OUT_F16 = 1, CONV_OUT_F32 = 2, CONV_OUT_S32 = 3 };
 enum ConvBias { CONV_BIAS_NONE = 0, CONV_BIAS_F32 = 1, CONV_BIAS_S32 = 2 };
@@ -48,8 +53,12 @@ struct ConvParams {
   int tap_dw[CONV_MAX_TAPS];       // fw * dilation_w
 };
 
+// Vector `vector` of row `row` in a shared tile of ROW_BYTES-byte rows: the XOR
+// takes address bits 7.. of the row (the swizzle's phase), as wgmma's hardware does.
+template <int ROW_BYTES = CONV_STEP_BYTES>
 __device__ __forceinline__ int conv_tile_offset(int row, int vector) {
-  return row * CONV_STEP_BYTES + ((vector ^ ((row >> 1) & 3)) << 4);
+  static_assert(ROW_BYTES == 64 || ROW_BYTES == 128, "64B or 128B swizzle");
+  return row * ROW_BYTES + ((vector ^ ((row * ROW_BYTES >> 7) & (ROW_BYTES / 16 - 1))) << 4);
 }
 
 __device__ __forceinline__ int conv_exchange_swizzle(int pixel) {
@@ -128,18 +137,21 @@ __device__ __forceinline__ ConvTile conv_tile(const ConvParams& p) {
 }
 
 // Global -> shared loads of a block's A (TM filter rows) and B (TN pixels) tiles,
-// one 64-byte GEMM_K step at a time: thread t loads 16-byte vector (t & 3) of rows
-// t / 4, t / 4 + THREADS / 4, ... of both (see the top of this file).
-template <int TM, int TN, int THREADS>
+// one stage of ROW_BYTES-byte rows at a time (HALVES 64-byte GEMM_K steps): thread
+// t loads 16-byte vector (t & 3) of each half of rows t / 4, t / 4 + THREADS / 4,
+// ... of both (see the top of this file). Each half walks its own chunks.
+template <int TM, int TN, int THREADS, int ROW_BYTES = CONV_STEP_BYTES>
 struct ConvTileLoader {
+  static constexpr int HALVES = ROW_BYTES / CONV_STEP_BYTES;
   static constexpr int ROW_STEP = THREADS / 4;
   static constexpr int A_ITERS = TM / ROW_STEP, B_ITERS = TN / ROW_STEP;
+  static_assert(HALVES == 1 || HALVES == 2, "64- or 128-byte rows");
   static_assert(TM % ROW_STEP == 0 && TN % ROW_STEP == 0, "every thread loads whole rows");
   static_assert(ROW_STEP % 8 == 0, "a thread's rows share their swizzle phase");
 
-  // The current chunk, read from the tap table once a step.
+  // The current chunk of a half, read from the tap table once a stage.
   struct Chunk {
-    bool valid;           // within GEMM_K
+    bool valid;           // within GEMM_K and the block's split
     int dh, dw;           // the tap's offset in rows and columns
     int a_offset, b_offset;
   };
@@ -151,10 +163,12 @@ struct ConvTileLoader {
   // memory clobber would otherwise reload them from the parameter block).
   // Offsets within an image and along a filter row fit 32 bits (the host checks).
   int h, width, c32, taps, gemm_k, group_bytes;
-  // This thread's loads: vector `vector` of rows row0 + i * ROW_STEP, chunk
-  // (group, tap) = chunk of GEMM_K, two chunks further each step.
-  int vector, row0, chunk, group, tap;
-  int slot;                   // shared offset of its vector of row row0: conv_tile_offset(row0, vector)
+  // This thread's loads: vector `vector` of rows row0 + i * ROW_STEP; per loaded
+  // half k, chunk (group, tap) of GEMM_K, 2 * HALVES chunks further each stage, at
+  // a_offset in a filter row; chunks_left of the split's (and GEMM_K's) chunks from
+  // it on: those past them read zeros (a loop-carried count, no bound recomputed).
+  int vector, row0, group[HALVES], tap[HALVES], a_offset[HALVES], chunks_left[HALVES];
+  int slot[HALVES];           // shared offset of half h's vector of row row0
   const signed char* a_row;   // this thread's first filter row
   int a_rows;                 // its rows i * ROW_STEP below this are within GEMM_M
   int64 b_base[B_ITERS];      // offsets of where this thread's pixels' (ih0, iw0) would be
@@ -169,10 +183,18 @@ struct ConvTileLoader {
     const int ohw = p.oh * p.ow;
     vector = tid & 3;
     row0 = tid >> 2;
-    slot = conv_tile_offset(row0, vector);
-    chunk = tile.step_begin * 2 + (vector >> 1);
-    group = chunk / taps;
-    tap = chunk - group * taps;
+    const int chunk_end = min(c32 * taps, (tile.step_begin + tile.steps) * 2);
+    const int upper_first = HALVES == 2 ? row0 & 1 : 0;   // see the top of this file
+#pragma unroll
+    for (int k = 0; k < HALVES; ++k) {
+      const int half = k ^ upper_first;
+      const int chunk = (tile.step_begin + half) * 2 + (vector >> 1);
+      slot[k] = conv_tile_offset<ROW_BYTES>(row0, vector + 4 * half);
+      group[k] = chunk / taps;
+      tap[k] = chunk - group[k] * taps;
+      a_offset[k] = chunk * 32 + (vector & 1) * 16;
+      chunks_left[k] = chunk_end - chunk;
+    }
     a_row = w + static_cast<int64>(tile.m0 + row0) * gemm_k;
     a_rows = p.gemm_m - tile.m0 - row0;
 #pragma unroll
@@ -192,9 +214,9 @@ struct ConvTileLoader {
     }
   }
 
-  __device__ __forceinline__ Chunk current_chunk() const {
-    return Chunk{group < c32, p.tap_dh[tap], p.tap_dw[tap], chunk * 32 + (vector & 1) * 16,
-                 group * group_bytes + p.tap_offset[tap]};
+  __device__ __forceinline__ Chunk current_chunk(int k) const {
+    return Chunk{chunks_left[k] > 0, p.tap_dh[tap[k]], p.tap_dw[tap[k]], a_offset[k],
+                 group[k] * group_bytes + p.tap_offset[tap[k]]};
   }
   // Whether the chunk's A row i / B row i lies inside the operands (else it reads zeros), and its source.
   __device__ __forceinline__ bool a_inside(const Chunk& c, int i) const { return c.valid && i * ROW_STEP < a_rows; }
@@ -209,38 +231,46 @@ struct ConvTileLoader {
     return x + b_base[i] + c.b_offset;
   }
   __device__ __forceinline__ void advance() {
-    chunk += 2;
-    tap += 2;
-    while (tap >= taps) {
-      tap -= taps;
-      ++group;
+#pragma unroll
+    for (int k = 0; k < HALVES; ++k) {
+      a_offset[k] += 64 * HALVES;
+      chunks_left[k] -= 2 * HALVES;
+      tap[k] += 2 * HALVES;
+      while (tap[k] >= taps) {
+        tap[k] -= taps;
+        ++group[k];
+      }
     }
   }
-  // Shared offsets of this thread's A row i and B row i within a stage (rows i * ROW_STEP
+  // Shared offsets of half k's A row i and B row i within a stage (rows i * ROW_STEP
   // apart, a multiple of the swizzle's 8 rows: the same vector slot in each).
-  __device__ __forceinline__ int a_slot(int i) const { return slot + i * ROW_STEP * CONV_STEP_BYTES; }
-  __device__ __forceinline__ int b_slot(int i) const { return slot + (TM + i * ROW_STEP) * CONV_STEP_BYTES; }
+  __device__ __forceinline__ int a_slot(int k, int i) const { return slot[k] + i * ROW_STEP * ROW_BYTES; }
+  __device__ __forceinline__ int b_slot(int k, int i) const { return slot[k] + (TM + i * ROW_STEP) * ROW_BYTES; }
 
-  // cp.async of the current step into the stage at shared address `stage`, then the next step.
+  // cp.async of the current stage into the stage at shared address `stage`, then the next.
   // Rows outside the operands are filled with zeros (source size 0, from a valid address).
   __device__ __forceinline__ void issue_async(unsigned stage) {
-    const Chunk c = current_chunk();
 #pragma unroll
-    for (int i = 0; i < A_ITERS; ++i) {
-      const bool inside = a_inside(c, i);
-      cp_async_16(stage + a_slot(i), inside ? a_source(c, i) : w, inside ? 16 : 0);
-    }
+    for (int k = 0; k < HALVES; ++k) {
+      const Chunk c = current_chunk(k);
 #pragma unroll
-    for (int i = 0; i < B_ITERS; ++i) {
-      const bool inside = b_inside(c, i);
-      cp_async_16(stage + b_slot(i), inside ? b_source(c, i) : x, inside ? 16 : 0);
+      for (int i = 0; i < A_ITERS; ++i) {
+        const bool inside = a_inside(c, i);
+        cp_async_16(stage + a_slot(k, i), inside ? a_source(c, i) : w, inside ? 16 : 0);
+      }
+#pragma unroll
+      for (int i = 0; i < B_ITERS; ++i) {
+        const bool inside = b_inside(c, i);
+        cp_async_16(stage + b_slot(k, i), inside ? b_source(c, i) : x, inside ? 16 : 0);
+      }
     }
     advance();
   }
 
-  // The register path: the current step into registers (then the next step), and to a stage.
+  // The register path (64-byte rows): the current step into registers (then the next step), and to a stage.
   __device__ __forceinline__ void fetch(int4 (&a_held)[A_ITERS], int4 (&b_held)[B_ITERS]) {
-    const Chunk c = current_chunk();
+    static_assert(HALVES == 1, "the register path holds one 64-byte step");
+    const Chunk c = current_chunk(0);
 #pragma unroll
     for (int i = 0; i < A_ITERS; ++i)
       a_held[i] = a_inside(c, i) ? __ldg(reinterpret_cast<const int4*>(a_source(c, i))) : make_int4(0, 0, 0, 0);
@@ -252,9 +282,9 @@ struct ConvTileLoader {
   __device__ __forceinline__ void store(char* stage, const int4 (&a_held)[A_ITERS],
                                         const int4 (&b_held)[B_ITERS]) const {
 #pragma unroll
-    for (int i = 0; i < A_ITERS; ++i) *reinterpret_cast<int4*>(stage + a_slot(i)) = a_held[i];
+    for (int i = 0; i < A_ITERS; ++i) *reinterpret_cast<int4*>(stage + a_slot(0, i)) = a_held[i];
 #pragma unroll
-    for (int i = 0; i < B_ITERS; ++i) *reinterpret_cast<int4*>(stage + b_slot(i)) = b_held[i];
+    for (int i = 0; i < B_ITERS; ++i) *reinterpret_cast<int4*>(stage + b_slot(0, i)) = b_held[i];
   }
 };
 
@@ -351,13 +381,13 @@ __device__ __forceinline__ void conv2d_int8_fprop(const signed char* __restrict_
 #pragma unroll
       for (int c = 0; c < A_FRAGS / 4; ++c) {
         const int index = c * 4 + (lane >> 3);
-        ldmatrix_x4(a + c * 4, a_tile + conv_tile_offset(warp_m + index / KV * 8 + (lane & 7),
+        ldmatrix_x4(a + c * 4, a_tile + conv_tile_offset<>(warp_m + index / KV * 8 + (lane & 7),
                                                          ks * KV + index % KV));
       }
 #pragma unroll
       for (int c = 0; c < B_FRAGS / 4; ++c) {
         const int index = c * 4 + (lane >> 3);
-        ldmatrix_x4(b + c * 4, b_tile + conv_tile_offset(warp_n + index / KV * 8 + (lane & 7),
+        ldmatrix_x4(b + c * 4, b_tile + conv_tile_offset<>(warp_n + index / KV * 8 + (lane & 7),
                                                          ks * KV + index % KV));
       }
 #pragma unroll
@@ -413,11 +443,13 @@ __device__ __forceinline__ void conv2d_int8_fprop(const signed char* __restrict_
 
 // One block's TM x TN tile by wgmma (sm_90a): warpgroups of 64 x WN (TM / 64 of
 // them along GEMM_M, TN / WN along GEMM_N), each issuing m64nWNk32 with A and B
-// from the shared stages, which every thread fills by cp.async (the loader above,
-// unchanged). Pipeline of `stages` 64-byte steps, loads DEPTH = stages - 2 steps
-// ahead, one wgmma group (a step: two k32 halves) in flight per warpgroup.
+// from the shared stages, which every thread fills by cp.async (the loader above).
+// A stage holds ROW_BYTES of GEMM_K per row (64: 64B swizzle, two k32 MMAs; 128:
+// 128B swizzle, four, half the barriers and waits per MMA). Pipeline of `stages`,
+// loads DEPTH = stages - 2 stages ahead, one wgmma group (a stage) in flight per
+// warpgroup.
 //
-// Invariant. Iteration t: (1) cp.async.wait: this thread's copies of step t have
+// Invariant. Iteration t: (1) cp.async.wait: this thread's copies of stage t have
 // landed; (2) fence.proxy.async: they are visible to the async proxy that wgmma
 // reads through; (3) barrier: so are every thread's, and every warpgroup has
 // passed its wgmma.wait_group 1 of iteration t - 1, i.e. its wgmma of steps
@@ -427,15 +459,16 @@ __device__ __forceinline__ void conv2d_int8_fprop(const signed char* __restrict_
 // (t - 1) % stages, which step t - 1's wgmma may still read, is not written;
 // (6) wgmma.wait_group 1: step t - 1's group is complete. Stages in use at once:
 // t - 1, t and the DEPTH loading ahead = stages.
-template <int TM, int TN, int WN, int stages>
+template <int TM, int TN, int WN, int stages, int ROW_BYTES>
 __device__ __forceinline__ void conv2d_int8_fprop_wgmma(const signed char* __restrict__ x,
                                                         const signed char* __restrict__ w, void* y,
                                                         const signed char* z, const float* alpha_vec,
                                                         const void* bias, const ConvParams& p) {
   constexpr int WARPGROUPS_M = TM / 64;
   constexpr int THREADS = WARPGROUPS_M * (TN / WN) * 128;
-  constexpr int STAGE_BYTES = (TM + TN) * CONV_STEP_BYTES;
+  constexpr int STAGE_BYTES = (TM + TN) * ROW_BYTES;
   constexpr int DEPTH = stages - 2;
+  typedef ConvTileLoader<TM, TN, THREADS, ROW_BYTES> Loader;
   static_assert(TM % 64 == 0 && TN % WN == 0 && WN % 16 == 0 && WN <= 256, "warpgroup tile");
   static_assert(stages >= 3, "one stage read by wgmma in flight, one being read, one loading");
   static_assert(STAGE_BYTES % 1024 == 0, "stages keep the 1024-byte alignment of the first");
@@ -446,11 +479,13 @@ __device__ __forceinline__ void conv2d_int8_fprop_wgmma(const signed char* __res
   const unsigned shared_base = (raw_base + 1023u) & ~1023u;
   int* exchange_base = reinterpret_cast<int*>(reinterpret_cast<char*>(conv_shared) + (shared_base - raw_base));
 
-  const int warp = threadIdx.x >> 5, warpgroup = threadIdx.x >> 7;
+  // The warpgroup from lane 0: the compiler then knows it (and the descriptors) warp-uniform
+  // and builds the descriptors in uniform registers, which wgmma reads.
+  const int warp = threadIdx.x >> 5, warpgroup = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);
   const int wg_m = (warpgroup % WARPGROUPS_M) * 64, wg_n = (warpgroup / WARPGROUPS_M) * WN;
   const ConvTile tile = conv_tile<TM, TN>(p);
-  const int steps = tile.steps;
-  ConvTileLoader<TM, TN, THREADS> loader(x, w, p, tile);
+  const int steps = (tile.steps + Loader::HALVES - 1) / Loader::HALVES;   // stages of this split
+  Loader loader(x, w, p, tile);
 
   int acc[2][WN / 8][2];
 #pragma unroll
@@ -463,10 +498,10 @@ __device__ __forceinline__ void conv2d_int8_fprop_wgmma(const signed char* __res
     if (s < steps) loader.issue_async(shared_base + s * STAGE_BYTES);
     cp_async_commit();
   }
-  // This warpgroup's operands in stage 0; those of stage s and of the second k32 half
-  // are the same descriptors moved by s * STAGE_BYTES + 32 bytes.
-  const unsigned long long a_descriptor = wgmma_descriptor_sw64(shared_base + wg_m * CONV_STEP_BYTES);
-  const unsigned long long b_descriptor = wgmma_descriptor_sw64(shared_base + (TM + wg_n) * CONV_STEP_BYTES);
+  // This warpgroup's operands in stage 0; those of stage s and of k32 slice k
+  // are the same descriptors moved by s * STAGE_BYTES + 32 k bytes.
+  const unsigned long long a_descriptor = wgmma_descriptor<ROW_BYTES>(shared_base + wg_m * ROW_BYTES);
+  const unsigned long long b_descriptor = wgmma_descriptor<ROW_BYTES>(shared_base + (TM + wg_n) * ROW_BYTES);
   constexpr unsigned LAST_STAGE = (stages - 1) * STAGE_BYTES;
   unsigned stage = 0, load_stage = DEPTH * STAGE_BYTES;   // offsets of stages t % stages, (t + DEPTH) % stages
   for (int t = 0; t < steps; ++t) {
@@ -476,9 +511,9 @@ __device__ __forceinline__ void conv2d_int8_fprop_wgmma(const signed char* __res
     wgmma_fence_operands(acc);
     wgmma_fence();
 #pragma unroll
-    for (int half = 0; half < CONV_STEP_BYTES / 32; ++half) {
-      WgmmaS8<WN>::mma(acc, wgmma_descriptor_moved(a_descriptor, stage + half * 32),
-                       wgmma_descriptor_moved(b_descriptor, stage + half * 32));
+    for (int k = 0; k < ROW_BYTES / 32; ++k) {
+      const unsigned units = (stage >> 4) + k * 2;   // 32 k bytes further: no shift per MMA
+      WgmmaS8<WN>::mma(acc, wgmma_descriptor_moved(a_descriptor, units), wgmma_descriptor_moved(b_descriptor, units));
     }
     wgmma_commit();
     wgmma_fence_operands(acc);

@@ -65,32 +65,38 @@ __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, int s
 // Descriptor (PTX ISA, "Matrix Descriptor Format"): bits 0-13 start address >> 4,
 // 16-29 leading-dimension byte offset >> 4, 32-45 stride-dimension byte offset
 // >> 4, 49-51 base offset, 62-63 swizzle (1: 128B, 2: 64B, 3: 32B). Operands here
-// are the convolution's shared tiles: 64-byte rows (one GEMM_K step), vector v of
-// row r at r * 64 + 16 * (v ^ ((r >> 1) & 3)) -- CUTLASS's Swizzle<2,4,3>, the
-// 64B swizzle on shared addresses whose pattern repeats every 8 rows (512 bytes).
-// K-major with 64B swizzle: rows of an 8-row core group 64 bytes apart (implied
-// by the mode), 8-row groups WGMMA_SW64_GROUP_BYTES apart (the stride offset);
-// the leading offset is unused (one k32 step, 32 bytes, lies within a row; 1, as
-// CUTLASS writes it). The k32 half of a step starts 32 bytes into the rows: the
+// are the convolution's shared tiles of R-byte rows (R = 64 or 128 bytes of GEMM_K),
+// vector v of row r at r * R + 16 * (v ^ ((r * R >> 7) & (R / 16 - 1))) -- CUTLASS's
+// Swizzle<2,4,3> (64B) or Swizzle<3,4,3> (128B) on shared addresses, whose pattern
+// repeats every 8 rows. K-major with the R-byte swizzle: rows of an 8-row core
+// group R bytes apart (implied by the mode), 8-row groups 8 R bytes apart (the
+// stride offset); the leading offset is unused (a k32 slice, 32 bytes, lies within
+// a row; 1, as CUTLASS writes it). Slice k starts 32 k bytes into the rows: the
 // hardware applies the swizzle to the computed address, so the start address just
-// moves by 32 bytes. Tiles start on 1024-byte boundaries, so address bits 7-9
-// (the pattern's phase) are those of the row and the base offset stays 0.
+// moves by 32 k bytes. Tiles start on 1024-byte boundaries, so the address bits
+// of the pattern's phase are those of the row and the base offset stays 0.
 constexpr int WGMMA_SWIZZLE_64B = 2;
-constexpr int WGMMA_SW64_GROUP_BYTES = 8 * 64;
+constexpr int WGMMA_SWIZZLE_128B = 1;
+constexpr int WGMMA_SWIZZLE_ROWS = 8;   // rows of a core group: the stride offset is 8 R bytes
 constexpr int WGMMA_LEADING_BYTE_OFFSET_UNUSED = 1;
 
-__device__ __forceinline__ unsigned long long wgmma_descriptor_sw64(unsigned address) {
+template <int ROW_BYTES>
+__device__ __forceinline__ unsigned long long wgmma_descriptor(unsigned address) {
+  static_assert(ROW_BYTES == 64 || ROW_BYTES == 128, "64B or 128B swizzle");
+  constexpr unsigned long long swizzle = ROW_BYTES == 128 ? WGMMA_SWIZZLE_128B : WGMMA_SWIZZLE_64B;
   return static_cast<unsigned long long>((address & 0x3ffff) >> 4) |
          (static_cast<unsigned long long>(WGMMA_LEADING_BYTE_OFFSET_UNUSED) << 16) |
-         (static_cast<unsigned long long>(WGMMA_SW64_GROUP_BYTES >> 4) << 32) |
-         (static_cast<unsigned long long>(WGMMA_SWIZZLE_64B) << 62);
+         (static_cast<unsigned long long>(WGMMA_SWIZZLE_ROWS * ROW_BYTES >> 4) << 32) | (swizzle << 62);
+}
+__device__ __forceinline__ unsigned long long wgmma_descriptor_sw64(unsigned address) {
+  return wgmma_descriptor<64>(address);
 }
 
-// `descriptor` with its start address moved by `bytes` (a multiple of 16): a 32-bit
+// `descriptor` with its start address moved by `units` 16-byte units: a 32-bit
 // add to the low word, which holds the start address in bits 0-13 and never
 // carries out of it (shared addresses stay below 2^18 bytes).
-__device__ __forceinline__ unsigned long long wgmma_descriptor_moved(unsigned long long descriptor, unsigned bytes) {
-  return (descriptor & 0xffffffff00000000ull) | (static_cast<unsigned>(descriptor) + (bytes >> 4));
+__device__ __forceinline__ unsigned long long wgmma_descriptor_moved(unsigned long long descriptor, unsigned units) {
+  return (descriptor & 0xffffffff00000000ull) | (static_cast<unsigned>(descriptor) + units);
 }
 
 // wgmma_m64nNk32 s8: WgmmaS8<N>::mma(d, a_descriptor, b_descriptor), d += A * B.

@@ -2,7 +2,8 @@
 table, chunk walk, zero predicates), the swizzled shared tiles, ldmatrix and
 mma.sync as the PTX ISA defines their fragments, wgmma reading the tiles
 through its shared-memory descriptors (decoded as the PTX ISA's canonical
-K-major 64B-swizzle layout) into its accumulator fragment, split-K, and the
+K-major 64B- or 128B-swizzle layouts) into its accumulator fragment, stages of
+64- or 128-byte GEMM_K steps, split-K, and the
 epilogue's shared-memory exchange. It runs the kernel's index arithmetic on the
 CPU (raw int32 outputs), so a wrong address, descriptor or fragment shows up
 without a GPU."""
@@ -16,8 +17,9 @@ from cupyops.ops.conv2d_int8 import STEP_BYTES, ConvInt8Spec
 INTERLEAVE = 32
 
 
-def tile_offset(row, vector):
-    return row * STEP_BYTES + ((vector ^ ((row >> 1) & 3)) << 4)
+def tile_offset(row, vector, row_bytes=STEP_BYTES):
+    """kernels/conv_int8.cuh's conv_tile_offset<row_bytes>."""
+    return row * row_bytes + ((vector ^ ((row * row_bytes >> 7) & (row_bytes // 16 - 1))) << 4)
 
 
 def exchange_swizzle(pixel):
@@ -25,32 +27,34 @@ def exchange_swizzle(pixel):
 
 
 # kernels/mma.cuh's wgmma descriptor (tests check its constants against this)
-SWIZZLE_64B = 2
-GROUP_BYTES = 8 * 64          # stride-dimension byte offset: 8 rows of 64 bytes
+SWIZZLE_MODES = {64: 2, 128: 1}   # row bytes -> descriptor swizzle mode (64B, 128B)
+SWIZZLE_ROWS = 8              # stride-dimension byte offset: 8 rows
 LEADING_BYTE_OFFSET = 1       # unused for swizzled K-major layouts
 
 
-def wgmma_descriptor_sw64(address: int) -> int:
-    """The 64-bit descriptor of a K-major, 64B-swizzled operand starting at shared `address`."""
-    return (((address & 0x3FFFF) >> 4) | (LEADING_BYTE_OFFSET << 16) | ((GROUP_BYTES >> 4) << 32)
-            | (SWIZZLE_64B << 62))
+def wgmma_descriptor(address: int, row_bytes: int = STEP_BYTES) -> int:
+    """The 64-bit descriptor of a K-major operand of `row_bytes`-byte swizzled rows at shared `address`."""
+    return (((address & 0x3FFFF) >> 4) | (LEADING_BYTE_OFFSET << 16) | ((SWIZZLE_ROWS * row_bytes >> 4) << 32)
+            | (SWIZZLE_MODES[row_bytes] << 62))
 
 
-def wgmma_descriptor_moved(descriptor: int, moved: int) -> int:
-    """kernels/mma.cuh's wgmma_descriptor_moved: a 32-bit add of moved >> 4 to the low word."""
-    return (descriptor & ~0xFFFFFFFF) | ((descriptor + (moved >> 4)) & 0xFFFFFFFF)
+def wgmma_descriptor_moved(descriptor: int, units: int) -> int:
+    """kernels/mma.cuh's wgmma_descriptor_moved: a 32-bit add of `units` (16 bytes) to the low word."""
+    return (descriptor & ~0xFFFFFFFF) | ((descriptor + units) & 0xFFFFFFFF)
 
 
 def wgmma_operand(shared: numpy.ndarray, descriptor: int, rows: int) -> numpy.ndarray:
     """(rows, 32) int8 operand of one wgmma k32 as the hardware reads it (PTX ISA, K-major
-    canonical layout with 64B swizzle): row r, byte k at start + (r // 8) * SBO + (r % 8) * 64
-    + k, then address bits 4-5 XOR bits 7-8 (CUTLASS's Swizzle<2,4,3>)."""
+    canonical layouts with the R-byte swizzle of the descriptor's mode, R = 64 or 128): row
+    r, byte k at start + (r // 8) * SBO + (r % 8) * R + k, then address bits 4.. XOR bits
+    7.. (CUTLASS's Swizzle<2,4,3> for 64B, Swizzle<3,4,3> for 128B)."""
     start = (descriptor & 0x3FFF) << 4
     stride = ((descriptor >> 32) & 0x3FFF) << 4
-    assert descriptor >> 62 == SWIZZLE_64B and (descriptor >> 49) & 7 == 0, "64B swizzle, base offset 0"
+    row_bytes = {mode: row for row, mode in SWIZZLE_MODES.items()}[descriptor >> 62]
+    assert (descriptor >> 49) & 7 == 0, "base offset 0"
     r, k = numpy.meshgrid(numpy.arange(rows), numpy.arange(32), indexing="ij")
-    address = start + (r // 8) * stride + (r % 8) * 64 + k
-    return shared[address ^ (((address >> 7) & 3) << 4)]
+    address = start + (r // 8) * stride + (r % 8) * row_bytes + k
+    return shared[address ^ (((address >> 7) & (row_bytes // 16 - 1)) << 4)]
 
 
 def ldmatrix_x4(shared: numpy.ndarray, addresses: numpy.ndarray) -> numpy.ndarray:
@@ -103,49 +107,62 @@ def run(spec: ConvInt8Spec, geometry, x5, w5, splits=1, steps_per_split=None):
         for block in range(m_tiles * -(-n_total // tn)):
             m0, n0 = block % m_tiles * tm, block // m_tiles * tn
             acc = None
-            for step in range(step_begin, step_begin + steps):
-                acc = compute(spec, _load_step(spec, g, x, w, m0, n0, step), acc)
+            for step in range(step_begin, step_begin + steps, spec.steps_per_stage):
+                acc = compute(spec, _load_stage(spec, g, x, w, m0, n0, step, step_begin + steps), acc)
             if acc is None:   # no steps: zeros
-                acc = compute(spec, numpy.zeros((tm + tn) * STEP_BYTES, numpy.int64), None)
+                acc = compute(spec, numpy.zeros((tm + tn) * spec.step_bytes, numpy.int64), None)
             for warp, (channel0, pixel0) in enumerate(_warp_origins(spec)):
                 _epilogue(acc[warp], g, m0 + channel0, n0 + pixel0, out[bz], writes[bz])
     return out.sum(0).astype(numpy.int32).reshape(g.output_shape), writes.reshape(splits, *g.output_shape)
 
 
-def _load_step(spec, g, x, w, m0, n0, step):
-    """The shared stage of one 64-byte GEMM_K step as every thread's loads fill it."""
+def _load_stage(spec, g, x, w, m0, n0, step, step_end):
+    """The shared stage of 64-byte GEMM_K steps step, .. (one, or two in 128-byte rows)
+    as every thread's loads fill it: half h of row r in vectors 4 h .. 4 h + 3, loaded
+    by the thread's k-th walk, k = h ^ (r & 1) for 128-byte rows; chunks of steps from
+    step_end on (the next split's) or past GEMM_K read zeros."""
     m_total, n_total, _ = g.gemm
-    tm, tn = spec.tile_m, spec.tile_n
+    tm, tn, row_bytes = spec.tile_m, spec.tile_n, spec.step_bytes
     offsets, tap_dh, tap_dw = conv_layout.tap_table(g)
     threads = spec.threads_per_block
     row_step = threads // 4
     c32, taps, ohw = g.c // INTERLEAVE, g.r * g.s, g.oh * g.ow
     gemm_k = g.c * taps
+    chunk_end = min(c32 * taps, step_end * 2)
     group_bytes = g.h * g.w * 32
-    shared = numpy.zeros((tm + tn) * STEP_BYTES, numpy.int64)
+    shared = numpy.zeros((tm + tn) * row_bytes, numpy.int64)
+    written = numpy.zeros_like(shared)
     for tid in range(threads):
         vector, row0 = tid & 3, tid >> 2
-        chunk = step * 2 + (vector >> 1)
-        group, tap = divmod(chunk, taps)
-        for i in range(tm // row_step):
-            row = m0 + row0 + i * row_step
-            if group < c32 and row < m_total:
-                src = row * gemm_k + chunk * 32 + (vector & 1) * 16
-                dst = tile_offset(row0 + i * row_step, vector)
-                shared[dst: dst + 16] = w[src: src + 16]
-        for i in range(tn // row_step):
-            j = n0 + row0 + i * row_step
-            if j >= n_total or group >= c32:
-                continue
-            image, rest = divmod(j, ohw)
-            oh, ow = divmod(rest, g.ow)
-            ih, iw = oh * g.stride[0] - g.padding[0], ow * g.stride[1] - g.padding[1]
-            if not (0 <= ih + tap_dh[tap] < g.h and 0 <= iw + tap_dw[tap] < g.w):
-                continue
-            base = image * c32 * group_bytes + (ih * g.w + iw) * 32 + (vector & 1) * 16
-            src = base + group * group_bytes + offsets[tap]
-            dst = tm * STEP_BYTES + tile_offset(row0 + i * row_step, vector)
-            shared[dst: dst + 16] = x[src: src + 16]
+        upper_first = row0 & 1 if spec.steps_per_stage == 2 else 0
+        for k in range(spec.steps_per_stage):
+            half = k ^ upper_first
+            chunk = (step + half) * 2 + (vector >> 1)
+            group, tap = divmod(chunk, taps)
+            slot = tile_offset(row0, vector + 4 * half, row_bytes)
+            for i in range(tm // row_step):
+                row = m0 + row0 + i * row_step
+                dst = slot + i * row_step * row_bytes
+                assert dst == tile_offset(row0 + i * row_step, vector + 4 * half, row_bytes)
+                written[dst: dst + 16] += 1
+                if chunk < chunk_end and row < m_total:
+                    src = row * gemm_k + chunk * 32 + (vector & 1) * 16
+                    shared[dst: dst + 16] = w[src: src + 16]
+            for i in range(tn // row_step):
+                j = n0 + row0 + i * row_step
+                dst = slot + (tm + i * row_step) * row_bytes
+                written[dst: dst + 16] += 1
+                if j >= n_total or chunk >= chunk_end:
+                    continue
+                image, rest = divmod(j, ohw)
+                oh, ow = divmod(rest, g.ow)
+                ih, iw = oh * g.stride[0] - g.padding[0], ow * g.stride[1] - g.padding[1]
+                if not (0 <= ih + tap_dh[tap] < g.h and 0 <= iw + tap_dw[tap] < g.w):
+                    continue
+                base = image * c32 * group_bytes + (ih * g.w + iw) * 32 + (vector & 1) * 16
+                src = base + group * group_bytes + offsets[tap]
+                shared[dst: dst + 16] = x[src: src + 16]
+    assert (written == 1).all(), "the stage's copies overlap or leave gaps"
     return shared
 
 
@@ -192,7 +209,7 @@ def _mma_sync_step(spec, shared, acc):
 
 
 def _wgmma_step(spec, shared, acc):
-    """One step of every warpgroup's two wgmma k32 halves, operands decoded from the
+    """One stage of every warpgroup's wgmma k32 slices, operands decoded from the
     descriptors the kernel builds; acc (warps, 2, WN/8, lanes, 2) in the wgmma
     accumulator fragment: warp w of a warpgroup, lane (g, t): d[h][j][e] =
     D[16 w + g + 8 h][8 j + 2 t + e]."""
@@ -202,13 +219,14 @@ def _wgmma_step(spec, shared, acc):
         acc = numpy.zeros((warps, 2, wn // 8, 32, 2), numpy.int64)
     lanes = numpy.arange(32)
     g, t = lanes >> 2, lanes & 3
+    row_bytes = spec.step_bytes
     for first_warp in range(0, warps, 4):
         channel0, pixel0 = _warp_origins(spec)[first_warp]
-        a_descriptor = wgmma_descriptor_sw64(channel0 * STEP_BYTES)
-        b_descriptor = wgmma_descriptor_sw64((tm + pixel0) * STEP_BYTES)
-        for half in range(STEP_BYTES // 32):
-            a = wgmma_operand(shared, wgmma_descriptor_moved(a_descriptor, half * 32), 64)
-            b = wgmma_operand(shared, wgmma_descriptor_moved(b_descriptor, half * 32), wn)
+        a_descriptor = wgmma_descriptor(channel0 * row_bytes, row_bytes)
+        b_descriptor = wgmma_descriptor((tm + pixel0) * row_bytes, row_bytes)
+        for k in range(row_bytes // 32):
+            a = wgmma_operand(shared, wgmma_descriptor_moved(a_descriptor, k * 2), 64)
+            b = wgmma_operand(shared, wgmma_descriptor_moved(b_descriptor, k * 2), wn)
             product = a @ b.T
             for w in range(4):
                 for h in range(2):

@@ -122,15 +122,17 @@ def test_tap_table_and_gemm_by_chunks_match_the_reference(rng):
     numpy.testing.assert_array_equal(y, ref.accumulators(x, w, g.stride, g.padding, g.dilation))
 
 
+@pytest.mark.parametrize("stride", [2, 4])
 @pytest.mark.parametrize("taps", [1, 2, 3, 9, 49])
-def test_chunk_walk_without_division_matches_divmod(taps):
-    """The kernel's advance (tap += 2, carried into the channel group) against divmod."""
-    for start in range(4):
+def test_chunk_walk_without_division_matches_divmod(taps, stride):
+    """The kernel's advance (tap += 2 a 64-byte row, 4 a 128-byte one, carried into the
+    channel group) against divmod."""
+    for start in range(8):
         chunk = start
         group, tap = divmod(chunk, taps)
         for _ in range(60):
             assert (group, tap) == divmod(chunk, taps)
-            chunk, tap = chunk + 2, tap + 2
+            chunk, tap = chunk + stride, tap + stride
             while tap >= taps:
                 tap -= taps
                 group += 1
@@ -170,22 +172,30 @@ EMULATED = [  # (geometry, tile config): every filter shape, tails in N * OH * O
 ]
 
 
-def _wgmma(tile_m, tile_n, warp_n):
-    return next(c for c in conv.WGMMA_CONFIGS if (c.tile_m, c.tile_n, c.warp_n) == (tile_m, tile_n, warp_n))
+def _wgmma(tile_m, tile_n, warp_n, step_bytes=64):
+    return next(c for c in conv.WGMMA_CONFIGS
+                if (c.tile_m, c.tile_n, c.warp_n, c.step_bytes) == (tile_m, tile_n, warp_n, step_bytes))
 
 
 def test_every_wgmma_layout_is_emulated():
-    layouts = {(c.tile_m, c.tile_n, c.warp_n) for c in conv.WGMMA_CONFIGS}
-    assert layouts == {(c.tile_m, c.tile_n, c.warp_n) for _, c in EMULATED_WGMMA}
+    layout = lambda c: (c.tile_m, c.tile_n, c.warp_n, c.step_bytes)  # noqa: E731
+    assert {layout(c) for c in conv.WGMMA_CONFIGS} == {layout(c) for _, c in EMULATED_WGMMA}
 
 
-EMULATED_WGMMA = [  # every warpgroup layout; tails in GEMM_M, GEMM_N and GEMM_K
+EMULATED_WGMMA = [  # every warpgroup layout and step; tails in GEMM_M, GEMM_N and GEMM_K
     (ConvGeometry(2, 64, 7, 5, 64, 3, 3, (1, 1), (1, 1)), _wgmma(64, 128, 128)),
     (ConvGeometry(1, 96, 9, 9, 96, 3, 3, (2, 2), (1, 1)), _wgmma(128, 128, 128)),   # half step, M tail
     (ConvGeometry(2, 32, 11, 13, 160, 1, 1), _wgmma(256, 128, 128)),                 # four warpgroups
     (ConvGeometry(1, 64, 12, 12, 128, 3, 3, (1, 1), (1, 1)), _wgmma(128, 256, 256)),
     (ConvGeometry(1, 32, 8, 9, 64, 5, 5, (1, 1), (2, 2)), _wgmma(64, 256, 128)),     # split along N
     (ConvGeometry(1, 32, 8, 8, 32, 3, 3, (1, 1), (1, 1)), _wgmma(64, 256, 256)),     # C = K = 32
+    # 128-byte steps: 9, 3, 27 and 1 chunks (GEMM_K tails of 1 and 3 chunks, a step within one tap)
+    (ConvGeometry(2, 32, 7, 5, 64, 3, 3, (1, 1), (1, 1)), _wgmma(64, 128, 128, 128)),  # C = 32, K tail
+    (ConvGeometry(1, 96, 9, 9, 96, 1, 1, (2, 2)), _wgmma(128, 128, 128, 128)),         # M tail, 3 chunks
+    (ConvGeometry(2, 32, 11, 13, 160, 1, 1), _wgmma(256, 128, 128, 128)),              # one chunk
+    (ConvGeometry(1, 96, 12, 12, 128, 3, 3, (1, 1), (1, 1)), _wgmma(128, 256, 256, 128)),
+    (ConvGeometry(1, 32, 8, 9, 64, 5, 5, (1, 1), (2, 2)), _wgmma(64, 256, 128, 128)),   # split along N
+    (ConvGeometry(1, 32, 8, 8, 32, 3, 3, (1, 1), (1, 1)), _wgmma(64, 256, 256, 128)),   # C = K = 32
 ]
 
 
@@ -209,12 +219,15 @@ def test_wgmma_kernel_model_matches_the_reference(rng, geometry, config):
     _check_model(rng, geometry, conv.spec_for(config, "auto", "sm_90"))
 
 
-@pytest.mark.parametrize("config", [_auto(32, 128), _wgmma(64, 128, 128)])
+@pytest.mark.parametrize("config", [_auto(32, 128), _wgmma(64, 128, 128), _wgmma(64, 128, 128, 128)])
 def test_kernel_model_split_k(rng, config):
-    g = ConvGeometry(1, 64, 4, 4, 32, 3, 3, (1, 1), (1, 1))
-    splits, per_split = conv.split_k(g, 1, 132)
+    g = ConvGeometry(1, 96, 4, 4, 32, 3, 3, (1, 1), (1, 1))   # 27 chunks, 14 steps
+    spec = conv.spec_for(config, "auto", "sm_90")
+    splits, per_split = conv.split_k(g, 1, 132, spec.steps_per_stage)
     assert splits > 1 and (splits - 1) * per_split < g.k_steps <= splits * per_split
-    _check_model(rng, g, conv.spec_for(config, "auto", "sm_90"), splits, per_split)
+    assert per_split % spec.steps_per_stage == 0
+    _check_model(rng, g, spec, splits, per_split)
+    _check_model(rng, g, spec, 3, 5)   # odd splits (the GPU tests' and sanitizer's): stages straddle them
 
 
 def test_wgmma_descriptor_matches_the_header_and_the_tile_layout():
@@ -222,26 +235,32 @@ def test_wgmma_descriptor_matches_the_header_and_the_tile_layout():
     decoding of a descriptor reads the tile exactly as conv_tile_offset lays it out."""
     header = (jit.resource_dir("kernels") / "mma.cuh").read_text()
     constant = lambda name: eval(re.search(rf"constexpr int {name} = ([^;]+);", header).group(1))  # noqa: E731
-    assert constant("WGMMA_SWIZZLE_64B") == conv_emulation.SWIZZLE_64B == 2
-    assert constant("WGMMA_SW64_GROUP_BYTES") == conv_emulation.GROUP_BYTES == 512
+    assert constant("WGMMA_SWIZZLE_64B") == conv_emulation.SWIZZLE_MODES[64] == 2
+    assert constant("WGMMA_SWIZZLE_128B") == conv_emulation.SWIZZLE_MODES[128] == 1
+    assert constant("WGMMA_SWIZZLE_ROWS") == conv_emulation.SWIZZLE_ROWS == 8
     assert constant("WGMMA_LEADING_BYTE_OFFSET_UNUSED") == conv_emulation.LEADING_BYTE_OFFSET
-    descriptor = conv_emulation.wgmma_descriptor_sw64(0x2400 + 32)
-    assert descriptor & 0x3FFF == (0x2400 + 32) >> 4 and (descriptor >> 16) & 0x3FFF == 1
-    assert (descriptor >> 32) & 0x3FFF == 32 and (descriptor >> 49) & 7 == 0 and descriptor >> 62 == 2
-    rows = 16
-    tile = numpy.zeros(0x2400 + rows * 64, numpy.int64)
-    for row in range(rows):
-        for vector in range(4):
-            offset = 0x2400 + conv_emulation.tile_offset(row, vector)
-            tile[offset: offset + 16] = row * 64 + vector * 16 + numpy.arange(16)
-    for half in range(2):
-        operand = conv_emulation.wgmma_operand(tile, conv_emulation.wgmma_descriptor_sw64(0x2400 + 32 * half), rows)
-        numpy.testing.assert_array_equal(operand, numpy.arange(rows)[:, None] * 64 + 32 * half + numpy.arange(32))
+    for row_bytes, mode in ((64, 2), (128, 1)):
+        descriptor = conv_emulation.wgmma_descriptor(0x2400 + 32, row_bytes)
+        assert descriptor & 0x3FFF == (0x2400 + 32) >> 4 and (descriptor >> 16) & 0x3FFF == 1
+        assert (descriptor >> 32) & 0x3FFF == row_bytes // 2 and (descriptor >> 49) & 7 == 0
+        assert descriptor >> 62 == mode
+        rows = 24
+        tile = numpy.zeros(0x2400 + rows * row_bytes, numpy.int64)
+        for row in range(rows):
+            for vector in range(row_bytes // 16):
+                offset = 0x2400 + conv_emulation.tile_offset(row, vector, row_bytes)
+                tile[offset: offset + 16] = row * row_bytes + vector * 16 + numpy.arange(16)
+        for k in range(row_bytes // 32):
+            operand = conv_emulation.wgmma_operand(
+                tile, conv_emulation.wgmma_descriptor(0x2400 + 32 * k, row_bytes), rows)
+            numpy.testing.assert_array_equal(operand, numpy.arange(rows)[:, None] * row_bytes + 32 * k
+                                             + numpy.arange(32))
 
 
 def test_shared_tile_swizzle_is_conflict_free():
     """Eight rows of one vector (an ldmatrix phase) and four threads' rows of
-    four vectors (a phase of 16-byte stores) each cover all 32 banks."""
+    four vectors (a phase of 16-byte stores) each cover all 32 banks; in
+    128-byte rows the threads of odd rows store the other half (vectors + 4)."""
     for base in range(0, 128, 8):
         for vector in range(4):
             banks = {conv_emulation.tile_offset(base + r, vector) % 128 // 16 for r in range(8)}
@@ -250,6 +269,10 @@ def test_shared_tile_swizzle_is_conflict_free():
             stores = {conv_emulation.tile_offset(base + first + r, v) % 128 // 16
                       for r in range(2) for v in range(4)}
             assert len(stores) == 8
+            for half in range(2):
+                stores = {conv_emulation.tile_offset(base + first + r, v + 4 * (half ^ r), 128) % 128 // 16
+                          for r in range(2) for v in range(4)}
+                assert len(stores) == 8
 
 
 def test_exchange_is_conflict_free():
@@ -295,7 +318,8 @@ def test_auto_plan_default_rule_and_explain():
     assert a100.spec.instruction == "m16n8k32" and a100.explain()["instruction"] == "mma.sync.m16n8k32.s8"
     vgg = conv.plan(ConvGeometry(32, 256, 56, 56, 256, 3, 3, padding=(1, 1)), "auto", H100).spec
     assert (vgg.instruction, vgg.tile_m, vgg.tile_n) == ("wgmma", 128, 256)
-    assert vgg.name == "conv2d_int8_fprop_sm90a_wgmma_m64n256k32_s8_tb128x256x64_wg2x1_st6_cpasync_align16_nchw32_lincomb"
+    assert vgg.name == ("conv2d_int8_fprop_sm90a_wgmma_m64n256k32_s8_tb128x256x64_wg2x1_st6_cpasync_sw64_align16_"
+                        "nchw32_lincomb")
 
 
 GEOMETRIES = [RESNET_3X3, ConvGeometry(1, 32, 8, 8, 32, 3, 3), ConvGeometry(64, 512, 7, 7, 512, 3, 3),
@@ -319,8 +343,9 @@ def test_candidates_are_structurally_valid(profile, geometry):
         if spec.wgmma:
             assert threads % 128 == 0 and spec.tile_m % 64 == 0 and spec.warp_m == 64
             assert spec.tile_n % spec.warp_n == 0 and spec.warp_n % 16 == 0 and spec.warp_n <= 256
-            assert spec.stages >= 3 and (spec.tile_m + spec.tile_n) * 64 % 1024 == 0
-            assert spec.smem_bytes == spec.stages * (spec.tile_m + spec.tile_n) * 64 + 1024
+            assert spec.stages >= 3 and (spec.tile_m + spec.tile_n) * spec.step_bytes % 1024 == 0
+            assert spec.smem_bytes == spec.stages * (spec.tile_m + spec.tile_n) * spec.step_bytes + 1024
+            assert candidate["steps_per_split"] % spec.steps_per_stage == 0 or chosen.splits == 1
         assert (chosen.splits - 1) * chosen.steps_per_split < geometry.k_steps <= chosen.splits * chosen.steps_per_split
     rule = conv.default_candidate(geometry, facts.sm_count, facts.smem_per_block_optin, facts.arch)
     assert rule in found and rule["wgmma"] == (facts.arch == "sm_90")
@@ -348,7 +373,7 @@ def test_auto_plan_splits_k_where_the_grid_is_small():
 def test_candidates_fit_shared_memory_and_tuned_plans_are_used():
     found = conv.candidates(RESNET_3X3, 132, 232448, "sm_90")
     assert found and all(c["tile_m"] <= 64 for c in found)
-    assert all(c["stages"] * (c["tile_m"] + c["tile_n"]) * 64 <= 232448 for c in found)
+    assert all(c["stages"] * (c["tile_m"] + c["tile_n"]) * c["step_bytes"] <= 232448 for c in found)
     assert json.loads(json.dumps(found)) == found
     chosen = conv.plan(RESNET_3X3, "auto", H100, tuned=found[-1])
     assert chosen.source == "tuned" and chosen.spec.tile_n == found[-1]["tile_n"]
@@ -473,17 +498,18 @@ def test_cli_layers_tables_and_files(tmp_path):
 
 # -- sm_90a ------------------------------------------------------------------
 
-def test_wgmma_kernel_fences_its_pipeline():
+@pytest.mark.parametrize("step_bytes", [64, 128])
+def test_wgmma_kernel_fences_its_pipeline(step_bytes):
     """The PTX of a wgmma kernel: the proxy fence, wgmma.fence, commit, wait 1 in the
-    loop and wait 0 after it, and both operands through 64B-swizzled descriptors."""
-    spec = conv.spec_for(conv.WGMMA_CONFIGS[0], "auto", "sm_90")
+    loop and wait 0 after it, and a k32 MMA per 32 bytes of the stage's rows."""
+    spec = conv.spec_for(_wgmma(128, 256, 256, step_bytes), "auto", "sm_90")
     ptx = jit.compile_ptx(spec, "sm_90")
     assert ".target sm_90a" in ptx
     for text in ("fence.proxy.async.shared::cta", "wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned",
                  "wgmma.wait_group.sync.aligned 1", "wgmma.wait_group.sync.aligned 0",
                  "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8"):
         assert text in ptx, text
-    assert ptx.count("wgmma.mma_async") == 2   # the two k32 halves of a step
+    assert ptx.count("wgmma.mma_async") == step_bytes // 32
 
 
 def test_arch_specific_cubins_are_cached_on_disk(monkeypatch, tmp_path):

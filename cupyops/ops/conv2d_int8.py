@@ -7,8 +7,8 @@ Two policies share one loader and one epilogue (kernels/conv_int8.cuh):
   MegEngine's list where K is small).
 - "auto": on sm_90 (compute capability 9.0 exactly: sm_90a code runs nowhere
   else) wgmma m64nNk32 from the shared stages, warpgroups of 64 x N; elsewhere
-  mma.sync m16n8k32 (sm_80 and newer). Both with a cp.async pipeline of 3-6
-  stages, the configuration from the measured tuner (cupyops.tune) or else the
+  mma.sync m16n8k32 (sm_80 and newer). Both with a cp.async pipeline of 3-8
+  stages (wgmma's of 64- or 128-byte GEMM_K steps), the configuration from the measured tuner (cupyops.tune) or else the
   default rule, split-K (int32 partials summed by a second kernel that applies
   the epilogue) where the tiles of N * OH * OW leave SMs idle.
 """
@@ -27,7 +27,7 @@ from .conv_layout import INTERLEAVE, OUT_KINDS, ConvGeometry
 
 OP = "conv2d_int8"
 POLICIES = ("auto", "megengine")
-STEP_BYTES = 64
+STEP_BYTES = 64              # a GEMM_K step; ConvParams.k_steps and split-K count them
 WGMMA = "wgmma"              # ConvInt8Spec.instruction of the sm_90a kernels
 WGMMA_ARCH = "sm_90"         # the one arch they run on
 WGMMA_ALIGN_SLACK = 1024     # dynamic shared memory the kernel may skip to align its stages
@@ -50,6 +50,7 @@ class ConvInt8Spec(jit.KernelSpec):
     warp_n: int
     stages: int
     async_copy: bool         # cp.async multistage, else registers (two stages)
+    step_bytes: int = STEP_BYTES   # GEMM_K bytes a stage holds per row (wgmma: 64 or 128)
 
     @property
     def wgmma(self) -> bool:
@@ -71,12 +72,14 @@ class ConvInt8Spec(jit.KernelSpec):
     @property
     def name(self) -> str:
         copy = "cpasync" if self.async_copy else "ldg"
-        if self.wgmma:
+        if self.wgmma:   # the descriptors' swizzle is the stage's row
             groups = f"wg{self.tile_m // self.warp_m}x{self.tile_n // self.warp_n}"
+            copy += f"_sw{self.step_bytes}"
         else:
-            groups = f"w{self.warp_m}x{self.warp_n}x{STEP_BYTES}"
+            groups = f"w{self.warp_m}x{self.warp_n}x{self.step_bytes}"
         return (f"conv2d_int8_fprop_{self.arch}_{self.instruction}{'_' + self.mma_shape if self.wgmma else ''}_s8_"
-                f"tb{self.tile_m}x{self.tile_n}x{STEP_BYTES}_{groups}_st{self.stages}_{copy}_align16_nchw32_lincomb")
+                f"tb{self.tile_m}x{self.tile_n}x{self.step_bytes}_{groups}_st{self.stages}_{copy}_align16_nchw32"
+                "_lincomb")
 
     @property
     def threads_per_block(self) -> int:
@@ -85,12 +88,17 @@ class ConvInt8Spec(jit.KernelSpec):
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.tile_m + self.tile_n) * STEP_BYTES + (WGMMA_ALIGN_SLACK if self.wgmma else 0)
+        return self.stages * (self.tile_m + self.tile_n) * self.step_bytes + (WGMMA_ALIGN_SLACK if self.wgmma else 0)
+
+    @property
+    def steps_per_stage(self) -> int:
+        """64-byte GEMM_K steps a stage holds: split-K splits at multiples of it."""
+        return self.step_bytes // STEP_BYTES
 
     def template_args(self) -> dict:
         return dict(tile_m=self.tile_m, tile_n=self.tile_n, warp_m=self.warp_m, warp_n=self.warp_n,
                     k32=self.instruction == "m16n8k32", wgmma=self.wgmma, stages=self.stages,
-                    async_copy=self.async_copy, split_reduce=False)
+                    async_copy=self.async_copy, step_bytes=self.step_bytes, split_reduce=False)
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,7 @@ class TileConfig:
     warp_n: int
     stages: int
     wgmma: bool = False
+    step_bytes: int = STEP_BYTES
 
     @property
     def area(self) -> int:
@@ -138,11 +147,16 @@ AUTO_CONFIGS = (TileConfig(256, 128, 64, 64, 3), TileConfig(128, 256, 64, 64, 3)
 # sm_90's wgmma configurations: warpgroups of 64 x N (N <= 256: N / 2 accumulators
 # a thread), tiles as large as a step's loads and 2 x 128 accumulators allow; fewer
 # stages where that lets two blocks share an SM (short GEMM_K: one block's prologue
-# and epilogue overlap the other's main loop).
-WGMMA_CONFIGS = (TileConfig(128, 256, 64, 256, 6, True), TileConfig(128, 256, 64, 256, 4, True),
-                 TileConfig(256, 128, 64, 128, 4, True), TileConfig(128, 128, 64, 128, 6, True),
-                 TileConfig(64, 256, 64, 256, 6, True), TileConfig(64, 256, 64, 256, 4, True),
-                 TileConfig(64, 256, 64, 128, 4, True), TileConfig(64, 128, 64, 128, 6, True))
+# and epilogue overlap the other's main loop), or 3-4 share it (GEMM_M = 64: more
+# bytes in flight per SM). 128-byte steps: four MMAs a barrier instead of two.
+_WGMMA_64B = ((128, 256, 256, 6), (128, 256, 256, 4), (256, 128, 128, 4), (128, 128, 128, 6),
+              (64, 256, 256, 6), (64, 256, 256, 4), (64, 256, 128, 4), (64, 128, 128, 6),
+              (64, 256, 256, 3), (64, 128, 128, 8), (64, 128, 128, 4))
+_WGMMA_128B = ((128, 256, 256, 4), (256, 128, 128, 4), (128, 128, 128, 5), (64, 256, 256, 4),
+               (64, 256, 256, 3), (64, 256, 128, 4), (64, 128, 128, 5), (64, 128, 128, 3))
+WGMMA_CONFIGS = tuple(TileConfig(tm, tn, 64, wn, stages, True, step)
+                      for step, table in ((STEP_BYTES, _WGMMA_64B), (2 * STEP_BYTES, _WGMMA_128B))
+                      for tm, tn, wn, stages in table)
 
 
 def spec_for(config: TileConfig, policy: str, arch: str) -> ConvInt8Spec:
@@ -150,7 +164,8 @@ def spec_for(config: TileConfig, policy: str, arch: str) -> ConvInt8Spec:
     if config.wgmma:
         if policy != "auto" or arch != WGMMA_ARCH:
             raise ValueError(f"wgmma configurations run on {WGMMA_ARCH} under policy='auto' only, not {arch}")
-        return ConvInt8Spec(WGMMA, config.tile_m, config.tile_n, config.warp_m, config.warp_n, config.stages, True)
+        return ConvInt8Spec(WGMMA, config.tile_m, config.tile_n, config.warp_m, config.warp_n, config.stages, True,
+                            config.step_bytes)
     if policy == "megengine" or int(arch.removeprefix("sm_")) < 80:
         return ConvInt8Spec("m8n8k16", config.tile_m, config.tile_n, config.warp_m, config.warp_n, 2, False)
     return ConvInt8Spec("m16n8k32", config.tile_m, config.tile_n, config.warp_m, config.warp_n,
@@ -174,14 +189,15 @@ def _grid_tiles(geometry: ConvGeometry, config: TileConfig) -> int:
     return -(-m // config.tile_m) * -(-n // config.tile_n)
 
 
-def split_k(geometry: ConvGeometry, tiles: int, sm_count: int) -> tuple:
+def split_k(geometry: ConvGeometry, tiles: int, sm_count: int, granule: int = 1) -> tuple:
     """(splits, steps per split): GEMM_K split across blocks where `tiles` blocks
-    leave SMs idle, each split at least MIN_STEPS_PER_SPLIT steps, none empty."""
+    leave SMs idle, each split at least MIN_STEPS_PER_SPLIT steps, none empty, and
+    a multiple of `granule` steps (a kernel's stage: no stage straddles two splits)."""
     steps = geometry.k_steps
     if tiles >= sm_count:
         return 1, steps
     wanted = min(MAX_SPLITS, -(-sm_count // tiles), max(1, steps // MIN_STEPS_PER_SPLIT))
-    per_split = -(-steps // max(1, wanted))
+    per_split = -(-steps // max(1, wanted) // granule) * granule
     return -(-steps // per_split), per_split
 
 
@@ -194,7 +210,8 @@ def candidates(geometry: ConvGeometry, sm_count: int, smem_limit: int, arch: str
         if config.tile_m > max(64 if config.wgmma else 32, 1 << (geometry.k - 1).bit_length()) or \
                 spec_for(config, "auto", arch).smem_bytes > smem_limit:
             continue
-        splits, per_split = split_k(geometry, _grid_tiles(geometry, config), sm_count)
+        splits, per_split = split_k(geometry, _grid_tiles(geometry, config), sm_count,
+                                    config.step_bytes // STEP_BYTES)
         found.append({**asdict(config), "splits": 1, "steps_per_split": geometry.k_steps})
         if splits > 1:
             found.append({**asdict(config), "splits": splits, "steps_per_split": per_split})
@@ -202,14 +219,15 @@ def candidates(geometry: ConvGeometry, sm_count: int, smem_limit: int, arch: str
 
 
 def default_candidate(geometry: ConvGeometry, sm_count: int, smem_limit: int, arch: str) -> dict:
-    """The default rule: wgmma where the arch has it; the largest tile (then the most
-    stages) whose grid fills every SM; where none does, the smallest tile, split along GEMM_K."""
+    """The default rule: wgmma where the arch has it; the largest tile (then 64-byte
+    steps, the ones measured against cuDNN; then the most stages) whose grid fills every
+    SM; where none does, the smallest tile, split along GEMM_K."""
     found = candidates(geometry, sm_count, smem_limit, arch)
     found = [c for c in found if c["wgmma"]] or found
     full = [c for c in found if c["splits"] == 1 and
             _grid_tiles(geometry, _config(c)) >= sm_count]
     if full:
-        return max(full, key=lambda c: (c["tile_m"] * c["tile_n"], c["stages"]))
+        return max(full, key=lambda c: (c["tile_m"] * c["tile_n"], -c["step_bytes"], c["stages"]))
     smallest = min(c["tile_m"] * c["tile_n"] for c in found)
     return max((c for c in found if c["tile_m"] * c["tile_n"] == smallest),
                key=lambda c: (c["splits"], c["stages"]))
@@ -221,9 +239,9 @@ def megengine_config(geometry: ConvGeometry) -> TileConfig:
 
 
 def _config(candidate: dict) -> TileConfig:
-    # tables written before wgmma existed hold no "wgmma" key
+    # tables written before wgmma (or 128-byte steps) existed hold no "wgmma" ("step_bytes") key
     return TileConfig(*(candidate[name] for name in ("tile_m", "tile_n", "warp_m", "warp_n", "stages")),
-                      candidate.get("wgmma", False))
+                      candidate.get("wgmma", False), candidate.get("step_bytes", STEP_BYTES))
 
 
 @dataclass(frozen=True)
@@ -248,13 +266,13 @@ class ConvPlan:
     def explain(self) -> dict:
         m, n, k = self.geometry.gemm
         spec = self.spec
-        groups = {"warp": f"{spec.warp_m}x{spec.warp_n}x{STEP_BYTES}"}
+        groups = {"warp": f"{spec.warp_m}x{spec.warp_n}x{spec.step_bytes}"}
         if spec.wgmma:   # a warp holds 16 rows of its warpgroup's 64
-            groups = {"warpgroup": groups["warp"], "warp": f"16x{spec.warp_n}x{STEP_BYTES}"}
+            groups = {"warpgroup": groups["warp"], "warp": f"16x{spec.warp_n}x{spec.step_bytes}"}
         return {"op": OP, "policy": self.policy, "gemm_mnk": [m, n, k],
                 "instruction": f"wgmma.mma_async.{spec.mma_shape}.s8" if spec.wgmma
                 else f"mma.sync.{spec.instruction}.s8",
-                "tile": f"{self.spec.tile_m}x{self.spec.tile_n}x{STEP_BYTES}", **groups,
+                "tile": f"{self.spec.tile_m}x{self.spec.tile_n}x{self.spec.step_bytes}", **groups,
                 "stages": self.spec.stages, "copy": "cp.async" if self.spec.async_copy else "registers",
                 "split_k": self.splits, "block": list(self.block), "grid": list(self.grid),
                 "smem_bytes": self.spec.smem_bytes, "kernel": self.spec.name, "source": self.source}
