@@ -171,7 +171,7 @@ struct ConvTileLoader {
   int slot[HALVES];           // shared offset of half h's vector of row row0
   const signed char* a_row;   // this thread's first filter row
   int a_rows;                 // its rows i * ROW_STEP below this are within GEMM_M
-  int64 b_base[B_ITERS];      // offsets of where this thread's pixels' (ih0, iw0) would be
+  const signed char* b_pixel[B_ITERS];   // where this thread's pixels' (ih0, iw0) would be
   int b_ih[B_ITERS], b_iw[B_ITERS];
 
   __device__ __forceinline__ ConvTileLoader(const signed char* x_, const signed char* w_, const ConvParams& p_,
@@ -202,14 +202,14 @@ struct ConvTileLoader {
       const int j = tile.n0 + row0 + i * ROW_STEP;
       b_ih[i] = -(1 << 30);   // fails every bounds check: a pixel past GEMM_N
       b_iw[i] = 0;
-      b_base[i] = 0;
+      b_pixel[i] = x;
       if (j < p.gemm_n) {
         const int image = j / ohw, rest = j - image * ohw;
         const int oh = rest / p.ow, ow = rest - oh * p.ow;
         b_ih[i] = oh * p.stride_h - p.pad_h;
         b_iw[i] = ow * p.stride_w - p.pad_w;
-        b_base[i] = static_cast<int64>(image) * c32 * group_bytes +
-                    (static_cast<int64>(b_ih[i]) * width + b_iw[i]) * 32 + (vector & 1) * 16;
+        b_pixel[i] = x + (static_cast<int64>(image) * c32 * group_bytes +
+                          (static_cast<int64>(b_ih[i]) * width + b_iw[i]) * 32 + (vector & 1) * 16);
       }
     }
   }
@@ -228,7 +228,7 @@ struct ConvTileLoader {
            static_cast<unsigned>(b_iw[i] + c.dw) < static_cast<unsigned>(width);
   }
   __device__ __forceinline__ const signed char* b_source(const Chunk& c, int i) const {
-    return x + b_base[i] + c.b_offset;
+    return b_pixel[i] + c.b_offset;
   }
   __device__ __forceinline__ void advance() {
 #pragma unroll
