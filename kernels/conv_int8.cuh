@@ -169,7 +169,7 @@ struct ConvTileLoader {
   // it on: those past them read zeros (a loop-carried count, no bound recomputed).
   int vector, row0, group[HALVES], tap[HALVES], a_offset[HALVES], chunks_left[HALVES];
   int slot[HALVES];           // shared offset of half h's vector of row row0
-  const signed char* a_row;   // this thread's first filter row
+  const signed char* a_row[A_ITERS];   // this thread's filter rows (past GEMM_M: never read)
   int a_rows;                 // its rows i * ROW_STEP below this are within GEMM_M
   const signed char* b_pixel[B_ITERS];   // where this thread's pixels' (ih0, iw0) would be
   int b_ih[B_ITERS], b_iw[B_ITERS];
@@ -195,7 +195,13 @@ struct ConvTileLoader {
       a_offset[k] = chunk * 32 + (vector & 1) * 16;
       chunks_left[k] = chunk_end - chunk;
     }
-    a_row = w + static_cast<int64>(tile.m0 + row0) * gemm_k;
+#pragma unroll
+    for (int i = 0; i < A_ITERS; ++i) {
+      a_row[i] = w + static_cast<int64>(tile.m0 + row0 + i * ROW_STEP) * gemm_k;
+      // Opaque from here: the compiler keeps the pointer instead of rebuilding it from
+      // the parameters at every copy (it did, 8 instructions each).
+      asm("" : "+l"(a_row[i]));
+    }
     a_rows = p.gemm_m - tile.m0 - row0;
 #pragma unroll
     for (int i = 0; i < B_ITERS; ++i) {
@@ -221,7 +227,7 @@ struct ConvTileLoader {
   // Whether the chunk's A row i / B row i lies inside the operands (else it reads zeros), and its source.
   __device__ __forceinline__ bool a_inside(const Chunk& c, int i) const { return c.valid && i * ROW_STEP < a_rows; }
   __device__ __forceinline__ const signed char* a_source(const Chunk& c, int i) const {
-    return a_row + static_cast<int64>(i) * ROW_STEP * gemm_k + c.a_offset;
+    return a_row[i] + c.a_offset;
   }
   __device__ __forceinline__ bool b_inside(const Chunk& c, int i) const {
     return c.valid && static_cast<unsigned>(b_ih[i] + c.dh) < static_cast<unsigned>(h) &&
