@@ -17,22 +17,28 @@ that overlaps an input other than by being it goes the slow way too
 The hit path creates no Python object besides the key and the kernel's
 argument tuple: cupy is bound once (`cupy_module`), ready launches are
 slotted objects calling the compiled function positionally, and outputs are
-allocated by `cupy.empty` with a shape and dtype worked out on the slow path.
+allocated by `empty` (cupy.ndarray) with a shape and dtype worked out on the
+slow path.
 """
 from __future__ import annotations
 
 from .launch import LaunchCache
 
 _cupy = None
+# empty(shape, dtype): a new array as cupy.empty makes it, called as cupy.ndarray
+# (cupy.empty's own Python frame spared); bound with cupy (a stand-in may replace it).
+empty = None
 
 
 def cupy_module():
     """The cupy module, imported on first use (cupyops imports without a GPU
     stack); the hit paths read the global `_cupy` first."""
-    global _cupy
+    global _cupy, empty
     if _cupy is None:
         import cupy
         _cupy = cupy
+        if empty is None:
+            empty = cupy.ndarray
     return _cupy
 
 

@@ -13,7 +13,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from cupyops import launch, rowwise  # noqa: E402
+from cupyops import callcache, launch, rowwise  # noqa: E402
 from cupyops.callcache import CallCache  # noqa: E402
 from cupyops.launch import LaunchCache, Target  # noqa: E402
 from cupyops.ops import activations, elementwise, fused_softmax  # noqa: E402
@@ -49,6 +49,8 @@ class FakeDevice:
         target = Target.profile("h100")
         monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
         monkeypatch.setattr(cupy, "empty", self.empty)
+        callcache.cupy_module()     # binds callcache.empty first: undone, the patch restores cupy's
+        monkeypatch.setattr(callcache, "empty", self.empty)
         monkeypatch.setattr(launch, "_live_target", lambda device_id: target)
         for module in (softmax, softmax_axis, softmax_split, norm_launch, elementwise, fused_softmax):
             monkeypatch.setattr(module, "live_function",

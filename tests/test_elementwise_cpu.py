@@ -466,3 +466,20 @@ def test_memoised_signatures_still_check_their_arguments(device):
     with pytest.raises(TypeError, match="out"):
         cupyops.bias_gelu(x, bias, out=(numpy.empty((64, 128), numpy.float32),))
     assert len(device.launches) == launched
+
+
+def test_out_is_the_kernels_own_unless_it_overlaps_an_operand_elsewhere(device):
+    """An out written by the kernel itself: C-contiguous and overlapping no operand but one read
+    at the very elements written (x = f(x)); any other goes through a fresh array."""
+    cupy = pytest.importorskip("cupy")
+    x, y = device.array((64, 128), "float32"), device.array((64, 128), "float32")
+    row = cupy.ndarray((128,), numpy.float32, x.data)                      # x's first row
+    cases = [((x, y), device.array((64, 128), "float32"), True),
+             ((x, y), x, True),                                           # in place
+             ((x, y), cupy.ndarray((64, 128), numpy.float32, x.data + 4), False),   # x shifted
+             ((y, row), x, False),                                        # a bias read where out is written
+             ((x, y), device.array((64, 128), "float32", strides=(1024, 4)), False)]   # not contiguous
+    for args, out, direct in cases:
+        plan = FUSED_SIGMOID.plan(args, out, "auto", H100)
+        launcher = ew._Launcher(plan, None, args, out)
+        assert launcher._direct(0, out, args) == direct

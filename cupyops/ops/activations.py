@@ -59,22 +59,22 @@ def _gelu_variant(variants: dict, approximate: str):
 
 def bias_gelu(x, bias, approximate: str = "none", *, out=None, policy: str = "auto", stream=None):
     """gelu(x + bias) in one kernel: torch.nn.functional.gelu(x + bias, approximate=approximate)."""
-    return _gelu_variant(_BIAS_GELU, approximate)(x, bias, out=out, policy=policy, stream=stream)
+    return _gelu_variant(_BIAS_GELU, approximate).call((x, bias), out, policy, stream)
 
 
 def bias_silu(x, bias, *, out=None, policy: str = "auto", stream=None):
     """silu(x + bias) in one kernel: torch.nn.functional.silu(x + bias)."""
-    return _bias_silu(x, bias, out=out, policy=policy, stream=stream)
+    return _bias_silu.call((x, bias), out, policy, stream)
 
 
 def swiglu(a, b, *, out=None, policy: str = "auto", stream=None):
     """silu(a) * b in one kernel: torch.nn.functional.silu(a) * b."""
-    return _swiglu(a, b, out=out, policy=policy, stream=stream)
+    return _swiglu.call((a, b), out, policy, stream)
 
 
 def geglu(a, b, approximate: str = "none", *, out=None, policy: str = "auto", stream=None):
     """gelu(a) * b in one kernel: torch.nn.functional.gelu(a, approximate=approximate) * b."""
-    return _gelu_variant(_GEGLU, approximate)(a, b, out=out, policy=policy, stream=stream)
+    return _gelu_variant(_GEGLU, approximate).call((a, b), out, policy, stream)
 
 
 def bias_dropout_add(x, bias, residual, p: float, seed: int, offset: int = 0, *, out=None,
@@ -84,5 +84,5 @@ def bias_dropout_add(x, bias, residual, p: float, seed: int, offset: int = 0, *,
     of each element's linear index + offset, keyed by seed). torch equivalent:
     residual + torch.nn.functional.dropout(x + bias, p) with a mask that depends only on
     (shape, p, seed, offset)."""
-    return _bias_dropout_add(x, bias, residual, fx.check_dropout_p(p), int(seed), int(offset), out=out,
-                             policy=policy, stream=stream)
+    return _bias_dropout_add.call((x, bias, residual, fx.check_dropout_p(p), int(seed), int(offset)), out, policy,
+                                  stream)

@@ -298,18 +298,9 @@ def _array_key(array) -> tuple:
             memory.device_id)
 
 
-def _span(info: ArrayInfo) -> tuple:
-    """Bytes before and after the first element that an array of this layout touches."""
-    low = high = 0
-    for size, stride in zip(info.shape, info.strides):
-        if size > 1:
-            step = stride * info.dtype.itemsize * (size - 1)
-            low, high = (low + step, high) if step < 0 else (low, high + step)
-    return low, high + info.dtype.itemsize
-
-
 def _getter(positions: tuple) -> Callable:
-    """args -> the tuple of args at positions, in one C call where there are several."""
+    """args -> the tuple of args at positions (indices, or keys of a dict), in one C call where
+    there are several."""
     if len(positions) > 1:
         return operator.itemgetter(*positions)
     return (lambda args: (args[positions[0]],)) if positions else (lambda args: ())
@@ -331,16 +322,15 @@ class _Launcher:
         self.take_arrays = None if in_order else _getter(plan.arrays)
         self.scalars, self.dropout_p = plan.scalars, plan.dropout_p
         self.tail = (numpy.int64(plan.size), *plan.params) if plan.size else None
-        self.empty = cupy.empty
+        self.empty = callcache.empty
         self.outputs = tuple((plan.shape, dtype) for dtype in plan.out_dtypes)
         self.shape, self.dtype = self.outputs[0]
-        infos = [ArrayInfo.of(args[position]) for position in plan.arrays]
-        # operands an output may share memory with: (position, bytes before, bytes after, read
-        # at the very elements written)
-        self.reads = tuple((position, *_span(info), operand.access == "linear")
-                           for position, info, operand in zip(plan.arrays, infos, plan.spec.operands))
+        # the array operands an output may overlap: (position, read at the very elements written)
+        self.reads = tuple((position, operand.access == "linear")
+                           for position, operand in zip(plan.arrays, plan.spec.operands))
+        self.may_share_memory = cupy.may_share_memory
         outs = () if out is None else out if isinstance(out, tuple) else (out,)
-        self.out_spans = tuple(_span(ArrayInfo.of(o)) if o.flags.c_contiguous else None for o in outs)
+        self.out_contiguous = tuple(o.flags.c_contiguous for o in outs)
         single = len(self.outputs) == 1
         launch = (self._fresh if out is None else self._into) if single else self._several
         # run(args, out, stream): the launch, under the operands' GPU where it is not the current
@@ -349,16 +339,13 @@ class _Launcher:
     def _direct(self, k: int, out, args) -> bool:
         """Whether out (the k-th output) can be written by the kernel itself: C-contiguous, and
         every operand it overlaps read at the very elements written (x = f(x))."""
-        span = self.out_spans[k]
-        if span is None:
+        if not self.out_contiguous[k]:
             return False
-        address = out.data.ptr
-        low, high = address + span[0], address + span[1]
-        for position, before, after, same_elements in self.reads:
+        may_share_memory = self.may_share_memory
+        for position, same_elements in self.reads:
             operand = args[position]
-            start = operand.data.ptr
-            if start + before < high and low < start + after and not (
-                    same_elements and start == address and operand.dtype == out.dtype):
+            if may_share_memory(out, operand) and not (
+                    same_elements and operand.data.ptr == out.data.ptr and operand.dtype == out.dtype):
                 return False
         return True
 
@@ -429,6 +416,8 @@ class FusedFunction:
 
     def __init__(self, trace: Callable, names: Optional[tuple] = None, label: str = "function"):
         self._trace_fn, self._names, self._label = trace, names, label
+        # {name: value} -> the operands in order (KeyError for a missing one), where named
+        self.named_operands = None if names is None else _getter(names)
         self._traces: dict = {}
         self._launchers = LaunchCache()
         self._lock = threading.Lock()
@@ -474,6 +463,11 @@ class FusedFunction:
         return tuple(o if isinstance(o, ArrayInfo) else ArrayInfo.of(o) for o in outs)
 
     def __call__(self, *args, out=None, policy: str = "auto", stream=None):
+        return self.call(args, out, policy, stream)
+
+    def call(self, args: tuple, out=None, policy: str = "auto", stream=None):
+        """self(*args, out=out, policy=policy, stream=stream), its arguments passed as they are
+        (the named ops' and cupyops.elementwise's way in)."""
         cupy = callcache._cupy or cupy_module()
         ndarray = cupy.ndarray
         key = [policy, cupy.cuda.runtime.getDevice()]
@@ -488,9 +482,9 @@ class FusedFunction:
                 key.append(a.dtype)
             else:   # another GPU array: a CuPy view of it, once
                 names = self._names_for(len(args))
-                return self(*(b if type(b) is ndarray or isinstance(b, (*_PYTHON_SCALARS, numpy.generic)) else
-                              arrays.as_cupy(b, name) for b, name in zip(args, names)),
-                            out=out, policy=policy, stream=stream)
+                return self.call(tuple(b if type(b) is ndarray or isinstance(b, (*_PYTHON_SCALARS, numpy.generic))
+                                       else arrays.as_cupy(b, name) for b, name in zip(args, names)),
+                                 out, policy, stream)
         if type(out) is ndarray:
             memory = out.data
             key += out.dtype, out.shape, out._c_contiguous or out.strides, memory.ptr & 15, memory.device_id
@@ -567,10 +561,10 @@ def elementwise(expr: str, *, out=None, policy: str = "auto", stream=None, **ope
     outputs. Nothing is eval-ed: the text is parsed with `ast` and any other syntax or name
     raises ValueError. Equivalent of `numexpr.evaluate(expr)` on GPU arrays, or of
     `cupy.ElementwiseKernel` written in Python syntax."""
-    function = compiled_expression(expr)
+    function = _expressions.get(expr) or compiled_expression(expr)
     names = function._names
     try:
-        values = [operands[name] for name in names]
+        values = function.named_operands(operands)
     except KeyError:
         missing = [name for name in names if name not in operands]
         raise ValueError(f"elementwise expression {expr!r} uses {', '.join(map(repr, missing))}, "
@@ -578,4 +572,4 @@ def elementwise(expr: str, *, out=None, policy: str = "auto", stream=None, **ope
     if len(operands) != len(names):
         unused = [name for name in operands if name not in names]
         raise ValueError(f"operand(s) {', '.join(map(repr, unused))} not used by {expr!r}")
-    return function(*values, out=out, policy=policy, stream=stream)
+    return function.call(values, out, policy, stream)

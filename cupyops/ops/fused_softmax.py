@@ -380,7 +380,7 @@ class _ReadyCall:
     def run(self, read: tuple, out, lse, seed, offset):
         """The call on `read` = (x, dy, bias, mask), writing `out` (None: a fresh array) and
         reading `lse` (backward): the result, with the new lse where the forward returns it."""
-        empty = callcache._cupy.empty
+        empty = callcache.empty
         y = empty(self.shape, self.dtype) if out is None else out
         inputs = self.take(read)
         if self.lse is None:
@@ -564,7 +564,7 @@ def dropout_mask(shape, p, seed, offset=0):
     """The boolean keep mask (cupy) of an array of `shape` that fused_softmax applies
     (cupyops.philox.keep_mask_reference on the host; torch: none, its masks depend on the launch)."""
     threshold = philox.dropout_threshold(p)
-    keep = (callcache._cupy or callcache.cupy_module()).empty(tuple(shape), numpy.bool_)
+    keep = (callcache.empty or callcache.cupy_module().ndarray)(tuple(shape), numpy.bool_)
     size = keep.size
     if size:
         _mask_launch(size, threshold, keep.data.device_id).run((keep,), seed, offset)

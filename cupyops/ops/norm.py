@@ -140,7 +140,7 @@ class _ForwardOutputs(NamedTuple):
 
 def _replay_forward(call, x, weight, bias, residual, out):
     launch, outputs = call
-    empty = callcache._cupy.empty
+    empty = callcache.empty
     y = empty(outputs.shape, outputs.dtype) if out is None else out
     if not (outputs.residual or outputs.rstd):   # y alone
         run_forward(launch, x, residual, weight, bias, y, None, None, None)
@@ -256,7 +256,7 @@ class _BackwardOutputs(NamedTuple):
 
 def _replay_backward(call, dy, x, mean, rstd, weight):
     launch, outputs = call
-    dx, dweight, dbias = outputs.allocate(callcache._cupy.empty)
+    dx, dweight, dbias = outputs.allocate(callcache.empty)
     run_backward(launch, dy, x, dx, rstd, mean, weight, dweight, dbias)
     return (dx, dweight, dbias) if outputs.centered else (dx, dweight)
 

@@ -90,7 +90,7 @@ def run_backward(launch: BackwardLaunch, dy, x, dx, rstd, mean, weight, dweight,
     mean (None for RMSNorm) [rows] in the compute type, weight contiguous
     [cols]; dweight / dbias (None unless wanted) [cols]. The weight's phase
     copies and the partial sums of the gradients wanted take one workspace each."""
-    empty = (callcache._cupy or callcache.cupy_module()).empty
+    empty = callcache.empty or callcache.cupy_module().ndarray
     if launch.weight_phases is not None:
         copies = empty(launch.phase_copies, weight.dtype)
         launch.weight_phases((weight, launch.phases_scalars[0], copies, launch.phases_scalars[1]))
@@ -101,7 +101,7 @@ def run_backward(launch: BackwardLaunch, dy, x, dx, rstd, mean, weight, dweight,
         if dweight is not None:
             weight_parts = parts
         if dbias is not None:
-            bias_parts = parts if dweight is None else numpy.uint64(parts.data.ptr + parts.strides[0])
+            bias_parts = parts if dweight is None else numpy.uint64(parts.data.ptr + (parts.nbytes >> 1))
     weight = _NULL if weight is None else weight
     mean = _NULL if mean is None else mean
     scalars = launch.scalars

@@ -61,7 +61,7 @@ class _ReadyCall:
 
     def run(self, inputs: tuple, out):
         """Launches on `inputs` into `out` (None: a fresh array); returns the result."""
-        result = callcache._cupy.empty(self.shape, self.dtype) if out is None else out
+        result = callcache.empty(self.shape, self.dtype) if out is None else out
         self.function(self.grid, self.block, (*inputs, result, *self.scalars), self.smem)
         return result
 
