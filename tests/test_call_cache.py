@@ -226,6 +226,7 @@ def test_writable(device):
     assert callcache.writable(None, (x,)) and callcache.writable(x, (x, None))
     assert callcache.writable(device.array((8, 8), "float32"), (x,))
     assert not callcache.writable(shifted, (x,))
+    assert not callcache.writable(x, (x,), in_place=False)       # fused_softmax: no output in place
 
 
 def test_unhashable_flags_take_the_slow_path():
