@@ -162,7 +162,7 @@ struct ConvTileLoader {
   // Parameters the loop reads, held in registers (the cp.async statements'
   // memory clobber would otherwise reload them from the parameter block).
   // Offsets within an image and along a filter row fit 32 bits (the host checks).
-  int h, width, c32, taps, gemm_k, group_bytes;
+  int h, width, c32, taps, group_bytes;
   // This thread's loads: vector `vector` of rows row0 + i * ROW_STEP; per loaded
   // half k, chunk (group, tap) of GEMM_K, 2 * HALVES chunks further each stage, at
   // a_offset in a filter row; chunks_left of the split's (and GEMM_K's) chunks from
@@ -177,7 +177,7 @@ struct ConvTileLoader {
   __device__ __forceinline__ ConvTileLoader(const signed char* x_, const signed char* w_, const ConvParams& p_,
                                             const ConvTile& tile)
       : x(x_), w(w_), p(p_), h(p_.h), width(p_.w), c32(p_.c32), taps(p_.taps) {
-    gemm_k = c32 * 32 * taps;
+    const int gemm_k = c32 * 32 * taps;
     group_bytes = h * width * 32;
     const int tid = threadIdx.x;
     const int ohw = p.oh * p.ow;
