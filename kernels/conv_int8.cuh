@@ -139,13 +139,17 @@ __device__ __forceinline__ ConvTile conv_tile(const ConvParams& p) {
 // Global -> shared loads of a block's A (TM filter rows) and B (TN pixels) tiles,
 // one stage of ROW_BYTES-byte rows at a time (HALVES 64-byte GEMM_K steps): thread
 // t loads 16-byte vector (t & 3) of each half of rows t / 4, t / 4 + THREADS / 4,
-// ... of both (see the top of this file). Each half walks its own chunks.
-template <int TM, int TN, int THREADS, int ROW_BYTES = CONV_STEP_BYTES>
+// ... of both (see the top of this file). Each half walks its own chunks. With
+// VECTORS = 2 thread t loads vectors 2 (t & 1) and 2 (t & 1) + 1 -- a whole 32-byte
+// chunk, one bounds check and source for two copies -- of rows t / 2, t / 2 +
+// THREADS / 2, ...; in 128-byte rows the halves then alternate every two rows.
+template <int TM, int TN, int THREADS, int ROW_BYTES = CONV_STEP_BYTES, int VECTORS = 1>
 struct ConvTileLoader {
   static constexpr int HALVES = ROW_BYTES / CONV_STEP_BYTES;
-  static constexpr int ROW_STEP = THREADS / 4;
+  static constexpr int ROW_STEP = THREADS * VECTORS / 4;
   static constexpr int A_ITERS = TM / ROW_STEP, B_ITERS = TN / ROW_STEP;
   static_assert(HALVES == 1 || HALVES == 2, "64- or 128-byte rows");
+  static_assert(VECTORS == 1 || VECTORS == 2, "a vector or a chunk a row");
   static_assert(TM % ROW_STEP == 0 && TN % ROW_STEP == 0, "every thread loads whole rows");
   static_assert(ROW_STEP % 8 == 0, "a thread's rows share their swizzle phase");
 
@@ -181,10 +185,11 @@ struct ConvTileLoader {
     group_bytes = h * width * 32;
     const int tid = threadIdx.x;
     const int ohw = p.oh * p.ow;
-    vector = tid & 3;
-    row0 = tid >> 2;
+    vector = (tid & (4 / VECTORS - 1)) * VECTORS;
+    row0 = tid / (4 / VECTORS);
     const int chunk_end = min(c32 * taps, (tile.step_begin + tile.steps) * 2);
-    const int upper_first = HALVES == 2 ? row0 & 1 : 0;   // see the top of this file
+    // The rows a phase of 8 stores covers (2 VECTORS) alternate halves: all 32 banks.
+    const int upper_first = HALVES == 2 ? (row0 / VECTORS) & 1 : 0;
 #pragma unroll
     for (int k = 0; k < HALVES; ++k) {
       const int half = k ^ upper_first;
@@ -248,10 +253,15 @@ struct ConvTileLoader {
       }
     }
   }
-  // Shared offsets of half k's A row i and B row i within a stage (rows i * ROW_STEP
-  // apart, a multiple of the swizzle's 8 rows: the same vector slot in each).
-  __device__ __forceinline__ int a_slot(int k, int i) const { return slot[k] + i * ROW_STEP * ROW_BYTES; }
-  __device__ __forceinline__ int b_slot(int k, int i) const { return slot[k] + (TM + i * ROW_STEP) * ROW_BYTES; }
+  // Shared offsets of vector `vector` + e of half k's A row i and B row i within a stage
+  // (rows i * ROW_STEP apart, a multiple of the swizzle's 8 rows: the same vector slot in
+  // each; `vector` is even where e = 1, so the XOR of its swizzle flips bit 4 alone).
+  __device__ __forceinline__ int a_slot(int k, int i, int e = 0) const {
+    return (slot[k] ^ (e << 4)) + i * ROW_STEP * ROW_BYTES;
+  }
+  __device__ __forceinline__ int b_slot(int k, int i, int e = 0) const {
+    return (slot[k] ^ (e << 4)) + (TM + i * ROW_STEP) * ROW_BYTES;
+  }
 
   // cp.async of the current stage into the stage at shared address `stage`, then the next.
   // Rows outside the operands are filled with zeros (source size 0, from a valid address).
@@ -262,12 +272,16 @@ struct ConvTileLoader {
 #pragma unroll
       for (int i = 0; i < A_ITERS; ++i) {
         const bool inside = a_inside(c, i);
-        cp_async_16(stage + a_slot(k, i), inside ? a_source(c, i) : w, inside ? 16 : 0);
+        const signed char* source = inside ? a_source(c, i) : w;
+#pragma unroll
+        for (int e = 0; e < VECTORS; ++e) cp_async_16(stage + a_slot(k, i, e), source + 16 * e, inside ? 16 : 0);
       }
 #pragma unroll
       for (int i = 0; i < B_ITERS; ++i) {
         const bool inside = b_inside(c, i);
-        cp_async_16(stage + b_slot(k, i), inside ? b_source(c, i) : x, inside ? 16 : 0);
+        const signed char* source = inside ? b_source(c, i) : x;
+#pragma unroll
+        for (int e = 0; e < VECTORS; ++e) cp_async_16(stage + b_slot(k, i, e), source + 16 * e, inside ? 16 : 0);
       }
     }
     advance();
@@ -275,7 +289,7 @@ struct ConvTileLoader {
 
   // The register path (64-byte rows): the current step into registers (then the next step), and to a stage.
   __device__ __forceinline__ void fetch(int4 (&a_held)[A_ITERS], int4 (&b_held)[B_ITERS]) {
-    static_assert(HALVES == 1, "the register path holds one 64-byte step");
+    static_assert(HALVES == 1 && VECTORS == 1, "the register path holds one vector of a 64-byte step");
     const Chunk c = current_chunk(0);
 #pragma unroll
     for (int i = 0; i < A_ITERS; ++i)
@@ -474,7 +488,9 @@ __device__ __forceinline__ void conv2d_int8_fprop_wgmma(const signed char* __res
   constexpr int THREADS = WARPGROUPS_M * (TN / WN) * 128;
   constexpr int STAGE_BYTES = (TM + TN) * ROW_BYTES;
   constexpr int DEPTH = stages - 2;
-  typedef ConvTileLoader<TM, TN, THREADS, ROW_BYTES> Loader;
+  // A thread copies whole 32-byte chunks where the tiles' rows divide among half the threads.
+  constexpr int VECTORS = TM % (THREADS / 2) == 0 && TN % (THREADS / 2) == 0 ? 2 : 1;
+  typedef ConvTileLoader<TM, TN, THREADS, ROW_BYTES, VECTORS> Loader;
   static_assert(TM % 64 == 0 && TN % WN == 0 && WN % 16 == 0 && WN <= 256, "warpgroup tile");
   static_assert(stages >= 3, "one stage read by wgmma in flight, one being read, one loading");
   static_assert(STAGE_BYTES % 1024 == 0, "stages keep the 1024-byte alignment of the first");

@@ -116,16 +116,24 @@ def run(spec: ConvInt8Spec, geometry, x5, w5, splits=1, steps_per_split=None):
     return out.sum(0).astype(numpy.int32).reshape(g.output_shape), writes.reshape(splits, *g.output_shape)
 
 
+def loader_vectors(spec) -> int:
+    """16-byte vectors a thread copies per row and half (the wgmma kernel's VECTORS):
+    a whole 32-byte chunk where the tiles' rows divide among half the threads."""
+    half = spec.threads_per_block // 2
+    return 2 if spec.wgmma and spec.tile_m % half == 0 and spec.tile_n % half == 0 else 1
+
+
 def _load_stage(spec, g, x, w, m0, n0, step, step_end):
     """The shared stage of 64-byte GEMM_K steps step, .. (one, or two in 128-byte rows)
     as every thread's loads fill it: half h of row r in vectors 4 h .. 4 h + 3, loaded
-    by the thread's k-th walk, k = h ^ (r & 1) for 128-byte rows; chunks of steps from
+    by the thread's k-th walk, k = h ^ ((r // vectors) & 1) for 128-byte rows; chunks of steps from
     step_end on (the next split's) or past GEMM_K read zeros."""
     m_total, n_total, _ = g.gemm
     tm, tn, row_bytes = spec.tile_m, spec.tile_n, spec.step_bytes
     offsets, tap_dh, tap_dw = conv_layout.tap_table(g)
     threads = spec.threads_per_block
-    row_step = threads // 4
+    vectors = loader_vectors(spec)
+    row_step = threads * vectors // 4
     c32, taps, ohw = g.c // INTERLEAVE, g.r * g.s, g.oh * g.ow
     gemm_k = g.c * taps
     chunk_end = min(c32 * taps, step_end * 2)
@@ -133,20 +141,21 @@ def _load_stage(spec, g, x, w, m0, n0, step, step_end):
     shared = numpy.zeros((tm + tn) * row_bytes, numpy.int64)
     written = numpy.zeros_like(shared)
     for tid in range(threads):
-        vector, row0 = tid & 3, tid >> 2
-        upper_first = row0 & 1 if spec.steps_per_stage == 2 else 0
-        for k in range(spec.steps_per_stage):
+        vector, row0 = (tid % (4 // vectors)) * vectors, tid // (4 // vectors)
+        upper_first = (row0 // vectors) & 1 if spec.steps_per_stage == 2 else 0
+        for k, e in numpy.ndindex(spec.steps_per_stage, vectors):
             half = k ^ upper_first
             chunk = (step + half) * 2 + (vector >> 1)
             group, tap = divmod(chunk, taps)
-            slot = tile_offset(row0, vector + 4 * half, row_bytes)
+            slot = tile_offset(row0, vector + 4 * half, row_bytes) ^ (e << 4)
+            assert slot == tile_offset(row0, vector + e + 4 * half, row_bytes)
             for i in range(tm // row_step):
                 row = m0 + row0 + i * row_step
                 dst = slot + i * row_step * row_bytes
-                assert dst == tile_offset(row0 + i * row_step, vector + 4 * half, row_bytes)
+                assert dst == tile_offset(row0 + i * row_step, vector + e + 4 * half, row_bytes)
                 written[dst: dst + 16] += 1
                 if chunk < chunk_end and row < m_total:
-                    src = row * gemm_k + chunk * 32 + (vector & 1) * 16
+                    src = row * gemm_k + chunk * 32 + (vector & 1) * 16 + 16 * e
                     shared[dst: dst + 16] = w[src: src + 16]
             for i in range(tn // row_step):
                 j = n0 + row0 + i * row_step
@@ -160,7 +169,7 @@ def _load_stage(spec, g, x, w, m0, n0, step, step_end):
                 if not (0 <= ih + tap_dh[tap] < g.h and 0 <= iw + tap_dw[tap] < g.w):
                     continue
                 base = image * c32 * group_bytes + (ih * g.w + iw) * 32 + (vector & 1) * 16
-                src = base + group * group_bytes + offsets[tap]
+                src = base + group * group_bytes + offsets[tap] + 16 * e
                 shared[dst: dst + 16] = x[src: src + 16]
     assert (written == 1).all(), "the stage's copies overlap or leave gaps"
     return shared

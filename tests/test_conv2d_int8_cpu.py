@@ -273,6 +273,13 @@ def test_shared_tile_swizzle_is_conflict_free():
                 stores = {conv_emulation.tile_offset(base + first + r, v + 4 * (half ^ r), 128) % 128 // 16
                           for r in range(2) for v in range(4)}
                 assert len(stores) == 8
+    # threads copying whole chunks (VECTORS = 2): 4 rows a phase, halves alternating every 2 rows
+    for row_bytes in (64, 128):
+        for base in range(0, 128, 4):
+            for k, e in numpy.ndindex(row_bytes // 64, 2):
+                stores = {conv_emulation.tile_offset(base + r, 2 * c + e + 4 * (k ^ (r // 2 & 1)), row_bytes)
+                          % 128 // 16 for r in range(4) for c in range(2)}
+                assert len(stores) == 8, (row_bytes, base, k, e)
 
 
 def test_exchange_is_conflict_free():
