@@ -172,6 +172,7 @@ struct ConvTileLoader {
   // a_offset in a filter row; chunks_left of the split's (and GEMM_K's) chunks from
   // it on: those past them read zeros (a loop-carried count, no bound recomputed).
   int vector, row0, group[HALVES], tap[HALVES], a_offset[HALVES], chunks_left[HALVES];
+  int tap_step, group_step;   // 2 * HALVES chunks = group_step groups + tap_step taps (< taps)
   int slot[HALVES];           // shared offset of half h's vector of row row0
   const signed char* a_row[A_ITERS];   // this thread's filter rows (past GEMM_M: never read)
   int a_rows;                 // its rows i * ROW_STEP below this are within GEMM_M
@@ -188,6 +189,8 @@ struct ConvTileLoader {
     vector = (tid & (4 / VECTORS - 1)) * VECTORS;
     row0 = tid / (4 / VECTORS);
     const int chunk_end = min(c32 * taps, (tile.step_begin + tile.steps) * 2);
+    group_step = 2 * HALVES / taps;
+    tap_step = 2 * HALVES - group_step * taps;
     // The rows a phase of 8 stores covers (2 VECTORS) alternate halves: all 32 banks.
     const int upper_first = HALVES == 2 ? (row0 / VECTORS) & 1 : 0;
 #pragma unroll
@@ -246,11 +249,12 @@ struct ConvTileLoader {
     for (int k = 0; k < HALVES; ++k) {
       a_offset[k] += 64 * HALVES;
       chunks_left[k] -= 2 * HALVES;
-      tap[k] += 2 * HALVES;
-      while (tap[k] >= taps) {
-        tap[k] -= taps;
-        ++group[k];
-      }
+      // tap + tap_step < 2 taps: at most one carry into the group, without a branch
+      tap[k] += tap_step;
+      group[k] += group_step;
+      const bool carry = tap[k] >= taps;
+      tap[k] -= carry ? taps : 0;
+      group[k] += carry;
     }
   }
   // Shared offsets of vector `vector` + e of half k's A row i and B row i within a stage

@@ -123,19 +123,19 @@ def test_tap_table_and_gemm_by_chunks_match_the_reference(rng):
 
 
 @pytest.mark.parametrize("stride", [2, 4])
-@pytest.mark.parametrize("taps", [1, 2, 3, 9, 49])
+@pytest.mark.parametrize("taps", [1, 2, 3, 4, 5, 9, 49])
 def test_chunk_walk_without_division_matches_divmod(taps, stride):
-    """The kernel's advance (tap += 2 a 64-byte row, 4 a 128-byte one, carried into the
-    channel group) against divmod."""
+    """The kernel's advance (2 chunks a 64-byte row, 4 a 128-byte one: group_step groups
+    and tap_step taps, then at most one carry into the group) against divmod."""
+    group_step, tap_step = divmod(stride, taps)
     for start in range(8):
         chunk = start
         group, tap = divmod(chunk, taps)
         for _ in range(60):
             assert (group, tap) == divmod(chunk, taps)
-            chunk, tap = chunk + stride, tap + stride
-            while tap >= taps:
-                tap -= taps
-                group += 1
+            chunk, tap, group = chunk + stride, tap + tap_step, group + group_step
+            carry = tap >= taps
+            tap, group = tap - (taps if carry else 0), group + carry
 
 
 def test_params_block_matches_the_c_struct():
