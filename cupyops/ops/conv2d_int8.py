@@ -8,9 +8,10 @@ Two policies share one loader and one epilogue (kernels/conv_int8.cuh):
 - "auto": on sm_90 (compute capability 9.0 exactly: sm_90a code runs nowhere
   else) wgmma m64nNk32 from the shared stages, warpgroups of 64 x N; elsewhere
   mma.sync m16n8k32 (sm_80 and newer). Both with a cp.async pipeline of 3-8
-  stages (wgmma's of 64- or 128-byte GEMM_K steps), the configuration from the measured tuner (cupyops.tune) or else the
-  default rule, split-K (int32 partials summed by a second kernel that applies
-  the epilogue) where the tiles of N * OH * OW leave SMs idle.
+  stages (wgmma's of 64- or 128-byte GEMM_K steps), the configuration from the
+  measured tuner (cupyops.tune) or else the default rule, split-K (int32
+  partials summed by a second kernel that applies the epilogue) where the tiles
+  of N * OH * OW leave SMs idle.
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ class ConvInt8Spec(jit.KernelSpec):
 
     @property
     def steps_per_stage(self) -> int:
-        """64-byte GEMM_K steps a stage holds: split-K splits at multiples of it."""
+        """64-byte GEMM_K steps a stage holds: split_k's granule."""
         return self.step_bytes // STEP_BYTES
 
     def template_args(self) -> dict:
@@ -192,7 +193,8 @@ def _grid_tiles(geometry: ConvGeometry, config: TileConfig) -> int:
 def split_k(geometry: ConvGeometry, tiles: int, sm_count: int, granule: int = 1) -> tuple:
     """(splits, steps per split): GEMM_K split across blocks where `tiles` blocks
     leave SMs idle, each split at least MIN_STEPS_PER_SPLIT steps, none empty, and
-    a multiple of `granule` steps (a kernel's stage: no stage straddles two splits)."""
+    a multiple of `granule` steps (a kernel's stage: one straddling two splits would
+    load zeros for the part past its own)."""
     steps = geometry.k_steps
     if tiles >= sm_count:
         return 1, steps
