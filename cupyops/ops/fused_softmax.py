@@ -135,7 +135,7 @@ def _long_row_plan(op, dtype, rows, cols, pack_size, same_phase, target, regs=Tr
     cache_bytes = cached * cols * dtypes.BY_SHORT[ftype.compute].itemsize
     spec = softmax.SoftmaxSpec(op, "block_smem", dtype, cache_pack, block_size=SHARED_BLOCK_SIZE, peel=peel)
     if target.max_active_blocks(spec, spec.block_size, cache_bytes, True):
-        return softmax._block_plan(spec, rows, cache_bytes, target)
+        return softmax.block_plan(spec, rows, cache_bytes, target)
     return softmax._uncached_plan(op, dtype, rows, cache_pack, True, target, peel)
 
 
@@ -147,7 +147,7 @@ def _with_compute_cache(chosen: KernelLaunch, op, dtype, rows, cols, target) -> 
     compute_itemsize = dtypes.BY_SHORT[spec.ftype.compute].itemsize
     cache_bytes = (spec.cached_inputs or len(spec.inputs)) * cols * compute_itemsize
     if target.max_active_blocks(spec, spec.block_size, cache_bytes, True):
-        return softmax._block_plan(spec, rows, cache_bytes, target)
+        return softmax.block_plan(spec, rows, cache_bytes, target)
     return softmax._uncached_plan(op, dtype, rows, spec.pack_size, True, target, spec.peel)
 
 
@@ -186,7 +186,7 @@ def _without_spills(chosen: KernelLaunch, op, rows, cols, target) -> KernelLaunc
         wider = replace(spec, path=replace(path, block_size=block_size, packs_per_thread=packs_per_thread,
                                            rows_per_block=1))      # a row a block once wider than a warp
         if target.resources(wider)["local_bytes"] <= MAX_LOCAL_BYTES:
-            return softmax._block_plan(wider, rows, 0, target)
+            return softmax.block_plan(wider, rows, 0, target)
     pack_size = 1 if path.peel else path.pack_size   # a peeled row's packs are its 16-byte ones again
     shared = _long_row_plan(op, path.dtype, rows, cols, pack_size, path.peel, target, regs=False)
     shared = _with_compute_cache(shared, op, path.dtype, rows, cols, target)

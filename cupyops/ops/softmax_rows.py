@@ -299,15 +299,28 @@ def warp_plan(op, dtype, rows, cols, pack_size, ladder, target) -> SoftmaxPlan:
     spec = SoftmaxSpec(op, "warp", dtype, pack_size, cols_per_thread=cols_per_thread,
                        thread_group_width=width, rows_per_access=rows_per_access,
                        padding=cols != cols_per_thread * width)
+    return warp_spec_plan(spec, rows, target)
+
+
+def warp_spec_plan(spec: SoftmaxSpec, rows: int, target) -> SoftmaxPlan:
+    """A warp-path spec's launch: 128-thread blocks of groups of lanes, enough for the waves."""
+    width = spec.thread_group_width
     groups_per_block = WARP_BLOCK_THREADS // width
-    row_groups = -(-rows // rows_per_access)
+    row_groups = -(-rows // spec.rows_per_access)
     grid = get_num_blocks(target.facts, WARP_BLOCK_THREADS, -(-row_groups // groups_per_block))
     return SoftmaxPlan(spec, (width, groups_per_block, 1), (grid, 1, 1), 0)
 
 
-def _block_plan(spec: SoftmaxSpec, rows: int, smem: int, target) -> SoftmaxPlan:
+def block_plan(spec: SoftmaxSpec, rows: int, smem: int, target) -> SoftmaxPlan:
+    """A block path's launch: a block (rows_per_block rows) at a time, enough blocks for the waves."""
     grid = get_num_blocks(target.facts, spec.threads_per_block, -(-rows // spec.rows_per_block))
     return SoftmaxPlan(spec, (spec.block_size, spec.rows_per_block, 1), (grid, 1, 1), smem)
+
+
+def per_row_plan(spec: SoftmaxSpec, rows: int, smem: int) -> SoftmaxPlan:
+    """A block, or a cluster of cluster_size blocks, a row (as many as a grid takes)."""
+    clusters = min(rows, MAX_GRID_X // spec.cluster_size)
+    return SoftmaxPlan(spec, (spec.block_size, 1, 1), (clusters * spec.cluster_size, 1, 1), smem)
 
 
 def _oneflow_smem_plan(op, dtype, rows, cols, pack_size, target):
@@ -317,7 +330,7 @@ def _oneflow_smem_plan(op, dtype, rows, cols, pack_size, target):
         return SoftmaxSpec(op, "block_smem", dtype, pack_size, block_size=block_size)
 
     block_size = choose_block_size(target, spec_of, smem, opt_in=False)
-    return None if block_size is None else _block_plan(spec_of(block_size), rows, smem, target)
+    return None if block_size is None else block_plan(spec_of(block_size), rows, smem, target)
 
 
 def _uncached_plan(op, dtype, rows, pack_size, online, target, peel=False):
@@ -327,7 +340,7 @@ def _uncached_plan(op, dtype, rows, pack_size, online, target, peel=False):
     block_size = tuned.AUTO_PEELED_UNCACHED_BLOCK_SIZE if peel else UNCACHED_BLOCK_SIZE
     spec = SoftmaxSpec(op, "block_uncached", dtype, pack_size, block_size=block_size,
                        online=online and len(INPUTS[op]) == 1, peel=peel)
-    return _block_plan(spec, rows, 0, target)
+    return block_plan(spec, rows, 0, target)
 
 
 def _oneflow_plan(op, dtype, rows, cols, align, target) -> SoftmaxPlan:
@@ -375,7 +388,7 @@ def _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target, small_peele
             threads = spec.threads_per_block
             resident = target.max_active_blocks(spec, threads, 0, False) * threads
             if resident >= tuned.AUTO_BLOCK_REGS_MIN_RESIDENT:
-                return _block_plan(spec, rows, 0, target)
+                return block_plan(spec, rows, 0, target)
     return None
 
 
@@ -407,8 +420,7 @@ def _async_plan(op, dtype, rows, cols, pack_size, target):
                                     min_blocks)
         if found is not None:
             spec, share_bytes = found
-            clusters = min(rows, MAX_GRID_X // cluster_size)
-            return SoftmaxPlan(spec, (block_size, 1, 1), (clusters * cluster_size, 1, 1), share_bytes)
+            return per_row_plan(spec, rows, share_bytes)
     return None
 
 
@@ -463,7 +475,7 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
         if target.max_active_blocks(bound, block_size, cache_bytes, True) >= min_blocks:
             spec = bound
     if target.max_active_blocks(spec, spec.block_size, cache_bytes, True):
-        return _block_plan(spec, rows, cache_bytes, target)
+        return block_plan(spec, rows, cache_bytes, target)
     return _uncached_plan(op, dtype, rows, cache_pack, True, target, peel)
 
 
