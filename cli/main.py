@@ -1,4 +1,4 @@
-"""cupyops command line: explain, compile, bench (a subcommand per op), info."""
+"""cupyops command line: explain, compile, bench, tune (a subcommand per op), info."""
 from __future__ import annotations
 
 import os
@@ -10,6 +10,7 @@ from cupyops import jit
 from . import conv, elementwise, rowwise  # noqa: F401  (register their ops' subcommands)
 from . import fused_softmax  # noqa: F401
 from . import dask_bench  # noqa: F401  (bench dask)
+from . import tune_softmax  # noqa: F401  (tune softmax)
 from .common import bench, compile_, explain, tune
 
 

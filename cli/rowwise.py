@@ -56,7 +56,9 @@ def _explain_command(op: str):
         if copied:
             header += ("\n  (the reduced axis is not last and the axis kernel does not apply: the input "
                        "is first copied to rows)")
-        show_plan(plan.explain(), header, as_json, jit.render(plan.spec) if source else None)
+        info = plan.explain()
+        info.setdefault("source", "rule")   # a plan of the tuning table says "tuned"
+        show_plan(info, header, as_json, jit.render(plan.spec) if source else None)
 
     command.__doc__ = f"Show the launch plan cupyops picks for {op} on an array of SHAPE."
     return click.command(name=op)(command)

@@ -1,10 +1,12 @@
-"""softmax and log_softmax, forward and backward, along any axes: launch ->
-public functions.
+"""softmax and log_softmax, forward and backward, along any axes: plan ->
+launch -> public functions.
 
 A call runs one of three kernel families: rows held by a warp or a block
-(softmax_rows), rows split across several blocks (softmax_split, auto, for a
-few long rows or rows too long for one block), or a non-last axis reduced in
-place (softmax_axis, auto). Other layouts are copied to rows (rowwise).
+(softmax_rows; under auto on a live GPU the tuning table's winner where
+`cupyops tune softmax` measured the shape, softmax_candidates), rows split
+across several blocks (softmax_split, auto, for a few long rows or rows too
+long for one block), or a non-last axis reduced in place (softmax_axis,
+auto). Other layouts are copied to rows (rowwise).
 """
 from __future__ import annotations
 
@@ -12,9 +14,24 @@ import numpy
 
 from .. import arrays, callcache, dtypes, rowwise
 from ..callcache import CallCache, ReadyLaunch, call_key, run_on, writable
-from ..launch import LaunchCache, Target, live_function
-from . import softmax_axis, softmax_split
-from .softmax_rows import plan
+from ..launch import KernelLaunch, LaunchCache, Target, live_function
+from . import softmax_axis, softmax_candidates, softmax_rows, softmax_split
+
+# -- plan --------------------------------------------------------------------
+
+
+def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target, align: int = 16,
+         same_phase: bool = True) -> KernelLaunch:
+    """The row kernel's plan for `rows` x `cols` of dtype (short name) on
+    `target`: under policy="auto" on a live GPU the tuning table's winner for
+    the shape where it has one (explain()'s "source": "tuned"), else the
+    rule's (softmax_rows.plan; arguments as there)."""
+    if policy == "auto":
+        tuned = softmax_candidates.tuned_plan(op, rows, cols, dtype, target, align, same_phase)
+        if tuned is not None:
+            return tuned
+    return softmax_rows.plan(op, rows, cols, dtype, policy, target, align, same_phase)
+
 
 # -- launch ------------------------------------------------------------------
 
