@@ -133,3 +133,25 @@ def compile_and_report(kernels, *, spills_fail: bool = False) -> None:
                f"{' or spilled' if spills_fail else ''}")
     if failures:
         sys.exit(1)
+
+
+def tuned_shapes(cols: str, rows: int) -> list:
+    """A tune command's --cols (positive row lengths), --rows checked positive."""
+    cols_list = int_list(cols)
+    if not cols_list or min(cols_list) < 1:
+        raise click.BadParameter(f"cols must be positive, got {cols!r}", param_hint="--cols")
+    if rows < 1:
+        raise click.BadParameter(f"rows must be positive, got {rows}", param_hint="--rows")
+    return cols_list
+
+
+def echo_tuned(tuned, num_bytes: int) -> None:
+    """A tuner's report (cupyops.ops.row_candidates.Tuned): each candidate's
+    µs and GB/s (or why it dropped out), the winner marked *, and its key."""
+    for description, us in tuned.result.timings:
+        label = description["label"]
+        mark = "*" if description is tuned.result.best else " "
+        figures = (f"{us:>9.1f} us {num_bytes / us / 1e3:>7.0f} GB/s" if us is not None
+                   else f"failed: {tuned.errors.get(label, 'no timing')}")
+        click.echo(f"  {mark} {label:<26} {figures}")
+    click.echo(f"  kept {tuned.result.best['label']!r} under {tuned.shape_key}")

@@ -8,7 +8,7 @@ import click
 from cupyops import dtypes
 from cupyops.ops.softmax_rows import OPS
 
-from .common import dtype_option, int_list, live_device
+from .common import dtype_option, echo_tuned, live_device, tuned_shapes
 from .common import tune as tune_group
 from .rowwise import DEFAULT_COLS, DEFAULT_ROWS
 
@@ -35,11 +35,7 @@ def tune_softmax(dtype, cols, rows, ops):
     from cupyops.ops.softmax_tune import moved_bytes, tune_shape
 
     ops = _ops(ops)
-    cols_list = int_list(cols)
-    if not cols_list or min(cols_list) < 1:
-        raise click.BadParameter(f"cols must be positive, got {cols!r}", param_hint="--cols")
-    if rows < 1:
-        raise click.BadParameter(f"rows must be positive, got {rows}", param_hint="--rows")
+    cols_list = tuned_shapes(cols, rows)
     device_id = live_device("tune times the live GPU, and no GPU is usable here")
     short = dtypes.NAMES[dtype]
     table = tune.default_table()
@@ -50,12 +46,5 @@ def tune_softmax(dtype, cols, rows, ops):
             if tuned is None:
                 click.echo("  rows split across blocks (softmax_split): no row plan to tune")
                 continue
-            num_bytes = moved_bytes(op, short, rows, num_cols)
-            for description, us in tuned.result.timings:
-                label = description["label"]
-                mark = "*" if description is tuned.result.best else " "
-                figures = (f"{us:>9.1f} us {num_bytes / us / 1e3:>7.0f} GB/s" if us is not None
-                           else f"failed: {tuned.errors.get(label, 'no timing')}")
-                click.echo(f"  {mark} {label:<26} {figures}")
-            click.echo(f"  kept {tuned.result.best['label']!r} under {tuned.shape_key}")
+            echo_tuned(tuned, moved_bytes(op, short, rows, num_cols))
     click.echo(f"tuning table: {table.path}")

@@ -1,10 +1,12 @@
 """Times LayerNorm / RMSNorm plans against each other to choose the auto planner's tables.
 
 For each op, dtype and cols it times the auto plan, the oneflow plan and
-hand-built variants (block sizes, and the fewest warps that hold a row at the
-same packs a thread; packs per thread, warp widths (weight and bias read at
-each store or held, AUTO_HELD_AFFINE_*), register vs shared-memory
-caches, rows cached by cp.async with register tails, peeled rows, rows loaded together, fused vs separate dweight / dbias),
+hand-built variants: forward, the package's generator that `cupyops tune
+layer_norm` / `rms_norm` times (cupyops.ops.norm_candidates: block sizes,
+packs a thread, warp widths, register vs shared-memory caches, rows cached
+by cp.async, peeled rows); backward, block sizes and the fewest warps that
+hold a row at the same packs a thread, rows held or read again, rows loaded
+together, fused vs separate dweight / dbias,
 at most MAX_CANDIDATES per shape, with cupyops.bench.Timer (L2 flushed,
 median).
 
@@ -30,23 +32,15 @@ from __future__ import annotations
 import argparse
 import itertools
 
-from cupyops import async_row, dtypes
-from cupyops.device import WARP_SIZE
-from cupyops.launch import KernelLaunch, Target
-from cupyops.ops import norm, norm_backward, norm_forward, norm_paths, norm_spec, row_packs
+from cupyops import dtypes
+from cupyops.launch import Target
+from cupyops.ops import norm, norm_backward, norm_candidates, norm_paths, norm_spec, row_packs
 
 DEFAULT_COLS = "1024,2048,4096,8192,12345,16384,32768"
 CHECK_ROWS = 64
 MAX_CANDIDATES = 48
 # max |error| / max |reference| a correct kernel stays within (storage rounding)
 TOLERANCE = {"f16": 4e-3, "bf16": 3e-2, "f32": 1e-4, "f64": 1e-9}
-# register-block variants: (block_size, most bytes of compute values a thread holds)
-REGS_VARIANTS = ((64, 128), (128, 64), (256, 64), (512, 64), (1024, 64), (128, 128), (256, 128), (512, 128))
-# 16-bit rows held as loaded (packed), at most 128 bytes a thread
-PACKED_BLOCK_SIZES = (64, 128, 256, 512, 1024)
-# rows of 16-byte packs cached by cp.async: block sizes, register tails
-ASYNC_BLOCK_SIZES = (256, 512, 1024)
-ASYNC_TAIL_PACKS = (0, 2, 4, 8)
 # backward register-block variants: block sizes, at most GRAD_MAX_BYTES of
 # each input a thread, each way of holding the row between the passes,
 # with the dweight / dbias partials in registers or shared memory
@@ -55,82 +49,6 @@ GRAD_MAX_BYTES = 64
 GRAD_HOLDINGS = (("cached", "regs"), ("reread", "regs"), ("cached", "smem"), ("reread", "smem"))
 # held rows loaded together (one block reduction for all of them)
 GRAD_ROWS_PER_ACCESS = (1, 2)
-
-
-def _fitted_block(num_packs, per_thread):
-    """The fewest threads, in whole warps, that hold num_packs at per_thread a thread."""
-    return -(-num_packs // (per_thread * WARP_SIZE)) * WARP_SIZE
-
-
-def _with_fitted(block_sizes, num_packs):
-    """The block sizes, each followed by the fewest threads, in whole warps,
-    that hold the row's packs at its packs a thread, where that is fewer."""
-    found = []
-    for block_size in block_sizes:
-        found.append(block_size)
-        fitted = _fitted_block(num_packs, -(-num_packs // block_size))
-        if fitted < block_size:
-            found.append(fitted)
-    return found
-
-
-def _forward_variants(op, dtype, rows, cols, target):
-    ftype = dtypes.BY_SHORT[dtype]
-    compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
-    fields = dict(op=op, dtype=dtype, weight=True, bias=op == "layer_norm")
-    pack = row_packs.vector_pack_size(cols, ftype.itemsize, 16)
-    regs_pack, peel = row_packs.peeled_pack(pack, ftype.itemsize, True)
-    num_packs = cols // regs_pack
-    found = []
-    shapes = [(block_size, False, max_bytes // (regs_pack * compute_itemsize))
-              for most, max_bytes in REGS_VARIANTS for block_size in _with_fitted((most,), num_packs)]
-    if ftype.itemsize == 2:   # held as loaded: up to 128 bytes a thread
-        shapes += [(block_size, True, 128 // (regs_pack * ftype.itemsize))
-                   for block_size in _with_fitted(PACKED_BLOCK_SIZES, num_packs)]
-        # every packs-a-thread count at the fewest whole warps holding the row
-        shapes += [(_fitted_block(num_packs, per_thread), True, per_thread)
-                   for per_thread in range(1, 128 // (regs_pack * ftype.itemsize) + 1)
-                   if _fitted_block(num_packs, per_thread) <= max(PACKED_BLOCK_SIZES)]
-    for block_size, packed, max_packs in shapes:
-        # every pack in the packs, or (peeled) up to block_size elements past them
-        for per_thread in sorted({-(-num_packs // block_size),
-                                  norm_spec.block_packs_per_thread(cols, block_size, regs_pack, peel)}):
-            if per_thread > max_packs or num_packs < block_size // 2:
-                continue
-            spec = norm_spec.NormSpec(impl="block_regs", pack_size=regs_pack, block_size=block_size,
-                                 packs_per_thread=per_thread, peel=peel, packed=packed, **fields)
-            label = f"regs b{block_size} k{per_thread}{' peel' if peel else ''}{' packed' if packed else ''}"
-            if not target.resources(spec)["local_bytes"]:
-                found.append((label, norm.NormPlan(norm_paths.block_launch(spec, rows, 0, target, "auto", False))))
-    if cols >= 4096:
-        smem = cols * ftype.itemsize
-        for block_size in (256, 512):
-            spec = norm_spec.NormSpec(impl="block_smem", pack_size=pack, block_size=block_size, packed_cache=True,
-                                 **fields)
-            if target.max_active_blocks(spec, block_size, smem, True):
-                launch = norm_paths.block_launch(spec, rows, smem, target, "auto", True)
-                found.append((f"smem b{block_size}", norm.NormPlan(launch)))
-    if pack * ftype.itemsize == async_row.PACK_BYTES and cols >= 4096:
-        for block_size, tail_packs in itertools.product(ASYNC_BLOCK_SIZES, ASYNC_TAIL_PACKS):
-            spec = norm_spec.NormSpec(impl="block_async", pack_size=pack, block_size=block_size, tail_packs=tail_packs,
-                                 **fields)
-            smem = async_row.share_bytes(1, cols * ftype.itemsize, block_size, tail_packs)
-            if (tail_packs * block_size > num_packs or smem > target.facts.smem_per_block_optin
-                    or target.resources(spec)["local_bytes"]
-                    or not target.max_active_blocks(spec, block_size, smem, True)):
-                continue
-            launch = KernelLaunch(spec, (block_size, 1, 1), (rows, 1, 1), smem)
-            found.append((f"async b{block_size} t{tail_packs}", norm.NormPlan(launch)))
-    if cols <= 1024:
-        for max_bytes in (64, 128):
-            ladder = norm_paths.auto_warp_ladder(cols, pack, max(max_bytes // compute_itemsize, pack))
-            if ladder is not None:
-                launch = norm_paths.warp_launch(fields, rows, cols, pack, ladder, target, "auto")
-                found.append((f"warp c{ladder[0]} g{ladder[2]}", norm.NormPlan(launch)))
-                held = norm_forward.held_affine(launch, cols, target)
-                if held is not launch:
-                    found.append((f"warp c{ladder[0]} g{ladder[2]} held", norm.NormPlan(held)))
-    return found
 
 
 def _backward_variants(op, dtype, rows, cols, target, param_grad):
@@ -145,7 +63,7 @@ def _backward_variants(op, dtype, rows, cols, target, param_grad):
     found = []
     for pack_size, peeled in ((pack, False),) + (((16 // ftype.itemsize, True),) if peel else ()):
         num_packs = cols // pack_size
-        for block_size in _with_fitted(GRAD_BLOCK_SIZES, num_packs):
+        for block_size in norm_candidates.with_fitted(GRAD_BLOCK_SIZES, num_packs):
             per_thread = norm_spec.block_packs_per_thread(cols, block_size, pack_size, peeled)
             if per_thread * pack_size * ftype.itemsize > GRAD_MAX_BYTES or num_packs < block_size // 2:
                 continue
@@ -177,9 +95,8 @@ def candidates(op, dtype, rows, cols, target, param_grad=True):
     """(label, plan) for each variant worth timing at this shape: the
     policies first, then at most MAX_CANDIDATES kernels in all. param_grad
     (backward): dweight / dbias wanted."""
-    if op in norm.FORWARD_OPS:
-        found = [(policy, norm.plan(op, rows, cols, dtype, policy, target)) for policy in ("auto", "oneflow")]
-        found += _forward_variants(op, dtype, rows, cols, target)
+    if op in norm.FORWARD_OPS:   # the package's generator (auto's and oneflow's plans first)
+        found = [(c.label, norm.NormPlan(c.launch)) for c in norm_candidates.candidates(op, dtype, rows, cols, target)]
     else:
         found = [(policy, norm.plan(op, rows, cols, dtype, policy, target, param_grad=param_grad))
                  for policy in ("auto", "oneflow")]

@@ -10,6 +10,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from conftest import keep_winner
 
 from cupyops import tune
 from cupyops.cli.main import main
@@ -62,10 +63,7 @@ def live_table(monkeypatch, tmp_path):
 def _keep(table, op, dtype, rows, cols, label):
     """Stores the candidate `label` of the shape as the table's winner."""
     found = [c.describe() for c in candidates(op, dtype, rows, cols, H100)]
-    result = tune.tune(table, DEVICE, op, shape_key(dtype, rows, cols), found,
-                       lambda description: 1.0 if description["label"] == label else 2.0)
-    assert result.best["label"] == label
-    return result.best
+    return keep_winner(table, DEVICE, op, shape_key(dtype, rows, cols), found, label)
 
 
 def test_planner_takes_the_tables_winner(live_table):

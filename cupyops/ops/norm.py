@@ -6,7 +6,9 @@ from that mean; the streaming paths take each pack's (count, mean, m2) and
 join them by Chan's combine. All of it on x - K with K the row's first
 value (float32 statistics of the raw values lose a std of 1e-2 under a mean
 of 1e4). RMSNorm sums squares. policy="oneflow" runs OneFlow's dispatch
-(norm_paths), "auto" the measured planners (norm_forward, norm_backward).
+(norm_paths), "auto" the measured planners (norm_forward, norm_backward),
+or for the forward on a live GPU the tuning table's winner where `cupyops
+tune` measured the shape (norm_candidates).
 dweight / dbias are reduced in the compute type to [parts, cols] partial sums
 summed by a second kernel in a fixed order: the same inputs give
 bit-identical gradients on every run.
@@ -22,16 +24,13 @@ import numpy
 from .. import arrays, callcache, dtypes, rowwise
 from ..callcache import CallCache, call_key, run_on, writable
 from ..launch import Target
-from . import norm_args, norm_backward
-from .norm_forward import auto_forward
+from . import norm_args, norm_backward, norm_candidates
 from .norm_launch import (BackwardLaunch, ForwardLaunch, backward_launch, forward_launch, run_backward,
                           run_forward)
-from .norm_paths import oneflow_launch
 from .norm_spec import FORWARD_OPS, OPS, NormGradPlan, NormPlan, check_block_covers, shifted_copy_elements
 
 # -- plan --------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=4096)
 def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target, align: int = 16, *,
          weight: bool = True, bias: bool = True, residual: bool = False,
          param_grad: bool = True, same_phase: bool = True):
@@ -45,19 +44,32 @@ def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target,
     that allow no 16-byte pack: the forward, and the backward with fused
     dweight / dbias). The flags are keyword-only: passed by position,
     param_grad once landed in `bias` and the backward planned fused partials
-    that were never allocated."""
+    that were never allocated. Under auto on a live GPU a forward plan is the
+    tuning table's winner where `cupyops tune layer_norm` / `rms_norm` stored
+    one for the shape (norm_candidates; explain()'s "source": "tuned"), else
+    the rules'."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
     arrays.check_policy(policy)
     if rows < 1 or cols < 1:
         raise ValueError(f"rows and cols must be positive, got {rows} x {cols}")
+    if op in FORWARD_OPS and policy == "auto":
+        tuned = norm_candidates.tuned_plan(op, rows, cols, dtype, target, align, same_phase, weight=weight,
+                                           bias=bias and op == "layer_norm", residual=residual)
+        if tuned is not None:
+            return tuned
+    return _rule_plan(op, rows, cols, dtype, policy, target, align, weight, bias, residual, param_grad, same_phase)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rule_plan(op, rows, cols, dtype, policy, target, align, weight, bias, residual, param_grad, same_phase):
+    """plan()'s rules: OneFlow's dispatch (norm_paths) or auto's measured
+    planners (norm_forward, norm_backward)."""
     family = op.replace("_backward", "")
     if op not in FORWARD_OPS:
         return norm_backward.plan(family, rows, cols, dtype, policy, target, align, weight, param_grad, same_phase)
     fields = dict(op=op, dtype=dtype, weight=weight, bias=bias and family == "layer_norm", residual=residual)
-    if policy == "oneflow":
-        return NormPlan(oneflow_launch(family, fields, rows, cols, align, target, 1))
-    return NormPlan(auto_forward(fields, rows, cols, align, same_phase, target))
+    return NormPlan(norm_candidates.rule_launch(fields, rows, cols, policy, target, align, same_phase))
 
 
 # -- launch ------------------------------------------------------------------

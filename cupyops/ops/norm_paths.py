@@ -57,7 +57,7 @@ def auto_warp_ladder(cols: int, pack_size: int, max_cols_per_thread: int):
     return None
 
 
-def _oneflow_grid(target: Target, spec: NormSpec, block_threads: int, smem: int, opt_in: bool,
+def oneflow_grid(target: Target, spec: NormSpec, block_threads: int, smem: int, opt_in: bool,
                   max_blocks: int) -> int:
     """OneFlow's layer_norm GetNumBlocks: sm_count * active blocks per SM * 32 waves."""
     active = target.max_active_blocks(spec, block_threads, smem, opt_in)
@@ -77,7 +77,7 @@ def warp_launch(spec_fields: dict, rows: int, cols: int, pack_size: int, ladder,
     smem = smem_per_group_col * groups_per_block * cols
     if policy == "oneflow":
         needed = ceil_div(rows // rows_per_access, groups_per_block)
-        grid = _oneflow_grid(target, spec, spec.threads_per_block, smem, False, needed)
+        grid = oneflow_grid(target, spec, spec.threads_per_block, smem, False, needed)
     else:
         needed = ceil_div(ceil_div(rows, rows_per_access), groups_per_block)
         grid = get_num_blocks(target.facts, spec.threads_per_block, needed)
@@ -87,7 +87,7 @@ def warp_launch(spec_fields: dict, rows: int, cols: int, pack_size: int, ladder,
 def block_launch(spec: NormSpec, rows: int, smem: int, target: Target, policy: str,
                   opt_in: bool) -> KernelLaunch:
     if policy == "oneflow":
-        grid = _oneflow_grid(target, spec, spec.block_size, smem, opt_in, rows)
+        grid = oneflow_grid(target, spec, spec.block_size, smem, opt_in, rows)
     else:
         grid = get_num_blocks(target.facts, spec.threads_per_block,
                               ceil_div(rows, spec.rows_per_access * spec.rows_per_block))

@@ -20,11 +20,11 @@ key. Only `cupyops tune softmax` writes it: a call never times anything.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Optional
 
-from .. import dtypes, tune
+from .. import dtypes
 from ..launch import KernelLaunch, Target
+from . import row_candidates
 from .row_packs import peeled_pack, vector_pack_size
 from .softmax_rows import (INPUTS, SUM_INPUTS, SoftmaxSpec, async_share_bytes, block_plan, per_row_plan, plan,
                            warp_ladder, warp_plan, warp_spec_plan)
@@ -39,25 +39,6 @@ BLOCK_SIZES = (128, 256, 512, 1024)
 GRIDS = ("waves", "resident", "per_row")
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """A plan worth timing: its label, its launch and how its grid follows rows."""
-    label: str
-    launch: KernelLaunch
-    grid: str
-
-    def describe(self) -> dict:
-        """The JSON-able dict the tuning table keeps."""
-        return {"label": self.label, "grid": self.grid, "smem": self.launch.smem_bytes,
-                "spec": asdict(self.launch.spec)}
-
-    @classmethod
-    def from_description(cls, description: dict, rows: int, target: Target) -> "Candidate":
-        """The candidate `describe` gave, its grid made for `rows` on `target`."""
-        spec, grid = SoftmaxSpec(**description["spec"]), description["grid"]
-        return cls(description["label"], launch_for(spec, rows, description["smem"], grid, target), grid)
-
-
 def launch_for(spec: SoftmaxSpec, rows: int, smem: int, grid: str, target: Target) -> KernelLaunch:
     """The launch of `spec` over `rows` with the grid of its kind (GRIDS)."""
     if grid == "per_row":
@@ -70,43 +51,30 @@ def launch_for(spec: SoftmaxSpec, rows: int, smem: int, grid: str, target: Targe
     return warp_spec_plan(spec, rows, target) if spec.impl == "warp" else block_plan(spec, rows, smem, target)
 
 
+class Candidate(row_candidates.Candidate):
+    """A softmax plan worth timing (row_candidates.Candidate; grid kinds GRIDS)."""
+    spec_type = SoftmaxSpec
+    launch_for = staticmethod(launch_for)
+
+
 def shape_key(dtype: str, rows: int, cols: int, align: int = 16, same_phase: bool = True) -> str:
     """The tuning table's key of a shape (the module docstring)."""
-    return f"{dtype}|cols={cols}|rows={1 << (rows - 1).bit_length()}|align={align}|phase={int(same_phase)}"
-
-
-class TunedPlan(KernelLaunch):
-    """A plan from the tuning table: explain() says so."""
-
-    def explain(self) -> dict:
-        return {**super().explain(), "source": "tuned"}
+    return f"{dtype}|cols={cols}|rows={row_candidates.rows_bucket(rows)}|align={align}|phase={int(same_phase)}"
 
 
 def tuned_plan(op: str, rows: int, cols: int, dtype: str, target: Target, align: int = 16,
-               same_phase: bool = True) -> Optional[TunedPlan]:
+               same_phase: bool = True) -> Optional[row_candidates.TunedLaunch]:
     """The tuning table's winner for this shape on `target`'s live GPU, or None
     (no entry, or a profile target)."""
-    if target.device_id is None:
-        return None
-    found = tune.default_table().lookup(tune.DeviceKey.live(target.device_id), op,
-                                        shape_key(dtype, rows, cols, align, same_phase))
+    found = row_candidates.stored_winner(op, shape_key(dtype, rows, cols, align, same_phase), target)
     if found is None:
         return None
-    launch = Candidate.from_description(found, rows, target).launch
-    return TunedPlan(launch.spec, launch.block, launch.grid, launch.smem_bytes)
+    return row_candidates.tuned_launch(Candidate.from_description(found, rows, target).launch)
 
 
 def _rule_candidate(policy: str, chosen: KernelLaunch) -> Candidate:
     """A policy's plan as a candidate (its async blocks take a row each)."""
     return Candidate(policy, chosen, "per_row" if chosen.spec.impl == "block_async" else "waves")
-
-
-def _launches(target: Target, candidate: Candidate) -> bool:
-    """Whether the candidate can run: threads, shared memory, a block an SM."""
-    launch = candidate.launch
-    threads = launch.block[0] * launch.block[1] * launch.block[2]
-    return (threads <= 1024 and launch.smem_bytes <= target.facts.smem_per_block_optin and
-            target.max_active_blocks(launch.spec, threads, launch.smem_bytes, True) >= 1)
 
 
 def _warp_candidates(op, dtype, rows, cols, pack, target):
@@ -199,7 +167,5 @@ def candidates(op: str, dtype: str, rows: int, cols: int, target: Target, align:
         variants += _smem_candidates(op, dtype, rows, cols, layouts, target)
     if cols >= 32768:
         variants += _uncached_candidates(op, dtype, rows, layouts, target)
-    unique = {}
-    for candidate in found + [c for c in variants if _launches(target, c)]:
-        unique.setdefault(candidate.launch, candidate)
-    return list(unique.values())
+    return row_candidates.first_of_each_launch(
+        found + [c for c in variants if row_candidates.can_launch(target, c.launch)])

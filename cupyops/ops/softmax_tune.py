@@ -8,7 +8,6 @@ The arrays are contiguous and fresh, so the key's alignment is what their
 row length allows and their rows share one phase."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy
@@ -16,6 +15,7 @@ import numpy
 from .. import arrays, dtypes, tune
 from ..callcache import ReadyLaunch
 from ..launch import Target, live_function
+from .row_candidates import TIMER_BUDGET_S, Tuned
 from .softmax_candidates import Candidate, candidates, shape_key
 from .softmax_rows import INPUTS
 from .softmax_split import plan as split_plan
@@ -24,7 +24,6 @@ CHECKED_ROWS = 64
 # The largest error a candidate may show against the float64 reference, over
 # max(1, the reference's largest magnitude): a few roundings of the type.
 TOLERANCE = {"f16": 4e-3, "bf16": 3e-2, "f32": 1e-5, "f64": 1e-9}
-TIMER_BUDGET_S = 0.15
 
 
 def reference(op: str, inputs: list):
@@ -62,13 +61,6 @@ def sample_inputs(op: str, dtype: str, rows: int, cols: int) -> list:
 def moved_bytes(op: str, dtype: str, rows: int, cols: int) -> int:
     """Bytes a call moves: each input read and the output written once."""
     return (len(INPUTS[op]) + 1) * rows * cols * dtypes.BY_SHORT[dtype].itemsize
-
-
-@dataclass(frozen=True)
-class Tuned:
-    result: tune.Result     # timings of the candidates' descriptions, the fastest kept
-    errors: dict            # label -> why a candidate dropped out (wrong results, no launch)
-    shape_key: str
 
 
 def tune_shape(op: str, dtype: str, rows: int, cols: int, device_id: int,

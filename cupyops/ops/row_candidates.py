@@ -1,0 +1,87 @@
+"""What the row families' candidate generators share (issue 43): a Candidate
+(a plan worth timing, its label and how its grid follows rows) described by a
+JSON-able dict for the tuning table (cupyops.tune), the structural check that
+it can launch, the first candidate of each launch, the rows a table key
+stands for, the lookup of a stored winner on the live GPU and what a tuner
+reports (Tuned)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from .. import tune
+from ..launch import KernelLaunch, Target
+
+# How long the tuners time each candidate (cupyops.bench.Timer's budget).
+TIMER_BUDGET_S = 0.15
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A plan worth timing: its label, its launch and how its grid follows rows
+    (a family's grid kinds; the family rebuilds it for other rows)."""
+    label: str
+    launch: KernelLaunch
+    grid: str
+    # a family's subclass names its spec's type and its launch_for(spec, rows, smem, grid, target)
+    spec_type = None
+    launch_for = None
+
+    @classmethod
+    def from_description(cls, description: dict, rows: int, target: Target) -> "Candidate":
+        """The candidate `describe` gave, its grid made for `rows` on `target`."""
+        spec, grid = cls.spec_type(**description["spec"]), description["grid"]
+        return cls(description["label"], cls.launch_for(spec, rows, description["smem"], grid, target), grid)
+
+    def describe(self) -> dict:
+        """The JSON-able dict the tuning table keeps."""
+        return {"label": self.label, "grid": self.grid, "smem": self.launch.smem_bytes,
+                "spec": asdict(self.launch.spec)}
+
+
+class TunedLaunch(KernelLaunch):
+    """A plan from the tuning table: explain() says so."""
+
+    def explain(self) -> dict:
+        return {**super().explain(), "source": "tuned"}
+
+
+def tuned_launch(launch: KernelLaunch) -> TunedLaunch:
+    return TunedLaunch(launch.spec, launch.block, launch.grid, launch.smem_bytes)
+
+
+def rows_bucket(rows: int) -> int:
+    """The rows of a table key: rows rounded up to a power of two (past a few
+    waves rows change the grid, not the best plan)."""
+    return 1 << (rows - 1).bit_length()
+
+
+def can_launch(target: Target, launch: KernelLaunch) -> bool:
+    """Whether the launch can run: threads, shared memory, a block an SM."""
+    threads = launch.block[0] * launch.block[1] * launch.block[2]
+    return (threads <= 1024 and launch.smem_bytes <= target.facts.smem_per_block_optin and
+            target.max_active_blocks(launch.spec, threads, launch.smem_bytes, True) >= 1)
+
+
+def first_of_each_launch(found: list) -> list:
+    """The candidates, each launch once (its first label: the policies come first)."""
+    unique = {}
+    for candidate in found:
+        unique.setdefault(candidate.launch, candidate)
+    return list(unique.values())
+
+
+def stored_winner(op: str, shape_key: str, target: Target) -> Optional[dict]:
+    """The tuning table's winner (a description) for `op` and `shape_key` on
+    `target`'s live GPU, or None (no entry, or a profile target)."""
+    if target.device_id is None:
+        return None
+    return tune.default_table().lookup(tune.DeviceKey.live(target.device_id), op, shape_key)
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """What a tuner reports for one shape."""
+    result: tune.Result     # timings of the candidates' descriptions, the fastest kept
+    errors: dict            # label -> why a candidate dropped out (wrong results, no launch)
+    shape_key: str
