@@ -3,7 +3,7 @@ at the issue's score shapes, to choose the fused planner's rules.
 
 Scores (B, H, S, S) with B * H chosen so that x holds about 256 MiB. Bytes counted: forward
 x read and y written; backward dy and x read, dx written (the row's log-sum-exp left out).
-Candidates: the auto and oneflow plans, then every path of scripts/tune_softmax.py that reads
+Candidates: the auto and oneflow plans, then every path of softmax's candidate generator that reads
 through the LOAD (warp, registers in the compute type, shared memory in the compute type,
 uncached), each run through the public function with its plan put in place of the
 planner's, and checked against the auto plan's output before it is timed.
@@ -19,9 +19,9 @@ import cupy
 
 import cupyops
 from cupyops import dtypes
-from cupyops.launch import KernelLaunch, LaunchCache
+from cupyops.launch import LaunchCache
 from cupyops.ops import fused_softmax as fs
-from tune_softmax import candidates
+from cupyops.ops.softmax_candidates import candidates
 from tuning import Tuning
 
 VARIANTS = {"scale": {}, "causal": {"causal": True}, "dropout": {"dropout": 0.1, "seed": 7}}
@@ -32,11 +32,12 @@ def fused_candidates(stage, short, rows, cols, target, fusion, dropout):
     """(label, KernelLaunch) of each path the fused stage can take, the planner's first."""
     op = fs.SOFTMAX_OP[stage]
     found = [(policy, fs.plan(stage, rows, cols, short, policy, target, fusion)) for policy in ("auto", "oneflow")]
-    for label, spec, grid, block, smem in candidates(op, short, rows, cols, target):
+    for candidate in candidates(op, short, rows, cols, target):
+        label, spec = candidate.label, candidate.launch.spec
         if label in ("auto", "oneflow") or spec.impl not in FUSED_IMPLS or \
                 (spec.impl == "block_regs" and spec.storage_cache):
             continue
-        chosen = fs._with_compute_cache(KernelLaunch(spec, block, grid, smem), op, short, rows, cols, target)
+        chosen = fs._with_compute_cache(candidate.launch, op, short, rows, cols, target)
         found.append((label, replace(chosen, spec=fs.FusedSoftmaxSpec(
             stage, short, chosen.spec, dropout=dropout, bias_dtype=fusion.bias_dtype, mask=fusion.mask,
             causal=fusion.causal))))
