@@ -24,8 +24,8 @@ from cupyops import async_row, dtypes
 from cupyops.device import has_clusters
 from cupyops.launch import live_function
 from cupyops.ops import row_packs, softmax_rows, softmax_split
+from cupyops.ops.softmax_tune import reference
 from cupyops.rowwise import Operand
-from tune_softmax import reference
 from tuning import Tuning
 
 COOP_SIZES = (32, 64, 96, 128)     # bytes of each input a coop thread holds
