@@ -9,6 +9,7 @@ same weights and batches, so their losses agree within TOLERANCE; with
 dropout on (different masks on each side) the step times are reported.
 
 Usage (repository root, a CUDA GPU and torch): PYTHONPATH=. python examples/transformer_block.py
+(--profile: also torch.profiler's busiest ops, host and GPU, over three steps of each)
 """
 from __future__ import annotations
 
@@ -80,6 +81,21 @@ def train(use_cupyops: bool, options, dropout: float) -> tuple:
     return losses, 1e3 * sum(times[1:]) / max(1, len(times) - 1)
 
 
+def profile(use_cupyops: bool, options) -> None:
+    """Prints torch.profiler's ten busiest ops by host time and by GPU time over three steps."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    warm = argparse.Namespace(**{**vars(options), "steps": 2})
+    train(use_cupyops, warm, options.dropout)
+    with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as recorded:
+        train(use_cupyops, argparse.Namespace(**{**vars(options), "steps": 3}), options.dropout)
+    averages = recorded.key_averages()
+    print(f"== {'cupyops' if use_cupyops else 'torch'}: three steps")
+    for sort in ("self_cpu_time_total", "self_device_time_total"):
+        print(averages.table(sort_by=sort, row_limit=10, max_name_column_width=60))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=int, default=512)
@@ -89,6 +105,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true", help="also print torch.profiler's busiest ops")
     options = parser.parse_args()
     if not hasattr(ct, "FusedSoftmax"):
         print("cupyops has no fused_softmax: attention probabilities by cupyops.torch.softmax of the masked scores")
@@ -103,6 +120,9 @@ def main() -> int:
     _, ours_ms = train(True, options, options.dropout)
     _, theirs_ms = train(False, options, options.dropout)
     print(f"dropout {options.dropout}: step time cupyops {ours_ms:.3f} ms, torch {theirs_ms:.3f} ms")
+    if options.profile:
+        profile(True, options)
+        profile(False, options)
     return 0 if worst <= TOLERANCE else 1
 
 

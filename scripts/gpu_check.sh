@@ -6,6 +6,7 @@
 #   tests | sanitize | targets | odd-rows (rows at mixed phases against torch) | small-rows (auto
 #   against oneflow at short rows) | fused-tune (scripts/tune_fused_softmax.py) |
 #   bench-forward | bench-rest (the full sweeps over cols) | elementwise | families | all
+#   fused          issue 39's sweep of fused_softmax (S 128 to 16384; FUSED_DTYPES, FUSED_PARTS narrow it)
 #   conv           the int8 convolution alone: its GPU tests, compute-sanitizer over every
 #                  kernel configuration (wgmma's on sm_90), the measured int8 peaks and its bench
 set -uo pipefail
@@ -92,6 +93,26 @@ if run families; then   # fused softmax, int8 convolution, host cost, the torch 
     bench fused_softmax_backward "$dtype" causal "${ATTENTION[@]}" --causal
   done
   python -m cupyops.cli bench conv2d_int8 --layers all --json "$OUT/json/bench_conv2d_int8.json" | tee -a "$OUT/bench.txt"
+fi
+# issue 39's sweep: S 128 to 16384, x of at least 256 MB; FUSED_DTYPES / FUSED_PARTS narrow it
+ATTENTION_SWEEP=(64,128,128,128 16,32,512,512 8,16,1024,1024 2,16,2048,2048 1,8,4096,4096 1,1,16384,16384)
+if run fused; then
+  for dtype in ${FUSED_DTYPES:-float16 bfloat16}; do
+    shapes=(); for s in "${ATTENTION_SWEEP[@]}"; do shapes+=(--shape "$s"); done
+    if [[ "${FUSED_PARTS:-forward backward}" == *forward* ]]; then
+      bench fused_softmax "$dtype" sweep_causal "${shapes[@]}" --causal
+      bench fused_softmax "$dtype" sweep_dropout "${shapes[@]}" --dropout 0.1
+      for s in "${ATTENTION_SWEEP[@]}"; do   # a padding mask (B,1,1,S) and a position bias (H,S,S) of each shape
+        IFS=, read -r b h q k <<< "$s"
+        bench fused_softmax "$dtype" "sweep_mask_$k" --shape "$s" --mask-shape "$b,1,1,$k"
+        bench fused_softmax "$dtype" "sweep_bias_$k" --shape "$s" --bias-shape "$h,$q,$k"
+      done
+    fi
+    if [[ "${FUSED_PARTS:-forward backward}" == *backward* ]]; then
+      bench fused_softmax_backward "$dtype" sweep_causal "${shapes[@]}" --causal
+      bench fused_softmax_backward "$dtype" sweep_dropout "${shapes[@]}" --dropout 0.1
+    fi
+  done
 fi
 if run small-rows; then   # auto against the oneflow policy at short rows, every row-wise op and type
   for op in softmax log_softmax softmax_backward log_softmax_backward layer_norm rms_norm layer_norm_backward \

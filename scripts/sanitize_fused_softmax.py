@@ -2,7 +2,7 @@
 compute-sanitizer (memcheck, racecheck): the warp, register, shared-memory and
 uncached paths (rows of 1 to 2^17 columns, aligned and peeled), bias, mask,
 causal, dropout, the log-sum-exp kernel, the backward, both policies, another
-axis and dropout_mask. Prints the plans taken and "all paths ran" at the end."""
+axis, out= and dropout_mask. Prints the plans taken and "all paths ran" at the end."""
 from __future__ import annotations
 
 import cupy
@@ -29,6 +29,9 @@ def main():
                             seed=3, offset=5, policy=policy)     # packs straddle Philox groups
                 y, lse = cupyops.fused_softmax(x, return_lse=True, **args)
                 cupyops.fused_softmax_backward(cupy.ones_like(y), x, lse, **args)
+                written = cupy.empty_like(x)      # out= written in place by the stage itself
+                cupyops.fused_softmax(x, out=written, **args)
+                cupyops.fused_softmax_backward(cupy.ones_like(y), x, lse, out=written, **args)
                 cupyops.fused_softmax(x, policy=policy)
                 for stage in ("forward", "backward"):
                     chosen = fs.plan(stage, x.size // cols, cols, "f16" if dtype == cupy.float16 else "f32", policy,
