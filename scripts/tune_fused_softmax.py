@@ -2,12 +2,13 @@
 at the issue's score shapes, to choose the fused planner's rules.
 
 Scores (B, H, S, S) with B * H chosen so that x holds about 256 MiB. Bytes counted: forward
-x read and y written; backward dy and x read, dx written (the row's log-sum-exp left out).
+x read and y written; backward dy and x read, dx written (the row's log-sum-exp left out); mask
+and bias once each at their own size.
 Candidates: the auto and oneflow plans, then every path of softmax's candidate generator that reads
 through the LOAD (warp, registers in the compute type, shared memory in the compute type,
 uncached), each run through the public function with its plan put in place of the
 planner's, and checked against the auto plan's output before it is timed.
-Usage (in scripts/): python tune_fused_softmax.py [--seq 128,1024,4096] [--variants scale,causal,dropout]
+Usage (in scripts/): python tune_fused_softmax.py [--seq 128,1024,4096] [--variants scale,causal,dropout,mask,bias]
 [--stages forward,backward] [--dtypes float16]
 """
 from __future__ import annotations
@@ -24,7 +25,19 @@ from cupyops.ops import fused_softmax as fs
 from cupyops.ops.softmax_candidates import candidates
 from tuning import Tuning
 
-VARIANTS = {"scale": {}, "causal": {"causal": True}, "dropout": {"dropout": 0.1, "seed": 7}}
+VARIANTS = {"scale": {}, "causal": {"causal": True}, "dropout": {"dropout": 0.1, "seed": 7},
+            "mask": {"mask": "padding"}, "bias": {"bias": "position"}}
+
+
+def operands(variant, shape, dtype, generator) -> dict:
+    """The variant's keyword arguments: a padding mask (B, 1, 1, S) or a position bias (H, S, S) made here."""
+    options = dict(VARIANTS[variant])
+    batch, heads, seq, _ = shape
+    if "mask" in options:
+        options["mask"] = generator.random((batch, 1, 1, seq)) < 0.9
+    if "bias" in options:
+        options["bias"] = generator.standard_normal((heads, seq, seq), dtype=cupy.float32).astype(dtype)
+    return options
 FUSED_IMPLS = ("warp", "block_regs", "block_smem", "block_uncached")
 
 
@@ -59,19 +72,21 @@ def time_shape(tuning, short, dtype, seq, variants, stages, mib):
     rows = x.size // seq
     planner = fs.plan
     for variant in variants:
-        options = dict(scale=0.125, **VARIANTS[variant])
+        options = dict(scale=0.125, **operands(variant, shape, dtype, generator))
         dropout = bool(options.get("dropout"))
-        fusion = fs.Fusion(causal=bool(options.get("causal")), dropout=dropout)
+        extra = sum(options[name].nbytes for name in ("mask", "bias") if name in options)
+        fusion = fs.Fusion(short if "bias" in options else "", "mask" in options, bool(options.get("causal")),
+                           dropout)
         y, lse = cupyops.fused_softmax(x, return_lse=True, **options)
         for stage in stages:
             if stage == "forward":
                 expect = y[:1]
                 call = lambda: cupyops.fused_softmax(x, out=out, **options)  # noqa: E731
-                num_bytes = 2 * x.nbytes
+                num_bytes = 2 * x.nbytes + extra
             else:
                 expect = cupyops.fused_softmax_backward(dy, x, lse, **options)[:1]
                 call = lambda: cupyops.fused_softmax_backward(dy, x, lse, out=out, **options)  # noqa: E731
-                num_bytes = 3 * x.nbytes
+                num_bytes = 3 * x.nbytes + extra
             for label, chosen in fused_candidates(stage, short, rows, seq, tuning.target, fusion, dropout):
                 fs.plan = lambda stage_, *rest, c=chosen, s=stage: c if stage_ == s else planner(stage_, *rest)
                 fs._launches = LaunchCache()
