@@ -5,9 +5,12 @@ registers the ops as torch.library custom ops in the "cupyops" namespace
 (torch.ops.cupyops.*), each with a fake implementation for torch.compile
 and its backward through cupyops' own backward kernels (or torch formulas
 for the elementwise ops), so `torch.compile(model, fullgraph=True)` captures
-a model using them without a graph break. The ops run on torch's current
-stream of the tensors' GPU, read torch's memory in place and return their
-outputs through DLPack, without copies; outputs are torch tensors. CPU
+a model using them without a graph break. Eager calls skip torch's
+dispatcher: they run the same implementation directly, through a
+torch.autograd.Function where an input needs a gradient (the same kernels,
+outputs and gradients). The ops run on torch's current stream of the
+tensors' GPU, read torch's memory in place and return their outputs
+through DLPack, without copies; outputs are torch tensors. CPU
 tensors take torch's own ops (but for the dropout ops, whose keep masks are
 cupyops' own).
 
@@ -17,11 +20,13 @@ bias_dropout_add (each where cupyops has the op). Modules: LayerNorm,
 RMSNorm (drop-in for torch.nn.LayerNorm / torch.nn.RMSNorm: the same
 arguments, parameters and state_dict keys) and FusedSoftmax.
 """
+import functools
 from typing import Optional, Sequence, Union
 
 import cupy
 import numpy
 import torch
+from torch.autograd.function import once_differentiable
 
 import cupyops
 from cupyops import fx
@@ -31,52 +36,73 @@ _ShapeLike = Union[int, Sequence[int], torch.Size]
 
 # -- torch <-> cupy --------------------------------------------------------------------------
 
-_external_streams: dict = {}
-
-
 _NUMPY_DTYPES = {torch.float16: numpy.dtype(numpy.float16), torch.bfloat16: BFLOAT16,
                  torch.float32: numpy.dtype(numpy.float32), torch.float64: numpy.dtype(numpy.float64),
                  torch.bool: numpy.dtype(numpy.bool_), torch.int8: numpy.dtype(numpy.int8),
                  torch.uint8: numpy.dtype(numpy.uint8), torch.int16: numpy.dtype(numpy.int16),
                  torch.int32: numpy.dtype(numpy.int32), torch.int64: numpy.dtype(numpy.int64)}
+_INT16 = numpy.dtype(numpy.int16)
+_MAX_VIEWS = 1024
+_views: dict = {}     # (pointer, dtype, shape, strides, GPU) -> a CuPy view of that memory
+_streams: dict = {}   # (GPU, torch's raw stream pointer) -> cupy.cuda.ExternalStream
 
 
 def _to_cupy(tensor: Optional[torch.Tensor]):
-    """A CuPy view of a CUDA tensor's memory, built from its pointer, shape and strides (the
-    tensor keeps the memory alive): no copy and, unlike DLPack, no per-call stream handshake."""
+    """A CuPy view of a CUDA tensor's memory, built from its pointer, shape and strides: no copy
+    and, unlike DLPack, no per-call stream handshake. Views are kept by layout and owned by
+    nobody (the caller's tensor keeps the memory alive for the call; a view outliving its
+    tensor is never read, since ops return only memory they allocated)."""
     if tensor is None:
         return None
-    dtype = _NUMPY_DTYPES.get(tensor.dtype)
-    if dtype is None or not tensor.is_cuda:
-        raise TypeError(f"cupyops takes CUDA tensors of {', '.join(map(str, _NUMPY_DTYPES))}, "
-                        f"got {tensor.dtype} on {tensor.device}")
-    shape, strides = tuple(tensor.shape), tensor.stride()
-    extent = 1 + sum((n - 1) * step for n, step in zip(shape, strides)) if all(shape) else 0
-    memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), extent * dtype.itemsize, tensor, tensor.get_device())
-    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0),
-                        tuple(step * dtype.itemsize for step in strides))
+    key = (tensor.data_ptr(), tensor.dtype, tensor.shape, tensor.stride(), tensor.get_device())
+    view = _views.get(key)
+    if view is None:
+        dtype = _NUMPY_DTYPES.get(tensor.dtype)
+        if dtype is None or not tensor.is_cuda:
+            raise TypeError(f"cupyops takes CUDA tensors of {', '.join(map(str, _NUMPY_DTYPES))}, "
+                            f"got {tensor.dtype} on {tensor.device}")
+        shape, strides = tuple(tensor.shape), tensor.stride()
+        extent = 1 + sum((n - 1) * step for n, step in zip(shape, strides)) if all(shape) else 0
+        memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), extent * dtype.itemsize, None, tensor.get_device())
+        view = cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0),
+                            tuple(step * dtype.itemsize for step in strides))
+        if len(_views) >= _MAX_VIEWS:
+            _views.clear()
+        _views[key] = view
+    return view
 
 
 def _to_torch(array) -> Optional[torch.Tensor]:
-    """A torch view of a CuPy array, contiguous as the fake implementations say."""
+    """A torch tensor of a CuPy array's memory (contiguous, as the fake implementations say),
+    through DLPack without a stream handshake: producer and consumer share torch's stream."""
     if array is None:
         return None
     if array.dtype == BFLOAT16:
-        return torch.from_dlpack(array.view(numpy.int16)).view(torch.bfloat16).contiguous()
-    return torch.from_dlpack(array).contiguous()
+        return torch._C._from_dlpack(array.view(_INT16).__dlpack__(stream=-1)).view(torch.bfloat16).contiguous()
+    return torch._C._from_dlpack(array.__dlpack__(stream=-1)).contiguous()
+
+
+def _stream(index: int):
+    """torch's current stream of GPU `index` as a CuPy stream, wrapped once per stream (the
+    raw pointer read as torch.compile's generated code reads it)."""
+    pointer = torch._C._cuda_getCurrentRawStream(index)
+    stream = _streams.get((index, pointer))
+    if stream is None:
+        stream = _streams[index, pointer] = cupy.cuda.ExternalStream(pointer, index)
+    return stream
 
 
 def _run(device: torch.device, compute):
     """compute() (cupy arrays, None or a tuple of them) with cupy's current
     device and stream those torch uses for `device`, as torch tensors."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    pointer = torch.cuda.current_stream(index).cuda_stream
-    stream = _external_streams.get((index, pointer))
-    if stream is None:
-        stream = _external_streams[index, pointer] = cupy.cuda.ExternalStream(pointer, index)
-    with cupy.cuda.Device(index), stream:
-        result = compute()
-        return tuple(map(_to_torch, result)) if isinstance(result, tuple) else _to_torch(result)
+    index = device.index
+    if cupy.cuda.runtime.getDevice() == index:
+        with _stream(index):
+            result = compute()
+    else:
+        with cupy.cuda.Device(index), _stream(index):
+            result = compute()
+    return tuple(map(_to_torch, result)) if isinstance(result, tuple) else _to_torch(result)
 
 
 def _nothing(x: torch.Tensor) -> torch.Tensor:
@@ -84,11 +110,53 @@ def _nothing(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(0)
 
 
-def _define(name: str, schema: str, implementation, fake):
-    """The custom op cupyops::name with its fake implementation."""
-    op = torch.library.custom_op(f"cupyops::{name}", implementation, mutates_args=(), schema=schema)
-    op.register_fake(fake)
-    return op
+def _output_grad(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """An output's gradient in like's dtype: zeros where autograd passes None (an unused output)."""
+    return torch.zeros_like(like) if grad is None else grad.to(like.dtype)
+
+
+class _Op:
+    """cupyops::name, reached two ways. While torch.compile traces, the registered custom op
+    (with its fake implementation, and its gradient calling the backward custom ops). In
+    eager mode the implementation itself, without the dispatcher's per-call Python, through
+    a torch.autograd.Function where an input needs a gradient, whose backward calls the
+    backward ops' implementations: the same kernels, outputs and gradients either way."""
+
+    def __init__(self, name: str, schema: str, implementation, fake):
+        self.name, self.implementation, self.function = name, implementation, None
+        self.custom = torch.library.custom_op(f"cupyops::{name}", implementation, mutates_args=(), schema=schema)
+        self.custom.register_fake(fake)
+
+    def differentiable(self, setup_context, gradient) -> "_Op":
+        """Both ways differentiable. setup_context(ctx, inputs, output) saves what
+        gradient(call, ctx, *output gradients) reads; it returns a gradient per input, running
+        a backward _Op as call(op, *args) (the custom op traced, the implementation eager)."""
+        self.custom.register_autograd(functools.partial(gradient, _call_custom), setup_context=setup_context)
+
+        def eager_setup_context(ctx, inputs, output):
+            ctx.set_materialize_grads(False)   # unused outputs' gradients stay None, not zeros
+            setup_context(ctx, inputs, output)
+
+        members = {"forward": staticmethod(self.implementation), "setup_context": staticmethod(eager_setup_context),
+                   "backward": staticmethod(once_differentiable(functools.partial(gradient, _call_eager)))}
+        self.function = type(f"cupyops_{self.name}", (torch.autograd.Function,), members)
+        return self
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            return self.custom(*args)
+        if self.function is not None and torch.is_grad_enabled() and any(
+                isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
+            return self.function.apply(*args)
+        return self.implementation(*args)
+
+
+def _call_custom(op: _Op, *args):
+    return op.custom(*args)
+
+
+def _call_eager(op: _Op, *args):
+    return op.implementation(*args)
 
 
 def _check_float(x: torch.Tensor) -> None:
@@ -105,23 +173,22 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
 def _softmax_op(name: str):
     """cupyops::name and cupyops::name_backward, the first differentiable through the second."""
     forward, backward = getattr(cupyops, name), getattr(cupyops, f"{name}_backward")
-    forward_op = _define(name, "(Tensor x, int dim) -> Tensor",
-                         lambda x, dim: _run(x.device, lambda: forward(_to_cupy(x), axis=dim)),
-                         lambda x, dim: torch.empty_like(x, memory_format=torch.contiguous_format))
-    backward_op = _define(f"{name}_backward", "(Tensor grad, Tensor y, int dim) -> Tensor",
-                          lambda grad, y, dim: _run(y.device, lambda: backward(_to_cupy(grad), _to_cupy(y), axis=dim)),
-                          lambda grad, y, dim: torch.empty_like(y, memory_format=torch.contiguous_format))
+    forward_op = _Op(name, "(Tensor x, int dim) -> Tensor",
+                     lambda x, dim: _run(x.device, lambda: forward(_to_cupy(x), axis=dim)),
+                     lambda x, dim: torch.empty_like(x, memory_format=torch.contiguous_format))
+    backward_op = _Op(f"{name}_backward", "(Tensor grad, Tensor y, int dim) -> Tensor",
+                      lambda grad, y, dim: _run(y.device, lambda: backward(_to_cupy(grad), _to_cupy(y), axis=dim)),
+                      lambda grad, y, dim: torch.empty_like(y, memory_format=torch.contiguous_format))
 
     def setup_context(ctx, inputs, output):
         ctx.dim = inputs[1]
         ctx.save_for_backward(output)
 
-    def gradient(ctx, grad):
+    def gradient(call, ctx, grad):
         y, = ctx.saved_tensors
-        return backward_op(grad.to(y.dtype), y, ctx.dim), None
+        return call(backward_op, _output_grad(grad, y), y, ctx.dim), None
 
-    forward_op.register_autograd(gradient, setup_context=setup_context)
-    return forward_op
+    return forward_op.differentiable(setup_context, gradient)
 
 
 _softmax = _softmax_op("softmax")
@@ -186,22 +253,22 @@ def _norm_backward_fake(centered: bool, x, ndim: int, need_weight_grad: bool, ne
     return (dx, grad(need_weight_grad), grad(need_bias_grad)) if centered else (dx, grad(need_weight_grad))
 
 
-_layer_norm = _define(
+_layer_norm = _Op(
     "layer_norm", "(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, int ndim, float eps) "
                   "-> (Tensor, Tensor, Tensor, Tensor)",
     lambda x, weight, bias, residual, ndim, eps: _norm_forward(True, x, weight, bias, residual, ndim, eps),
     lambda x, weight, bias, residual, ndim, eps: _norm_forward_fake(True, x, residual, ndim))
-_rms_norm = _define(
+_rms_norm = _Op(
     "rms_norm", "(Tensor x, Tensor? weight, Tensor? residual, int ndim, float eps) -> (Tensor, Tensor, Tensor)",
     lambda x, weight, residual, ndim, eps: _norm_forward(False, x, weight, None, residual, ndim, eps),
     lambda x, weight, residual, ndim, eps: _norm_forward_fake(False, x, residual, ndim))
-_layer_norm_backward = _define(
+_layer_norm_backward = _Op(
     "layer_norm_backward", "(Tensor grad, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, int ndim, "
                            "bool need_weight_grad, bool need_bias_grad) -> (Tensor, Tensor, Tensor)",
     lambda grad, x, mean, rstd, weight, ndim, need_w, need_b: _norm_backward(True, grad, x, mean, rstd, weight,
                                                                              ndim, need_w, need_b),
     lambda grad, x, mean, rstd, weight, ndim, need_w, need_b: _norm_backward_fake(True, x, ndim, need_w, need_b))
-_rms_norm_backward = _define(
+_rms_norm_backward = _Op(
     "rms_norm_backward", "(Tensor grad, Tensor x, Tensor rstd, Tensor? weight, int ndim, bool need_weight_grad) "
                          "-> (Tensor, Tensor)",
     lambda grad, x, rstd, weight, ndim, need_w: _norm_backward(False, grad, x, None, rstd, weight, ndim, need_w,
@@ -216,29 +283,29 @@ def _norm_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1] if ctx.residual else x, weight, *output[2:])
 
 
-def _layer_norm_gradient(ctx, grad_y, grad_h, grad_mean, grad_rstd):
+def _layer_norm_gradient(call, ctx, grad_y, grad_h, grad_mean, grad_rstd):
     x, weight, mean, rstd = ctx.saved_tensors
     need_weight_grad = weight is not None and ctx.needs_input_grad[1]
     need_bias_grad = ctx.needs_input_grad[2]
-    dx, dweight, dbias = _layer_norm_backward(grad_y.to(x.dtype), x, mean, rstd, weight, ctx.ndim, need_weight_grad,
-                                              need_bias_grad)
-    if ctx.residual:
+    dx, dweight, dbias = call(_layer_norm_backward, _output_grad(grad_y, x), x, mean, rstd, weight, ctx.ndim,
+                              need_weight_grad, need_bias_grad)
+    if ctx.residual and grad_h is not None:
         dx = dx + grad_h
     return (dx, dweight if need_weight_grad else None, dbias if need_bias_grad else None,
             dx if ctx.residual else None, None, None)
 
 
-def _rms_norm_gradient(ctx, grad_y, grad_h, grad_rstd):
+def _rms_norm_gradient(call, ctx, grad_y, grad_h, grad_rstd):
     x, weight, rstd = ctx.saved_tensors
     need_weight_grad = weight is not None and ctx.needs_input_grad[1]
-    dx, dweight = _rms_norm_backward(grad_y.to(x.dtype), x, rstd, weight, ctx.ndim, need_weight_grad)
-    if ctx.residual:
+    dx, dweight = call(_rms_norm_backward, _output_grad(grad_y, x), x, rstd, weight, ctx.ndim, need_weight_grad)
+    if ctx.residual and grad_h is not None:
         dx = dx + grad_h
     return dx, dweight if need_weight_grad else None, dx if ctx.residual else None, None, None
 
 
-_layer_norm.register_autograd(_layer_norm_gradient, setup_context=_norm_setup)
-_rms_norm.register_autograd(_rms_norm_gradient, setup_context=_norm_setup)
+_layer_norm.differentiable(_norm_setup, _layer_norm_gradient)
+_rms_norm.differentiable(_norm_setup, _rms_norm_gradient)
 
 
 def _normalized_ndim(x: torch.Tensor, normalized_shape: _ShapeLike) -> int:
@@ -318,54 +385,55 @@ def _elementwise_fake(*operands):
 def _elementwise_op(name: str, schema: str, compute, gradient, saved: int):
     """cupyops::name of `saved` tensor operands (and scalars after them),
     computed by compute(*cupy operands, *scalars), differentiated by
-    gradient(grad, *operands, *scalars) -> a gradient per operand."""
-    op = _define(name, schema,
-                 lambda *args: _run(args[0].device, lambda: compute(*map(_to_cupy, args[:saved]), *args[saved:])),
-                 lambda *args: _elementwise_fake(*args[:saved]))
+    gradient(call, grad, *operands, *scalars) -> a gradient per operand (call: as _Op.differentiable's)."""
+    op = _Op(name, schema,
+             lambda *args: _run(args[0].device, lambda: compute(*map(_to_cupy, args[:saved]), *args[saved:])),
+             lambda *args: _elementwise_fake(*args[:saved]))
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:saved])
         ctx.scalars = inputs[saved:]
 
-    def backward(ctx, grad):
+    def backward(call, ctx, grad):
         operands = ctx.saved_tensors
-        grads = gradient(grad, *operands, *ctx.scalars)
+        if grad is None:
+            return (None,) * (len(operands) + len(ctx.scalars))
+        grads = gradient(call, grad, *operands, *ctx.scalars)
         return (*(_sum_to(g, t) for g, t in zip(grads, operands)), *(None for _ in ctx.scalars))
 
-    op.register_autograd(backward, setup_context=setup_context)
-    return op
+    return op.differentiable(setup_context, backward)
 
 
-def _gelu_gradient(grad, x, bias, approximate):
+def _gelu_gradient(call, grad, x, bias, approximate):
     dz = torch.ops.aten.gelu_backward(grad, x + bias, approximate=approximate)
     return dz, dz
 
 
-def _geglu_gradient(grad, a, b, approximate):
+def _geglu_gradient(call, grad, a, b, approximate):
     return (torch.ops.aten.gelu_backward(grad * b, a.to(grad.dtype), approximate=approximate),
             grad * torch.nn.functional.gelu(a.to(grad.dtype), approximate=approximate))
 
 
-def _silu_gradient(grad, x, bias):
+def _silu_gradient(call, grad, x, bias):
     dz = torch.ops.aten.silu_backward(grad, x + bias)
     return dz, dz
 
 
-def _swiglu_gradient(grad, a, b):
+def _swiglu_gradient(call, grad, a, b):
     return (torch.ops.aten.silu_backward(grad * b, a.to(grad.dtype)),
             grad * torch.nn.functional.silu(a.to(grad.dtype)))
 
 
 # dropout(g) with the mask of g's shape: the gradient of bias_dropout_add's x + bias
 _dropout = cupyops.fuse(lambda g, p, seed, offset: fx.dropout(g, p, seed, offset))
-_dropout_gradient_op = _define(
+_dropout_gradient_op = _Op(
     "dropout_gradient", "(Tensor grad, float p, int seed, int offset) -> Tensor",
     lambda grad, p, seed, offset: _run(grad.device, lambda: _dropout(_to_cupy(grad), p, seed, offset)),
     lambda grad, p, seed, offset: torch.empty_like(grad, memory_format=torch.contiguous_format))
 
 
-def _bias_dropout_add_gradient(grad, x, bias, residual, p, seed, offset):
-    dz = _dropout_gradient_op(grad, p, seed, offset)
+def _bias_dropout_add_gradient(call, grad, x, bias, residual, p, seed, offset):
+    dz = call(_dropout_gradient_op, grad, p, seed, offset)
     return dz, dz, grad
 
 
@@ -443,27 +511,26 @@ def _fused_softmax_op():
             _to_cupy(grad), _to_cupy(x), _to_cupy(lse), scale=scale, bias=_to_cupy(bias), mask=_to_cupy(mask),
             causal=causal, diagonal=diagonal, dropout=dropout, seed=seed, offset=offset, axis=dim))
 
-    forward_op = _define("fused_softmax", f"(Tensor x, Tensor? bias, Tensor? mask, Tensor rng, {_FUSED_SCALARS}, "
-                                          "bool need_lse) -> (Tensor, Tensor)", forward, forward_fake)
-    backward_op = _define("fused_softmax_backward", "(Tensor grad, Tensor x, Tensor lse, Tensor? bias, Tensor? mask, "
-                                                    f"Tensor rng, {_FUSED_SCALARS}) -> Tensor", backward,
-                          lambda grad, x, *args: torch.empty_like(x, memory_format=torch.contiguous_format))
+    forward_op = _Op("fused_softmax", f"(Tensor x, Tensor? bias, Tensor? mask, Tensor rng, {_FUSED_SCALARS}, "
+                                      "bool need_lse) -> (Tensor, Tensor)", forward, forward_fake)
+    backward_op = _Op("fused_softmax_backward", "(Tensor grad, Tensor x, Tensor lse, Tensor? bias, Tensor? mask, "
+                                                f"Tensor rng, {_FUSED_SCALARS}) -> Tensor", backward,
+                      lambda grad, x, *args: torch.empty_like(x, memory_format=torch.contiguous_format))
 
     def setup_context(ctx, inputs, output):
         x, bias, mask, rng, *scalars = inputs
         ctx.scalars = scalars[:-1]   # need_lse is the forward's alone
         ctx.save_for_backward(x, output[1], bias, mask, rng)
 
-    def gradient(ctx, grad_y, grad_lse):
+    def gradient(call, ctx, grad_y, grad_lse):
         x, lse, bias, mask, rng = ctx.saved_tensors
-        dx = backward_op(grad_y.to(x.dtype), x, lse, bias, mask, rng, *ctx.scalars)
+        dx = call(backward_op, _output_grad(grad_y, x), x, lse, bias, mask, rng, *ctx.scalars)
         dbias = None
         if bias is not None and ctx.needs_input_grad[1]:   # dx / scale summed over bias's broadcast axes
             dbias = (dx.float() / ctx.scalars[0]).sum_to_size(bias.shape).to(bias.dtype)
         return dx, dbias, *(None for _ in range(8))
 
-    forward_op.register_autograd(gradient, setup_context=setup_context)
-    return forward_op
+    return forward_op.differentiable(setup_context, gradient)
 
 
 def _fused_softmax_call(x, bias, mask, rng, scale, causal, diagonal, dropout, dim) -> torch.Tensor:

@@ -133,6 +133,26 @@ def test_against_torch(torch, ct, name, dtype):
 
 
 @pytest.mark.gpu
+def test_eager_route_matches_the_custom_op(torch, ct):
+    """Eager calls run the implementation through a torch.autograd.Function; the registered
+    custom op (what torch.compile traces) gives the same outputs and gradients, bit for bit."""
+    x, w, r = _inputs(torch, (64, 96), (96,), (64, 96), dtype="float32", seed=3)
+    dy = torch.randn(64, 96, device="cuda")
+    routes = [ct._rms_norm(x, w, r, 1, 1e-6), ct._rms_norm.custom(x, w, r, 1, 1e-6)]
+    assert all(torch.equal(a, b) for a, b in zip(*routes))
+    grads = [torch.autograd.grad(outputs[0], (x, w, r), dy) for outputs in routes]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    if hasattr(ct, "fused_softmax"):
+        s, bias = _inputs(torch, (2, 3, 16, 16), (16,), dtype="float32", seed=4)
+        rng = torch.tensor([9, 2], dtype=torch.int64)
+        args = (s, bias, None, rng, 0.5, True, 0, 0.2, -1, True)
+        routes = [ct._fused_softmax(*args), ct._fused_softmax.custom(*args)]
+        assert all(torch.equal(a, b) for a, b in zip(*routes))
+        grads = [torch.autograd.grad(outputs[0], (s, bias), torch.ones_like(s)) for outputs in routes]
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.gpu
 def test_runs_on_torchs_current_stream(torch, ct):
     x, w = _inputs(torch, (64, 128), (128,), dtype="float32")
     stream = torch.cuda.Stream()
