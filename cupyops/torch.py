@@ -133,11 +133,13 @@ class _Op:
         a backward _Op as call(op, *args) (the custom op traced, the implementation eager)."""
         self.custom.register_autograd(functools.partial(gradient, _call_custom), setup_context=setup_context)
 
-        def eager_setup_context(ctx, inputs, output):
+        def eager_forward(ctx, *inputs):   # ctx first: Function.apply then binds no signature per call
+            output = self.implementation(*inputs)
             ctx.set_materialize_grads(False)   # unused outputs' gradients stay None, not zeros
             setup_context(ctx, inputs, output)
+            return output
 
-        members = {"forward": staticmethod(self.implementation), "setup_context": staticmethod(eager_setup_context),
+        members = {"forward": staticmethod(eager_forward),
                    "backward": staticmethod(once_differentiable(functools.partial(gradient, _call_eager)))}
         self.function = type(f"cupyops_{self.name}", (torch.autograd.Function,), members)
         return self
@@ -414,14 +416,32 @@ def _geglu_gradient(call, grad, a, b, approximate):
             grad * torch.nn.functional.gelu(a.to(grad.dtype), approximate=approximate))
 
 
+def _silu_derivative(a):
+    """d silu(a) / da = sigmoid(a) * (1 + a * (1 - sigmoid(a)))."""
+    s = fx.sigmoid(a)
+    return s * (1 + a * (1 - s))
+
+
+# The silu gradients, each one cupyops kernel: bias_silu's dz (x + bias's), swiglu's (da, db)
+_silu_backward = _Op(
+    "silu_backward", "(Tensor grad, Tensor x, Tensor bias) -> Tensor",
+    lambda grad, x, bias: _run(grad.device, lambda: _bias_silu_dz(_to_cupy(grad), _to_cupy(x), _to_cupy(bias))),
+    lambda grad, x, bias: _elementwise_fake(grad, x, bias))
+_swiglu_backward = _Op(
+    "swiglu_backward", "(Tensor grad, Tensor a, Tensor b) -> (Tensor, Tensor)",
+    lambda grad, a, b: _run(grad.device, lambda: _swiglu_dadb(_to_cupy(grad), _to_cupy(a), _to_cupy(b))),
+    lambda grad, a, b: (_elementwise_fake(grad, a, b), _elementwise_fake(grad, a, b)))
+_bias_silu_dz = cupyops.fuse(lambda g, x, bias: g * _silu_derivative(x + bias))
+_swiglu_dadb = cupyops.fuse(lambda g, a, b: (g * b * _silu_derivative(a), g * a * fx.sigmoid(a)))
+
+
 def _silu_gradient(call, grad, x, bias):
-    dz = torch.ops.aten.silu_backward(grad, x + bias)
+    dz = call(_silu_backward, grad, x, bias)
     return dz, dz
 
 
 def _swiglu_gradient(call, grad, a, b):
-    return (torch.ops.aten.silu_backward(grad * b, a.to(grad.dtype)),
-            grad * torch.nn.functional.silu(a.to(grad.dtype)))
+    return call(_swiglu_backward, grad, a, b)
 
 
 # dropout(g) with the mask of g's shape: the gradient of bias_dropout_add's x + bias
