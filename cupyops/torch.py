@@ -147,9 +147,10 @@ class _Op:
     def __call__(self, *args):
         if torch.compiler.is_compiling():
             return self.custom(*args)
-        if self.function is not None and torch.is_grad_enabled() and any(
-                isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
-            return self.function.apply(*args)
+        if self.function is not None and torch.is_grad_enabled():
+            for arg in args:
+                if isinstance(arg, torch.Tensor) and arg.requires_grad:
+                    return self.function.apply(*args)
         return self.implementation(*args)
 
 

@@ -14,6 +14,7 @@ Usage (repository root, a CUDA GPU and torch): PYTHONPATH=. python examples/tran
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 import cupyops.torch as ct
 
 TOLERANCE = 2e-3   # relative, per step's loss, float32
+WARMUP_STEPS = 2   # of each timed run, left out of the step times
 
 
 class TransformerBlock(torch.nn.Module):
@@ -61,7 +63,7 @@ class TransformerBlock(torch.nn.Module):
 
 
 def train(use_cupyops: bool, options, dropout: float) -> tuple:
-    """(losses, ms per step after the first) of options.steps AdamW steps from seed options.seed."""
+    """(losses, seconds of each step) of options.steps AdamW steps from seed options.seed."""
     torch.manual_seed(options.seed)
     block = TransformerBlock(options.width, options.heads, dropout, use_cupyops).cuda()
     optimizer = torch.optim.AdamW(block.parameters(), lr=1e-3)
@@ -78,7 +80,7 @@ def train(use_cupyops: bool, options, dropout: float) -> tuple:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - began)
         losses.append(loss.item())
-    return losses, 1e3 * sum(times[1:]) / max(1, len(times) - 1)
+    return losses, times
 
 
 def profile(use_cupyops: bool, options) -> None:
@@ -103,6 +105,7 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3, help="timed runs of each, interleaved")
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="also print torch.profiler's busiest ops")
@@ -117,9 +120,13 @@ def main() -> int:
         worst = max(worst, abs(a - b) / abs(b))
         print(f"{step:4d} {a:13.6f} {b:11.6f}")
     print(f"dropout 0: largest relative difference {worst:.2e} (tolerance {TOLERANCE:.0e})")
-    _, ours_ms = train(True, options, options.dropout)
-    _, theirs_ms = train(False, options, options.dropout)
-    print(f"dropout {options.dropout}: step time cupyops {ours_ms:.3f} ms, torch {theirs_ms:.3f} ms")
+    steps = {True: [], False: []}
+    for _ in range(options.rounds):   # the two interleaved, so that drift on the machine hits both
+        for use_cupyops in (True, False):
+            steps[use_cupyops] += train(use_cupyops, options, options.dropout)[1][WARMUP_STEPS:]
+    ours_ms, theirs_ms = (1e3 * statistics.median(steps[use_cupyops]) for use_cupyops in (True, False))
+    print(f"dropout {options.dropout}: median step time cupyops {ours_ms:.3f} ms, torch {theirs_ms:.3f} ms "
+          f"(torch / cupyops {theirs_ms / ours_ms:.3f}) over {len(steps[True])} steps each")
     if options.profile:
         profile(True, options)
         profile(False, options)
