@@ -64,7 +64,7 @@ def _torch(case: Case, x, mask, bias, compiled: bool):
         import torch
     except ImportError:
         return None
-    tx, tmask, tbias = (None if a is None else torch.as_tensor(a, device="cuda") for a in (x, mask, bias))
+    tx, tmask, tbias = (None if a is None else torch.from_dlpack(a) for a in (x, mask, bias))   # bfloat16 too
     sq, sk = case.shape[-2], case.shape[-1]
     causal = torch.ones(sq, sk, dtype=torch.bool, device="cuda").tril(case.diagonal) if case.causal else None
 
