@@ -78,6 +78,10 @@ def _torch(case: Case, x, mask, bias, compiled: bool):
             z = z.masked_fill(~causal, float("-inf"))
         return torch.nn.functional.dropout(torch.softmax(z.float(), -1), case.dropout).to(scores.dtype)
 
+    if compiled and case.op != "fused_softmax":
+        # the timed backward runs again on one graph (retain_graph), which buffers donated to the
+        # compiled backward forbid
+        torch._functorch.config.donated_buffer = False
     function = torch.compile(expression) if compiled else expression
     if case.op == "fused_softmax":
         return lambda: function(tx)
