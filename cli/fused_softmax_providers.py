@@ -81,7 +81,8 @@ def _torch(case: Case, x, mask, bias, compiled: bool):
     if compiled and case.op != "fused_softmax":
         # the timed backward runs again on one graph (retain_graph), which buffers donated to the
         # compiled backward forbid
-        torch._functorch.config.donated_buffer = False
+        import torch._functorch.config as functorch_config
+        functorch_config.donated_buffer = False
     function = torch.compile(expression) if compiled else expression
     if case.op == "fused_softmax":
         return lambda: function(tx)
