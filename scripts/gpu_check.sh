@@ -7,6 +7,8 @@
 #   against oneflow at short rows) | fused-tune (scripts/tune_fused_softmax.py) |
 #   bench-forward | bench-rest (the full sweeps over cols) | elementwise | families | all
 #   fused          issue 39's sweep of fused_softmax (S 128 to 16384; FUSED_DTYPES, FUSED_PARTS narrow it)
+#   planners       scripts/compare_planners.py: the default row-wise sweep under BASELINE_DIR's
+#                  planner and this one, alternately (PLANNER_ARGS narrows it, e.g. "--ops softmax")
 #   conv           the int8 convolution alone: its GPU tests, compute-sanitizer over every
 #                  kernel configuration (wgmma's on sm_90), the measured int8 peaks and its bench
 set -uo pipefail
@@ -139,6 +141,10 @@ if run elementwise; then   # fused elementwise: sanitizers, host cost, benches (
       bench elementwise "$dtype" "$label" --expr "$expr" "${EW_SHAPES[@]}"
     done
   done
+fi
+if [ "$mode" = planners ]; then   # not part of "all": this planner against BASELINE_DIR's (another commit's files)
+  python scripts/compare_planners.py --baseline-dir "${BASELINE_DIR:-baseline}" ${PLANNER_ARGS:-} \
+    --json "$OUT/json/compare_planners.json" | tee "$OUT/compare_planners.txt"
 fi
 if [ "$mode" = conv ]; then   # not part of "all": the families mode benches it there
   python -m pytest -n 8 -q -rs -m gpu -p no:cacheprovider tests/test_conv2d_int8_gpu.py > "$OUT/conv_pytest.txt" 2>&1
