@@ -10,7 +10,7 @@ from cupyops import jit
 from . import conv, elementwise, rowwise  # noqa: F401  (register their ops' subcommands)
 from . import fused_softmax  # noqa: F401
 from . import dask_bench  # noqa: F401  (bench dask)
-from . import tune_norm, tune_softmax  # noqa: F401  (tune layer_norm, rms_norm, softmax)
+from . import tune_norm, tune_ship, tune_softmax  # noqa: F401  (tune layer_norm, rms_norm, softmax, ship)
 from .common import bench, compile_, explain, tune
 
 

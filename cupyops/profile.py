@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from .device import DeviceFacts
 
@@ -66,10 +66,15 @@ def load(name: str) -> Profile:
     return Profile(name, document["_measured_on"], _decode(document["tuning"]), document["notes"])
 
 
+def matching_profile(device_name: str) -> Optional[str]:
+    """The first of PROFILE_NAMES the device's name contains, or None."""
+    device_name = device_name.lower()
+    return next((name for name in PROFILE_NAMES if name in device_name), None)
+
+
 def profile_name(facts: DeviceFacts) -> str:
     """The profile a device takes: the first of PROFILE_NAMES its name contains, else DEFAULT_PROFILE."""
-    device_name = facts.name.lower()
-    return next((name for name in PROFILE_NAMES if name in device_name), DEFAULT_PROFILE)
+    return matching_profile(facts.name) or DEFAULT_PROFILE
 
 
 @functools.lru_cache(maxsize=None)

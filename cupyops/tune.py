@@ -5,9 +5,15 @@ the op's generator) and a callable timing one of them on the live GPU; the
 tuner times each, keeps the fastest in a JSON table beside CuPy's kernel cache
 and answers later lookups from it. Keys: device name, CUDA version, op, shape.
 The tuner knows nothing of any op: candidates and shape keys are opaque to it.
+
+Tables measured on the lent GPUs ship inside the package, one per device
+profile (cupyops/profiles/tuned_<profile>.json, keyed by op and shape):
+`ship` copies a user's table's winners measured on GPUs of a profile into it
+and `shipped_winner` reads it.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -16,10 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from .profile import PROFILE_DIR, PROFILE_NAMES, matching_profile
+
 TABLE_NAME = "cupyops_tuning.json"
 # Measured tuning on an op's first use where a plan is not in the table yet;
 # "0" turns it off (plans then come from the op's default rule).
 AUTOTUNE_ENV = "CUPYOPS_AUTOTUNE"
+# The note heading each shipped table.
+SHIPPED_ABOUT = ("Plans tuned on GPUs of this profile that differ from the default rule's, read by policy='auto' "
+                 "after the user's own table (cupyops.tune.shipped_winner). Keys: op|shape key; each entry: the "
+                 "winning candidate's description ('best'), its microseconds and the GPU | CUDA version it was "
+                 "measured on. Written by `cupyops tune ship --profile NAME`; do not edit by hand.")
 
 
 def cache_dir() -> Path:
@@ -64,6 +77,11 @@ class TuningTable:
     @staticmethod
     def key(device: DeviceKey, op: str, shape_key: str) -> str:
         return f"{device.name}|cuda{device.cuda_version}|{op}|{shape_key}"
+
+    def entries(self) -> dict:
+        """Every entry, by key (a copy)."""
+        with self._lock:
+            return dict(self._load())
 
     def _load(self) -> dict:
         if self._entries is None:
@@ -128,3 +146,65 @@ def default_table() -> TuningTable:
     if _default_table is None:
         _default_table = TuningTable()
     return _default_table
+
+
+# -- the tables shipped inside the package, one per device profile ------------
+
+def shipped_path(profile: str) -> Path:
+    """The shipped table of a device profile: cupyops/profiles/tuned_<profile>.json."""
+    if profile not in PROFILE_NAMES:
+        raise ValueError(f"unknown tuning profile {profile!r}; known: {', '.join(PROFILE_NAMES)}")
+    return PROFILE_DIR / f"tuned_{profile}.json"
+
+
+def read_shipped(path: Path, profile: str) -> dict:
+    """The entries (op|shape key -> {"best", "us", "measured_on"}) of a shipped
+    table file, checked: it names `profile` and every entry holds a winner."""
+    document = json.loads(Path(path).read_text())
+    if document.get("_profile") != profile or not isinstance(document.get("plans"), dict):
+        raise ValueError(f"{path}: not a shipped table of profile {profile!r}")
+    for key, entry in document["plans"].items():
+        if key.count("|") < 1 or not isinstance(entry.get("best"), dict):
+            raise ValueError(f"{path}: entry {key!r} is not 'op|shape key' -> {{'best': ...}}")
+    return document["plans"]
+
+
+@functools.lru_cache(maxsize=None)
+def shipped(profile: str) -> dict:
+    """The shipped table of `profile`, read once ({} where the package has none)."""
+    path = shipped_path(profile)
+    return read_shipped(path, profile) if path.exists() else {}
+
+
+def shipped_winner(profile: str, op: str, shape_key: str) -> Optional[dict]:
+    """The shipped table's winner for `op` and `shape_key` on `profile`, or None."""
+    entry = shipped(profile).get(f"{op}|{shape_key}")
+    return None if entry is None else entry["best"]
+
+
+def ship(table: TuningTable, profile: str, keep: Callable[[str, dict], bool], path: Optional[Path] = None) -> dict:
+    """Writes into the shipped table of `profile` (at `path`, default
+    shipped_path) the winners of `table` measured on GPUs whose name names the
+    profile, for which keep(op, best) holds; a shape measured there whose
+    winner is not kept leaves the table, others already there stay. Where
+    several GPUs or CUDA versions measured a shape, the fastest ships. The file
+    is written with sorted keys, so a diff shows the plans that changed.
+    Returns the entries written."""
+    path = Path(path) if path is not None else shipped_path(profile)
+    plans = read_shipped(path, profile) if path.exists() else {}
+    fastest = {}    # op|shape key -> (op, the entry shipped)
+    for key, entry in sorted(table.entries().items()):
+        device_name, cuda, op, shape_key = key.split("|", 3)
+        found = fastest.get(f"{op}|{shape_key}")
+        if matching_profile(device_name) == profile and (found is None or entry["us"] < found[1]["us"]):
+            fastest[f"{op}|{shape_key}"] = (op, {"best": entry["best"], "us": entry["us"],
+                                                 "measured_on": f"{device_name}|{cuda}"})
+    for key, (op, entry) in fastest.items():
+        plans.pop(key, None)
+        if keep(op, entry["best"]):
+            plans[key] = entry
+    document = {"_profile": profile, "_about": SHIPPED_ABOUT, "plans": plans}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+    shipped.cache_clear()
+    return dict(sorted(plans.items()))

@@ -22,6 +22,7 @@ write it: a call never times anything.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Optional
 
 from .. import async_row, dtypes
@@ -81,22 +82,24 @@ def shape_key(dtype: str, rows: int, cols: int, align: int = 16, same_phase: boo
             f"|weight={int(weight)}|bias={int(bias)}|residual={int(residual)}")
 
 
+@dataclass(frozen=True)
 class TunedNormPlan(NormPlan):
-    """A plan from the tuning table: explain() says so."""
+    """A plan from a tuning table: explain()'s "source" says which (row_candidates.stored_winner)."""
+    source: str = "tuned"
 
     def explain(self) -> dict:
-        return {**super().explain(), "source": "tuned"}
+        return {**super().explain(), "source": self.source}
 
 
 def tuned_plan(op: str, rows: int, cols: int, dtype: str, target: Target, align: int = 16,
                same_phase: bool = True, **flags) -> Optional[TunedNormPlan]:
-    """The tuning table's winner for this forward shape (flags: weight, bias,
-    residual, as the key takes them) on `target`'s live GPU, or None (no
-    entry, or a profile target)."""
+    """The stored winner for this forward shape (flags: weight, bias, residual,
+    as the key takes them) on `target` (row_candidates.stored_winner: the
+    user's table, then the shipped one), or None."""
     found = row_candidates.stored_winner(op, shape_key(dtype, rows, cols, align, same_phase, **flags), target)
     if found is None:
         return None
-    return TunedNormPlan(Candidate.from_description(found, rows, target).launch)
+    return TunedNormPlan(Candidate.from_description(found, rows, target).launch, found["source"])
 
 
 def rule_launch(fields: dict, rows: int, cols: int, policy: str, target: Target, align: int = 16,

@@ -2,14 +2,15 @@
 (a plan worth timing, its label and how its grid follows rows) described by a
 JSON-able dict for the tuning table (cupyops.tune), the structural check that
 it can launch, the first candidate of each launch, the rows a table key
-stands for, the lookup of a stored winner on the live GPU and what a tuner
+stands for, the lookup of a stored winner (the user's table for the live
+GPU, then the table shipped for the target's profile) and what a tuner
 reports (Tuned)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from .. import tune
+from .. import profile, tune
 from ..launch import KernelLaunch, Target
 
 # How long the tuners time each candidate (cupyops.bench.Timer's budget).
@@ -39,15 +40,18 @@ class Candidate:
                 "spec": asdict(self.launch.spec)}
 
 
+@dataclass(frozen=True)
 class TunedLaunch(KernelLaunch):
-    """A plan from the tuning table: explain() says so."""
+    """A plan from a tuning table: explain()'s "source" says which (stored_winner)."""
+    source: str = "tuned"
 
     def explain(self) -> dict:
-        return {**super().explain(), "source": "tuned"}
+        return {**super().explain(), "source": self.source}
 
 
-def tuned_launch(launch: KernelLaunch) -> TunedLaunch:
-    return TunedLaunch(launch.spec, launch.block, launch.grid, launch.smem_bytes)
+def tuned_launch(launch: KernelLaunch, source: str) -> TunedLaunch:
+    """`launch` as a plan from the table `source` names (stored_winner)."""
+    return TunedLaunch(launch.spec, launch.block, launch.grid, launch.smem_bytes, source)
 
 
 def rows_bucket(rows: int) -> int:
@@ -63,6 +67,12 @@ def can_launch(target: Target, launch: KernelLaunch) -> bool:
             target.max_active_blocks(launch.spec, threads, launch.smem_bytes, True) >= 1)
 
 
+def is_rule(description: dict) -> bool:
+    """Whether a stored winner is policy="auto"'s plan by the rules (the
+    generators list it first, labelled "auto", and keep a launch's first label)."""
+    return description["label"] == "auto"
+
+
 def first_of_each_launch(found: list) -> list:
     """The candidates, each launch once (its first label: the policies come first)."""
     unique = {}
@@ -72,11 +82,19 @@ def first_of_each_launch(found: list) -> list:
 
 
 def stored_winner(op: str, shape_key: str, target: Target) -> Optional[dict]:
-    """The tuning table's winner (a description) for `op` and `shape_key` on
-    `target`'s live GPU, or None (no entry, or a profile target)."""
-    if target.device_id is None:
-        return None
-    return tune.default_table().lookup(tune.DeviceKey.live(target.device_id), op, shape_key)
+    """The stored winner for `op` and `shape_key` on `target`: the description
+    from the user's tuning table for the live GPU (its name and CUDA version),
+    with "source": "tuned", else from the table shipped for the target's
+    profile (a live GPU or a profile target whose name names one), with
+    "source": "shipped"; None where neither has it. Planners ask under
+    policy="auto" only."""
+    if target.device_id is not None:
+        found = tune.default_table().lookup(tune.DeviceKey.live(target.device_id), op, shape_key)
+        if found is not None:
+            return {**found, "source": "tuned"}
+    name = profile.matching_profile(target.facts.name)
+    found = None if name is None else tune.shipped_winner(name, op, shape_key)
+    return None if found is None else {**found, "source": "shipped"}
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 launch -> public functions.
 
 A call runs one of three kernel families: rows held by a warp or a block
-(softmax_rows; under auto on a live GPU the tuning table's winner where
-`cupyops tune softmax` measured the shape, softmax_candidates), rows split
+(softmax_rows; under auto a stored winner where `cupyops tune softmax`
+measured the shape: the user's table, then the one shipped for the device's
+profile, softmax_candidates), rows split
 across several blocks (softmax_split, auto, for a few long rows or rows too
 long for one block), or a non-last axis reduced in place (softmax_axis,
 auto). Other layouts are copied to rows (rowwise).
@@ -23,8 +24,9 @@ from . import softmax_axis, softmax_candidates, softmax_rows, softmax_split
 def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target, align: int = 16,
          same_phase: bool = True) -> KernelLaunch:
     """The row kernel's plan for `rows` x `cols` of dtype (short name) on
-    `target`: under policy="auto" on a live GPU the tuning table's winner for
-    the shape where it has one (explain()'s "source": "tuned"), else the
+    `target`: under policy="auto" the stored winner for the shape where the
+    user's table for the live GPU or the table shipped for the target's
+    profile has one (explain()'s "source": "tuned" or "shipped"), else the
     rule's (softmax_rows.plan; arguments as there)."""
     if policy == "auto":
         tuned = softmax_candidates.tuned_plan(op, rows, cols, dtype, target, align, same_phase)

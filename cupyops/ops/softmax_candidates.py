@@ -64,12 +64,12 @@ def shape_key(dtype: str, rows: int, cols: int, align: int = 16, same_phase: boo
 
 def tuned_plan(op: str, rows: int, cols: int, dtype: str, target: Target, align: int = 16,
                same_phase: bool = True) -> Optional[row_candidates.TunedLaunch]:
-    """The tuning table's winner for this shape on `target`'s live GPU, or None
-    (no entry, or a profile target)."""
+    """The stored winner for this shape on `target` (row_candidates.stored_winner:
+    the user's table, then the shipped one), or None."""
     found = row_candidates.stored_winner(op, shape_key(dtype, rows, cols, align, same_phase), target)
     if found is None:
         return None
-    return row_candidates.tuned_launch(Candidate.from_description(found, rows, target).launch)
+    return row_candidates.tuned_launch(Candidate.from_description(found, rows, target).launch, found["source"])
 
 
 def _rule_candidate(policy: str, chosen: KernelLaunch) -> Candidate:

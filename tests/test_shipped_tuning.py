@@ -1,0 +1,214 @@
+"""The tuning tables shipped inside the package (issue 43, SPEC §11):
+cupyops/profiles/tuned_<profile>.json are valid and their plans are what the
+planners produce on the profile's target; under policy="auto" the user's table
+for the live GPU comes first, then the shipped table of the target's profile,
+then the rules (never under oneflow); `cupyops tune ship` writes the shipped
+table from a user's table. CPU only: occupancy from NVRTC."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+from conftest import keep_winner
+
+from cupyops import profile, tune
+from cupyops.cli.main import main
+from cupyops.cli.tune_ship import SHIPPED_OPS
+from cupyops.launch import Target
+from cupyops.ops import norm, norm_candidates, row_candidates, softmax, softmax_candidates, softmax_rows
+from cupyops.ops.norm_spec import FORWARD_OPS
+
+H100 = Target.profile("h100")
+DEVICE = tune.DeviceKey("NVIDIA H100 80GB HBM3", 12080)
+SOFTMAX_KEY = softmax_candidates.shape_key("f16", 49152, 1024)
+NORM_KEY = norm_candidates.shape_key("f16", 49152, 1024)
+
+
+def _shape(shape_key: str) -> tuple:
+    """A row family's shape key -> (dtype, its name=value fields as ints)."""
+    dtype, *fields = shape_key.split("|")
+    return dtype, {name: int(value) for name, value in (field.split("=") for field in fields)}
+
+
+def _auto_plan(op: str, shape_key: str, target: Target):
+    """The planner's auto plan for a shipped key (its rows: the key's bucket)."""
+    dtype, fields = _shape(shape_key)
+    rows, cols, align, same_phase = fields.pop("rows"), fields.pop("cols"), fields.pop("align"), fields.pop("phase")
+    if op in FORWARD_OPS:
+        return norm.plan(op, rows, cols, dtype, "auto", target, align, same_phase=bool(same_phase),
+                         **{name: bool(value) for name, value in fields.items()})
+    assert not fields, shape_key
+    return softmax.plan(op, rows, cols, dtype, "auto", target, align, bool(same_phase))
+
+
+def _candidate_type(op: str):
+    return norm_candidates.Candidate if op in FORWARD_OPS else softmax_candidates.Candidate
+
+
+def _launch(plan) -> tuple:
+    """A launch's fields (a plan from a table compares unequal to the same KernelLaunch)."""
+    return (plan.spec, plan.block, plan.grid, plan.smem_bytes)
+
+
+def check_shipped(name: str) -> int:
+    """Checks the shipped table of profile `name` as the planners read it:
+    keys of a row op and its shape key, descriptions that rebuild into a launch
+    that can run on the profile's target and is not the rule's, and the
+    planner's auto plan of the key being that launch, from the shipped table.
+    Returns the number of plans."""
+    target = Target.profile(name)
+    plans = tune.shipped(name)
+    for key, entry in plans.items():
+        op, shape_key = key.split("|", 1)
+        assert op in SHIPPED_OPS and set(entry) == {"best", "us", "measured_on"}, key
+        assert profile.matching_profile(entry["measured_on"].split("|")[0]) == name
+        assert not row_candidates.is_rule(entry["best"])
+        rows = _shape(shape_key)[1]["rows"]
+        launch = _candidate_type(op).from_description(entry["best"], rows, target).launch
+        assert row_candidates.can_launch(target, launch), key
+        chosen = _auto_plan(op, shape_key, target)
+        assert _launch(chosen.main if op in FORWARD_OPS else chosen) == _launch(launch), key
+        assert chosen.explain()["source"] == "shipped"
+    return len(plans)
+
+
+@pytest.mark.parametrize("name", profile.PROFILE_NAMES)
+def test_every_shipped_table_is_valid_and_planned(name):
+    path = tune.shipped_path(name)
+    document = json.loads(path.read_text())
+    assert set(document) == {"_profile", "_about", "plans"} and document["_profile"] == name
+    assert path.read_text() == json.dumps(document, indent=1, sort_keys=True) + "\n"   # as `tune ship` writes
+    check_shipped(name)
+
+
+def test_a_shipped_table_of_another_profile_is_refused(tmp_path):
+    path = tmp_path / "tuned_h100.json"
+    path.write_text(json.dumps({"_profile": "h200", "_about": "", "plans": {}}))
+    with pytest.raises(ValueError, match="profile 'h100'"):
+        tune.read_shipped(path, "h100")
+    path.write_text(json.dumps({"_profile": "h100", "_about": "", "plans": {"softmax": {"us": 1.0}}}))
+    with pytest.raises(ValueError, match=re.escape("not 'op|shape key'")):
+        tune.read_shipped(path, "h100")
+    with pytest.raises(ValueError, match="unknown tuning profile"):
+        tune.shipped_path("v100")
+
+
+@pytest.fixture
+def tables(monkeypatch, tmp_path):
+    """The user's table in tmp_path/user.json (the device key fixed to an
+    H100's), the shipped tables in tmp_path/profiles, and a stand-in live
+    target (the H100 profile's facts with a device id; occupancy and
+    resources from NVRTC as the profile's)."""
+    user = tune.TuningTable(tmp_path / "user.json")
+    monkeypatch.setattr(tune, "default_table", lambda: user)
+    monkeypatch.setattr(tune.DeviceKey, "live", classmethod(lambda cls, device_id: DEVICE))
+    monkeypatch.setattr(tune, "PROFILE_DIR", tmp_path / "profiles")
+    for name in ("max_active_blocks", "resources"):
+        monkeypatch.setattr(Target, name, lambda self, *args, _of=getattr(Target, name): _of(H100, *args))
+    tune.shipped.cache_clear()
+    yield user, Target(H100.facts, device_id=0)
+    tune.shipped.cache_clear()
+
+
+def _winner(table, device, op, shape_key, label, module=softmax_candidates):
+    """Keeps the candidate `label` of the 49152 x 1024 f16 shape as `table`'s winner (1 us)."""
+    found = [c.describe() for c in module.candidates(op, "f16", 49152, 1024, H100)]
+    return keep_winner(table, device, op, shape_key, found, label)
+
+
+def _ship(user: tune.TuningTable, name: str = "h100") -> dict:
+    result = CliRunner().invoke(main, ["tune", "ship", "--profile", name, "--table", str(user.path)])
+    assert result.exit_code == 0, result.output
+    return json.loads(tune.shipped_path(name).read_text())["plans"]
+
+
+def test_user_table_then_shipped_then_rule(tables, monkeypatch, tmp_path):
+    user, live = tables
+    rule = softmax_rows.plan("softmax", 49152, 1024, "f16", "auto", H100)
+    shipped_winner = _winner(user, DEVICE, "softmax", SOFTMAX_KEY, "regs b256 k1 packed")
+    _ship(user)
+    user_winner = _winner(user, DEVICE, "softmax", SOFTMAX_KEY, "regs b128 k1")
+    expected = {source: _launch(softmax_candidates.Candidate.from_description(winner, 49152, H100).launch)
+                for source, winner in (("tuned", user_winner), ("shipped", shipped_winner))}
+    assert expected["tuned"] != expected["shipped"] != _launch(rule)
+    chosen = softmax.plan("softmax", 49152, 1024, "f16", "auto", live)           # the user's table first
+    assert _launch(chosen) == expected["tuned"] and chosen.explain()["source"] == "tuned"
+    chosen = softmax.plan("softmax", 49152, 1024, "f16", "auto", H100)           # a profile: the shipped table
+    assert _launch(chosen) == expected["shipped"] and chosen.explain()["source"] == "shipped"
+    monkeypatch.setattr(tune, "default_table", lambda: tune.TuningTable(tmp_path / "empty.json"))
+    chosen = softmax.plan("softmax", 49152, 1024, "f16", "auto", live)           # no user entry: shipped
+    assert _launch(chosen) == expected["shipped"] and chosen.explain()["source"] == "shipped"
+    other = softmax.plan("softmax", 49152, 2048, "f16", "auto", live)            # neither: the rule
+    assert other == softmax_rows.plan("softmax", 49152, 2048, "f16", "auto", H100)
+    assert "source" not in other.explain()
+
+
+def test_oneflow_and_other_profiles_ignore_the_shipped_table(tables):
+    user, live = tables
+    _winner(user, DEVICE, "softmax", SOFTMAX_KEY, "regs b256 k1 packed")
+    _ship(user)
+    assert softmax.plan("softmax", 49152, 1024, "f16", "auto", H100).explain()["source"] == "shipped"
+    for target in (H100, live):
+        assert softmax.plan("softmax", 49152, 1024, "f16", "oneflow", target) == \
+            softmax_rows.plan("softmax", 49152, 1024, "f16", "oneflow", H100)
+    for device in ("h200", "a100"):   # h200's table is empty; a100 names no profile
+        target = Target.profile(device)
+        assert softmax.plan("softmax", 49152, 1024, "f16", "auto", target) == \
+            softmax_rows.plan("softmax", 49152, 1024, "f16", "auto", target)
+
+
+def test_explain_on_a_profile_says_shipped(tables):
+    user, _ = tables
+    winner = _winner(user, DEVICE, "softmax", SOFTMAX_KEY, "regs b256 k1 packed")
+    _ship(user)
+    result = CliRunner().invoke(main, ["explain", "softmax", "--shape", "49152,1024", "--device", "h100", "--json"])
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)
+    launch = softmax_candidates.Candidate.from_description(winner, 49152, H100).launch
+    assert info["source"] == "shipped" and info["kernel"] == launch.spec.name and info["grid"] == list(launch.grid)
+    result = CliRunner().invoke(main, ["explain", "softmax", "--shape", "49152,1024", "--device", "h200", "--json"])
+    assert json.loads(result.stdout)["source"] == "rule"
+
+
+def test_norm_planner_takes_the_shipped_winner(tables):
+    user, live = tables
+    winner = _winner(user, DEVICE, "layer_norm", NORM_KEY, "regs b128 k1 packed", norm_candidates)
+    _ship(user)
+    launch = norm_candidates.Candidate.from_description(winner, 49152, H100).launch
+    for target, source in ((H100, "shipped"), (live, "tuned")):   # the live GPU's user table has it too
+        chosen = norm.plan("layer_norm", 49152, 1024, "f16", "auto", target)
+        assert chosen.main == launch and chosen.explain()["source"] == source
+    oneflow = norm.plan("layer_norm", 49152, 1024, "f16", "oneflow", H100)
+    assert "source" not in oneflow.explain() and oneflow.main != launch
+    assert check_shipped("h100") == 1
+
+
+def test_tune_ship_round_trip(tables):
+    user, _ = tables
+    pcie = tune.DeviceKey("NVIDIA H100 PCIe", 12040)
+    h200 = tune.DeviceKey("NVIDIA H200", 12080)
+    shipped = _winner(user, DEVICE, "softmax", SOFTMAX_KEY, "regs b256 k1 packed")
+    slower = _winner(user, pcie, "softmax", SOFTMAX_KEY, "regs b128 k1")
+    user.store(pcie, "softmax", SOFTMAX_KEY, tune.Result(slower, 2.0, []))   # the fastest GPU's winner ships
+    _winner(user, DEVICE, "log_softmax", SOFTMAX_KEY, "auto")              # the rule's plan: not shipped
+    on_h200 = _winner(user, h200, "softmax", SOFTMAX_KEY, "regs b128 k1")
+    user.store(DEVICE, "conv2d_int8", "n1", tune.Result({"tile_m": 64}, 1.0, []))   # not a row op
+    plans = _ship(user)
+    assert plans == {f"softmax|{SOFTMAX_KEY}": {"best": shipped, "us": 1.0,
+                                                "measured_on": "NVIDIA H100 80GB HBM3|cuda12080"}}
+    text = tune.shipped_path("h100").read_text()
+    assert _ship(user) == plans and tune.shipped_path("h100").read_text() == text    # regenerable, byte for byte
+    assert check_shipped("h100") == 1
+    assert _ship(user, "h200") == {f"softmax|{SOFTMAX_KEY}": {"best": on_h200, "us": 1.0,
+                                                              "measured_on": "NVIDIA H200|cuda12080"}}
+    assert check_shipped("h200") == 1
+    _winner(user, DEVICE, "softmax", SOFTMAX_KEY, "auto")                   # measured again: now the rule's
+    assert _ship(user) == {}
+    assert "source" not in softmax.plan("softmax", 49152, 1024, "f16", "auto", H100).explain()
+
+
+def test_tune_ship_refuses_a_missing_table(tmp_path):
+    result = CliRunner().invoke(main, ["tune", "ship", "--profile", "h100", "--table", str(tmp_path / "none.json")])
+    assert result.exit_code == 2 and "no such file" in result.output
