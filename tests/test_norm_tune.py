@@ -2,7 +2,8 @@
 candidate generator (structural validity, the policies' plans among the
 candidates, descriptions that rebuild them), the planner reading the tuning
 table (a winner where it has one, the rule otherwise; never under oneflow)
-and `cupyops tune layer_norm` / `rms_norm`. CPU tests plan for the H100
+and `cupyops tune layer_norm` / `rms_norm` (and the options and output of
+their backward's, tests/test_norm_grad_tune.py). CPU tests plan for the H100
 profile (occupancy from NVRTC); the GPU test tunes a small shape on the live
 GPU."""
 from __future__ import annotations
@@ -16,7 +17,7 @@ from conftest import keep_winner
 from cupyops import tune
 from cupyops.cli.main import main
 from cupyops.launch import Target
-from cupyops.ops import norm, norm_tune
+from cupyops.ops import norm, norm_grad_tune, norm_tune
 from cupyops.ops.norm_candidates import Candidate, candidates, shape_key
 from cupyops.ops.row_candidates import Tuned
 
@@ -102,28 +103,35 @@ def run(*args):
     return CliRunner().invoke(main, list(args))
 
 
-@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+# the tune commands' flag of each op: forward a residual, backward dx alone
+FLAGS = {"layer_norm": "--residual", "rms_norm": "--residual", "layer_norm_backward": "--no-param-grad",
+         "rms_norm_backward": "--no-param-grad"}
+
+
+@pytest.mark.parametrize("op", FLAGS)
 def test_tune_norm_cli_help_and_refusals(op):
     result = run("tune", op, "--help")
-    assert result.exit_code == 0 and "--residual" in result.output and "--cols" in result.output
+    assert result.exit_code == 0 and FLAGS[op] in result.output and "--cols" in result.output
     for args, message in ((("--cols", "0"), "cols must be positive"), (("--rows", "0"), "rows must be positive"),
                           (("--dtype", "int8"), "int8")):
         result = run("tune", op, *args)
         assert result.exit_code == 2 and message in result.output, result.output
 
 
-def test_tune_norm_cli_prints_every_candidate_and_marks_the_winner(monkeypatch):
+@pytest.mark.parametrize("op, tuner, key, flag_value", [
+    ("rms_norm", norm_tune, "f16|cols=1024|rows=65536|align=16|phase=1|weight=1|bias=0|residual=1", True),
+    ("rms_norm_backward", norm_grad_tune, "f16|cols=1024|rows=65536|align=16|phase=1|weight=1|param_grad=0", False)])
+def test_tune_norm_cli_prints_every_candidate_and_marks_the_winner(monkeypatch, op, tuner, key, flag_value):
     from cupyops.cli import tune_norm as command
 
     timings = [({"label": "auto"}, 12.0), ({"label": "warp c32 g32"}, None), ({"label": "regs b128 k1"}, 10.0)]
-    key = "f16|cols=1024|rows=65536|align=16|phase=1|weight=1|bias=0|residual=1"
     tuned = Tuned(tune.Result(timings[2][0], 10.0, timings), {"warp c32 g32": "ValueError: wrong"}, key)
     seen = []
     monkeypatch.setattr(command, "live_device", lambda message: 0)
-    monkeypatch.setattr(norm_tune, "tune_shape", lambda *args: seen.append(args) or tuned)
-    result = run("tune", "rms_norm", "--cols", "1024", "--residual")
+    monkeypatch.setattr(tuner, "tune_shape", lambda *args: seen.append(args) or tuned)
+    result = run("tune", op, "--cols", "1024", FLAGS[op])
     assert result.exit_code == 0, result.output
-    assert seen[0][:6] == ("rms_norm", "f16", 49152, 1024, 0, True)
+    assert seen[0][:6] == (op, "f16", 49152, 1024, 0, flag_value)
     lines = result.output.splitlines()
     assert any(line.lstrip().startswith("* regs b128 k1") and "GB/s" in line for line in lines)
     assert any("warp c32 g32" in line and "ValueError: wrong" in line for line in lines)
@@ -132,9 +140,10 @@ def test_tune_norm_cli_prints_every_candidate_and_marks_the_winner(monkeypatch):
 
 # -- on the GPU ------------------------------------------------------------------
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
-def test_tuning_writes_the_winner_and_calls_run_it(monkeypatch, tmp_path, op):
+def tuned_on_the_gpu(monkeypatch, tmp_path, op: str, key: str, candidate_type) -> None:
+    """Runs `cupyops tune OP` over 4096 x 1024 float16 into a table in tmp_path
+    (whole calls not memoised) and checks that the winner is kept under `key`
+    and that norm.plan under auto takes it on the live GPU."""
     import cupy
 
     from cupyops.callcache import CallCache
@@ -146,15 +155,20 @@ def test_tuning_writes_the_winner_and_calls_run_it(monkeypatch, tmp_path, op):
     assert result.exit_code == 0, result.output
     device_id = cupy.cuda.runtime.getDevice()
     live = Target.live(device_id)
-    bias = op == "layer_norm"
-    best = table.lookup(tune.DeviceKey.live(device_id), op, shape_key("f16", 4096, 1024, bias=bias))
+    best = table.lookup(tune.DeviceKey.live(device_id), op, key)
     assert best is not None and f"* {best['label']}" in result.output
     chosen = norm.plan(op, 4096, 1024, "f16", "auto", live)
     assert chosen.explain()["source"] == "tuned"
-    assert chosen.spec == Candidate.from_description(best, 4096, live).launch.spec
+    assert chosen.spec == candidate_type.from_description(best, 4096, live).launch.spec
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_tuning_writes_the_winner_and_calls_run_it(monkeypatch, tmp_path, op):
+    bias = op == "layer_norm"
+    tuned_on_the_gpu(monkeypatch, tmp_path, op, shape_key("f16", 4096, 1024, bias=bias), Candidate)
     inputs = norm_tune.sample_inputs(op, "f16", 4096, 1024, False)
     expected = norm_tune.reference(op, inputs["x"], inputs["weight"], inputs["bias"])
     call = norm.layer_norm(inputs["x"], inputs["weight"], inputs["bias"]) if bias else \
         norm.rms_norm(inputs["x"], inputs["weight"])
-    error = float(cupy.abs(call.astype(cupy.float64) - expected).max())
-    assert error <= norm_tune.TOLERANCE["f16"] * float(cupy.abs(expected).max())
+    norm_tune.check_close("y", call, expected, "f16")

@@ -7,8 +7,8 @@ join them by Chan's combine. All of it on x - K with K the row's first
 value (float32 statistics of the raw values lose a std of 1e-2 under a mean
 of 1e4). RMSNorm sums squares. policy="oneflow" runs OneFlow's dispatch
 (norm_paths), "auto" the measured planners (norm_forward, norm_backward),
-or for the forward on a live GPU the tuning table's winner where `cupyops
-tune` measured the shape (norm_candidates).
+or the stored winner where `cupyops tune` measured the shape
+(norm_candidates, norm_grad_candidates).
 dweight / dbias are reduced in the compute type to [parts, cols] partial sums
 summed by a second kernel in a fixed order: the same inputs give
 bit-identical gradients on every run.
@@ -24,7 +24,7 @@ import numpy
 from .. import arrays, callcache, dtypes, rowwise
 from ..callcache import CallCache, call_key, run_on, writable
 from ..launch import Target
-from . import norm_args, norm_backward, norm_candidates
+from . import norm_args, norm_backward, norm_candidates, norm_grad_candidates
 from .norm_launch import (BackwardLaunch, ForwardLaunch, backward_launch, forward_launch, run_backward,
                           run_forward)
 from .norm_spec import FORWARD_OPS, OPS, NormGradPlan, NormPlan, check_block_covers, shifted_copy_elements
@@ -44,18 +44,23 @@ def plan(op: str, rows: int, cols: int, dtype: str, policy: str, target: Target,
     that allow no 16-byte pack: the forward, and the backward with fused
     dweight / dbias). The flags are keyword-only: passed by position,
     param_grad once landed in `bias` and the backward planned fused partials
-    that were never allocated. Under auto on a live GPU a forward plan is the
-    tuning table's winner where `cupyops tune layer_norm` / `rms_norm` stored
-    one for the shape (norm_candidates; explain()'s "source": "tuned"), else
-    the rules'."""
+    that were never allocated. Under auto a plan is the stored winner where
+    `cupyops tune OP` measured the shape (norm_candidates,
+    norm_grad_candidates: the user's table on a live GPU, then the one
+    shipped for the target's profile; explain()'s "source": "tuned" or
+    "shipped"), else the rules'."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
     arrays.check_policy(policy)
     if rows < 1 or cols < 1:
         raise ValueError(f"rows and cols must be positive, got {rows} x {cols}")
-    if op in FORWARD_OPS and policy == "auto":
-        tuned = norm_candidates.tuned_plan(op, rows, cols, dtype, target, align, same_phase, weight=weight,
-                                           bias=bias and op == "layer_norm", residual=residual)
+    if policy == "auto":
+        if op in FORWARD_OPS:
+            tuned = norm_candidates.tuned_plan(op, rows, cols, dtype, target, align, same_phase, weight=weight,
+                                               bias=bias and op == "layer_norm", residual=residual)
+        else:
+            tuned = norm_grad_candidates.tuned_plan(op, rows, cols, dtype, target, align, same_phase,
+                                                    weight=weight, param_grad=param_grad)
         if tuned is not None:
             return tuned
     return _rule_plan(op, rows, cols, dtype, policy, target, align, weight, bias, residual, param_grad, same_phase)

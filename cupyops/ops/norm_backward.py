@@ -137,17 +137,24 @@ def _whole_phase_periods(launch: KernelLaunch, rows: int) -> KernelLaunch:
     return replace(launch, grid=(max(period, launch.grid[0] // period * period), 1, 1))
 
 
-def _resident_launch(spec: NormSpec, block: tuple, rows_per_block: int, rows: int, smem: int,
-                     target: Target) -> KernelLaunch:
-    """One wave of as many blocks as can be resident, each walking its rows:
-    what a block sets up once (a workspace row of partial sums, a copy of
-    the weight in shared memory) serves all of them, no block waits for a second
-    wave, and the workspace is no larger than the blocks that run at once.
-    A cluster of spec.cluster_size blocks walks rows as one block does."""
+def resident_launch(spec: NormSpec, rows: int, smem: int, target: Target) -> KernelLaunch:
+    """A dx kernel with fused partials over `rows`: one wave of as many
+    blocks as can be resident, each walking its rows, so what a block sets
+    up once (a workspace row of partial sums, a copy of the weight in shared
+    memory) serves all of them, no block waits for a second wave, and the
+    workspace is no larger than the blocks that run at once. A cluster of
+    spec.cluster_size blocks walks rows as one block does; peeled rows take
+    whole phase periods (_whole_phase_periods)."""
+    if spec.impl == "warp":
+        block = (spec.thread_group_width, spec.threads_per_block // spec.thread_group_width, 1)
+        rows_per_block = block[1] * spec.rows_per_access
+    else:
+        block, rows_per_block = (spec.block_size, 1, 1), 1
     threads = block[0] * block[1]
     active = max(1, target.max_active_blocks(spec, threads, smem, smem > 0))
     clusters = max(1, min(ceil_div(rows, rows_per_block), active * target.facts.sm_count // spec.cluster_size))
-    return KernelLaunch(spec, block, (clusters * spec.cluster_size, 1, 1), smem)
+    launch = KernelLaunch(spec, block, (clusters * spec.cluster_size, 1, 1), smem)
+    return _whole_phase_periods(launch, rows) if spec.peel else launch
 
 
 def grad_holding(held: str, partials: str = "regs", rows_per_access: int = 1) -> dict:
@@ -177,9 +184,7 @@ def _auto_backward_fused(spec_fields, rows, cols, align, same_phase, target) -> 
         # partials of the groups meet in shared memory: 2 values per group and column
         warp = warp_launch(spec_fields, rows, cols, pack, ladder, target, "auto",
                             smem_per_group_col=2 * compute_itemsize)
-        groups = warp.block[1]
-        return _resident_launch(warp.spec, warp.block, groups * warp.spec.rows_per_access, rows,
-                                warp.smem_bytes, target)
+        return resident_launch(warp.spec, rows, warp.smem_bytes, target)
 
     on_grid = pack * ftype.itemsize == 16
     peeled = [(16 // ftype.itemsize, True, 1)] if (same_phase and not on_grid and
@@ -279,8 +284,7 @@ def fused_grad_launch(spec: NormSpec, rows: int, cols: int, target: Target) -> O
             spec, smem = copied, copied_smem
     if smem > target.facts.smem_per_block_optin or not blocks:
         return None
-    launch = _resident_launch(spec, (spec.block_size, 1, 1), 1, rows, smem, target)
-    return _whole_phase_periods(launch, rows) if spec.peel else launch
+    return resident_launch(spec, rows, smem, target)
 
 
 def fused_grad_plan(main: KernelLaunch, cols: int) -> NormGradPlan:
@@ -346,13 +350,22 @@ def plan(family: str, rows: int, cols: int, dtype: str, policy: str, target: Tar
     main = None
     if policy == "auto" and param_grad:
         main = _auto_backward_fused({**fields, "fuse_param_grad": True}, rows, cols, align, same_phase, target)
-    if main is not None:
-        return fused_grad_plan(main, cols)
-    if policy == "oneflow":
+    if main is None and policy == "oneflow":
         main = oneflow_launch(family, fields, rows, cols, align, target, 2)
-    else:
+    elif main is None:
         main = auto_backward_dx(fields, rows, cols, align, target)
+    return grad_plan(main, rows, cols, param_grad, target)
+
+
+def grad_plan(main: KernelLaunch, rows: int, cols: int, param_grad: bool, target: Target) -> NormGradPlan:
+    """The backward plan around the dx kernel `main`: with fused partials
+    fused_grad_plan's; else, where dweight / dbias are wanted, the column
+    reduction and the finish kernel after it; else the dx kernel alone."""
+    spec = main.spec
+    if spec.fuse_param_grad:
+        return fused_grad_plan(main, cols)
     if not param_grad:
         return NormGradPlan(main, None, None, 0, 0)
-    column_reduction, chunks, rows_per_chunk = param_grad_launches(family, dtype, rows, cols, target)
-    return NormGradPlan(main, column_reduction, finish_launch(family, dtype, cols), chunks, rows_per_chunk)
+    family = family_of(spec.op)
+    column_reduction, chunks, rows_per_chunk = param_grad_launches(family, spec.dtype, rows, cols, target)
+    return NormGradPlan(main, column_reduction, finish_launch(family, spec.dtype, cols), chunks, rows_per_chunk)

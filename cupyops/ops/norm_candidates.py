@@ -73,6 +73,7 @@ class Candidate(row_candidates.Candidate):
     """A norm forward plan worth timing (row_candidates.Candidate; grid kinds GRIDS)."""
     spec_type = NormSpec
     launch_for = staticmethod(launch_for)
+    grids = GRIDS
 
 
 def shape_key(dtype: str, rows: int, cols: int, align: int = 16, same_phase: bool = True, *,
@@ -109,14 +110,6 @@ def rule_launch(fields: dict, rows: int, cols: int, policy: str, target: Target,
     if policy == "oneflow":
         return oneflow_launch(fields["op"], fields, rows, cols, align, target, 1)
     return auto_forward(fields, rows, cols, align, same_phase, target)
-
-
-def _rule_candidate(policy: str, launch: KernelLaunch, rows: int, target: Target) -> Candidate:
-    """A policy's plan as a candidate, with the grid kind that rebuilds it."""
-    for grid in GRIDS:
-        if launch_for(launch.spec, rows, launch.smem_bytes, grid, target) == launch:
-            return Candidate(policy, launch, grid)
-    raise AssertionError(f"no grid kind rebuilds {policy}'s plan {launch}")
 
 
 def _fitted_block(num_packs: int, per_thread: int) -> int:
@@ -202,8 +195,8 @@ def candidates(op: str, dtype: str, rows: int, cols: int, target: Target, align:
     Shared-memory and cp.async rows are offered from 4096 cols, the warp path
     to 1024 (other rows are faster in registers)."""
     fields = dict(op=op, dtype=dtype, weight=weight, bias=bias and op == "layer_norm", residual=residual)
-    found = [_rule_candidate(policy, rule_launch(fields, rows, cols, policy, target, align, same_phase), rows,
-                             target) for policy in ("auto", "oneflow")]
+    found = [Candidate.rebuilding(policy, rule_launch(fields, rows, cols, policy, target, align, same_phase), rows,
+                                  target) for policy in ("auto", "oneflow")]
     itemsize = dtypes.BY_SHORT[dtype].itemsize
     pack = vector_pack_size(cols, itemsize, align)
     regs_pack, peel = peeled_pack(pack, itemsize, same_phase)   # rows off the 16-byte grid: peel their edges

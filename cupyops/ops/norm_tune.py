@@ -18,7 +18,7 @@ from .norm import launch_forward
 from .norm_candidates import Candidate, candidates, shape_key
 from .norm_launch import run_forward
 from .norm_spec import NormPlan
-from .row_candidates import TIMER_BUDGET_S, Tuned
+from .row_candidates import TIMER_BUDGET_S, Tuned, recording_errors
 
 CHECKED_ROWS = 64
 EPS = 1e-5
@@ -54,6 +54,18 @@ def reference(op: str, x, weight, bias=None, residual=None):
     return y if bias is None else y + bias.astype(cupy.float64)
 
 
+def check_close(name: str, got, expected, dtype: str) -> None:
+    """Refuses `got` (an output, or its first rows) unless it is within
+    TOLERANCE of the float64 reference `expected`, over its largest
+    magnitude; NaN too (elements left unwritten)."""
+    import cupy
+
+    error = float(cupy.abs(got.astype(cupy.float64) - expected).max())
+    allowed = TOLERANCE[dtype] * float(cupy.abs(expected).max())
+    if not error <= allowed:
+        raise ValueError(f"{name} error {error:.1e} against the float64 reference (allowed {allowed:.1e})")
+
+
 def moved_bytes(dtype: str, rows: int, cols: int, residual: bool) -> int:
     """Bytes a call moves: x read and y written (and the residual read, h written)."""
     return (4 if residual else 2) * rows * cols * dtypes.BY_SHORT[dtype].itemsize
@@ -76,7 +88,6 @@ def tune_shape(op: str, dtype: str, rows: int, cols: int, device_id: int, residu
         inputs = sample_inputs(op, dtype, rows, cols, residual)
         x, weight, bias, res = inputs["x"], inputs["weight"], inputs["bias"], inputs["residual"]
         expect = reference(op, x[:CHECKED_ROWS], weight, bias, None if res is None else res[:CHECKED_ROWS])
-        allowed = TOLERANCE[dtype] * float(cupy.abs(expect).max())
         y = cupy.empty_like(x)
         h = cupy.empty_like(x) if residual else None
         x_op, y_op = rowwise.Operand(x, cols), rowwise.Operand(y, cols)
@@ -84,19 +95,14 @@ def tune_shape(op: str, dtype: str, rows: int, cols: int, device_id: int, residu
         timer = Timer(budget_s=TIMER_BUDGET_S)
 
         def time_us(description: dict) -> float:
-            try:
-                chosen = NormPlan(Candidate.from_description(description, rows, target).launch)
-                y.fill(float("nan"))
-                ready = launch_forward(chosen, device_id, rows, cols, x_op, y_op, EPS, residual=res_op, h=h,
-                                       weight=weight, bias=bias)
-                error = float(cupy.abs(y[:CHECKED_ROWS].astype(cupy.float64) - expect).max())
-                if not error <= allowed:   # NaN too: rows left unwritten
-                    raise ValueError(f"error {error:.1e} against the float64 reference (allowed {allowed:.1e})")
-                return timer.time(lambda: run_forward(ready, x, res, weight, bias, y, h, None, None)).median_us
-            except Exception as error:
-                errors[description["label"]] = f"{type(error).__name__}: {error}"
-                raise
+            chosen = NormPlan(Candidate.from_description(description, rows, target).launch)
+            y.fill(float("nan"))
+            ready = launch_forward(chosen, device_id, rows, cols, x_op, y_op, EPS, residual=res_op, h=h,
+                                   weight=weight, bias=bias)
+            check_close("y", y[:CHECKED_ROWS], expect, dtype)
+            return timer.time(lambda: run_forward(ready, x, res, weight, bias, y, h, None, None)).median_us
 
         found = [c.describe() for c in candidates(op, dtype, rows, cols, target, align, True, **flags)]
-        result = tune.tune(table or tune.default_table(), tune.DeviceKey.live(device_id), op, key, found, time_us)
+        result = tune.tune(table or tune.default_table(), tune.DeviceKey.live(device_id), op, key, found,
+                           recording_errors(errors, time_us))
     return Tuned(result, errors, key)

@@ -24,9 +24,20 @@ class Candidate:
     label: str
     launch: KernelLaunch
     grid: str
-    # a family's subclass names its spec's type and its launch_for(spec, rows, smem, grid, target)
+    # a family's subclass names its spec's type, its launch_for(spec, rows, smem, grid, target)
+    # and its grid kinds
     spec_type = None
     launch_for = None
+    grids = ()
+
+    @classmethod
+    def rebuilding(cls, label: str, launch: KernelLaunch, rows: int, target: Target) -> "Candidate":
+        """`launch` (a policy's plan) as a candidate, with the first grid kind
+        that rebuilds it over `rows`."""
+        for grid in cls.grids:
+            if cls.launch_for(launch.spec, rows, launch.smem_bytes, grid, target) == launch:
+                return cls(label, launch, grid)
+        raise AssertionError(f"no grid kind rebuilds {label}'s plan {launch}")
 
     @classmethod
     def from_description(cls, description: dict, rows: int, target: Target) -> "Candidate":
@@ -95,6 +106,18 @@ def stored_winner(op: str, shape_key: str, target: Target) -> Optional[dict]:
     name = profile.matching_profile(target.facts.name)
     found = None if name is None else tune.shipped_winner(name, op, shape_key)
     return None if found is None else {**found, "source": "shipped"}
+
+
+def recording_errors(errors: dict, time_us):
+    """time_us(description) for tune.tune that records why a candidate drops
+    out (the exception it raised) under its label in `errors`."""
+    def timed(description: dict) -> float:
+        try:
+            return time_us(description)
+        except Exception as error:
+            errors[description["label"]] = f"{type(error).__name__}: {error}"
+            raise
+    return timed
 
 
 @dataclass(frozen=True)
