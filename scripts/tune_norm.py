@@ -1,14 +1,14 @@
 """Times LayerNorm / RMSNorm plans against each other to choose the auto planner's tables.
 
 For each op, dtype and cols it times the auto plan, the oneflow plan and
-hand-built variants: forward, the package's generator that `cupyops tune
-layer_norm` / `rms_norm` times (cupyops.ops.norm_candidates: block sizes,
-packs a thread, warp widths, register vs shared-memory caches, rows cached
-by cp.async, peeled rows); backward, block sizes and the fewest warps that
-hold a row at the same packs a thread, rows held or read again, rows loaded
-together, fused vs separate dweight / dbias,
-at most MAX_CANDIDATES per shape, with cupyops.bench.Timer (L2 flushed,
-median).
+the variants of the package's generators that `cupyops tune OP` times:
+forward cupyops.ops.norm_candidates (block sizes, packs a thread, warp
+widths, register vs shared-memory caches, rows cached by cp.async, peeled
+rows), backward cupyops.ops.norm_grad_candidates (block sizes and the fewest
+warps that hold a row at the same packs a thread, rows held or read again,
+rows loaded together, fused vs separate dweight / dbias, peeled rows,
+clusters), at most MAX_CANDIDATES per shape, with cupyops.bench.Timer (L2
+flushed, median).
 
 Bytes counted: forward 2 * rows * cols * itemsize (x read, y written);
 backward 3 * rows * cols * itemsize (dy and x read, dx written; the weight,
@@ -30,77 +30,28 @@ their kernels' names, registers and spills).
 from __future__ import annotations
 
 import argparse
-import itertools
 
 from cupyops import dtypes
 from cupyops.launch import Target
-from cupyops.ops import norm, norm_backward, norm_candidates, norm_paths, norm_spec, row_packs
+from cupyops.ops import norm, norm_candidates, norm_grad_candidates, norm_spec
 
 DEFAULT_COLS = "1024,2048,4096,8192,12345,16384,32768"
 CHECK_ROWS = 64
 MAX_CANDIDATES = 48
 # max |error| / max |reference| a correct kernel stays within (storage rounding)
 TOLERANCE = {"f16": 4e-3, "bf16": 3e-2, "f32": 1e-4, "f64": 1e-9}
-# backward register-block variants: block sizes, at most GRAD_MAX_BYTES of
-# each input a thread, each way of holding the row between the passes,
-# with the dweight / dbias partials in registers or shared memory
-GRAD_BLOCK_SIZES = (64, 128, 256, 512, 1024)
-GRAD_MAX_BYTES = 64
-GRAD_HOLDINGS = (("cached", "regs"), ("reread", "regs"), ("cached", "smem"), ("reread", "smem"))
-# held rows loaded together (one block reduction for all of them)
-GRAD_ROWS_PER_ACCESS = (1, 2)
-
-
-def _backward_variants(op, dtype, rows, cols, target, param_grad):
-    family = op.replace("_backward", "")
-    ftype = dtypes.BY_SHORT[dtype]
-    fields = dict(op=f"{family}_grad", dtype=dtype, weight=True)
-    pack = row_packs.vector_pack_size(cols, ftype.itemsize, 16)
-    peel = pack * ftype.itemsize < 16
-    finish = norm_backward.finish_launch(family, dtype, cols) if param_grad else None
-    # without dweight / dbias: no partial sums to place
-    holdings = GRAD_HOLDINGS if param_grad else GRAD_HOLDINGS[:2]
-    found = []
-    for pack_size, peeled in ((pack, False),) + (((16 // ftype.itemsize, True),) if peel else ()):
-        num_packs = cols // pack_size
-        for block_size in norm_candidates.with_fitted(GRAD_BLOCK_SIZES, num_packs):
-            per_thread = norm_spec.block_packs_per_thread(cols, block_size, pack_size, peeled)
-            if per_thread * pack_size * ftype.itemsize > GRAD_MAX_BYTES or num_packs < block_size // 2:
-                continue
-            for (held, partials), rows_per_access in itertools.product(holdings, GRAD_ROWS_PER_ACCESS):
-                if held != "cached" and rows_per_access > 1 or peeled and not param_grad:
-                    continue
-                spec = norm_spec.NormSpec(impl="block_regs", pack_size=pack_size, block_size=block_size,
-                                     packs_per_thread=per_thread, peel=peeled, fuse_param_grad=param_grad,
-                                     **norm_backward.grad_holding(held, partials, rows_per_access), **fields)
-                if target.resources(spec)["local_bytes"]:
-                    continue
-                label = f"b{block_size} k{per_thread} r{rows_per_access} {held}"
-                if not param_grad:
-                    main = norm_paths.block_launch(spec, rows, 0, target, "auto", False)
-                    found.append((label, norm.NormGradPlan(main, None, None, 0, 0)))
-                    continue
-                main = norm_backward.fused_grad_launch(spec, rows, cols, target)
-                if main is not None:
-                    found.append((f"{label} {partials}", norm_backward.fused_grad_plan(main, cols)))
-    if not param_grad:
-        return found
-    dx = norm_backward.auto_backward_dx(fields, rows, cols, 16, target)
-    column_reduction, chunks, rows_per_chunk = norm_backward.param_grad_launches(family, dtype, rows, cols, target)
-    found.append(("dx + column reduction", norm.NormGradPlan(dx, column_reduction, finish, chunks, rows_per_chunk)))
-    return found
 
 
 def candidates(op, dtype, rows, cols, target, param_grad=True):
     """(label, plan) for each variant worth timing at this shape: the
     policies first, then at most MAX_CANDIDATES kernels in all. param_grad
     (backward): dweight / dbias wanted."""
-    if op in norm.FORWARD_OPS:   # the package's generator (auto's and oneflow's plans first)
+    # the package's generators (auto's and oneflow's plans first)
+    if op in norm.FORWARD_OPS:
         found = [(c.label, norm.NormPlan(c.launch)) for c in norm_candidates.candidates(op, dtype, rows, cols, target)]
     else:
-        found = [(policy, norm.plan(op, rows, cols, dtype, policy, target, param_grad=param_grad))
-                 for policy in ("auto", "oneflow")]
-        found += _backward_variants(op, dtype, rows, cols, target, param_grad)
+        found = [(c.label, c.plan(rows, cols, param_grad, target))
+                 for c in norm_grad_candidates.candidates(op, dtype, rows, cols, target, param_grad=param_grad)]
     unique = {}
     for label, chosen in found:    # the first label of each set of launches (the policies come first)
         unique.setdefault(tuple((launch.spec.name, launch.grid) for launch in chosen.launches), (label, chosen))
