@@ -1,4 +1,4 @@
-"""`explain`, `compile` and `bench` for the fused attention softmax (fused_softmax,
+"""`explain`, `compile`, `bench` and `tune` for the fused attention softmax (fused_softmax,
 fused_softmax_backward) on scores of shape B,H,Sq,Sk with a broadcast mask and bias,
 the causal rule and dropout."""
 from __future__ import annotations
@@ -14,8 +14,9 @@ from cupyops.device import ARCH_PROFILES
 from cupyops.launch import Target
 from cupyops.ops import fused_softmax as fs
 
-from .common import (bench, compile_, compile_and_report, device_option, dtype_option, explain, json_flag,
-                     live_device, plot_option, policy_option, positive_shape, source_flag, target)
+from .common import (bench, compile_, compile_and_report, device_option, dtype_option, echo_tuned, explain,
+                     json_flag, live_device, plot_option, policy_option, positive_shape, source_flag, target)
+from .common import tune as tune_group
 
 OPS = {"fused_softmax": ("forward", "lse"), "fused_softmax_backward": ("backward",)}
 DEFAULT_SHAPES = ("8,16,128,128", "8,16,512,512", "8,16,1024,1024", "4,16,4096,4096", "1,4,16384,16384")
@@ -151,3 +152,36 @@ for _op in OPS:
     explain.add_command(_explain_command(_op))
     compile_.add_command(_compile_command(_op))
     bench.add_command(_bench_command(_op))
+
+
+@tune_group.command(name="fused_softmax")
+@click.option("--shape", "shapes", multiple=True, help="Scores shape (repeatable)  [default: a sweep of S]")
+@fusion_options
+@dtype_option
+@click.option("--stage", "stages", default="forward,backward", show_default=True,
+              help="Comma-separated stages: forward, backward.")
+def tune_fused_softmax(shapes, mask_shape, bias_shape, bias_dtype, causal, diagonal, dropout, dtype, stages):
+    """Time every candidate plan of the fused softmax's stages on the live GPU (each checked against
+    the oneflow policy's result first) and keep the fastest in the tuning table, which
+    policy="auto" then plans those shapes and fusions from."""
+    from cupyops import tune
+    from cupyops.ops import fused_softmax_tune
+
+    stage_list = [stage.strip() for stage in stages.split(",") if stage.strip()]
+    if not stage_list or set(stage_list) - {"forward", "backward"}:
+        raise click.BadParameter(f"stages are forward and backward, got {stages!r}", param_hint="--stage")
+    dims_list = [positive_shape(shape) for shape in shapes or DEFAULT_SHAPES]
+    for dims in dims_list:
+        _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, dims)
+    device_id = live_device("tune times the live GPU, and no GPU is usable here")
+    short, bias_short = dtypes.NAMES[dtype], bias_dtype and dtypes.NAMES[bias_dtype]
+    operands = dict(mask_shape=mask_shape and tuple(positive_shape(mask_shape)),
+                    bias_shape=bias_shape and tuple(positive_shape(bias_shape)), bias_dtype=bias_short)
+    table = tune.default_table()
+    for dims in dims_list:
+        for stage in stage_list:
+            click.echo(f"fused_softmax {stage} {dtype} {'x'.join(map(str, dims))}")
+            tuned = fused_softmax_tune.tune_shape(stage, tuple(dims), short, device_id, causal=causal,
+                                                  diagonal=diagonal, dropout=dropout, table=table, **operands)
+            echo_tuned(tuned, fused_softmax_tune.moved_bytes(stage, tuple(dims), short, **operands))
+    click.echo(f"tuning table: {table.path}")

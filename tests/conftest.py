@@ -82,3 +82,17 @@ def keep_winner(table, device, op: str, shape_key: str, descriptions: list, labe
                        lambda description: 1.0 if description["label"] == label else 2.0)
     assert result.best["label"] == label
     return result.best
+
+
+def stand_in_live(monkeypatch, table, profile_target, device):
+    """Planners' view of a live GPU without one: the tuning table `table` as the user's, the
+    device key fixed to `device`, and a target with `profile_target`'s facts and a device id
+    whose occupancy and resources are the profile's (NVRTC's). Returns that target."""
+    from cupyops import tune
+    from cupyops.launch import Target
+
+    monkeypatch.setattr(tune, "default_table", lambda: table)
+    monkeypatch.setattr(tune.DeviceKey, "live", classmethod(lambda cls, device_id: device))
+    for name in ("max_active_blocks", "resources"):
+        monkeypatch.setattr(Target, name, lambda self, *args, _of=getattr(Target, name): _of(profile_target, *args))
+    return Target(profile_target.facts, device_id=0)

@@ -12,7 +12,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from conftest import keep_winner
+from conftest import keep_winner, stand_in_live
 
 from cupyops import tune
 from cupyops.cli.main import main
@@ -61,11 +61,7 @@ def live_table(monkeypatch, tmp_path):
     target (the H100 profile's facts with a device id, occupancy and
     resources from NVRTC as the profile's)."""
     table = tune.TuningTable(tmp_path / "tuning.json")
-    monkeypatch.setattr(tune, "default_table", lambda: table)
-    monkeypatch.setattr(tune.DeviceKey, "live", classmethod(lambda cls, device_id: DEVICE))
-    for name in ("max_active_blocks", "resources"):
-        monkeypatch.setattr(Target, name, lambda self, *args, _of=getattr(Target, name): _of(H100, *args))
-    return table, Target(H100.facts, device_id=0)
+    return table, stand_in_live(monkeypatch, table, H100, DEVICE)
 
 
 def _keep(table, op, dtype, rows, cols, label):

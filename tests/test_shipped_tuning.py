@@ -11,13 +11,14 @@ import re
 
 import pytest
 from click.testing import CliRunner
-from conftest import keep_winner
+from conftest import keep_winner, stand_in_live
 
 from cupyops import profile, tune
 from cupyops.cli.main import main
 from cupyops.cli.tune_ship import SHIPPED_OPS
 from cupyops.launch import Target
-from cupyops.ops import norm, norm_candidates, row_candidates, softmax, softmax_candidates, softmax_rows
+from cupyops.ops import (fused_softmax, norm, norm_candidates, row_candidates, softmax, softmax_candidates,
+                         softmax_rows)
 from cupyops.ops.norm_spec import FORWARD_OPS
 
 H100 = Target.profile("h100")
@@ -27,9 +28,10 @@ NORM_KEY = norm_candidates.shape_key("f16", 49152, 1024)
 
 
 def _shape(shape_key: str) -> tuple:
-    """A row family's shape key -> (dtype, its name=value fields as ints)."""
+    """A row family's shape key -> (dtype, its name=value fields: ints, the fused bias's dtype)."""
     dtype, *fields = shape_key.split("|")
-    return dtype, {name: int(value) for name, value in (field.split("=") for field in fields)}
+    return dtype, {name: value if name == "bias" and not value.isdigit() else int(value)
+                   for name, value in (field.split("=") for field in fields)}
 
 
 def _auto_plan(op: str, shape_key: str, target: Target):
@@ -39,12 +41,27 @@ def _auto_plan(op: str, shape_key: str, target: Target):
     if op in FORWARD_OPS:
         return norm.plan(op, rows, cols, dtype, "auto", target, align, same_phase=bool(same_phase),
                          **{name: bool(value) for name, value in fields.items()})
+    if op in fused_softmax.TUNED_OPS:
+        return fused_softmax.plan(op.rsplit("_", 1)[1], rows, cols, dtype, "auto", target, _fusion(fields), align,
+                                  bool(same_phase))
     assert not fields, shape_key
     return softmax.plan(op, rows, cols, dtype, "auto", target, align, bool(same_phase))
 
 
-def _candidate_type(op: str):
-    return norm_candidates.Candidate if op in FORWARD_OPS else softmax_candidates.Candidate
+def _fusion(fields: dict):
+    """A fused key's Fusion (its bias field: the bias's dtype, 0 without one)."""
+    bias = fields.pop("bias")
+    return fused_softmax.Fusion(bias or "", *(bool(fields.pop(name)) for name in ("mask", "causal", "dropout")))
+
+
+def _rebuilt(op: str, shape_key: str, best: dict, target: Target):
+    """The launch of a shipped description over the key's rows."""
+    dtype, fields = _shape(shape_key)
+    if op in fused_softmax.TUNED_OPS:
+        return fused_softmax.fused_launch(op.rsplit("_", 1)[1], dtype, fields["rows"], fields["cols"], target,
+                                          _fusion(fields), best)
+    candidate_type = norm_candidates.Candidate if op in FORWARD_OPS else softmax_candidates.Candidate
+    return candidate_type.from_description(best, fields["rows"], target).launch
 
 
 def _launch(plan) -> tuple:
@@ -65,8 +82,7 @@ def check_shipped(name: str) -> int:
         assert op in SHIPPED_OPS and set(entry) == {"best", "us", "measured_on"}, key
         assert profile.matching_profile(entry["measured_on"].split("|")[0]) == name
         assert not row_candidates.is_rule(entry["best"])
-        rows = _shape(shape_key)[1]["rows"]
-        launch = _candidate_type(op).from_description(entry["best"], rows, target).launch
+        launch = _rebuilt(op, shape_key, entry["best"], target)
         assert row_candidates.can_launch(target, launch), key
         chosen = _auto_plan(op, shape_key, target)
         assert _launch(chosen.main if op in FORWARD_OPS else chosen) == _launch(launch), key
@@ -102,13 +118,10 @@ def tables(monkeypatch, tmp_path):
     target (the H100 profile's facts with a device id; occupancy and
     resources from NVRTC as the profile's)."""
     user = tune.TuningTable(tmp_path / "user.json")
-    monkeypatch.setattr(tune, "default_table", lambda: user)
-    monkeypatch.setattr(tune.DeviceKey, "live", classmethod(lambda cls, device_id: DEVICE))
     monkeypatch.setattr(tune, "PROFILE_DIR", tmp_path / "profiles")
-    for name in ("max_active_blocks", "resources"):
-        monkeypatch.setattr(Target, name, lambda self, *args, _of=getattr(Target, name): _of(H100, *args))
+    live = stand_in_live(monkeypatch, user, H100, DEVICE)
     tune.shipped.cache_clear()
-    yield user, Target(H100.facts, device_id=0)
+    yield user, live
     tune.shipped.cache_clear()
 
 
@@ -157,6 +170,22 @@ def test_oneflow_and_other_profiles_ignore_the_shipped_table(tables):
         target = Target.profile(device)
         assert softmax.plan("softmax", 49152, 1024, "f16", "auto", target) == \
             softmax_rows.plan("softmax", 49152, 1024, "f16", "auto", target)
+
+
+def test_a_shipped_fused_softmax_winner_is_planned(tables):
+    from cupyops.ops import fused_softmax_tune
+
+    user, _ = tables
+    fusion = fused_softmax.Fusion("f16", False, True, False)
+    key = fused_softmax.tuning_key("f16", 16384, 4096, fusion)
+    found = [d for d, _ in fused_softmax_tune.candidates("forward", "f16", 16384, 4096, H100, fusion)]
+    keep_winner(user, DEVICE, "fused_softmax_forward", key, found, "regs b256 k2")
+    assert list(_ship(user)) == [f"fused_softmax_forward|{key}"]
+    assert check_shipped("h100") == 1
+    chosen = fused_softmax.plan("forward", 16384, 4096, "f16", "auto", H100, fusion)
+    assert chosen.spec.path.block_size == 256 and chosen.explain()["source"] == "shipped"
+    assert fused_softmax.plan("forward", 16384, 4096, "f16", "oneflow", H100, fusion) == \
+        fused_softmax.rule_plan("forward", 16384, 4096, "f16", "oneflow", H100, fusion)
 
 
 def test_explain_on_a_profile_says_shipped(tables):

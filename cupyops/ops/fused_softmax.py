@@ -24,10 +24,11 @@ import numpy
 from .. import arrays, callcache, dtypes, jit, philox
 from ..callcache import call_key, run_on, writable
 from ..launch import KernelLaunch, LaunchCache, Target, get_num_blocks, live_function
-from . import softmax_rows as softmax
+from . import row_candidates, softmax_candidates, softmax_rows as softmax
 
 STAGES = ("forward", "backward", "lse")
 SOFTMAX_OP = {"forward": "softmax", "backward": "softmax_backward"}
+TUNED_OPS = tuple(f"fused_softmax_{stage}" for stage in SOFTMAX_OP)   # the tuning table's ops
 LSE_BLOCK_SIZE = 256
 SHARED_BLOCK_SIZE = 512       # rows cached in shared memory through the LOAD
 MAX_LEADING_DIMS = 3          # x's leading dims the kernels decompose a row into (after merging)
@@ -153,7 +154,35 @@ def _with_compute_cache(chosen: KernelLaunch, op, dtype, rows, cols, target) -> 
 
 def plan(stage: str, rows: int, cols: int, dtype: str, policy: str, target: Target, fusion: Fusion,
          align: int = 16, same_phase: bool = True) -> KernelLaunch:
-    """The launch of one stage ("forward", "backward" or "lse") for rows x cols of dtype."""
+    """One stage's launch ("forward", "backward", "lse"): auto's tuned winner, else the rules'."""
+    if policy == "auto" and stage in SOFTMAX_OP:
+        found = row_candidates.stored_winner(TUNED_OPS[stage == "backward"],
+                                             tuning_key(dtype, rows, cols, fusion, align, same_phase), target)
+        if found is not None and not row_candidates.is_rule(found):
+            chosen = fused_launch(stage, dtype, rows, cols, target, fusion, found)
+            return row_candidates.tuned_launch(chosen, found["source"])
+    return rule_plan(stage, rows, cols, dtype, policy, target, fusion, align, same_phase)
+
+
+def tuning_key(dtype: str, rows: int, cols: int, fusion: Fusion, align: int = 16, same_phase: bool = True) -> str:
+    """The tuning table's key of a stage's shape: softmax's, and what the kernel fuses."""
+    return (f"{softmax_candidates.shape_key(dtype, rows, cols, align, same_phase)}|bias={fusion.bias_dtype or 0}"
+            f"|mask={int(fusion.mask)}|causal={int(fusion.causal)}|dropout={int(fusion.dropout)}")
+
+
+def fused_launch(stage, dtype, rows, cols, target, fusion, description: dict) -> KernelLaunch:
+    """A table's description as the fused kernel: a policy's rule plan, or a softmax row plan."""
+    if description["label"] in ("auto", "oneflow"):
+        return rule_plan(stage, rows, cols, dtype, description["label"], target, fusion)
+    path = softmax_candidates.Candidate.from_description(description, rows, target).launch
+    chosen = _with_compute_cache(path, SOFTMAX_OP[stage], dtype, rows, cols, target)
+    return replace(chosen, spec=FusedSoftmaxSpec(stage, dtype, chosen.spec, dropout=fusion.dropout,
+                                                 bias_dtype=fusion.bias_dtype, mask=fusion.mask, causal=fusion.causal))
+
+
+def rule_plan(stage: str, rows: int, cols: int, dtype: str, policy: str, target: Target, fusion: Fusion,
+              align: int = 16, same_phase: bool = True) -> KernelLaunch:
+    """The launch of one stage by the rules: softmax's plan of the rows, read through the LOAD."""
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
     fields = dict(bias_dtype=fusion.bias_dtype, mask=fusion.mask, causal=fusion.causal)
@@ -338,8 +367,8 @@ class _StageLaunch:
         self.function(self.grid, self.block, (*pointers, *self.scalars, *counters), self.smem)
 
 
-def _stage(stage: str, operands: Operands, policy: str, out, dy=None) -> _StageLaunch:
-    """The launch of `stage` for these operands writing `out` (None for "lse")."""
+def _stage(stage: str, operands: Operands, policy: str, out, dy=None, chosen=None) -> _StageLaunch:
+    """`stage`'s launch writing `out` (None for "lse"): the planner's, or `chosen` (the tuner's)."""
     x = operands.x
     device_id = x.device.id
     dtype = dtypes.BY_DTYPE[x.dtype].short
@@ -353,7 +382,8 @@ def _stage(stage: str, operands: Operands, policy: str, out, dy=None) -> _StageL
                       operands.fusion, align, same_phase)
         return chosen, live_function(chosen.spec, device_id, chosen.smem_bytes)
 
-    chosen, function = _launches.get(key, make)
+    chosen, function = _launches.get(key, make) if chosen is None else (chosen, live_function(
+        chosen.spec, device_id, chosen.smem_bytes))
     keep_scale = 1.0 / (1.0 - operands.dropout)
     scalars = (numpy.int64(operands.rows), numpy.int64(operands.cols), numpy.float64(operands.scale),
                numpy.float64(keep_scale), *(numpy.int64(v) for v in operands.geometry))
@@ -565,7 +595,6 @@ def dropout_mask(shape, p, seed, offset=0):
     (cupyops.philox.keep_mask_reference on the host; torch: none, its masks depend on the launch)."""
     threshold = philox.dropout_threshold(p)
     keep = (callcache.empty or callcache.cupy_module().ndarray)(tuple(shape), numpy.bool_)
-    size = keep.size
-    if size:
-        _mask_launch(size, threshold, keep.data.device_id).run((keep,), seed, offset)
+    if keep.size:
+        _mask_launch(keep.size, threshold, keep.data.device_id).run((keep,), seed, offset)
     return keep
