@@ -10,14 +10,14 @@ import click
 from cupyops import tune
 from cupyops.ops import row_candidates
 from cupyops.ops.fused_softmax import TUNED_OPS as FUSED_SOFTMAX_OPS
-from cupyops.ops.norm_spec import FORWARD_OPS
+from cupyops.ops.norm_spec import BACKWARD_OPS, FORWARD_OPS
 from cupyops.ops.softmax_rows import OPS as SOFTMAX_OPS
 from cupyops.profile import PROFILE_NAMES
 
 from .common import tune as tune_group
 
 # The ops whose planners read the shipped tables (row_candidates.stored_winner).
-SHIPPED_OPS = SOFTMAX_OPS + FORWARD_OPS + FUSED_SOFTMAX_OPS
+SHIPPED_OPS = SOFTMAX_OPS + FORWARD_OPS + BACKWARD_OPS + FUSED_SOFTMAX_OPS
 
 
 def _keep(op: str, best: dict) -> bool:

@@ -17,9 +17,9 @@ from cupyops import profile, tune
 from cupyops.cli.main import main
 from cupyops.cli.tune_ship import SHIPPED_OPS
 from cupyops.launch import Target
-from cupyops.ops import (fused_softmax, norm, norm_candidates, row_candidates, softmax, softmax_candidates,
-                         softmax_rows)
-from cupyops.ops.norm_spec import FORWARD_OPS
+from cupyops.ops import (fused_softmax, norm, norm_candidates, norm_grad_candidates, row_candidates, softmax,
+                         softmax_candidates, softmax_rows)
+from cupyops.ops.norm_spec import BACKWARD_OPS, FORWARD_OPS
 
 H100 = Target.profile("h100")
 DEVICE = tune.DeviceKey("NVIDIA H100 80GB HBM3", 12080)
@@ -38,7 +38,7 @@ def _auto_plan(op: str, shape_key: str, target: Target):
     """The planner's auto plan for a shipped key (its rows: the key's bucket)."""
     dtype, fields = _shape(shape_key)
     rows, cols, align, same_phase = fields.pop("rows"), fields.pop("cols"), fields.pop("align"), fields.pop("phase")
-    if op in FORWARD_OPS:
+    if op in FORWARD_OPS + BACKWARD_OPS:
         return norm.plan(op, rows, cols, dtype, "auto", target, align, same_phase=bool(same_phase),
                          **{name: bool(value) for name, value in fields.items()})
     if op in fused_softmax.TUNED_OPS:
@@ -60,6 +60,9 @@ def _rebuilt(op: str, shape_key: str, best: dict, target: Target):
     if op in fused_softmax.TUNED_OPS:
         return fused_softmax.fused_launch(op.rsplit("_", 1)[1], dtype, fields["rows"], fields["cols"], target,
                                           _fusion(fields), best)
+    if op in BACKWARD_OPS:   # the dx kernel, in its backward plan
+        candidate = norm_grad_candidates.Candidate.from_description(best, fields["rows"], target)
+        return candidate.plan(fields["rows"], fields["cols"], bool(fields["param_grad"]), target).main
     candidate_type = norm_candidates.Candidate if op in FORWARD_OPS else softmax_candidates.Candidate
     return candidate_type.from_description(best, fields["rows"], target).launch
 
@@ -85,7 +88,7 @@ def check_shipped(name: str) -> int:
         launch = _rebuilt(op, shape_key, entry["best"], target)
         assert row_candidates.can_launch(target, launch), key
         chosen = _auto_plan(op, shape_key, target)
-        assert _launch(chosen.main if op in FORWARD_OPS else chosen) == _launch(launch), key
+        assert _launch(chosen.main if op in FORWARD_OPS + BACKWARD_OPS else chosen) == _launch(launch), key
         assert chosen.explain()["source"] == "shipped"
     return len(plans)
 
@@ -212,6 +215,19 @@ def test_norm_planner_takes_the_shipped_winner(tables):
     oneflow = norm.plan("layer_norm", 49152, 1024, "f16", "oneflow", H100)
     assert "source" not in oneflow.explain() and oneflow.main != launch
     assert check_shipped("h100") == 1
+
+
+def test_norm_backward_planner_takes_the_shipped_winner(tables):
+    user, _ = tables
+    found = norm_grad_candidates.candidates("rms_norm_backward", "f16", 49152, 1024, H100)
+    labels = [c.label for c in found]
+    label = next(label for label in labels if label not in ("auto", "oneflow"))
+    key = norm_grad_candidates.shape_key("f16", 49152, 1024)
+    keep_winner(user, DEVICE, "rms_norm_backward", key, [c.describe() for c in found], label)
+    assert list(_ship(user)) == [f"rms_norm_backward|{key}"]
+    assert check_shipped("h100") == 1
+    chosen = norm.plan("rms_norm_backward", 49152, 1024, "f16", "auto", H100)
+    assert chosen.main == found[labels.index(label)].launch and chosen.explain()["source"] == "shipped"
 
 
 def test_tune_ship_round_trip(tables):
