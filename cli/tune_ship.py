@@ -17,7 +17,7 @@ from cupyops.profile import PROFILE_NAMES
 from .common import tune as tune_group
 
 # The ops whose planners read the shipped tables (row_candidates.stored_winner).
-SHIPPED_OPS = SOFTMAX_OPS + FORWARD_OPS + BACKWARD_OPS + FUSED_SOFTMAX_OPS
+SHIPPED_OPS = SOFTMAX_OPS + FORWARD_OPS + BACKWARD_OPS + tuple(FUSED_SOFTMAX_OPS.values())
 
 
 def _keep(op: str, best: dict) -> bool:

@@ -20,6 +20,7 @@ bias_dropout_add (each where cupyops has the op). Modules: LayerNorm,
 RMSNorm (drop-in for torch.nn.LayerNorm / torch.nn.RMSNorm: the same
 arguments, parameters and state_dict keys) and FusedSoftmax.
 """
+import contextlib
 import functools
 from typing import Optional, Sequence, Union
 
@@ -61,9 +62,9 @@ def _to_cupy(tensor: Optional[torch.Tensor]):
         if dtype is None or not tensor.is_cuda:
             raise TypeError(f"cupyops takes CUDA tensors of {', '.join(map(str, _NUMPY_DTYPES))}, "
                             f"got {tensor.dtype} on {tensor.device}")
-        shape, strides = tuple(tensor.shape), tensor.stride()
+        pointer, _, shape, strides, device = key
         extent = 1 + sum((n - 1) * step for n, step in zip(shape, strides)) if all(shape) else 0
-        memory = cupy.cuda.UnownedMemory(tensor.data_ptr(), extent * dtype.itemsize, None, tensor.get_device())
+        memory = cupy.cuda.UnownedMemory(pointer, extent * dtype.itemsize, None, device)
         view = cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0),
                             tuple(step * dtype.itemsize for step in strides))
         if len(_views) >= _MAX_VIEWS:
@@ -96,12 +97,9 @@ def _run(device: torch.device, compute):
     """compute() (cupy arrays, None or a tuple of them) with cupy's current
     device and stream those torch uses for `device`, as torch tensors."""
     index = device.index
-    if cupy.cuda.runtime.getDevice() == index:
-        with _stream(index):
-            result = compute()
-    else:
-        with cupy.cuda.Device(index), _stream(index):
-            result = compute()
+    on_device = contextlib.nullcontext() if cupy.cuda.runtime.getDevice() == index else cupy.cuda.Device(index)
+    with on_device, _stream(index):
+        result = compute()
     return tuple(map(_to_torch, result)) if isinstance(result, tuple) else _to_torch(result)
 
 

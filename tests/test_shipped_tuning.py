@@ -41,7 +41,7 @@ def _auto_plan(op: str, shape_key: str, target: Target):
     if op in FORWARD_OPS + BACKWARD_OPS:
         return norm.plan(op, rows, cols, dtype, "auto", target, align, same_phase=bool(same_phase),
                          **{name: bool(value) for name, value in fields.items()})
-    if op in fused_softmax.TUNED_OPS:
+    if op in fused_softmax.TUNED_OPS.values():
         return fused_softmax.plan(op.rsplit("_", 1)[1], rows, cols, dtype, "auto", target, _fusion(fields), align,
                                   bool(same_phase))
     assert not fields, shape_key
@@ -57,7 +57,7 @@ def _fusion(fields: dict):
 def _rebuilt(op: str, shape_key: str, best: dict, target: Target):
     """The launch of a shipped description over the key's rows."""
     dtype, fields = _shape(shape_key)
-    if op in fused_softmax.TUNED_OPS:
+    if op in fused_softmax.TUNED_OPS.values():
         return fused_softmax.fused_launch(op.rsplit("_", 1)[1], dtype, fields["rows"], fields["cols"], target,
                                           _fusion(fields), best)
     if op in BACKWARD_OPS:   # the dx kernel, in its backward plan

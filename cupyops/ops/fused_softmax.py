@@ -28,7 +28,7 @@ from . import row_candidates, softmax_candidates, softmax_rows as softmax
 
 STAGES = ("forward", "backward", "lse")
 SOFTMAX_OP = {"forward": "softmax", "backward": "softmax_backward"}
-TUNED_OPS = tuple(f"fused_softmax_{stage}" for stage in SOFTMAX_OP)   # the tuning table's ops
+TUNED_OPS = {stage: f"fused_softmax_{stage}" for stage in SOFTMAX_OP}   # the tuning table's ops
 LSE_BLOCK_SIZE = 256
 SHARED_BLOCK_SIZE = 512       # rows cached in shared memory through the LOAD
 MAX_LEADING_DIMS = 3          # x's leading dims the kernels decompose a row into (after merging)
@@ -156,7 +156,7 @@ def plan(stage: str, rows: int, cols: int, dtype: str, policy: str, target: Targ
          align: int = 16, same_phase: bool = True) -> KernelLaunch:
     """One stage's launch ("forward", "backward", "lse"): auto's tuned winner, else the rules'."""
     if policy == "auto" and stage in SOFTMAX_OP:
-        found = row_candidates.stored_winner(TUNED_OPS[stage == "backward"],
+        found = row_candidates.stored_winner(TUNED_OPS[stage],
                                              tuning_key(dtype, rows, cols, fusion, align, same_phase), target)
         if found is not None and not row_candidates.is_rule(found):
             chosen = fused_launch(stage, dtype, rows, cols, target, fusion, found)

@@ -41,7 +41,7 @@ def candidates(stage: str, dtype: str, rows: int, cols: int, target: Target, fus
         found.append((description, fs.fused_launch(stage, dtype, rows, cols, target, fusion, description)))
     unique = {}
     for description, launch in found:
-        unique.setdefault((launch.spec, launch.block, launch.grid, launch.smem_bytes), (description, launch))
+        unique.setdefault(launch, (description, launch))
     return list(unique.values())
 
 
@@ -109,7 +109,7 @@ def tune_shape(stage: str, shape: tuple, dtype: str, device_id: int, *, mask_sha
 
         found = candidates(stage, dtype, rows, cols, target, fusion)
         launches = {description["label"]: launch for description, launch in found}
-        result = tune.tune(table or tune.default_table(), tune.DeviceKey.live(device_id), fs.TUNED_OPS[stage == "backward"],
-                           fs.tuning_key(dtype, rows, cols, fusion), [d for d, _ in found],
-                           recording_errors(errors, time_us))
-    return Tuned(result, errors, fs.tuning_key(dtype, rows, cols, fusion))
+        key = fs.tuning_key(dtype, rows, cols, fusion)
+        result = tune.tune(table or tune.default_table(), tune.DeviceKey.live(device_id), fs.TUNED_OPS[stage], key,
+                           [d for d, _ in found], recording_errors(errors, time_us))
+    return Tuned(result, errors, key)
