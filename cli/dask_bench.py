@@ -15,6 +15,9 @@ has the same keys (a key resubmitted while the scheduler still cancels or releas
 back cancelled), and its blocks reuse the memory the last run's gave back. The timed region
 holds the persist call (the client sends the optimised graph), the tasks, and one
 `client.run` round trip for the GPU synchronisation.
+The floor: the same graph over an array of as many blocks of FLOOR_ROWS rows, timed alike:
+what a run costs the cluster (the graph sent and scheduled, the tasks' reports, the GPU
+synchronisation) without the bytes; a run over x takes at least that plus its kernels.
 Nothing moves to the client. The plain op: one array of the bytes each GPU holds in the
 Dask run, on a worker, timed by CUDA events; the median.
 
@@ -74,6 +77,7 @@ def _plain_seconds(op: str, rows: int, cols: int, dtype_name: str, reps: int) ->
     return statistics.median(samples)
 
 
+FLOOR_ROWS = 16          # rows a block of the floor's array: the run's cost without the kernels' bytes
 RUN_TIMEOUT_S = 300      # one Dask run (a GPU's 16 GiB takes well under a second)
 FORGET_TIMEOUT_S = 60    # the scheduler forgetting released keys
 
@@ -231,24 +235,29 @@ def _measure_cluster(results: _Results, gpus: int, ops: list, rows: int, cols: i
             chunk_rows = max(1, chunk_mib * 2 ** 20 // (cols * dtype.itemsize))
             x = random_normal((rows, cols), (chunk_rows, cols), dtype)
             blocks = x.numblocks[0]
+            tiny = random_normal((blocks * FLOOR_ROWS, cols), (FLOOR_ROWS, cols), dtype)
             futures = []
             try:
-                x = persist_spread(client, x)
-                futures = distributed.futures_of(x)
+                x, tiny = persist_spread(client, x), persist_spread(client, tiny)
+                futures = distributed.futures_of([x, tiny])
                 _wait(futures)
                 for op in ops:
                     try:
-                        seconds = _dask_seconds(client, op, x, weight, bias, reps, results.result["chain"])
+                        chain = results.result["chain"]
+                        seconds = _dask_seconds(client, op, x, weight, bias, reps, chain)
+                        floor = _dask_seconds(client, op, tiny, weight, bias, reps, chain)
                     except Exception as error:  # noqa: BLE001
                         results.failed(error, gpus=gpus, op=op, chunk_mib=chunk_mib, stage="dask")
                         continue
                     results.add("points", {"op": op, "gpus": gpus, "chunk_mib": chunk_mib, "blocks": blocks,
-                                           "seconds": seconds, "gbs": num_bytes / seconds / 1e9},
+                                           "seconds": seconds, "gbs": num_bytes / seconds / 1e9,
+                                           "floor_seconds": floor},
                                 f"{op} on {gpus} GPU(s), {blocks} chunks of {chunk_mib} MiB: "
-                                f"{seconds * 1e3:.1f} ms, {num_bytes / seconds / 1e9:.0f} GB/s")
+                                f"{seconds * 1e3:.1f} ms, {num_bytes / seconds / 1e9:.0f} GB/s; "
+                                f"the same graph over blocks of {FLOOR_ROWS} rows: {floor * 1e3:.1f} ms")
             except Exception as error:  # noqa: BLE001 - x not made: the next chunk size
                 results.failed(error, gpus=gpus, chunk_mib=chunk_mib, stage="x")
-            x = None
+            x = tiny = None
             _release(client, futures)
             client.run(_free_pools)
         _release(client, params, wait=False)
@@ -262,13 +271,13 @@ def format_table(result: dict) -> str:
     ops = f"{chain} chained ops" if chain > 1 else "one op"
     lines = [f"{result['dtype']} {result['rows']} x {result['cols']}, {result['bytes'] / 1e9:.1f} GB moved "
              f"(x read + y written, {ops} a run); clusters: {result['clusters']}",
-             f"{'op':<11} {'gpus':>4} {'chunk MiB':>9} {'blocks':>6} {'ms':>9} {'GB/s':>8} {'GB/s/GPU':>9} "
-             f"{'x 1 GPU':>8} {'x plain':>8}"]
+             f"{'op':<11} {'gpus':>4} {'chunk MiB':>9} {'blocks':>6} {'ms':>9} {'floor ms':>9} {'GB/s':>8} "
+             f"{'GB/s/GPU':>9} {'x 1 GPU':>8} {'x plain':>8}"]
     for p in result["points"]:
         per_gpu = p["gbs"] / p["gpus"]
         scaling = p["gbs"] / one_gpu.get((p["op"], p["chunk_mib"]), nan)
         lines.append(f"{p['op']:<11} {p['gpus']:>4} {p['chunk_mib']:>9} {p['blocks']:>6} {p['seconds'] * 1e3:>9.1f} "
-                     f"{p['gbs']:>8.0f} {per_gpu:>9.0f} {scaling:>8.2f} "
+                     f"{p.get('floor_seconds', nan) * 1e3:>9.1f} {p['gbs']:>8.0f} {per_gpu:>9.0f} {scaling:>8.2f} "
                      f"{per_gpu / plain.get((p['op'], p['gpus']), nan):>8.2f}")
     for p in result["plain"]:
         lines.append(f"plain {p['op']} on one GPU, {p['rows']} rows: {p['seconds'] * 1e3:.1f} ms, {p['gbs']:.0f} GB/s")

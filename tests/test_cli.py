@@ -135,8 +135,8 @@ def test_explain_live_gpu():
     result = run("explain", "softmax", "--shape", "49152,1024", "--json")
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)
-    assert info == plan("softmax", 49152, 1024, "f16", "auto",
-                        Target.live(cupy.cuda.runtime.getDevice())).explain()
+    expected = plan("softmax", 49152, 1024, "f16", "auto", Target.live(cupy.cuda.runtime.getDevice())).explain()
+    assert info == {"source": "rule", **expected}     # "tuned" or "shipped" where a table gave the plan
 
 
 def test_compile_lists_the_kernels():

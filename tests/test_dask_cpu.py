@@ -591,13 +591,14 @@ def test_bench_dask_refuses_what_it_cannot_run():
 def test_bench_dask_table_gives_scaling_and_the_plain_ratio():
     point = dict(op="softmax", chunk_mib=256, blocks=64)
     result = {"dtype": "float16", "rows": 1 << 20, "cols": 8192, "bytes": 2 << 34, "clusters": {1: "a", 2: "b"},
-              "points": [dict(point, gpus=1, seconds=0.02, gbs=1600.0),
+              "points": [dict(point, gpus=1, seconds=0.02, gbs=1600.0, floor_seconds=0.0125),
                          dict(point, gpus=2, seconds=0.0125, gbs=2560.0)],
               "plain": [dict(op="softmax", gpus=1, rows=1 << 20, seconds=0.0125, gbs=2000.0),
                         dict(op="softmax", gpus=2, rows=1 << 19, seconds=0.00625, gbs=1600.0)]}
     lines = dask_bench.format_table(result).splitlines()
     one, two = (line.split() for line in lines[2:4])
     assert one[-2:] == ["1.00", "0.80"]        # 1600 GB/s on one GPU, the plain op 2000
+    assert one[5] == "12.5" and two[5] == "nan"   # the floor, where it was measured
     assert two[-3:] == ["1280", "1.60", "0.80"]   # 2560 GB/s, 1280 a GPU against the plain op's 1600
 
 
@@ -666,12 +667,13 @@ def test_bench_dask_measures_every_point(monkeypatch, chain):
     monkeypatch.setattr(dask_bench, "_apply", lambda *args: applied.append(args[0]) or apply(*args))
     result = dask_bench.measure(["layer_norm", "softmax"], 2 ** -8, 64, [1, 2], [1, 2], F32, 3, chain=chain)
     assert not result["errors"]
-    assert len(applied) == 2 * 2 * 2 * 4 * chain      # ops x GPU counts x chunk sizes x runs, each a chain
+    # ops x GPU counts x chunk sizes x runs, each a chain, over x and over the floor's array
+    assert len(applied) == 2 * 2 * 2 * 4 * chain * 2
     assert result["bytes"] == 2 * 2 ** -8 * dask_bench.GIB * chain and {p["gbs"] for p in result["plain"]} == \
         {2 ** -7 * dask_bench.GIB / g / 1e-3 / 1e9 for g in (1, 2)}
     assert sorted((p["op"], p["gpus"], p["chunk_mib"], p["blocks"]) for p in result["points"]) == \
         [(op, g, c, 4 // c) for op in ("layer_norm", "softmax") for g in (1, 2) for c in (1, 2)]
-    assert len(result["plain"]) == 4
+    assert len(result["plain"]) == 4 and all(p["floor_seconds"] > 0 for p in result["points"])
     lines = dask_bench.format_table(result).splitlines()
     assert len(lines) == 2 + 8 + 4 and "nan" not in "".join(lines)
 
