@@ -83,11 +83,12 @@ def main() -> int:
                 results.append({"op": op, "dtype": dtype, "cols": cols, "before_us": before[cols]["cupyops"],
                                 "after_us": after[cols]["cupyops"], "oneflow_us": after[cols]["oneflow"]})
                 worst.append((min(ratio, versus), op, dtype, cols))
+            if options.json:     # kept after each (op, dtype): a run cut short keeps what it measured
+                options.json.write_text(json.dumps({"device": device, "rows": options.rows, "points": results},
+                                                   indent=1))
     low = min(worst)
     print(f"{device}: {len(results)} points; lowest of after/before and x oneflow {low[0]:.3f} "
           f"({low[1]} {low[2]} cols {low[3]})")
-    if options.json:
-        options.json.write_text(json.dumps({"device": device, "rows": options.rows, "points": results}, indent=1))
     return 0
 
 
