@@ -9,6 +9,8 @@
 #   fused          issue 39's sweep of fused_softmax (S 128 to 16384; FUSED_DTYPES, FUSED_PARTS narrow it)
 #   planners       scripts/compare_planners.py: the default row-wise sweep under BASELINE_DIR's
 #                  planner and this one, alternately (PLANNER_ARGS narrows it, e.g. "--ops softmax")
+#   tune-table     cupyops tune fused_softmax at issue 39's shapes (TUNE_SHAPES, TUNE_DTYPES), the tuning
+#                  table copied to $OUT for `cupyops tune ship`
 #   conv           the int8 convolution alone: its GPU tests, compute-sanitizer over every
 #                  kernel configuration (wgmma's on sm_90), the measured int8 peaks and its bench
 set -uo pipefail
@@ -123,6 +125,20 @@ if run small-rows; then   # auto against the oneflow policy at short rows, every
       bench "$op" "$dtype" small --rows 49152 --cols 32,64,128,256,512,1024 --baseline oneflow,copy
     done
   done
+fi
+if [ "$mode" = tune-table ]; then   # not part of "all": cupyops tune at issue 39's shapes, the table back in $OUT
+  # TUNE_SHAPES (default: S 1024, 4096, 16384 of ATTENTION_SWEEP) x causal, dropout, mask, bias x forward,
+  # backward, in TUNE_DTYPES; then `cupyops tune ship --profile P --table tuning_table.json` here
+  export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-$HOME/.cupy/kernel_cache}"
+  for dtype in ${TUNE_DTYPES:-float16}; do
+    for s in ${TUNE_SHAPES:-8,16,1024,1024 1,8,4096,4096 1,1,16384,16384}; do
+      IFS=, read -r b h q k <<< "$s"
+      for fusion in "--causal" "--dropout 0.1" "--mask-shape $b,1,1,$k" "--bias-shape $h,$q,$k"; do
+        python -m cupyops.cli tune fused_softmax --shape "$s" --dtype "$dtype" $fusion 2>&1 | tail -n 4
+      done
+    done
+  done | tee "$OUT/tune_table.txt"
+  cp "$CUPY_CACHE_DIR/cupyops_tuning.json" "$OUT/tuning_table.json"
 fi
 if run fused-tune; then   # the paths the fused softmax can take, timed against each other
   (cd scripts && python tune_fused_softmax.py) > "$OUT/tune_fused_softmax.txt" 2>&1
