@@ -7,7 +7,8 @@ Each op runs on a 64 x 128 float32 array (--rows, --cols, --dtype), with
 compiled kernels wrapped while the call and launch memos are rebuilt), then
 timed plain: µs per call over repeated calls, against µs per round of the
 recorded launches made directly through their cupy.RawKernel objects (same
-grid, block, shared memory and arguments, outputs included). The backward
+grid, block, shared memory and arguments, outputs included), the two timed
+in alternating rounds. The backward
 norms launch two kernels (dx with fused dweight / dbias partial sums, and the
 kernel summing the partials): their bare round is those two launches. Exits
 1 when an op costs more than MAX_RATIO times its bare launches.
@@ -44,16 +45,25 @@ MAX_RATIO = 2.0
 
 def per_call_us(fn, calls: int) -> float:
     """Best of five rounds of `calls` calls, synchronised at the end of each."""
-    for _ in range(100):
-        fn()
-    cupy.cuda.Device().synchronize()
-    best = float("inf")
-    for _ in range(5):
-        began = time.perf_counter()
-        for _ in range(calls):
+    return per_call_us_alternating([fn], calls)[0]
+
+
+def per_call_us_alternating(functions: list, calls: int) -> list:
+    """Each function's best of five rounds of `calls` calls (synchronised at the end of each),
+    the functions' rounds taken in turn: a ratio of two is measured over the same stretch of
+    the host's clock and load, not one function's rounds before the other's."""
+    for fn in functions:
+        for _ in range(100):
             fn()
-        cupy.cuda.Device().synchronize()
-        best = min(best, (time.perf_counter() - began) / calls * 1e6)
+    cupy.cuda.Device().synchronize()
+    best = [float("inf")] * len(functions)
+    for _ in range(5):
+        for k, fn in enumerate(functions):
+            began = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            cupy.cuda.Device().synchronize()
+            best[k] = min(best[k], (time.perf_counter() - began) / calls * 1e6)
     return best
 
 
@@ -166,8 +176,7 @@ def cupy_section(options) -> int:
     worst = 0.0
     for label, call in cases(options.rows, options.cols, dtype):
         launches = recorded_launches(call)
-        bare = per_call_us(bare_round(launches), options.calls)
-        took = per_call_us(call, options.calls)
+        bare, took = per_call_us_alternating([bare_round(launches), call], options.calls)
         ratio = took / bare
         worst = max(worst, ratio)
         flag = "" if ratio <= MAX_RATIO else f"  > {MAX_RATIO}x"
