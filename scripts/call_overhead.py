@@ -172,6 +172,10 @@ def cupy_section(options) -> int:
     dtype = parse_dtype(options.dtype)
     device_name = live_facts(cupy.cuda.Device().id).name
     print(f"{device_name}, {options.rows} x {options.cols} {options.dtype}, host time per call")
+    shape = (options.rows, options.cols)
+    allocation, = per_call_us_alternating([lambda: cupy.ndarray(shape, dtype)], options.calls)
+    print(f"allocating and freeing one {shape[0]} x {shape[1]} array (cupy.ndarray, the pool's hit path): "
+          f"{allocation:.2f} us, a part of every call that returns a new array")
     print(f"{'op':44s} {'kernels':>7s} {'us/call':>8s} {'bare us':>8s} {'ratio':>6s}")
     worst = 0.0
     for label, call in cases(options.rows, options.cols, dtype):
