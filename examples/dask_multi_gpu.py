@@ -8,11 +8,12 @@ made on the workers (CuPy's generator, block by block), never on the host; the s
 checked (rows at the start, middle and end) is brought to the host and compared with
 float64 NumPy.
 
-The defaults (16 GiB of input in 256 MiB chunks, rows of 8192) fit two workers of 80 GB
-with both results kept; on one GPU they take 48 GiB.
+By default the input is sized from the workers' GPU memory: x and its two results take
+FILL of it all together (on two 80 GB GPUs, x is about 40 GiB and the three arrays about
+120 GiB, more than one of the GPUs holds), in 256 MiB chunks of rows of 8192; --gib sets it.
 
 Usage (repository root, GPUs, the dask extra):
-    PYTHONPATH=. python examples/dask_multi_gpu.py [--gib 16] [--chunk-mib 256] [--cols 8192] [--workers N]
+    PYTHONPATH=. python examples/dask_multi_gpu.py [--gib G] [--chunk-mib 256] [--cols 8192] [--workers N]
 """
 from __future__ import annotations
 
@@ -30,6 +31,14 @@ from cupyops import dask_cluster
 RTOL = 2e-3          # float16 results: two roundings of the output
 EPS = 1e-5
 SAMPLE_ROWS = 256    # checked against NumPy at each of three places
+FILL = 0.75          # of the workers' GPU memory, all together, that x and its two results take by default
+
+
+def _gpu_bytes() -> int:
+    """On a worker: its GPU's memory."""
+    import cupy
+
+    return cupy.cuda.Device().mem_info[1]
 
 
 def reference_layer_norm(x, weight, bias):
@@ -53,18 +62,23 @@ def worst_error(actual, expected) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gib", type=float, default=16.0, help="input size, all GPUs together")
+    parser.add_argument("--gib", type=float, default=None,
+                        help=f"input size, all GPUs together (default: x and its two results {FILL:.0%} of the "
+                             "workers' GPU memory)")
     parser.add_argument("--chunk-mib", type=int, default=256, help="chunk size")
     parser.add_argument("--cols", type=int, default=8192, help="row length (normalised, softmax axis)")
     parser.add_argument("--workers", type=int, default=None, help="GPUs to use (default: all)")
     args = parser.parse_args()
 
     dtype = numpy.dtype(numpy.float16)
-    rows = int(args.gib * 2 ** 30) // (args.cols * dtype.itemsize)
     chunk_rows = max(1, args.chunk_mib * 2 ** 20 // (args.cols * dtype.itemsize))
     cluster, started = dask_cluster.local_cluster(args.workers or dask_cluster.gpu_count())
     print(f"cluster: {started}, {len(cluster.workers)} worker(s)")
     with cluster, Client(cluster) as client:
+        memory = client.run(_gpu_bytes)
+        x_bytes = args.gib * 2 ** 30 if args.gib is not None else FILL * sum(memory.values()) / 3
+        rows = max(1, int(x_bytes) // (args.cols * dtype.itemsize))
+        print(f"GPU memory of the workers: {', '.join(f'{b / 2 ** 30:.0f} GiB' for b in memory.values())}")
         x = dask_cluster.random_normal((rows, args.cols), (chunk_rows, args.cols), dtype, seed=1)
         x = dask_cluster.persist_spread(client, x)     # an even share of the row blocks on each GPU
         weight, bias = client.persist([dask_cluster.random_normal((args.cols,), -1, dtype, seed=s) for s in (2, 3)])

@@ -174,13 +174,13 @@ if [ "$mode" = conv ]; then   # not part of "all": the families mode benches it 
   done
   python -m cupyops.cli bench conv2d_int8 --layers all --json "$OUT/json/bench_conv2d_int8.json" | tee "$OUT/conv_bench.txt"
 fi
-if run dask; then   # mode dask (9 min at most): cupyops.dask's GPU tests, examples/dask_multi_gpu.py, bench dask
+if run dask; then   # mode dask (10 min at most): cupyops.dask's GPU tests, examples/dask_multi_gpu.py, bench dask
   { timeout -k 10 90 python -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/test_dask_gpu.py \
       > "$OUT/dask_pytest.txt" 2>&1
     echo "== pytest tests/test_dask_gpu.py: exit $? (124: timed out)"
     grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/dask_pytest.txt" | head -n 30; tail -n 1 "$OUT/dask_pytest.txt"
     echo "== examples/dask_multi_gpu.py"
-    timeout -k 10 60 python examples/dask_multi_gpu.py 2>&1 | tail -n 12; echo "exit ${PIPESTATUS[0]}"
+    timeout -k 10 120 python examples/dask_multi_gpu.py 2>&1 | tail -n 12; echo "exit ${PIPESTATUS[0]}"
     for chain in 1 8 16; do   # one op a run, then chains of ops (the run's fixed cost paid once)
       echo "== cupyops bench dask --chain $chain (progress, then the table)"
       timeout -k 10 150 python -m cupyops.cli bench dask --reps 5 --chunk-mib 1024,4096 --chain "$chain" \
