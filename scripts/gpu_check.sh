@@ -11,6 +11,8 @@
 #                  planner and this one, alternately (PLANNER_ARGS narrows it, e.g. "--ops softmax")
 #   tune-table     cupyops tune fused_softmax at issue 39's shapes (TUNE_SHAPES, TUNE_DTYPES), the tuning
 #                  table copied to $OUT for `cupyops tune ship`
+#   dask           cupyops.dask on the GPUs there (two for the issue's figures): its GPU tests, the example,
+#                  bench dask over chains of DASK_CHAINS ops (default "1 8 16")
 #   conv           the int8 convolution alone: its GPU tests, compute-sanitizer over every
 #                  kernel configuration (wgmma's on sm_90), the measured int8 peaks and its bench
 set -uo pipefail
@@ -181,7 +183,7 @@ if run dask; then   # mode dask (10 min at most): cupyops.dask's GPU tests, exam
     grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/dask_pytest.txt" | head -n 30; tail -n 1 "$OUT/dask_pytest.txt"
     echo "== examples/dask_multi_gpu.py"
     timeout -k 10 120 python examples/dask_multi_gpu.py 2>&1 | tail -n 12; echo "exit ${PIPESTATUS[0]}"
-    for chain in 1 8 16; do   # one op a run, then chains of ops (the run's fixed cost paid once)
+    for chain in ${DASK_CHAINS:-1 8 16}; do   # one op a run, then chains of ops (the run's fixed cost paid once)
       echo "== cupyops bench dask --chain $chain (progress, then the table)"
       timeout -k 10 150 python -m cupyops.cli bench dask --reps 5 --chunk-mib 1024,4096 --chain "$chain" \
         --json "$OUT/json/bench_dask_chain$chain.json" 2>&1 | tail -n 16
