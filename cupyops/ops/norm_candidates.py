@@ -84,12 +84,8 @@ def shape_key(dtype: str, rows: int, cols: int, align: int = 16, same_phase: boo
 
 
 @dataclass(frozen=True)
-class TunedNormPlan(NormPlan):
-    """A plan from a tuning table: explain()'s "source" says which (row_candidates.stored_winner)."""
-    source: str = "tuned"
-
-    def explain(self) -> dict:
-        return {**super().explain(), "source": self.source}
+class TunedNormPlan(row_candidates.FromTable, NormPlan):
+    """A forward plan from a tuning table."""
 
 
 def tuned_plan(op: str, rows: int, cols: int, dtype: str, target: Target, align: int = 16,

@@ -96,12 +96,8 @@ def shape_key(dtype: str, rows: int, cols: int, align: int = 16, same_phase: boo
 
 
 @dataclass(frozen=True)
-class TunedNormGradPlan(NormGradPlan):
-    """A backward plan from a tuning table: explain()'s "source" says which."""
-    source: str = "tuned"
-
-    def explain(self) -> dict:
-        return {**super().explain(), "source": self.source}
+class TunedNormGradPlan(row_candidates.FromTable, NormGradPlan):
+    """A backward plan from a tuning table."""
 
 
 def tuned_plan(op: str, rows: int, cols: int, dtype: str, target: Target, align: int = 16,

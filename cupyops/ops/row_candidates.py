@@ -52,12 +52,18 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class TunedLaunch(KernelLaunch):
-    """A plan from a tuning table: explain()'s "source" says which (stored_winner)."""
+class FromTable:
+    """Mixed in before a plan's class (a launch, a norm plan): the plan came from a
+    tuning table, and explain()'s "source" says which (stored_winner)."""
     source: str = "tuned"
 
     def explain(self) -> dict:
         return {**super().explain(), "source": self.source}
+
+
+@dataclass(frozen=True)
+class TunedLaunch(FromTable, KernelLaunch):
+    """A launch from a tuning table."""
 
 
 def tuned_launch(launch: KernelLaunch, source: str) -> TunedLaunch:
