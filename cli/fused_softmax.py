@@ -18,7 +18,7 @@ from .common import (bench, compile_, compile_and_report, device_option, dtype_o
                      json_flag, live_device, plot_option, policy_option, positive_shape, source_flag, target)
 from .common import tune as tune_group
 
-OPS = {"fused_softmax": ("forward", "lse"), "fused_softmax_backward": ("backward",)}
+OPS = {"fused_softmax": "forward", "fused_softmax_backward": "backward"}   # the stage each op runs
 DEFAULT_SHAPES = ("8,16,128,128", "8,16,512,512", "8,16,1024,1024", "4,16,4096,4096", "1,4,16384,16384")
 BASELINES = ("torch", "torch_compile", "oneflow", "copy")
 
@@ -53,9 +53,9 @@ def _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, x_dims) 
     return fs.Fusion(bias_short, mask_shape is not None, causal, dropout > 0)
 
 
-def _plans(op, dims, dtype, policy, plan_target, fusion) -> list:
+def _plan(op, dims, dtype, policy, plan_target, fusion):
     rows, cols = math.prod(dims[:-1]), dims[-1]
-    return [fs.plan(stage, rows, cols, dtypes.NAMES[dtype], policy, plan_target, fusion) for stage in OPS[op]]
+    return fs.plan(OPS[op], rows, cols, dtypes.NAMES[dtype], policy, plan_target, fusion)
 
 
 def _explain_command(op: str):
@@ -70,23 +70,21 @@ def _explain_command(op: str):
                 as_json, source):
         dims = positive_shape(shape)
         fusion = _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, dims)
-        plans = _plans(op, dims, dtype, policy, target(device_name), fusion)
-        infos = [plan.explain() for plan in plans]
+        plan = _plan(op, dims, dtype, policy, target(device_name), fusion)
+        info = plan.explain()
         if as_json:
-            for info, plan in zip(infos, plans):
-                if source:
-                    info["source"] = jit.render(plan.spec)
-            click.echo(json.dumps(infos[0] if len(infos) == 1 else {"kernels": infos}))
+            if source:
+                info["source"] = jit.render(plan.spec)
+            click.echo(json.dumps(info))
             return
         click.echo(f"{op} of {tuple(dims)} {dtype} policy={policy} fusion={fusion}")
-        for info, plan in zip(infos, plans):
-            click.echo(f" {info['stage']}:")
-            for key, value in info.items():
-                click.echo(f"  {key:<20} {value}")
-            if source:
-                click.echo(jit.render(plan.spec))
+        click.echo(f" {info['stage']}:")
+        for key, value in info.items():
+            click.echo(f"  {key:<20} {value}")
+        if source:
+            click.echo(jit.render(plan.spec))
 
-    command.__doc__ = f"Show the launch plan(s) cupyops picks for {op} on scores of SHAPE."
+    command.__doc__ = f"Show the launch plan cupyops picks for {op} on scores of SHAPE."
     return click.command(name=op)(command)
 
 
@@ -103,8 +101,8 @@ def _compile_command(op: str):
             for shape in shapes or DEFAULT_SHAPES:
                 dims = positive_shape(shape)
                 fusion = _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, dims)
-                for plan in _plans(op, dims, dtype, policy, plan_target, fusion):
-                    yield shape, arch, lambda plan=plan: plan.spec
+                plan = _plan(op, dims, dtype, policy, plan_target, fusion)
+                yield shape, arch, lambda plan=plan: plan.spec
         compile_and_report(kernels())
 
     command.__doc__ = f"Render and NVRTC-compile every kernel {op}'s plans need (no GPU needed)."
@@ -117,17 +115,22 @@ def _bench_command(op: str):
     @dtype_option
     @click.option("--baseline", default=",".join(BASELINES), show_default=True,
                   help="torch (eager), torch_compile, oneflow (policy='oneflow'), copy.")
+    @click.option("--return-lse", is_flag=True, hidden=op != "fused_softmax",
+                  help="The forward also returns each row's log-sum-exp (torch: torch.logsumexp), as in training.")
     @click.option("--csv", "csv_path", type=click.Path(dir_okay=False))
     @click.option("--json", "json_path", type=click.Path(dir_okay=False))
     @plot_option
-    def command(shapes, mask_shape, bias_shape, bias_dtype, causal, diagonal, dropout, dtype, baseline, csv_path,
-                json_path, plot_path):
+    def command(shapes, mask_shape, bias_shape, bias_dtype, causal, diagonal, dropout, dtype, baseline, return_lse,
+                csv_path, json_path, plot_path):
         from . import benchmark, fused_softmax_providers as providers
 
         baselines = [name.strip() for name in baseline.split(",") if name.strip()]
         unknown = set(baselines) - set(BASELINES)
         if unknown:
             raise click.BadParameter(f"unknown baseline(s) {sorted(unknown)}", param_hint="--baseline")
+        if return_lse and op != "fused_softmax":
+            raise click.BadParameter("the backward reads the lse; only fused_softmax returns it",
+                                     param_hint="--return-lse")
         numpy_dtype = dtypes.parse_dtype(dtype)
         bias_numpy = dtypes.parse_dtype(bias_dtype) if bias_dtype else numpy_dtype
         points = []
@@ -136,7 +139,7 @@ def _bench_command(op: str):
             _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, dims)
             case = providers.Case(op, tuple(dims), numpy_dtype, mask_shape and tuple(positive_shape(mask_shape)),
                                   bias_shape and tuple(positive_shape(bias_shape)), bias_numpy, causal, diagonal,
-                                  dropout)
+                                  dropout, return_lse)
             points.append((dims, dims[-1], case.bytes_moved(),
                            lambda case=case: providers.make(case, baselines)))
         live_device("bench times the live GPU, and no GPU is usable here")
@@ -144,7 +147,8 @@ def _bench_command(op: str):
         benchmark.emit({"op": op, "rows": None, "axis": -1, **result}, csv_path, json_path, plot_path)
 
     command.__doc__ = (f"Time {op} against torch eager, torch.compile, the oneflow policy and a copy of its "
-                       "bytes (x and y; dy, x and dx backward; mask and bias once each at their own size).")
+                       "bytes (x and y; dy, x and dx backward; mask and bias once each at their own size; "
+                       "the float32 lse).")
     return click.command(name=op)(command)
 
 

@@ -22,16 +22,18 @@ class Case:
     causal: bool
     diagonal: int
     dropout: float
+    return_lse: bool = False  # the forward also writes each row's log-sum-exp
 
     def bytes_moved(self) -> int:
-        """x and y (backward: dy, x and dx), plus mask and bias once each at their own size."""
+        """x and y (backward: dy, x and dx), plus mask and bias once each at their own size, and
+        the float32 lse (backward: read; forward: written where return_lse)."""
         arrays = 3 if self.op == "fused_softmax_backward" else 2
         moved = arrays * math.prod(self.shape) * self.dtype.itemsize
         if self.mask_shape:
             moved += math.prod(self.mask_shape)
         if self.bias_shape:
             moved += math.prod(self.bias_shape) * self.bias_dtype.itemsize
-        if self.op == "fused_softmax_backward":
+        if self.op == "fused_softmax_backward" or self.return_lse:
             moved += math.prod(self.shape[:-1]) * 4   # lse
         return moved
 
@@ -53,7 +55,7 @@ def _ours(case: Case, x, mask, bias, policy: str):
     args = dict(scale=0.125, bias=bias, mask=mask, causal=case.causal, diagonal=case.diagonal,
                 dropout=case.dropout, seed=1, policy=policy)
     if case.op == "fused_softmax":
-        return lambda: fs.fused_softmax(x, **args)
+        return lambda: fs.fused_softmax(x, return_lse=case.return_lse, **args)
     _, lse = fs.fused_softmax(x, return_lse=True, **args)
     dy = cupy.ones_like(x)
     return lambda: fs.fused_softmax_backward(dy, x, lse, **args)
@@ -76,7 +78,8 @@ def _torch(case: Case, x, mask, bias, compiled: bool):
             z = z.masked_fill(~tmask, float("-inf"))
         if causal is not None:
             z = z.masked_fill(~causal, float("-inf"))
-        return torch.nn.functional.dropout(torch.softmax(z.float(), -1), case.dropout).to(scores.dtype)
+        y = torch.nn.functional.dropout(torch.softmax(z.float(), -1), case.dropout).to(scores.dtype)
+        return (y, torch.logsumexp(z.float(), -1)) if case.return_lse else y
 
     if compiled and case.op != "fused_softmax":
         # the timed backward runs again on one graph (retain_graph), which buffers donated to the

@@ -8,7 +8,6 @@
 #pragma once
 #include "common.cuh"
 #include "philox.cuh"
-#include "reduce.cuh"
 #include "softmax.cuh"
 
 namespace cupyops {
@@ -114,7 +113,8 @@ struct ScoresLoad {
 };
 
 // The forward's STORE: y = softmax * keep / (1 - p). A masked position gives
-// 0, also in a row with no kept position (whose softmax is NaN).
+// 0, also in a row with no kept position (whose softmax is NaN). Where lse is
+// given, each row's float32 log-sum-exp of z goes there too (finish_row).
 template <typename C, typename T, typename Broadcast, bool dropout>
 struct DropoutStore {
   T* y;
@@ -122,6 +122,14 @@ struct DropoutStore {
   Broadcast broadcast;
   DropoutMask drop;
   C keep_scale;              // 1 / (1 - p)
+  float* lse;                // nullptr: not wanted
+  // lse[row] = max + log(sum exp(z - max)); -inf for a row with no kept position.
+  template <typename Op>
+  __device__ __forceinline__ void finish_row(const Op& op, C sum, int64 row) const {
+    static_assert(Op::Exp::natural, "sum is of exp(z - max)");
+    const C max = op.finish.max;
+    if (lse != nullptr) lse[row] = static_cast<float>(max == -infinity<C>() ? max : max + log(sum));
+  }
   template <int N>
   __device__ __forceinline__ void store(const C* src, int64 row, int64 col) const {
     bool kept[N];
@@ -199,21 +207,5 @@ struct ScaledStore {
     store_pack(dst + row * row_stride + col, pack);
   }
 };
-
-// The float32 log-sum-exp of every row of z, a block a row: max + log(sum
-// exp(z - max)) in one online pass; -inf for a row with no kept position.
-template <typename Load, typename C, int block_size>
-__device__ __forceinline__ void fused_softmax_lse(const Load& scores, float* lse, int64 rows, int64 cols) {
-  for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
-    OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
-    for (int64 col = threadIdx.x; col < cols; col += block_size) {
-      C z[1];
-      scores.template load<1>(z, row, col);
-      state.template add_pack<1>(z);
-    }
-    const OnlineSoftmaxState<C> total = state.template block_all_reduce<block_size>();
-    if (threadIdx.x == 0) lse[row] = static_cast<float>(total.max + log(total.sum));
-  }
-}
 
 }  // namespace cupyops

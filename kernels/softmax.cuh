@@ -246,6 +246,19 @@ __device__ __forceinline__ void store_pack_outputs(const Op& op, const Store& st
   store.template store<pack_size>(result, row, col);
 }
 
+// A row's statistics, to a STORE that keeps them (a member finish_row(op, sum,
+// row): the fused forward's log-sum-exp), once op holds the row's maximum and
+// sum: one call a row, by the thread `leader`. Other STOREs have no such member
+// and the call is empty. Every path but block_async makes it (the fused
+// softmax, the one STORE with the member, never takes that path).
+template <typename Store, typename Op, typename C>
+__device__ __forceinline__ auto finish_row(const Store& store, const Op& op, C sum, int64 row, bool leader, int)
+    -> decltype(store.finish_row(op, sum, row), void()) {
+  if (leader) store.finish_row(op, sum, row);
+}
+template <typename Store, typename Op, typename C>
+__device__ __forceinline__ void finish_row(const Store&, const Op&, C, int64, bool, long) {}
+
 // ---------------------------------------------------------------------------
 // Warp path: a group of `width` lanes owns `rows_per_access` rows at a time;
 // each lane holds cols_per_thread values of each input row in registers.
@@ -304,7 +317,9 @@ __device__ __forceinline__ void softmax_warp(const Load (&loads)[Op::num_inputs]
     }
 #pragma unroll
     for (int r = 0; r < rows_per_access; ++r) {
-      ops[r].set_sum(warp_all_reduce<SumOp, C, width>(row_sum[r]));
+      const C sum = warp_all_reduce<SumOp, C, width>(row_sum[r]);
+      ops[r].set_sum(sum);
+      finish_row(store, ops[r], sum, row + r, lane == 0 && row + r < rows, 0);
 #pragma unroll
       for (int i = 0; i < cols_per_thread; ++i) {
         C v[N];
@@ -388,7 +403,9 @@ __device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_i
 #pragma unroll
       for (int j = 0; j < N; ++j) buf.set(j, i, v[j]);
     }
-    op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
+    const C sum = block_all_reduce<SumOp, C, block_size>(thread_sum);
+    op.set_sum(sum);
+    finish_row(store, op, sum, row, threadIdx.x == 0, 0);
     if (has_edge) {
       const C value = op.template out<true>(edge);
       store.template store<1>(&value, row, edge_col);
@@ -556,7 +573,9 @@ __device__ __forceinline__ void softmax_block_smem(const Load (&loads)[Op::num_i
         }
       }
     }
-    op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
+    const C sum = block_all_reduce<SumOp, C, block_size>(thread_sum);
+    op.set_sum(sum);
+    finish_row(store, op, sum, row, threadIdx.x == 0, 0);
     if (packs.has_edge()) store_pack_outputs(op, store, edge, row, packs.edge_col);
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
       C read[N][pack_size];   // the inputs past the cache
@@ -608,6 +627,7 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
       const OnlineSoftmaxState<C> row_state = state.template block_all_reduce<block_size>();
       op.set_max(row_state.max);
       op.set_sum(row_state.sum);
+      finish_row(store, op, row_state.sum, row, threadIdx.x == 0, 0);
     } else {
       if (Op::needs_max) {
         C thread_max = edge[0][0];
@@ -624,7 +644,9 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
         load_packs(p, values);
         add_pack_terms(op, values, thread_sum);
       }
-      op.set_sum(block_all_reduce<SumOp, C, block_size>(thread_sum));
+      const C sum = block_all_reduce<SumOp, C, block_size>(thread_sum);
+      op.set_sum(sum);
+      finish_row(store, op, sum, row, threadIdx.x == 0, 0);
     }
     if (packs.has_edge()) store_pack_outputs(op, store, edge, row, packs.edge_col);
     for (int64 p = threadIdx.x; p < num_packs; p += block_size) {

@@ -7,7 +7,7 @@ and its kernels' names) for softmax, log_softmax and their backward (the row
 plan, and under auto the split-row plan; the axis kernel's plan over a
 non-last axis), layer_norm and rms_norm with and without weight, bias and
 residual and their backward with and without the weight and its gradients,
-and the three stages of fused_softmax for a few fusions: float16, bfloat16,
+and both stages of fused_softmax for a few fusions: float16, bfloat16,
 float32 and float64 (not for fused_softmax), both policies, rows of 1, 7,
 49152 and 2**20, every column count to 16, then steps to 4096, every power
 of two and its neighbours to 2**20 and the shapes the tuning notes name;

@@ -14,19 +14,15 @@ def run(*args):
     return CliRunner().invoke(main, list(args))
 
 
-@pytest.mark.parametrize("op, stages", [("fused_softmax", ["forward", "lse"]), ("fused_softmax_backward", ["backward"])])
-def test_explain_json_names_every_kernel_and_its_path(op, stages):
+@pytest.mark.parametrize("op, stage", [("fused_softmax", "forward"), ("fused_softmax_backward", "backward")])
+def test_explain_json_names_the_kernel_and_its_path(op, stage):
     result = run("explain", op, "--shape", "4,8,1000,1000", "--mask-shape", "4,1,1,1000", "--bias-shape",
                  "8,1000,1000", "--causal", "--dropout", "0.1", "--device", "h100", "--json")
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)
-    kernels = info["kernels"] if len(stages) > 1 else [info]
-    assert [k["stage"] for k in kernels] == stages
-    for kernel in kernels:
-        assert kernel["kernel"].startswith("fused_softmax")
-        assert kernel["fusion"] == ("scale_biasf16_mask_causal_drop" if kernel["stage"] != "lse"
-                                    else "scale_biasf16_mask_causal")
-    assert kernels[0]["impl"] in ("warp", "block_regs", "block_smem", "block_uncached")
+    assert info["stage"] == stage and info["kernel"].startswith("fused_softmax")
+    assert info["fusion"] == "scale_biasf16_mask_causal_drop"
+    assert info["impl"] in ("warp", "block_regs", "block_smem", "block_uncached")
 
 
 def test_explain_human_readable_and_source():
@@ -66,10 +62,29 @@ def test_bench_unknown_baseline():
     assert result.exit_code == 2 and "tensorflow" in result.output
 
 
+def test_bench_return_lse_only_forward():
+    result = run("bench", "fused_softmax_backward", "--return-lse")
+    assert result.exit_code == 2 and "only fused_softmax returns it" in result.output
+
+
+def test_bench_counts_the_lse_written():
+    import dataclasses
+
+    import numpy
+
+    from cupyops.cli.fused_softmax_providers import Case
+
+    case = Case("fused_softmax", (2, 3, 5, 8), numpy.dtype(numpy.float16), None, None, numpy.dtype(numpy.float16),
+                False, 0, 0.0)
+    with_lse = dataclasses.replace(case, return_lse=True)
+    assert case.bytes_moved() == 2 * 240 * 2 and with_lse.bytes_moved() == case.bytes_moved() + 30 * 4
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ["fused_softmax", "fused_softmax_backward"])
-def test_bench_runs(op):
+@pytest.mark.parametrize("op, extra", [("fused_softmax", []), ("fused_softmax", ["--return-lse"]),
+                                       ("fused_softmax_backward", [])])
+def test_bench_runs(op, extra):
     result = run("bench", op, "--shape", "2,4,256,256", "--mask-shape", "2,1,1,256", "--dropout", "0.1",
-                 "--baseline", "oneflow,copy,torch,torch_compile")
+                 "--baseline", "oneflow,copy,torch,torch_compile", *extra)
     assert result.exit_code == 0, result.output
     assert "xoneflow" in result.output and "xcopy" in result.output

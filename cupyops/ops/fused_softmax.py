@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import numpy
 
@@ -26,29 +25,25 @@ from ..callcache import call_key, run_on, writable
 from ..launch import KernelLaunch, LaunchCache, Target, get_num_blocks, live_function
 from . import row_candidates, softmax_candidates, softmax_rows as softmax
 
-STAGES = ("forward", "backward", "lse")
+STAGES = ("forward", "backward")
 SOFTMAX_OP = {"forward": "softmax", "backward": "softmax_backward"}
 TUNED_OPS = {stage: f"fused_softmax_{stage}" for stage in SOFTMAX_OP}   # the tuning table's ops
-LSE_BLOCK_SIZE = 256
 SHARED_BLOCK_SIZE = 512       # rows cached in shared memory through the LOAD
 MAX_LEADING_DIMS = 3          # x's leading dims the kernels decompose a row into (after merging)
 MASK_BLOCK_SIZE = 256
-# What explain shows of the log-sum-exp kernel (a block a row, one element a thread at a time).
-LSE_FIELDS = {"op": "fused_softmax_lse", "impl": "block_reduce", "pack_size": 1, "cols_per_thread": 0,
-              "thread_group_width": 0, "rows_per_access": 1, "padding": False, "block_size": LSE_BLOCK_SIZE}
 MAX_LOCAL_BYTES = 16         # spilled / stack bytes a register-cached fused row may take
 
 
 @dataclass(frozen=True)
 class FusedSoftmaxSpec(jit.KernelSpec):
-    """A softmax path (`path`, a SoftmaxSpec; None for the log-sum-exp kernel)
-    with the fusion's operands: bias of type bias_dtype ("" none), a bool
-    mask, the causal rule, dropout."""
+    """A softmax path (`path`, a SoftmaxSpec) with the fusion's operands: bias of
+    type bias_dtype ("" none), a bool mask, the causal rule, dropout. The forward
+    also writes each row's log-sum-exp where the call asks for it."""
     template = "fused_softmax.cu.j2"
 
     stage: str
     dtype: str
-    path: Optional[softmax.SoftmaxSpec] = None
+    path: softmax.SoftmaxSpec
     bias_dtype: str = ""
     mask: bool = False
     causal: bool = False
@@ -62,35 +57,27 @@ class FusedSoftmaxSpec(jit.KernelSpec):
 
     @property
     def name(self) -> str:
-        if self.path is None:
-            return f"fused_softmax_lse_{self.dtype}_b{LSE_BLOCK_SIZE}_{self.fusion}"
         return f"fused_{self.path.name}_{self.fusion}"
 
     @property
     def threads_per_block(self) -> int:
-        return LSE_BLOCK_SIZE if self.path is None else self.path.threads_per_block
+        return self.path.threads_per_block
 
     def __getattr__(self, field):   # the path's fields (explain's op, impl, pack_size, ...)
         if field.startswith("__"):
             raise AttributeError(field)
         path = self.__dict__.get("path")
         if path is None:
-            try:
-                return LSE_FIELDS[field]
-            except KeyError:
-                raise AttributeError(field) from None
+            raise AttributeError(field)
         return getattr(path, field)
 
     def explain_extra(self) -> dict:
-        extra = {} if self.path is None else self.path.explain_extra()
-        return {**extra, "stage": self.stage, "fusion": self.fusion,
-                "storage_cache": False if self.path is None else self.path.storage_cache}
+        return {**self.path.explain_extra(), "stage": self.stage, "fusion": self.fusion,
+                "storage_cache": self.path.storage_cache}
 
     def template_args(self) -> dict:
         ftype = dtypes.BY_SHORT[self.dtype]
-        base = (self.path.template_args() if self.path is not None else
-                {"min_blocks": 0, "block_size": LSE_BLOCK_SIZE})
-        return {**base, "stage": self.stage, "storage_type": ftype.c_type,
+        return {**self.path.template_args(), "stage": self.stage, "storage_type": ftype.c_type,
                 "compute_type": ftype.compute_c_type, "mask": self.mask, "causal": self.causal,
                 "dropout": self.dropout,
                 "bias_type": dtypes.BY_SHORT[self.bias_dtype].c_type if self.bias_dtype else ""}
@@ -154,7 +141,7 @@ def _with_compute_cache(chosen: KernelLaunch, op, dtype, rows, cols, target) -> 
 
 def plan(stage: str, rows: int, cols: int, dtype: str, policy: str, target: Target, fusion: Fusion,
          align: int = 16, same_phase: bool = True) -> KernelLaunch:
-    """One stage's launch ("forward", "backward", "lse"): auto's tuned winner, else the rules'."""
+    """One stage's launch ("forward", "backward"): auto's tuned winner, else the rules'."""
     if policy == "auto" and stage in SOFTMAX_OP:
         found = row_candidates.stored_winner(TUNED_OPS[stage],
                                              tuning_key(dtype, rows, cols, fusion, align, same_phase), target)
@@ -186,10 +173,6 @@ def rule_plan(stage: str, rows: int, cols: int, dtype: str, policy: str, target:
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
     fields = dict(bias_dtype=fusion.bias_dtype, mask=fusion.mask, causal=fusion.causal)
-    if stage == "lse":
-        spec = FusedSoftmaxSpec("lse", dtype, **fields)
-        grid = get_num_blocks(target.facts, LSE_BLOCK_SIZE, rows)
-        return KernelLaunch(spec, (LSE_BLOCK_SIZE, 1, 1), (grid, 1, 1), 0)
     op = SOFTMAX_OP[stage]
     chosen = softmax.plan(op, rows, cols, dtype, policy, target, align, same_phase)
     if chosen.spec.impl == "block_async":
@@ -347,6 +330,7 @@ def prepare(x, *, scale, bias, mask, causal, diagonal, dropout, axis) -> Operand
 # Stage launches, whole calls (call_key) and dropout-mask launches, memoised side by side.
 _launches = LaunchCache()
 _NO_DROPOUT = (numpy.uint64(0), numpy.uint64(0), numpy.uint32(0))
+_NULL = numpy.uint64(0)     # the forward's lse where the call does not return it
 
 
 class _StageLaunch:
@@ -360,7 +344,8 @@ class _StageLaunch:
         self.scalars, self.threshold = scalars, threshold
 
     def run(self, pointers: tuple, seed, offset) -> None:
-        """Launches on `pointers` (x, dy, bias, mask, out, lse: those the stage reads and writes)."""
+        """Launches on `pointers` (x, dy, bias, mask, out, lse: those the stage reads and writes,
+        lse _NULL for a forward not returning it)."""
         seed, offset = seed % 2 ** 64, offset % 2 ** 64
         counters = _NO_DROPOUT if self.threshold is None else \
             (numpy.uint64(seed), numpy.uint64(offset), self.threshold)
@@ -368,7 +353,7 @@ class _StageLaunch:
 
 
 def _stage(stage: str, operands: Operands, policy: str, out, dy=None, chosen=None) -> _StageLaunch:
-    """`stage`'s launch writing `out` (None for "lse"): the planner's, or `chosen` (the tuner's)."""
+    """`stage`'s launch writing `out`: the planner's, or `chosen` (the tuner's)."""
     x = operands.x
     device_id = x.device.id
     dtype = dtypes.BY_DTYPE[x.dtype].short
@@ -397,13 +382,12 @@ def _inputs(x, dy, operands: Operands) -> list:
 
 
 class _ReadyCall:
-    """A memoised call: the stage writing out (forward or backward), the log-sum-exp stage
-    (a forward returning it; else None), the output's shape and dtype, which of (x, dy,
-    bias, mask) the stages read."""
-    __slots__ = ("main", "lse", "shape", "dtype", "take")
+    """A memoised call: its stage (forward or backward), the output's shape and dtype, which
+    of (x, dy, bias, mask) the stage reads, and whether a forward returns the lse."""
+    __slots__ = ("main", "return_lse", "shape", "dtype", "take")
 
-    def __init__(self, main: _StageLaunch, lse: Optional[_StageLaunch], shape, dtype, read: tuple):
-        self.main, self.lse, self.shape, self.dtype = main, lse, shape, dtype
+    def __init__(self, main: _StageLaunch, return_lse: bool, shape, dtype, read: tuple):
+        self.main, self.return_lse, self.shape, self.dtype = main, return_lse, shape, dtype
         positions = tuple(k for k, a in enumerate(read) if a is not None)
         self.take = (lambda arrays: arrays[:1]) if positions == (0,) else operator.itemgetter(*positions)
 
@@ -413,16 +397,16 @@ class _ReadyCall:
         empty = callcache.empty
         y = empty(self.shape, self.dtype) if out is None else out
         inputs = self.take(read)
-        if self.lse is None:
-            self.main.run((*inputs, y) if lse is None else (*inputs, y, lse), seed, offset)
+        if lse is not None or not self.return_lse:
+            self.main.run((*inputs, y, _NULL if lse is None else lse), seed, offset)
             return y
         lse = empty(self.shape[:-1], numpy.float32)
-        self.main.run((*inputs, y), seed, offset)
-        self.lse.run((*inputs, lse), seed, offset)
+        self.main.run((*inputs, y, lse), seed, offset)
         return y, lse
 
 
-def _remember(key, operands: Operands, caller: tuple, read: tuple, written, out, main, lse=None) -> None:
+def _remember(key, operands: Operands, caller: tuple, read: tuple, written, out, main,
+              return_lse: bool = False) -> None:
     """Remembers the call under `key` where it was its stages alone on the caller's arrays:
     reduced axis last (no dropout of its own, no moved result), every array read the
     caller's (`caller` and `read`: x, dy, lse, bias, mask, None where absent), out (if given)
@@ -431,7 +415,7 @@ def _remember(key, operands: Operands, caller: tuple, read: tuple, written, out,
     if key is None or operands.axis != x.ndim - 1 or (out is not None and written is not out):
         return
     if all((a is None) == (b is None) and (a is None or a.data.ptr == b.data.ptr) for a, b in zip(caller, read)):
-        ready = _ReadyCall(main, lse, x.shape, x.dtype, (read[0], read[1], read[3], read[4]))
+        ready = _ReadyCall(main, return_lse, x.shape, x.dtype, (read[0], read[1], read[3], read[4]))
         _launches.remember(key, ready)
 
 
@@ -489,7 +473,7 @@ def fused_softmax(x, *, scale=1.0, bias=None, mask=None, causal=False, diagonal=
     position gives 0, so a row with no kept position gives zeros (torch: NaN). Dropout keeps
     an element iff dropout_mask(x.shape, dropout, seed, offset) does, scaling it by
     1 / (1 - dropout). return_lse: also the float32 log-sum-exp of each row (-inf where no
-    position is kept), what fused_softmax_backward needs.
+    position is kept), what fused_softmax_backward needs, written by the same kernel.
     """
     key = call_key(("forward", policy, scale, causal, diagonal, dropout, axis, return_lse), (x, bias, mask, out))
     call = _launches.find(key)
@@ -508,15 +492,10 @@ def fused_softmax(x, *, scale=1.0, bias=None, mask=None, causal=False, diagonal=
         y = _writable_out(out, x, operands, x, operands.bias, operands.mask)
         lse = cupy.empty(x.shape[:-1], numpy.float32) if return_lse else None
         if x.size:
-            inputs = _inputs(x, None, operands)
             main = _stage("forward", operands, policy, y)
-            main.run((*inputs, y), seed, offset)
-            lse_stage = None
-            if return_lse:
-                lse_stage = _stage("lse", operands, policy, None)
-                lse_stage.run((*inputs, lse), seed, offset)
+            main.run((*_inputs(x, None, operands), y, _NULL if lse is None else lse), seed, offset)
             _remember(key, operands, caller, (x, None, None, operands.bias, operands.mask), y, out, main,
-                      lse_stage)
+                      return_lse)
         y = _restore_axis(y, operands.axis)
         if _separate_dropout(operands):
             y = _apply_dropout(y, operands.dropout, seed, offset)

@@ -93,8 +93,8 @@ def tune_shape(stage: str, shape: tuple, dtype: str, device_id: int, *, mask_sha
         expect = expect.reshape(rows, cols)[:CHECKED_ROWS].astype(cupy.float64)
         allowed = TOLERANCE[dtype] * max(1.0, float(cupy.abs(expect).max()))
         out = cupy.empty_like(x)
-        pointers = (*fs._inputs(x, None if stage == "forward" else dy, operands), out,
-                    *(() if stage == "forward" else (lse,)))
+        # the backward reads lse; the forward writes it, as a training forward does
+        pointers = (*fs._inputs(x, None if stage == "forward" else dy, operands), out, lse)
         timer = Timer(budget_s=TIMER_BUDGET_S)
 
         def time_us(description: dict) -> float:
