@@ -333,7 +333,7 @@ _NO_DROPOUT = (numpy.uint64(0), numpy.uint64(0), numpy.uint32(0))
 _NULL = numpy.uint64(0)     # the forward's lse where the call does not return it
 
 
-class _StageLaunch:
+class StageLaunch:
     """One stage's kernel ready for a call's layout: the compiled function, grid, block and
     shared memory, the scalar arguments before the dropout's, and its threshold (None for a
     kernel without dropout: seed and offset pass as 0, though each must still be a number)."""
@@ -352,8 +352,9 @@ class _StageLaunch:
         self.function(self.grid, self.block, (*pointers, *self.scalars, *counters), self.smem)
 
 
-def _stage(stage: str, operands: Operands, policy: str, out, dy=None, chosen=None) -> _StageLaunch:
-    """`stage`'s launch writing `out`: the planner's, or `chosen` (the tuner's)."""
+def stage_launch(stage: str, operands: Operands, policy: str, out, dy=None, chosen=None) -> StageLaunch:
+    """`stage`'s launch writing `out`: the planner's, or `chosen` (the tuner's); its run takes
+    (*stage_inputs(...), out, lse)."""
     x = operands.x
     device_id = x.device.id
     dtype = dtypes.BY_DTYPE[x.dtype].short
@@ -373,10 +374,10 @@ def _stage(stage: str, operands: Operands, policy: str, out, dy=None, chosen=Non
     scalars = (numpy.int64(operands.rows), numpy.int64(operands.cols), numpy.float64(operands.scale),
                numpy.float64(keep_scale), *(numpy.int64(v) for v in operands.geometry))
     threshold = numpy.uint32(philox.dropout_threshold(operands.dropout)) if chosen.spec.dropout else None
-    return _StageLaunch(function, chosen.grid, chosen.block, chosen.smem_bytes, scalars, threshold)
+    return StageLaunch(function, chosen.grid, chosen.block, chosen.smem_bytes, scalars, threshold)
 
 
-def _inputs(x, dy, operands: Operands) -> list:
+def stage_inputs(x, dy, operands: Operands) -> list:
     """What every stage reads, in the kernels' order: x, dy (backward), bias, mask (given)."""
     return [a for a in (x, dy, operands.bias, operands.mask) if a is not None]
 
@@ -386,7 +387,7 @@ class _ReadyCall:
     of (x, dy, bias, mask) the stage reads, and whether a forward returns the lse."""
     __slots__ = ("main", "return_lse", "shape", "dtype", "take")
 
-    def __init__(self, main: _StageLaunch, return_lse: bool, shape, dtype, read: tuple):
+    def __init__(self, main: StageLaunch, return_lse: bool, shape, dtype, read: tuple):
         self.main, self.return_lse, self.shape, self.dtype = main, return_lse, shape, dtype
         positions = tuple(k for k, a in enumerate(read) if a is not None)
         self.take = (lambda arrays: arrays[:1]) if positions == (0,) else operator.itemgetter(*positions)
@@ -492,8 +493,8 @@ def fused_softmax(x, *, scale=1.0, bias=None, mask=None, causal=False, diagonal=
         y = _writable_out(out, x, operands, x, operands.bias, operands.mask)
         lse = cupy.empty(x.shape[:-1], numpy.float32) if return_lse else None
         if x.size:
-            main = _stage("forward", operands, policy, y)
-            main.run((*_inputs(x, None, operands), y, _NULL if lse is None else lse), seed, offset)
+            main = stage_launch("forward", operands, policy, y)
+            main.run((*stage_inputs(x, None, operands), y, _NULL if lse is None else lse), seed, offset)
             _remember(key, operands, caller, (x, None, None, operands.bias, operands.mask), y, out, main,
                       return_lse)
         y = _restore_axis(y, operands.axis)
@@ -540,8 +541,8 @@ def fused_softmax_backward(dy, x, lse, *, scale=1.0, bias=None, mask=None, causa
         lse = cupy.ascontiguousarray(lse, dtype=numpy.float32)
         dx = _writable_out(out, x, operands, x, dy, lse, operands.bias, operands.mask)
         if x.size:
-            main = _stage("backward", operands, policy, dx, dy)
-            main.run((*_inputs(x, dy, operands), dx, lse), seed, offset)
+            main = stage_launch("backward", operands, policy, dx, dy)
+            main.run((*stage_inputs(x, dy, operands), dx, lse), seed, offset)
             _remember(key, operands, caller, (x, dy, lse, operands.bias, operands.mask), dx, out, main)
         return _deliver(_restore_axis(dx, operands.axis), out)
 
@@ -557,13 +558,13 @@ def bias_gradient(dx, bias_shape: tuple, scale=1.0):
     return (dx.sum(axis=axes, dtype=accumulate) / accumulate(scale)).astype(dx.dtype).reshape(bias_shape)
 
 
-def _mask_launch(size: int, threshold: int, device_id: int) -> _StageLaunch:
+def _mask_launch(size: int, threshold: int, device_id: int) -> StageLaunch:
     """The dropout-mask kernel ready for `size` elements on GPU `device_id` (memoised)."""
     key = ("dropout_mask", size, threshold, device_id)
     found = _launches.peek(key)
     if found is None:
         grid = get_num_blocks(Target.live(device_id).facts, MASK_BLOCK_SIZE, -(-size // MASK_BLOCK_SIZE))
-        found = _StageLaunch(live_function(DropoutMaskSpec(), device_id), (grid,), (MASK_BLOCK_SIZE,), 0,
+        found = StageLaunch(live_function(DropoutMaskSpec(), device_id), (grid,), (MASK_BLOCK_SIZE,), 0,
                              (numpy.int64(size),), numpy.uint32(threshold))
         _launches.put(key, found)
     return found

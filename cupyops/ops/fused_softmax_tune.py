@@ -94,12 +94,12 @@ def tune_shape(stage: str, shape: tuple, dtype: str, device_id: int, *, mask_sha
         allowed = TOLERANCE[dtype] * max(1.0, float(cupy.abs(expect).max()))
         out = cupy.empty_like(x)
         # the backward reads lse; the forward writes it, as a training forward does
-        pointers = (*fs._inputs(x, None if stage == "forward" else dy, operands), out, lse)
+        pointers = (*fs.stage_inputs(x, None if stage == "forward" else dy, operands), out, lse)
         timer = Timer(budget_s=TIMER_BUDGET_S)
 
         def time_us(description: dict) -> float:
             launch = launches[description["label"]]
-            main = fs._stage(stage, operands, "auto", out, dy, chosen=launch)
+            main = fs.stage_launch(stage, operands, "auto", out, dy, chosen=launch)
             out.fill(float("nan"))
             main.run(pointers, 7, 0)
             error = float(cupy.abs(out.reshape(rows, cols)[:CHECKED_ROWS].astype(cupy.float64) - expect).max())
