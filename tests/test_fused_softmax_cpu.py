@@ -209,12 +209,12 @@ def _launched(device, arrays: dict) -> list:
 
 
 def test_repeated_calls_replay_their_stages(monkeypatch):
-    """A repeated forward (with its log-sum-exp stage, or mask, dropout and out=), backward or
+    """A repeated forward (returning its log-sum-exp, or with mask, dropout and out=), backward or
     dropout_mask on arrays of one layout neither checks, lays out nor plans again: it launches
     what the first call launched, with the seed and offset of its own call."""
     device = pytest.importorskip("fake_device").FakeDevice(monkeypatch)
     counts = collections.Counter()
-    for owner, name in ((fs, "prepare"), (fs, "plan"), (fs, "live_function"), (fs, "_stage")):
+    for owner, name in ((fs, "prepare"), (fs, "plan"), (fs, "live_function"), (fs, "stage_launch")):
         _counted(monkeypatch, counts, owner, name)
     x, dy = device.array((2, 4, 64, 128), "float16"), device.array((2, 4, 64, 128), "float16")
     lse, out = device.array((2, 4, 64), "float32"), device.array((2, 4, 64, 128), "float16")
@@ -245,6 +245,10 @@ def test_repeated_calls_replay_their_stages(monkeypatch):
             wanted = 0 if "drop" not in before[0] else 2 if label == "forward" else 1
             assert [after[4][k] for k in changed] == [("uint64", 6)] * wanted, (label, before[0])
             assert (label == "forward into out") == ("out" in before[4]), label
+            # the forward writes the lse it returns, in the same kernel; a null pointer where it returns none
+            assert (label == "forward") == ("result 1" in before[4]), label
+            if label == "forward into out":
+                assert before[4][before[4].index("out") + 1] == ("uint64", 0), before[4]
 
 
 def test_memoised_calls_still_check_their_arguments(monkeypatch):
