@@ -18,6 +18,15 @@ def get_num_blocks(facts: device.DeviceFacts, block_size: int, max_blocks: int,
     return max(1, min(max_blocks, facts.sm_count * facts.max_threads_per_sm // block_size * waves))
 
 
+def fast_divisor(d: int) -> tuple:
+    """(multiplier, shift) with which kernels/common.cuh's fast_quotient divides by `d`
+    (2 <= d < 2**31): n // d == (n * multiplier >> 32) >> shift for every 0 <= n < 2**31."""
+    if not 2 <= d < 2 ** 31:
+        raise ValueError(f"a divisor of 2 .. 2**31 - 1, got {d}")
+    log2 = (d - 1).bit_length()          # ceil(log2(d))
+    return -(-(1 << (31 + log2)) // d), log2 - 1
+
+
 @dataclass(frozen=True)
 class KernelLaunch:
     """One kernel launch: the instantiation, its block and grid, its dynamic shared memory."""

@@ -381,6 +381,29 @@ struct BlockRows {
   __device__ __forceinline__ int64 step() const { return static_cast<int64>(gridDim.x) * rows_per_block; }
 };
 
+// floor(n / d) for 0 <= n < 2^31 and d >= 2 by a multiply-high and a shift: d's multiplier and
+// shift made on the host (cupyops.launch.fast_divisor).
+__device__ __forceinline__ unsigned fast_quotient(unsigned n, unsigned multiplier, unsigned shift) {
+  return __umulhi(n, multiplier) >> shift;
+}
+
+// n / d and n % d for 0 <= n: by fast_quotient with `magic` = multiplier << 32 | shift from the
+// host (n < 2^31; d = 1 is n itself), or (wide: n from 2^31 on) by dividing.
+struct DivMod {
+  int64 quotient, remainder;
+};
+template <bool wide>
+__device__ __forceinline__ DivMod divmod(int64 n, int64 d, unsigned long long magic) {
+  int64 quotient;
+  if constexpr (wide) {
+    quotient = n / d;
+  } else {
+    quotient = d == 1 ? n : fast_quotient(static_cast<unsigned>(n), static_cast<unsigned>(magic >> 32),
+                                          static_cast<unsigned>(magic & 63));
+  }
+  return {quotient, n - quotient * d};
+}
+
 template <typename T> __device__ __forceinline__ T infinity();
 template <> __device__ __forceinline__ float infinity<float>() { return __int_as_float(0x7f800000); }
 template <> __device__ __forceinline__ double infinity<double>() { return __longlong_as_double(0x7ff0000000000000LL); }

@@ -106,8 +106,8 @@ __device__ __forceinline__ unsigned fx_dropout_threshold(double p) {
   return static_cast<unsigned>(fmin(rint(p * 65536.0), 65535.0));
 }
 
-// i / d and i % d. 32-bit indices: by a multiply-high and a shift, the divisor's
-// magic number worked out on the host (d >= 2, i < 2^31); 64-bit: by division.
+// i / d and i % d. 32-bit indices: by fast_quotient (common.cuh), the divisor's multiplier
+// and shift worked out on the host; 64-bit: by division.
 template <typename I>
 struct Divider {
   long long d;
@@ -120,7 +120,7 @@ struct Divider<int> {
   unsigned multiplier;
   unsigned shift;
   __device__ __forceinline__ int div(int i) const {
-    return static_cast<int>(__umulhi(static_cast<unsigned>(i), multiplier) >> shift);
+    return static_cast<int>(fast_quotient(static_cast<unsigned>(i), multiplier, shift));
   }
   __device__ __forceinline__ int mod(int i) const { return i - div(i) * d; }
 };

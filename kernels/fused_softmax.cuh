@@ -16,8 +16,10 @@ namespace cupyops {
 // (outermost first; unused dims have size 1) and each operand's strides
 // along them, in elements (0 where it is broadcast); its column stride is 0
 // or 1. causal: row % causal_rows is the query index q, and col > q +
-// diagonal is masked.
-template <typename B, bool has_bias, bool has_mask, bool causal>
+// diagonal is masked. A row's indices come from divmod by sizes[2], sizes[1]
+// and causal_rows with the host's magic numbers (size_magic[0] unused); wide:
+// rows from 2^31 on, which divide.
+template <typename B, bool has_bias, bool has_mask, bool causal, bool wide>
 struct BroadcastRow {
   const B* bias;
   const bool* mask;
@@ -26,23 +28,26 @@ struct BroadcastRow {
   int64 mask_strides[4];
   int64 causal_rows;
   int64 diagonal;
+  unsigned long long size_magic[3];
+  unsigned long long causal_magic;
   // The row the offsets below belong to (-1: none yet).
   mutable int64 row = -1, bias_base = 0, mask_base = 0, last_col = 0;
 
   __device__ __forceinline__ void locate(int64 at) const {
     if (at == row) return;
     row = at;
-    int64 rest = at, bias_offset = 0, mask_offset = 0;
+    const DivMod inner = divmod<wide>(at, sizes[2], size_magic[2]);
+    const DivMod outer = divmod<wide>(inner.quotient, sizes[1], size_magic[1]);
+    const int64 index[3] = {outer.quotient, outer.remainder, inner.remainder};
+    int64 bias_offset = 0, mask_offset = 0;
 #pragma unroll
-    for (int d = 2; d >= 0; --d) {
-      const int64 index = d == 0 ? rest : rest % sizes[d];
-      if (d > 0) rest /= sizes[d];
-      if (has_bias) bias_offset += index * bias_strides[d];
-      if (has_mask) mask_offset += index * mask_strides[d];
+    for (int d = 0; d < 3; ++d) {
+      if (has_bias) bias_offset += index[d] * bias_strides[d];
+      if (has_mask) mask_offset += index[d] * mask_strides[d];
     }
     bias_base = bias_offset;
     mask_base = mask_offset;
-    if (causal) last_col = at % causal_rows + diagonal;
+    if (causal) last_col = divmod<wide>(at, causal_rows, causal_magic).remainder + diagonal;
   }
   // Whether the causal rule masks all of columns col.. of the located row: their x (and dy)
   // need not be read.

@@ -16,6 +16,7 @@ from cupyops.ops import fused_softmax as fs
 from cupyops.ops import softmax_rows as sm
 
 import fused_softmax_reference as ref
+from test_launch import fast_quotient
 
 TARGETS = {"sm_90": Target.profile("h100"), "sm_80": Target.profile("a100")}
 
@@ -66,20 +67,47 @@ def test_reference_backward_by_finite_differences(rng, dropout):
 
 # -- broadcast geometry ----------------------------------------------------------
 
+def device_divmod(n: int, d: int, magic: int) -> tuple:
+    """kernels/common.cuh's divmod: the row itself for d = 1, fast_quotient by the magic number's
+    multiplier and shift, or (magic 0) by dividing."""
+    if d == 1:
+        return n, 0
+    if magic == 0:
+        return n // d, n % d
+    quotient = fast_quotient(n, magic >> 32, magic & 63)
+    return quotient, n - quotient * d
+
+
 def offsets_by_geometry(x_shape, layout):
     """Each row's (bias, mask) offset the way BroadcastRow::locate works it out."""
     sizes, bias_strides, mask_strides = layout[0:3], layout[3:6], layout[7:10]
     rows = int(numpy.prod(x_shape[:-1]))
+    _, size1_magic, size2_magic = (0, *fs.division_magics(rows, layout)[:2])
     out = []
     for row in range(rows):
-        rest, offsets = row, [0, 0]
-        for d in (2, 1, 0):
-            index = rest if d == 0 else rest % sizes[d]
-            rest = rest if d == 0 else rest // sizes[d]
-            offsets[0] += index * bias_strides[d]
-            offsets[1] += index * mask_strides[d]
-        out.append(offsets)
+        rest, index2 = device_divmod(row, sizes[2], size2_magic)
+        index0, index1 = device_divmod(rest, sizes[1], size1_magic)
+        out.append([sum(i * s for i, s in zip((index0, index1, index2), strides))
+                    for strides in (bias_strides, mask_strides)])
     return numpy.array(out)
+
+
+@pytest.mark.parametrize("stage", fs.STAGES)
+def test_rows_from_2_31_take_a_kernel_that_divides(stage):
+    target = Target.profile("h100")
+    fusion = fs.Fusion("f16", True, True, False)
+    narrow, wide = (fs.plan(stage, rows, 8, "f16", "auto", target, fusion) for rows in (fs.WIDE_ROWS - 1, fs.WIDE_ROWS))
+    assert not narrow.spec.wide_rows and wide.spec.wide_rows
+    assert wide.spec.name == narrow.spec.name + "_wide"
+    assert jit.compile_cubin(wide.spec, "sm_90").spill_bytes == 0
+
+
+def test_division_magics_fall_back_to_dividing_past_31_bit_rows():
+    layout = fs.geometry((8, 16, 1024, 1024), (1, 16, 1024, 1024), (8, 1, 1, 1024), 1024, 0)
+    assert layout[1:3] == (8, 16 * 1024) and all(fs.division_magics(8 * 16 * 1024, layout))   # causal_rows 1024
+    assert fs.division_magics(2 ** 31, layout) == (0, 0, 0)
+    size1, size2, causal = fs.division_magics(16, fs.geometry((16, 5), None, None, 1, 0))   # sizes (1, 1, 16)
+    assert size1 == causal == 0 and size2 != 0      # a divisor of 1: the row itself
 
 
 MASK_SHAPES = [(2, 3, 4, 5), (2, 1, 4, 5), (2, 1, 1, 5), (1, 1, 4, 5), (3, 4, 5), (4, 5), (5,), (1,),

@@ -28,8 +28,8 @@ import numpy
 
 from .. import arrays, callcache, fx
 from ..callcache import cupy_module
-from ..launch import MAX_GRID_X, LaunchCache, Target, get_num_blocks, live_function
-from .elementwise_kernel import C_TYPES, ElementwiseSpec, OperandSpec, fast_divider, fast_math, generate
+from ..launch import MAX_GRID_X, LaunchCache, Target, fast_divisor, get_num_blocks, live_function
+from .elementwise_kernel import C_TYPES, ElementwiseSpec, OperandSpec, fast_math, generate
 
 ONEFLOW_BLOCK = 256
 ONEFLOW_MAX_PACK = 8            # OneFlow's kMaxPackSize
@@ -252,7 +252,7 @@ def make_plan(roots: tuple, args: tuple, outs: tuple, names: tuple, policy: str,
         if access == "strided":
             params += [*sizes, *st]
         elif access in ("inner", "outer"):
-            params += (inner, *fast_divider(inner)) if index_type == "int" else (inner, 0, 0)
+            params += (inner, *fast_divisor(inner)) if index_type == "int" else (inner, 0, 0)
     return ElementwisePlan(spec, grid, block, size, shape, out_dtypes, tuple(array_positions),
                            tuple(numpy.int64(v) for v in params),
                            tuple((i, t) for i, (_, t) in zip(scalar_positions, scalar_types)),

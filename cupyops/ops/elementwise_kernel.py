@@ -126,14 +126,6 @@ class ElementwiseSpec(jit.KernelSpec):
                 "fast_math": "true" if self.fast_math else "false"}
 
 
-def fast_divider(d: int) -> tuple:
-    """(multiplier, shift) with i // d == (i * multiplier >> 32) >> shift for 0 <= i < 2**31
-    (kernels/elementwise.cuh, Divider<int>): d >= 2."""
-    assert 2 <= d < 2**31, d
-    log2 = (d - 1).bit_length()          # ceil(log2(d))
-    return -(-(1 << (31 + log2)) // d), log2 - 1
-
-
 def _runs(codes) -> str:
     """Codes joined by "_", a run of one code written once with its count: f16_f16_f16 -> f16x3."""
     runs = []

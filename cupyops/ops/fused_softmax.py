@@ -22,7 +22,7 @@ import numpy
 
 from .. import arrays, callcache, dtypes, jit, philox
 from ..callcache import call_key, run_on, writable
-from ..launch import KernelLaunch, LaunchCache, Target, get_num_blocks, live_function
+from ..launch import KernelLaunch, LaunchCache, Target, fast_divisor, get_num_blocks, live_function
 from . import row_candidates, softmax_candidates, softmax_rows as softmax
 
 STAGES = ("forward", "backward")
@@ -32,13 +32,15 @@ SHARED_BLOCK_SIZE = 512       # rows cached in shared memory through the LOAD
 MAX_LEADING_DIMS = 3          # x's leading dims the kernels decompose a row into (after merging)
 MASK_BLOCK_SIZE = 256
 MAX_LOCAL_BYTES = 16         # spilled / stack bytes a register-cached fused row may take
+WIDE_ROWS = 2 ** 31          # rows from which a row's index no longer divides by kernels/common.cuh's fast_quotient
 
 
 @dataclass(frozen=True)
 class FusedSoftmaxSpec(jit.KernelSpec):
     """A softmax path (`path`, a SoftmaxSpec) with the fusion's operands: bias of
     type bias_dtype ("" none), a bool mask, the causal rule, dropout. The forward
-    also writes each row's log-sum-exp where the call asks for it."""
+    also writes each row's log-sum-exp where the call asks for it. wide_rows: rows
+    from 2**31 on, whose broadcast indices divide rather than multiply (WIDE_ROWS)."""
     template = "fused_softmax.cu.j2"
 
     stage: str
@@ -48,6 +50,7 @@ class FusedSoftmaxSpec(jit.KernelSpec):
     mask: bool = False
     causal: bool = False
     dropout: bool = False
+    wide_rows: bool = False
 
     @property
     def fusion(self) -> str:
@@ -57,7 +60,7 @@ class FusedSoftmaxSpec(jit.KernelSpec):
 
     @property
     def name(self) -> str:
-        return f"fused_{self.path.name}_{self.fusion}"
+        return f"fused_{self.path.name}_{self.fusion}{'_wide' if self.wide_rows else ''}"
 
     @property
     def threads_per_block(self) -> int:
@@ -79,7 +82,7 @@ class FusedSoftmaxSpec(jit.KernelSpec):
         ftype = dtypes.BY_SHORT[self.dtype]
         return {**self.path.template_args(), "stage": self.stage, "storage_type": ftype.c_type,
                 "compute_type": ftype.compute_c_type, "mask": self.mask, "causal": self.causal,
-                "dropout": self.dropout,
+                "dropout": self.dropout, "wide_rows": self.wide_rows,
                 "bias_type": dtypes.BY_SHORT[self.bias_dtype].c_type if self.bias_dtype else ""}
 
 
@@ -164,7 +167,8 @@ def fused_launch(stage, dtype, rows, cols, target, fusion, description: dict) ->
     path = softmax_candidates.Candidate.from_description(description, rows, target).launch
     chosen = _with_compute_cache(path, SOFTMAX_OP[stage], dtype, rows, cols, target)
     return replace(chosen, spec=FusedSoftmaxSpec(stage, dtype, chosen.spec, dropout=fusion.dropout,
-                                                 bias_dtype=fusion.bias_dtype, mask=fusion.mask, causal=fusion.causal))
+                                                 bias_dtype=fusion.bias_dtype, mask=fusion.mask, causal=fusion.causal,
+                                                 wide_rows=rows >= WIDE_ROWS))
 
 
 def rule_plan(stage: str, rows: int, cols: int, dtype: str, policy: str, target: Target, fusion: Fusion,
@@ -172,7 +176,7 @@ def rule_plan(stage: str, rows: int, cols: int, dtype: str, policy: str, target:
     """The launch of one stage by the rules: softmax's plan of the rows, read through the LOAD."""
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
-    fields = dict(bias_dtype=fusion.bias_dtype, mask=fusion.mask, causal=fusion.causal)
+    fields = dict(bias_dtype=fusion.bias_dtype, mask=fusion.mask, causal=fusion.causal, wide_rows=rows >= WIDE_ROWS)
     op = SOFTMAX_OP[stage]
     chosen = softmax.plan(op, rows, cols, dtype, policy, target, align, same_phase)
     if chosen.spec.impl == "block_async":
@@ -291,6 +295,17 @@ def geometry(x_shape: tuple, bias_shape, mask_shape, causal_rows: int, diagonal:
     return (*(dim[0] for dim in merged), *per_operand, causal_rows, diagonal)
 
 
+def division_magics(rows: int, layout: tuple) -> tuple:
+    """The kernels' magic numbers for a row's divisions (by size1, size2 and causal_rows of
+    `layout`, geometry's tuple): multiplier << 32 | shift; 0 for a divisor of 1 (the kernels
+    take the row itself) and each where rows reach WIDE_ROWS (the kernels then divide)."""
+    magics = []
+    for d in (layout[1], layout[2], layout[-2]):
+        multiplier, shift = fast_divisor(d) if d > 1 and rows < WIDE_ROWS else (0, 0)
+        magics.append(multiplier << 32 | shift)
+    return tuple(magics)
+
+
 def prepare(x, *, scale, bias, mask, causal, diagonal, dropout, axis) -> Operands:
     """Checks a call's arguments (TypeError / ValueError naming the argument) and lays them out."""
     import cupy
@@ -372,7 +387,8 @@ def stage_launch(stage: str, operands: Operands, policy: str, out, dy=None, chos
         chosen.spec, device_id, chosen.smem_bytes))
     keep_scale = 1.0 / (1.0 - operands.dropout)
     scalars = (numpy.int64(operands.rows), numpy.int64(operands.cols), numpy.float64(operands.scale),
-               numpy.float64(keep_scale), *(numpy.int64(v) for v in operands.geometry))
+               numpy.float64(keep_scale), *(numpy.int64(v) for v in operands.geometry),
+               *(numpy.uint64(m) for m in division_magics(operands.rows, operands.geometry)))
     threshold = numpy.uint32(philox.dropout_threshold(operands.dropout)) if chosen.spec.dropout else None
     return StageLaunch(function, chosen.grid, chosen.block, chosen.smem_bytes, scalars, threshold)
 
