@@ -10,7 +10,8 @@ type for caches of the compute type (a score x * scale + bias, rounded back
 to 16 bits, would lose what the fusion keeps). The dropout mask is
 Philox4x32-10 of each element's linear index (kernels/philox.cuh): the
 backward regenerates it from (seed, offset) and recomputes the
-probabilities from x and the row's log-sum-exp, so nothing else is stored.
+probabilities from x and the row's log-sum-exp, which the forward's STORE
+writes as the row finishes, so nothing else is stored or read again.
 """
 from __future__ import annotations
 
