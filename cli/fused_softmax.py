@@ -12,7 +12,7 @@ import numpy
 from cupyops import dtypes, jit
 from cupyops.device import ARCH_PROFILES
 from cupyops.launch import Target
-from cupyops.ops import fused_softmax as fs
+from cupyops.ops import fused_softmax as fs, fused_softmax_operands
 
 from .common import (bench, compile_, compile_and_report, device_option, dtype_option, echo_tuned, explain,
                      json_flag, live_device, plot_option, policy_option, positive_shape, source_flag, target)
@@ -37,6 +37,7 @@ def fusion_options(command):
 
 
 def _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, x_dims) -> fs.Fusion:
+    operand_dims = {}
     for name, text in (("--mask-shape", mask_shape), ("--bias-shape", bias_shape)):
         if text is not None:
             dims = positive_shape(text, name)
@@ -45,12 +46,16 @@ def _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, x_dims) 
                     raise ValueError
             except ValueError:
                 raise click.BadParameter(f"{text} does not broadcast to {x_dims}", param_hint=name) from None
+            operand_dims[name] = (1,) * (len(x_dims) - len(dims)) + tuple(dims)
     if not 0 <= dropout < 1:
         raise click.BadParameter(f"dropout must be in [0, 1), got {dropout}", param_hint="--dropout")
     bias_short = dtypes.NAMES[bias_dtype or dtype] if bias_shape is not None else ""
     if bias_short in ("f16", "bf16") and dtypes.NAMES[dtype] == "f64":
         bias_short = "f64"   # fused_softmax converts it
-    return fs.Fusion(bias_short, mask_shape is not None, causal, dropout > 0)
+    layout = fused_softmax_operands.geometry(tuple(x_dims), operand_dims.get("--bias-shape"),
+                                             operand_dims.get("--mask-shape"), 1, 0)
+    entries = fused_softmax_operands.bias_entries(layout) if bias_shape is not None and layout is not None else 1
+    return fs.Fusion(bias_short, mask_shape is not None, causal, dropout > 0, entries)
 
 
 def _plan(op, dims, dtype, policy, plan_target, fusion):

@@ -88,17 +88,47 @@ struct BroadcastRow {
   }
 };
 
+// The order the paths take rows in: the paths count rows i = 0, 1, ... and the
+// functors below read and write data row order(i). interleaved: x's outermost
+// leading dim (`outer` entries of `inner` rows, a bias broadcast along it) runs
+// innermost, i -> (i % outer) * inner + i / outer, so the rows that read one
+// bias row run together and it comes from memory once rather than once an entry.
+// Dropout's counter and the lse follow the data row: the result does not depend
+// on the order.
+template <bool interleaved, bool wide>
+struct RowOrder {
+  int64 outer, inner;
+  unsigned long long outer_magic;
+  __device__ __forceinline__ int64 operator()(int64 i) const {
+    if (!interleaved) return i;
+    const DivMod entry = divmod<wide>(i, outer, outer_magic);
+    return entry.remainder * inner + entry.quotient;
+  }
+};
+
+// The RowHead (common.cuh) of data row order(i), for the paths that peel.
+template <typename T, typename Order>
+struct OrderedRowHead {
+  RowHead<T> head;
+  Order order;
+  __device__ __forceinline__ int operator()(int64 i) const { return head(order(i)); }
+};
+
 // The scores z of a row, in the compute type C: the LOAD of the forward. Packs the causal
 // rule masks whole are not read.
-template <typename T, typename C, typename Broadcast>
+template <typename T, typename C, typename Broadcast, typename Order>
 struct ScoresLoad {
   typedef T Storage;
   const T* x;
   int64 row_stride;
   C scale;
   Broadcast broadcast;
+  Order order;
   template <int N>
-  __device__ __forceinline__ void load(C* dst, int64 row, int64 col) const {
+  __device__ __forceinline__ void load(C* dst, int64 i, int64 col) const { load_row<N>(dst, order(i), col); }
+  // The same for data row `row`.
+  template <int N>
+  __device__ __forceinline__ void load_row(C* dst, int64 row, int64 col) const {
     broadcast.locate(row);
     if (broadcast.causal_from(col)) {
 #pragma unroll
@@ -120,23 +150,25 @@ struct ScoresLoad {
 // The forward's STORE: y = softmax * keep / (1 - p). A masked position gives
 // 0, also in a row with no kept position (whose softmax is NaN). Where lse is
 // given, each row's float32 log-sum-exp of z goes there too (finish_row).
-template <typename C, typename T, typename Broadcast, bool dropout>
+template <typename C, typename T, typename Broadcast, typename Order, bool dropout>
 struct DropoutStore {
   T* y;
   int64 row_stride;
   Broadcast broadcast;
+  Order order;
   DropoutMask drop;
   C keep_scale;              // 1 / (1 - p)
   float* lse;                // nullptr: not wanted
   // lse[row] = max + log(sum exp(z - max)); -inf for a row with no kept position.
   template <typename Op>
-  __device__ __forceinline__ void finish_row(const Op& op, C sum, int64 row) const {
+  __device__ __forceinline__ void finish_row(const Op& op, C sum, int64 i) const {
     static_assert(Op::Exp::natural, "sum is of exp(z - max)");
     const C max = op.finish.max;
-    if (lse != nullptr) lse[row] = static_cast<float>(max == -infinity<C>() ? max : max + log(sum));
+    if (lse != nullptr) lse[order(i)] = static_cast<float>(max == -infinity<C>() ? max : max + log(sum));
   }
   template <int N>
-  __device__ __forceinline__ void store(const C* src, int64 row, int64 col) const {
+  __device__ __forceinline__ void store(const C* src, int64 i, int64 col) const {
+    const int64 row = order(i);
     bool kept[N];
     if (dropout) drop.keep_pack<N>(static_cast<unsigned long long>(row * row_stride + col), kept);
     Pack<T, N> pack;
@@ -160,20 +192,21 @@ struct DropoutStore {
 //   y  (probability = true):  the softmax exp(z - lse), recomputed from x and
 //      the row's log-sum-exp (0 where z or lse is -inf: masked, or a row with
 //      no kept position).
-template <typename T, typename C, typename Broadcast, bool dropout>
+template <typename T, typename C, typename Scores, bool dropout>
 struct FusedGradLoad {
   typedef T Storage;
   bool probability;
   const T* src;              // dy or x
   int64 row_stride;
-  ScoresLoad<T, C, Broadcast> scores;
+  Scores scores;
   const float* lse;
   DropoutMask drop;
   C keep_scale;
   template <int N>
-  __device__ __forceinline__ void load(C* dst, int64 row, int64 col) const {
+  __device__ __forceinline__ void load(C* dst, int64 i, int64 col) const {
+    const int64 row = scores.order(i);
     if (probability) {
-      scores.template load<N>(dst, row, col);
+      scores.template load_row<N>(dst, row, col);
       const C row_lse = static_cast<C>(lse[row]);
 #pragma unroll
       for (int i = 0; i < N; ++i) {
@@ -199,17 +232,18 @@ struct FusedGradLoad {
 };
 
 // dx = scale * dz: the backward's STORE.
-template <typename C, typename T>
+template <typename C, typename T, typename Order>
 struct ScaledStore {
   T* dst;
   int64 row_stride;
   C scale;
+  Order order;
   template <int N>
-  __device__ __forceinline__ void store(const C* src, int64 row, int64 col) const {
+  __device__ __forceinline__ void store(const C* src, int64 i, int64 col) const {
     Pack<T, N> pack;
 #pragma unroll
-    for (int i = 0; i < N; ++i) pack.elem[i] = cast<T>(src[i] * scale);
-    store_pack(dst + row * row_stride + col, pack);
+    for (int k = 0; k < N; ++k) pack.elem[k] = cast<T>(src[k] * scale);
+    store_pack(dst + order(i) * row_stride + col, pack);
   }
 };
 

@@ -1,23 +1,46 @@
 """Runs every path of the fused attention softmax once on small shapes, for
 compute-sanitizer (memcheck, racecheck): the warp, register, shared-memory and
 uncached paths (rows of 1 to 2^17 columns, aligned and peeled), bias, mask,
-causal, dropout, the log-sum-exp kernel, the backward, both policies, another
+causal, dropout, the log-sum-exp, the backward, both policies, rows in order and
+interleaved (forced: at these sizes the L2 would keep them in order), another
 axis, out= and dropout_mask. Prints the plans taken and "all paths ran" at the end."""
 from __future__ import annotations
 
 import cupy
 
 import cupyops
-from cupyops.launch import Target
+from cupyops.launch import LaunchCache, Target
 from cupyops.ops import fused_softmax as fs
 
 COLS = (1, 7, 128, 255, 1000, 1024, 4096, 12345, 16384, 40000, 2 ** 17)
 
 
+def force_interleaved_rows():
+    """From now on a bias broadcast along x's outermost dim interleaves its entries' rows
+    whatever the L2, with every launch planned afresh."""
+    fs.interleave_rule = lambda rows, cols, dtype, fusion, target: fusion.entries > 1
+    fs._launches = LaunchCache()
+
+
 def main():
-    rng = cupy.random.default_rng(0)
     target = Target.live(cupy.cuda.runtime.getDevice())
     seen = set()
+    run_paths(target, seen, interleaved=False)
+    force_interleaved_rows()
+    run_paths(target, seen, interleaved=True)
+    cupyops.fused_softmax(x_view(), axis=1, dropout=0.2, seed=1)     # another axis, a view
+    cupyops.dropout_mask((1000, 33), 0.3, seed=5, offset=7)
+    cupy.cuda.Device().synchronize()
+    print("\n".join(sorted(seen)))
+    print("all paths ran")
+
+
+def x_view():
+    return cupy.ones((2, 12, 40), cupy.float16)[:, :, 1:]
+
+
+def run_paths(target, seen: set, interleaved: bool):
+    rng = cupy.random.default_rng(0)
     for cols in COLS:
         rows = 4 if cols > 16384 else 24
         for dtype in (cupy.float16, cupy.float32):
@@ -35,13 +58,9 @@ def main():
                 cupyops.fused_softmax(x, policy=policy)
                 for stage in ("forward", "backward"):
                     chosen = fs.plan(stage, x.size // cols, cols, "f16" if dtype == cupy.float16 else "f32", policy,
-                                     target, fs.Fusion(bias.dtype.name.replace("float", "f"), True, True, True))
+                                     target, fs.Fusion(bias.dtype.name.replace("float", "f"), True, True, True,
+                                                       2 if interleaved else 1))
                     seen.add(chosen.spec.name)
-    cupyops.fused_softmax(x[:, :, 1:], axis=1, dropout=0.2, seed=1)     # another axis, a view
-    cupyops.dropout_mask((1000, 33), 0.3, seed=5, offset=7)
-    cupy.cuda.Device().synchronize()
-    print("\n".join(sorted(seen)))
-    print("all paths ran")
 
 
 if __name__ == "__main__":

@@ -137,6 +137,26 @@ def test_long_rows(rng, cols, dtype):
     check_backward(rng, *found, dtype)
 
 
+@pytest.mark.parametrize("cols", [33, 160, 1001, 4096, 20001])
+@pytest.mark.parametrize("dtype", [numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)], ids=str)
+def test_interleaved_rows(rng, monkeypatch, cols, dtype):
+    """The batch entries' rows taken in turn (forced: at these sizes the L2 keeps a broadcast
+    bias in order): forward, lse, dropout and backward against float64 on every path."""
+    from cupyops.launch import LaunchCache, Target
+
+    monkeypatch.setattr(fs, "interleave_rule", lambda rows, cols, dtype, fusion, target: fusion.entries > 1)
+    monkeypatch.setattr(fs, "_launches", LaunchCache())
+    args = dict(scale=0.5, bias_shape=(2, 5, cols), mask_shape=(3, 1, 1, cols), causal=True, diagonal=cols - 5,
+                dropout=0.2, seed=11, offset=2)
+    x, bias, mask, call_args, lse = check_forward(rng, (3, 2, 5, cols), dtype, **args)
+    check_backward(rng, x, bias, mask, call_args, lse, dtype)
+    operands = fs.prepare(to_gpu(x.astype(dtype)), bias=to_gpu(bias), mask=to_gpu(mask), axis=-1,
+                          **{k: call_args[k] for k in ("scale", "causal", "diagonal", "dropout")})
+    assert operands.fusion.entries == 3
+    short = {2: "f16", 4: "f32"}[numpy.dtype(dtype).itemsize]
+    assert fs.plan("forward", operands.rows, cols, short, "auto", Target.live(0), operands.fusion).spec.interleaved
+
+
 @pytest.mark.parametrize("policy", ["auto", "oneflow"])
 def test_policies_agree(rng, policy):
     found = check_forward(rng, (4, 8, 64, 1000), numpy.float16, mask_shape=(4, 1, 1, 1000), causal=True,

@@ -12,7 +12,7 @@ import pytest
 
 from cupyops import jit
 from cupyops.launch import Target
-from cupyops.ops import fused_softmax as fs
+from cupyops.ops import fused_softmax as fs, fused_softmax_operands as fo
 from cupyops.ops import softmax_rows as sm
 
 import fused_softmax_reference as ref
@@ -82,7 +82,7 @@ def offsets_by_geometry(x_shape, layout):
     """Each row's (bias, mask) offset the way BroadcastRow::locate works it out."""
     sizes, bias_strides, mask_strides = layout[0:3], layout[3:6], layout[7:10]
     rows = int(numpy.prod(x_shape[:-1]))
-    _, size1_magic, size2_magic = (0, *fs.division_magics(rows, layout)[:2])
+    _, size1_magic, size2_magic = (0, *fo.division_magics(rows, layout)[:2])
     out = []
     for row in range(rows):
         rest, index2 = device_divmod(row, sizes[2], size2_magic)
@@ -103,11 +103,65 @@ def test_rows_from_2_31_take_a_kernel_that_divides(stage):
 
 
 def test_division_magics_fall_back_to_dividing_past_31_bit_rows():
-    layout = fs.geometry((8, 16, 1024, 1024), (1, 16, 1024, 1024), (8, 1, 1, 1024), 1024, 0)
-    assert layout[1:3] == (8, 16 * 1024) and all(fs.division_magics(8 * 16 * 1024, layout))   # causal_rows 1024
-    assert fs.division_magics(2 ** 31, layout) == (0, 0, 0)
-    size1, size2, causal = fs.division_magics(16, fs.geometry((16, 5), None, None, 1, 0))   # sizes (1, 1, 16)
+    layout = fo.geometry((8, 16, 1024, 1024), (1, 16, 1024, 1024), (8, 1, 1, 1024), 1024, 0)
+    assert layout[1:3] == (8, 16 * 1024) and all(fo.division_magics(8 * 16 * 1024, layout))   # causal_rows 1024
+    assert fo.division_magics(2 ** 31, layout) == (0, 0, 0)
+    size1, size2, causal = fo.division_magics(16, fo.geometry((16, 5), None, None, 1, 0))   # sizes (1, 1, 16)
     assert size1 == causal == 0 and size2 != 0      # a divisor of 1: the row itself
+
+
+def data_rows(rows: int, entries: int) -> list:
+    """kernels/fused_softmax.cuh's RowOrder, with row_order's arguments: the data row of each count i."""
+    outer, inner, magic = fo.row_order(rows, entries)
+    if entries == 1:
+        return list(range(rows))
+    return [device_divmod(i, outer, magic)[1] * inner + device_divmod(i, outer, magic)[0] for i in range(rows)]
+
+
+@pytest.mark.parametrize("x_shape, bias_shape, entries, interleaved", [
+    ((16, 32, 512, 512), (32, 512, 512), 16, True),      # one batch entry's rows overflow half the L2
+    ((64, 128, 128, 128), (128, 128, 128), 64, False),   # they fit: the bias stays in L2 in order
+    ((16, 32, 512, 512), (512,), 1, False),              # a bias the same for every row
+    ((16, 32, 512, 512), (16, 1, 512, 512), 1, False),   # broadcast along an inner dim only
+    ((1, 32, 2048, 2048), (32, 2048, 2048), 1, False),   # one entry: nothing to interleave
+    ((16, 32, 512, 512), (1, 512, 512), 16 * 32, False)])  # (B, H) merged: an entry is 512 rows
+def test_rows_interleave_where_the_bias_would_leave_l2(x_shape, bias_shape, entries, interleaved):
+    padded = (1,) * (len(x_shape) - len(bias_shape)) + bias_shape
+    assert fo.bias_entries(fo.geometry(x_shape, padded, None, 1, 0)) == entries
+    rows, cols = int(numpy.prod(x_shape[:-1])), x_shape[-1]
+    fusion = fs.Fusion("f16", entries=entries)
+    assert fs.interleave_rule(rows, cols, "f16", fusion, Target.profile("h100")) == interleaved
+    for policy, expected in (("auto", interleaved), ("oneflow", False)):
+        assert fs.rule_plan("forward", rows, cols, "f16", policy, Target.profile("h100"), fusion).spec.interleaved \
+            == expected
+
+
+@pytest.mark.parametrize("rows, entries", [(12, 1), (12, 3), (12, 4), (7 * 5, 7), (2 * 1024, 2)])
+def test_row_order_visits_every_row_once_entries_innermost(rows, entries):
+    order = data_rows(rows, entries)
+    assert sorted(order) == list(range(rows))
+    inner = rows // entries
+    assert order[:entries] == [k * inner for k in range(entries)]   # row 0 of each entry first
+
+
+@pytest.mark.parametrize("stage", fs.STAGES)
+def test_tuned_candidates_take_both_row_orders(stage):
+    """Where a bias lets rows interleave, the tuner times each row plan in both orders; a
+    stored description's "interleaved" picks the order back."""
+    from cupyops.ops import fused_softmax_tune
+
+    target, fusion = Target.profile("h100"), fs.Fusion("f16", True, True, True, entries=16)
+    for cols in (160, 4096):
+        found = fused_softmax_tune.candidates(stage, "f16", 16 * 64, cols, target, fusion)
+        by_label = {description["label"]: launch for description, launch in found}
+        pairs = [(label, label + " interleaved") for label in by_label if label + " interleaved" in by_label]
+        assert len(pairs) == len(by_label) // 2 - 1 > 0       # all but the two policies' plans
+        for in_order, interleaved in pairs:
+            assert by_label[interleaved].spec.name == by_label[in_order].spec.name + "_interleaved"
+            assert jit.compile_cubin(by_label[interleaved].spec, "sm_90").spill_bytes <= MAX_SPILL_BYTES
+        description = next(d for d, _ in found if d.get("interleaved"))
+        assert fs.fused_launch(stage, "f16", 16 * 64, cols, target, fusion, description).spec.interleaved
+    assert fs.tuning_key("f16", 1024, 512, fusion) != fs.tuning_key("f16", 1024, 512, fs.Fusion("f16", True, True, True))
 
 
 MASK_SHAPES = [(2, 3, 4, 5), (2, 1, 4, 5), (2, 1, 1, 5), (1, 1, 4, 5), (3, 4, 5), (4, 5), (5,), (1,),
@@ -118,7 +172,7 @@ MASK_SHAPES = [(2, 3, 4, 5), (2, 1, 4, 5), (2, 1, 1, 5), (1, 1, 4, 5), (3, 4, 5)
 def test_geometry_reaches_every_broadcast_element(bias_shape, mask_shape):
     x_shape = (2, 3, 4, 5)
     padded = [(1,) * (4 - len(s)) + s for s in (bias_shape, mask_shape)]
-    layout = fs.geometry(x_shape, *padded, 4, 0)
+    layout = fo.geometry(x_shape, *padded, 4, 0)
     got = offsets_by_geometry(x_shape, layout)
     for k, shape in enumerate(padded):
         numbers = numpy.broadcast_to(numpy.arange(numpy.prod(shape)).reshape(shape), x_shape)
@@ -128,8 +182,8 @@ def test_geometry_reaches_every_broadcast_element(bias_shape, mask_shape):
 
 
 def test_geometry_needs_at_most_three_dims_after_merging():
-    assert fs.geometry((2, 3, 4, 5, 6), (2, 1, 4, 1, 6), None, 1, 0) is None
-    assert fs.geometry((2, 3, 4, 5, 6), (2, 3, 1, 1, 6), None, 1, 0)[:3] == (1, 6, 20)
+    assert fo.geometry((2, 3, 4, 5, 6), (2, 1, 4, 1, 6), None, 1, 0) is None
+    assert fo.geometry((2, 3, 4, 5, 6), (2, 3, 1, 1, 6), None, 1, 0)[:3] == (1, 6, 20)
 
 
 # -- plans and compiles ----------------------------------------------------------
@@ -277,6 +331,25 @@ def test_repeated_calls_replay_their_stages(monkeypatch):
             assert (label == "forward") == ("result 1" in before[4]), label
             if label == "forward into out":
                 assert before[4][before[4].index("out") + 1] == ("uint64", 0), before[4]
+
+
+def test_interleaved_calls_pass_their_row_order(monkeypatch):
+    """A (16, 32, 512, 512) forward and backward with a (32, 512, 512) bias on the H100 profile
+    take the interleaved kernels, given RowOrder's (outer, inner, magic) before the dropout's
+    arguments; the same call without the bias takes its rows in order."""
+    device = pytest.importorskip("fake_device").FakeDevice(monkeypatch)
+    x, dy = device.array((16, 32, 512, 512), "float16"), device.array((16, 32, 512, 512), "float16")
+    bias, lse = device.array((32, 512, 512), "float16"), device.array((16, 32, 512), "float32")
+    rows = 16 * 32 * 512
+    fs.fused_softmax(x, bias=bias)
+    fs.fused_softmax_backward(dy, x, lse, bias=bias)
+    fs.fused_softmax(x, scale=0.5)
+    interleaved, in_order = device.launches[:2], device.launches[2]
+    for launch in interleaved:
+        assert launch.name.endswith("_interleaved"), launch.name
+        assert [int(a) for a in launch.args[-6:-3]] == list(fo.row_order(rows, 16))
+    assert "interleaved" not in in_order.name
+    assert [int(a) for a in in_order.args[-6:-3]] == [1, rows, 0]
 
 
 def test_memoised_calls_still_check_their_arguments(monkeypatch):

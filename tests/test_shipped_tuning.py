@@ -49,9 +49,10 @@ def _auto_plan(op: str, shape_key: str, target: Target):
 
 
 def _fusion(fields: dict):
-    """A fused key's Fusion (its bias field: the bias's dtype, 0 without one)."""
+    """A fused key's Fusion (its bias field: the bias's dtype, 0 without one; entries: 1 where absent)."""
     bias = fields.pop("bias")
-    return fused_softmax.Fusion(bias or "", *(bool(fields.pop(name)) for name in ("mask", "causal", "dropout")))
+    return fused_softmax.Fusion(bias or "", *(bool(fields.pop(name)) for name in ("mask", "causal", "dropout")),
+                                entries=int(fields.pop("entries", 1)))
 
 
 def _rebuilt(op: str, shape_key: str, best: dict, target: Target):

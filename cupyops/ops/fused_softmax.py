@@ -15,7 +15,6 @@ writes as the row finishes, so nothing else is stored or read again.
 """
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, replace
 
@@ -23,17 +22,16 @@ import numpy
 
 from .. import arrays, callcache, dtypes, jit, philox
 from ..callcache import call_key, run_on, writable
-from ..launch import KernelLaunch, LaunchCache, Target, fast_divisor, get_num_blocks, live_function
+from ..launch import KernelLaunch, LaunchCache, Target, get_num_blocks, live_function
 from . import row_candidates, softmax_candidates, softmax_rows as softmax
+from .fused_softmax_operands import WIDE_ROWS, Fusion, Operands, division_magics, prepare, row_order
 
 STAGES = ("forward", "backward")
 SOFTMAX_OP = {"forward": "softmax", "backward": "softmax_backward"}
 TUNED_OPS = {stage: f"fused_softmax_{stage}" for stage in SOFTMAX_OP}   # the tuning table's ops
 SHARED_BLOCK_SIZE = 512       # rows cached in shared memory through the LOAD
-MAX_LEADING_DIMS = 3          # x's leading dims the kernels decompose a row into (after merging)
 MASK_BLOCK_SIZE = 256
 MAX_LOCAL_BYTES = 16         # spilled / stack bytes a register-cached fused row may take
-WIDE_ROWS = 2 ** 31          # rows from which a row's index no longer divides by kernels/common.cuh's fast_quotient
 
 
 @dataclass(frozen=True)
@@ -41,7 +39,8 @@ class FusedSoftmaxSpec(jit.KernelSpec):
     """A softmax path (`path`, a SoftmaxSpec) with the fusion's operands: bias of
     type bias_dtype ("" none), a bool mask, the causal rule, dropout. The forward
     also writes each row's log-sum-exp where the call asks for it. wide_rows: rows
-    from 2**31 on, whose broadcast indices divide rather than multiply (WIDE_ROWS)."""
+    from 2**31 on, whose broadcast indices divide rather than multiply (WIDE_ROWS).
+    interleaved: Fusion.entries' rows taken in turn (kernels/fused_softmax.cuh's RowOrder)."""
     template = "fused_softmax.cu.j2"
 
     stage: str
@@ -52,6 +51,7 @@ class FusedSoftmaxSpec(jit.KernelSpec):
     causal: bool = False
     dropout: bool = False
     wide_rows: bool = False
+    interleaved: bool = False
 
     @property
     def fusion(self) -> str:
@@ -61,7 +61,8 @@ class FusedSoftmaxSpec(jit.KernelSpec):
 
     @property
     def name(self) -> str:
-        return f"fused_{self.path.name}_{self.fusion}{'_wide' if self.wide_rows else ''}"
+        return (f"fused_{self.path.name}_{self.fusion}{'_wide' if self.wide_rows else ''}"
+                f"{'_interleaved' if self.interleaved else ''}")
 
     @property
     def threads_per_block(self) -> int:
@@ -77,13 +78,13 @@ class FusedSoftmaxSpec(jit.KernelSpec):
 
     def explain_extra(self) -> dict:
         return {**self.path.explain_extra(), "stage": self.stage, "fusion": self.fusion,
-                "storage_cache": self.path.storage_cache}
+                "storage_cache": self.path.storage_cache, "interleaved": self.interleaved}
 
     def template_args(self) -> dict:
         ftype = dtypes.BY_SHORT[self.dtype]
         return {**self.path.template_args(), "stage": self.stage, "storage_type": ftype.c_type,
                 "compute_type": ftype.compute_c_type, "mask": self.mask, "causal": self.causal,
-                "dropout": self.dropout, "wide_rows": self.wide_rows,
+                "dropout": self.dropout, "wide_rows": self.wide_rows, "interleaved": self.interleaved,
                 "bias_type": dtypes.BY_SHORT[self.bias_dtype].c_type if self.bias_dtype else ""}
 
 
@@ -98,15 +99,6 @@ class DropoutMaskSpec(jit.KernelSpec):
     @property
     def threads_per_block(self) -> int:
         return MASK_BLOCK_SIZE
-
-
-@dataclass(frozen=True)
-class Fusion:
-    """What a call fuses, as its kernels are instantiated for it."""
-    bias_dtype: str = ""
-    mask: bool = False
-    causal: bool = False
-    dropout: bool = False
 
 
 # -- plan --------------------------------------------------------------------
@@ -158,18 +150,37 @@ def plan(stage: str, rows: int, cols: int, dtype: str, policy: str, target: Targ
 def tuning_key(dtype: str, rows: int, cols: int, fusion: Fusion, align: int = 16, same_phase: bool = True) -> str:
     """The tuning table's key of a stage's shape: softmax's, and what the kernel fuses."""
     return (f"{softmax_candidates.shape_key(dtype, rows, cols, align, same_phase)}|bias={fusion.bias_dtype or 0}"
-            f"|mask={int(fusion.mask)}|causal={int(fusion.causal)}|dropout={int(fusion.dropout)}")
+            f"|mask={int(fusion.mask)}|causal={int(fusion.causal)}|dropout={int(fusion.dropout)}"
+            f"{f'|entries={fusion.entries}' if fusion.entries > 1 else ''}")
 
 
 def fused_launch(stage, dtype, rows, cols, target, fusion, description: dict) -> KernelLaunch:
-    """A table's description as the fused kernel: a policy's rule plan, or a softmax row plan."""
+    """A table's description as the fused kernel: a policy's rule plan, or a softmax row plan
+    taking its rows in order or (description["interleaved"]) Fusion.entries' in turn."""
     if description["label"] in ("auto", "oneflow"):
         return rule_plan(stage, rows, cols, dtype, description["label"], target, fusion)
     path = softmax_candidates.Candidate.from_description(description, rows, target).launch
     chosen = _with_compute_cache(path, SOFTMAX_OP[stage], dtype, rows, cols, target)
-    return replace(chosen, spec=FusedSoftmaxSpec(stage, dtype, chosen.spec, dropout=fusion.dropout,
-                                                 bias_dtype=fusion.bias_dtype, mask=fusion.mask, causal=fusion.causal,
-                                                 wide_rows=rows >= WIDE_ROWS))
+    interleaved = description.get("interleaved", False) and fusion.entries > 1
+    fused = replace(chosen, spec=FusedSoftmaxSpec(stage, dtype, chosen.spec, **_spec_fields(rows, fusion, interleaved)))
+    return _in_order_if_spilling(fused, target)
+
+
+def _spec_fields(rows: int, fusion: Fusion, interleaved: bool) -> dict:
+    """FusedSoftmaxSpec's fields beside the path for a call's rows and fusion."""
+    return dict(bias_dtype=fusion.bias_dtype, mask=fusion.mask, causal=fusion.causal, dropout=fusion.dropout,
+                wide_rows=rows >= WIDE_ROWS, interleaved=interleaved)
+
+
+def interleave_rule(rows: int, cols: int, dtype: str, fusion: Fusion, target: Target) -> bool:
+    """Whether the rules take Fusion.entries' rows in turn: where one entry's rows (x read, y
+    written and its bias) overflow half the L2, in order the bias leaves L2 before the next
+    entry reads it; in turn, the rows reading one bias row run together and read it once."""
+    if fusion.entries == 1:
+        return False
+    itemsize, bias_itemsize = dtypes.BY_SHORT[dtype].itemsize, dtypes.BY_SHORT[fusion.bias_dtype].itemsize
+    entry_bytes = rows // fusion.entries * cols * (2 * itemsize + bias_itemsize)
+    return entry_bytes > target.facts.l2_bytes // 2
 
 
 def rule_plan(stage: str, rows: int, cols: int, dtype: str, policy: str, target: Target, fusion: Fusion,
@@ -177,24 +188,37 @@ def rule_plan(stage: str, rows: int, cols: int, dtype: str, policy: str, target:
     """The launch of one stage by the rules: softmax's plan of the rows, read through the LOAD."""
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
-    fields = dict(bias_dtype=fusion.bias_dtype, mask=fusion.mask, causal=fusion.causal, wide_rows=rows >= WIDE_ROWS)
     op = SOFTMAX_OP[stage]
     chosen = softmax.plan(op, rows, cols, dtype, policy, target, align, same_phase)
     if chosen.spec.impl == "block_async":
         chosen = _long_row_plan(op, dtype, rows, cols, chosen.spec.pack_size, same_phase, target)
     chosen = _with_compute_cache(chosen, op, dtype, rows, cols, target)
-    fused = replace(chosen, spec=FusedSoftmaxSpec(stage, dtype, chosen.spec, dropout=fusion.dropout, **fields))
-    return _without_spills(fused, op, rows, cols, target)
+    interleaved = policy == "auto" and interleave_rule(rows, cols, dtype, fusion, target)   # OneFlow's: in order
+    fused = replace(chosen, spec=FusedSoftmaxSpec(stage, dtype, chosen.spec, **_spec_fields(rows, fusion, interleaved)))
+    return _in_order_if_spilling(_without_spills(fused, op, rows, cols, target), target)
+
+
+def _in_order_if_spilling(chosen: KernelLaunch, target) -> KernelLaunch:
+    """An interleaved kernel that spills (RowOrder holds registers): the same kernel taking its
+    rows in order."""
+    if not chosen.spec.interleaved or target.resources(chosen.spec)["local_bytes"] <= MAX_LOCAL_BYTES:
+        return chosen
+    return replace(chosen, spec=replace(chosen.spec, interleaved=False))
 
 
 def _without_spills(chosen: KernelLaunch, op, rows, cols, target) -> KernelLaunch:
-    """A register-cached row whose fused kernel spills (the LOAD and STORE hold more
-    live values than softmax's): wider blocks holding fewer packs a thread, else
-    the row cached in shared memory."""
+    """A fused kernel that spills (the LOAD and STORE hold more live values than
+    softmax's): a block bound to several blocks an SM without that bound; a
+    register-cached row in wider blocks holding fewer packs a thread, else cached in
+    shared memory."""
     spec = chosen.spec
-    if spec.path.impl != "block_regs" or target.resources(spec)["local_bytes"] <= MAX_LOCAL_BYTES:
+    if target.resources(spec)["local_bytes"] <= MAX_LOCAL_BYTES:
         return chosen
     path = spec.path
+    if path.min_blocks:
+        return replace(chosen, spec=replace(spec, path=replace(path, min_blocks=0)))
+    if path.impl != "block_regs":
+        return chosen
     num_packs = cols // path.pack_size   # as softmax's register plan counts them
     for block_size in softmax.AUTO_BLOCK_REGS_SIZES:
         packs_per_thread = -(-num_packs // block_size)
@@ -208,137 +232,6 @@ def _without_spills(chosen: KernelLaunch, op, rows, cols, target) -> KernelLaunc
     shared = _long_row_plan(op, path.dtype, rows, cols, pack_size, path.peel, target, regs=False)
     shared = _with_compute_cache(shared, op, path.dtype, rows, cols, target)
     return replace(shared, spec=replace(spec, path=shared.spec))
-
-
-# -- operands ----------------------------------------------------------------
-
-@dataclass
-class Operands:
-    """A call's arrays with x's reduced axis last and contiguous, and the
-    broadcast geometry the kernels read bias and mask through."""
-    x: object
-    bias: object
-    mask: object
-    fusion: Fusion
-    scale: float
-    dropout: float
-    diagonal: int
-    axis: int                 # x's reduced axis in the caller's layout
-    geometry: tuple = ()      # the kernels' size / stride / causal arguments
-
-    @property
-    def rows(self) -> int:
-        return self.x.size // self.cols
-
-    @property
-    def cols(self) -> int:
-        return self.x.shape[-1]
-
-
-def _broadcast_operand(value, name: str, x, kinds: str, last_axis: int):
-    """value as a contiguous CuPy array in its own shape (x's rank, the reduced axis last)."""
-    import cupy
-
-    if value is None:
-        return None
-    value = arrays.as_cupy(value, name)
-    floating = value.dtype in dtypes.BY_DTYPE     # bfloat16's kind is "V"
-    if (kinds == "f" and not floating) or (kinds != "f" and value.dtype.kind not in kinds):
-        wanted = "bool" if kinds == "b" else "a float dtype"
-        raise TypeError(f"{name} must have {wanted}, got {value.dtype}")
-    if value.device.id != x.device.id:
-        raise ValueError(f"{name} is on GPU {value.device.id}, x on GPU {x.device.id}")
-    try:
-        shape = numpy.broadcast_shapes(value.shape, x.shape)
-    except ValueError:
-        shape = None
-    if shape != x.shape:
-        raise ValueError(f"{name} of shape {value.shape} does not broadcast to x's shape {x.shape}")
-    value = value.reshape((1,) * (x.ndim - value.ndim) + value.shape)
-    return cupy.ascontiguousarray(cupy.moveaxis(value, last_axis, -1))
-
-
-def broadcast_strides(shape: tuple, x_shape: tuple) -> tuple:
-    """Element strides of a C-contiguous array of `shape` (x's rank) broadcast to x_shape."""
-    strides, step = [], 1
-    for size, target in zip(reversed(shape), reversed(x_shape)):
-        strides.append(step if size == target else 0)
-        step *= size
-    return tuple(reversed(strides))
-
-
-def geometry(x_shape: tuple, bias_shape, mask_shape, causal_rows: int, diagonal: int):
-    """The kernels' (size0..2, bias strides 0..2 + column, mask strides 0..2 + column,
-    causal_rows, diagonal) for contiguous operands of these shapes (x's rank; None: absent):
-    x's leading dims merged where every operand allows, outermost padded with 1.
-    None where more than MAX_LEADING_DIMS remain."""
-    present = [shape for shape in (bias_shape, mask_shape) if shape is not None]
-    strides = [broadcast_strides(shape, x_shape) for shape in present]
-    merged = []
-    for d, size in enumerate(x_shape[:-1]):
-        if size == 1:
-            continue
-        dim_strides = [s[d] for s in strides]
-        if merged and all(outer == inner * size for outer, inner in zip(merged[-1][1], dim_strides)):
-            merged[-1] = (merged[-1][0] * size, dim_strides)
-        else:
-            merged.append((size, dim_strides))
-    if len(merged) > MAX_LEADING_DIMS:
-        return None
-    merged = [(1, [0] * len(present))] * (MAX_LEADING_DIMS - len(merged)) + merged
-    per_operand, index = [], 0
-    for shape in (bias_shape, mask_shape):
-        if shape is None:
-            per_operand += [0] * (MAX_LEADING_DIMS + 1)
-        else:
-            per_operand += [dim[1][index] for dim in merged] + [strides[index][-1]]
-            index += 1
-    return (*(dim[0] for dim in merged), *per_operand, causal_rows, diagonal)
-
-
-def division_magics(rows: int, layout: tuple) -> tuple:
-    """The kernels' magic numbers for a row's divisions (by size1, size2 and causal_rows of
-    `layout`, geometry's tuple): multiplier << 32 | shift; 0 for a divisor of 1 (the kernels
-    take the row itself) and each where rows reach WIDE_ROWS (the kernels then divide)."""
-    magics = []
-    for d in (layout[1], layout[2], layout[-2]):
-        multiplier, shift = fast_divisor(d) if d > 1 and rows < WIDE_ROWS else (0, 0)
-        magics.append(multiplier << 32 | shift)
-    return tuple(magics)
-
-
-def prepare(x, *, scale, bias, mask, causal, diagonal, dropout, axis) -> Operands:
-    """Checks a call's arguments (TypeError / ValueError naming the argument) and lays them out."""
-    import cupy
-
-    x = arrays.as_cupy(x, "x")
-    ftype = dtypes.float_type(x.dtype)
-    if x.ndim == 0:
-        raise ValueError("x must have at least one axis")
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    dropout = philox.check_dropout(dropout, "dropout")
-    (axis,) = arrays.normalize_axes(axis, x.ndim)
-    if causal and (axis != x.ndim - 1 or x.ndim < 2):
-        raise ValueError("causal needs x of at least 2 axes reduced over its last (axis=-1)")
-    bias = _broadcast_operand(bias, "bias", x, "f", axis)
-    mask = _broadcast_operand(mask, "mask", x, "b", axis)
-    if bias is not None and (ftype.compute == "f64" and bias.itemsize == 2):
-        bias = bias.astype(numpy.float64)   # 16-bit bias converts in float32 kernels only
-    x = cupy.ascontiguousarray(cupy.moveaxis(x, axis, -1))
-    # Dropout's counter is the element's index in x: the kernels apply it where
-    # that is theirs (the reduced axis last); other axes take it as a separate pass.
-    fusion = Fusion(bias_dtype=dtypes.BY_DTYPE[bias.dtype].short if bias is not None else "",
-                    mask=mask is not None, causal=bool(causal), dropout=dropout > 0 and axis == x.ndim - 1)
-    causal_rows = x.shape[-2] if causal else 1
-    layout = geometry(x.shape, *(None if v is None else v.shape for v in (bias, mask)), causal_rows, int(diagonal))
-    if layout is None:   # more leading dims than the kernels decompose: read them expanded
-        bias, mask = (None if v is None else cupy.ascontiguousarray(cupy.broadcast_to(v, x.shape))
-                      for v in (bias, mask))
-        layout = geometry(x.shape, *(None if v is None else v.shape for v in (bias, mask)), causal_rows,
-                          int(diagonal))
-    return Operands(x, bias, mask, fusion, scale, dropout, int(diagonal), axis, layout)
 
 
 # -- launch ------------------------------------------------------------------
@@ -387,9 +280,11 @@ def stage_launch(stage: str, operands: Operands, policy: str, out, dy=None, chos
     chosen, function = _launches.get(key, make) if chosen is None else (chosen, live_function(
         chosen.spec, device_id, chosen.smem_bytes))
     keep_scale = 1.0 / (1.0 - operands.dropout)
+    outer, inner, order_magic = row_order(operands.rows, operands.fusion.entries)
     scalars = (numpy.int64(operands.rows), numpy.int64(operands.cols), numpy.float64(operands.scale),
                numpy.float64(keep_scale), *(numpy.int64(v) for v in operands.geometry),
-               *(numpy.uint64(m) for m in division_magics(operands.rows, operands.geometry)))
+               *(numpy.uint64(m) for m in division_magics(operands.rows, operands.geometry)),
+               numpy.int64(outer), numpy.int64(inner), numpy.uint64(order_magic))
     threshold = numpy.uint32(philox.dropout_threshold(operands.dropout)) if chosen.spec.dropout else None
     return StageLaunch(function, chosen.grid, chosen.block, chosen.smem_bytes, scalars, threshold)
 

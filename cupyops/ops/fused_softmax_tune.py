@@ -4,7 +4,8 @@
 A stage's candidates: the policies' plans by the rules (fused_softmax.rule_plan), then every
 row plan of softmax's generator that reads through the LOAD (warp, register blocks holding the
 compute type, shared memory, re-reading the row), each read through the fused kernel
-(fused_softmax.fused_launch). Each is run once on a NaN-filled output and checked against the
+(fused_softmax.fused_launch), and where a bias lets the rows of several entries run in turn
+(Fusion.entries), each also taking them so. Each is run once on a NaN-filled output and checked against the
 oneflow policy's result on its first rows (its own plan, the same dropout mask), then timed
 with the L2 flushed; the fastest is kept in the tuning table (cupyops.tune) under the op
 fused_softmax.TUNED_OPS[stage] and fused_softmax.tuning_key, which fused_softmax.plan reads under
@@ -37,8 +38,10 @@ def candidates(stage: str, dtype: str, rows: int, cols: int, target: Target, fus
         if candidate.label in ("auto", "oneflow") or spec.impl not in FUSED_IMPLS or \
                 (spec.impl == "block_regs" and spec.storage_cache):
             continue
-        description = candidate.describe()
-        found.append((description, fs.fused_launch(stage, dtype, rows, cols, target, fusion, description)))
+        described = candidate.describe()
+        for description in (described, {**described, "label": f"{described['label']} interleaved",
+                                        "interleaved": True})[:2 if fusion.entries > 1 else 1]:
+            found.append((description, fs.fused_launch(stage, dtype, rows, cols, target, fusion, description)))
     unique = {}
     for description, launch in found:
         unique.setdefault(launch, (description, launch))
