@@ -176,7 +176,7 @@ def interleave_rule(rows: int, cols: int, dtype: str, fusion: Fusion, target: Ta
     """Whether the rules take Fusion.entries' rows in turn: where one entry's rows (x read, y
     written and its bias) overflow half the L2, in order the bias leaves L2 before the next
     entry reads it; in turn, the rows reading one bias row run together and read it once."""
-    if fusion.entries == 1:
+    if fusion.entries == 1 or not fusion.bias_dtype:
         return False
     itemsize, bias_itemsize = dtypes.BY_SHORT[dtype].itemsize, dtypes.BY_SHORT[fusion.bias_dtype].itemsize
     entry_bytes = rows // fusion.entries * cols * (2 * itemsize + bias_itemsize)
