@@ -12,6 +12,9 @@ Philox4x32-10 of each element's linear index (kernels/philox.cuh): the
 backward regenerates it from (seed, offset) and recomputes the
 probabilities from x and the row's log-sum-exp, which the forward's STORE
 writes as the row finishes, so nothing else is stored or read again.
+Where a bias is broadcast along x's outermost dim (an (H, S, S) bias over
+(B, H, S, S) scores), the kernels may take the B entries' rows in turn, so
+each bias row is read from memory once (interleave_rule, the tuner's orders).
 """
 from __future__ import annotations
 
