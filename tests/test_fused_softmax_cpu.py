@@ -5,6 +5,7 @@ instantiation the plans produce for a sweep of shapes, for sm_80 and sm_90."""
 from __future__ import annotations
 
 import collections
+from dataclasses import replace
 import itertools
 
 import numpy
@@ -154,14 +155,34 @@ def test_tuned_candidates_take_both_row_orders(stage):
     for cols in (160, 4096):
         found = fused_softmax_tune.candidates(stage, "f16", 16 * 64, cols, target, fusion)
         by_label = {description["label"]: launch for description, launch in found}
-        pairs = [(label, label + " interleaved") for label in by_label if label + " interleaved" in by_label]
-        assert len(pairs) == len(by_label) // 2 - 1 > 0       # all but the two policies' plans
-        for in_order, interleaved in pairs:
+        in_order = [label for label in by_label if label not in ("auto", "oneflow") and "interleaved" not in label
+                    and " mb" not in label]      # the row plans, unbounded (bounded ones are paired too)
+        assert in_order and all(label + " interleaved" in by_label for label in in_order)
+        for in_order, interleaved in ((label, label + " interleaved") for label in in_order):
             assert by_label[interleaved].spec.name == by_label[in_order].spec.name + "_interleaved"
             assert jit.compile_cubin(by_label[interleaved].spec, "sm_90").spill_bytes <= MAX_SPILL_BYTES
         description = next(d for d, _ in found if d.get("interleaved"))
         assert fs.fused_launch(stage, "f16", 16 * 64, cols, target, fusion, description).spec.interleaved
     assert fs.tuning_key("f16", 1024, 512, fusion) != fs.tuning_key("f16", 1024, 512, fs.Fusion("f16", True, True, True))
+
+
+def test_tuned_candidates_bound_register_blocks_that_lose_occupancy():
+    """A padding mask's register block at 2048 columns takes more registers than its softmax
+    path: the tuner also times it bounded to more blocks an SM, without local memory."""
+    from cupyops.ops import fused_softmax_tune
+
+    target = Target.profile("h100")
+    found = fused_softmax_tune.candidates("forward", "f16", 65536, 2048, target, fs.Fusion(mask=True))
+    by_label = {description["label"]: launch for description, launch in found}
+    bounded = [label for label in by_label if label.startswith("regs b128 k2 mb")]
+    assert len(bounded) == 1, sorted(by_label)
+    bound = by_label[bounded[0]]
+    free = replace(bound.spec, path=replace(bound.spec.path, min_blocks=0))   # the rules' plan here: "auto"
+    free = next(launch for launch in by_label.values() if launch.spec == free)
+    assert bound.spec.name != free.spec.name and bound.spec.path.min_blocks > 1
+    blocks = [target.max_active_blocks(launch.spec, 128, 0, True) for launch in (free, bound)]
+    assert blocks[1] == bound.spec.path.min_blocks > blocks[0]
+    assert target.resources(bound.spec)["local_bytes"] <= fs.MAX_LOCAL_BYTES
 
 
 MASK_SHAPES = [(2, 3, 4, 5), (2, 1, 4, 5), (2, 1, 1, 5), (1, 1, 4, 5), (3, 4, 5), (4, 5), (5,), (1,),

@@ -5,7 +5,9 @@ A stage's candidates: the policies' plans by the rules (fused_softmax.rule_plan)
 row plan of softmax's generator that reads through the LOAD (warp, register blocks holding the
 compute type, shared memory, re-reading the row), each read through the fused kernel
 (fused_softmax.fused_launch), and where a bias lets the rows of several entries run in turn
-(Fusion.entries), each also taking them so. Each is run once on a NaN-filled output and checked against the
+(Fusion.entries), each also taking them so. A register block whose fused kernel holds fewer
+blocks an SM than its softmax path's kernel is also timed under a __launch_bounds__ of more
+blocks, the most that costs no local memory (bounded). Each is run once on a NaN-filled output and checked against the
 oneflow policy's result on its first rows (its own plan, the same dropout mask), then timed
 with the L2 flushed; the fastest is kept in the tuning table (cupyops.tune) under the op
 fused_softmax.TUNED_OPS[stage] and fused_softmax.tuning_key, which fused_softmax.plan reads under
@@ -41,11 +43,35 @@ def candidates(stage: str, dtype: str, rows: int, cols: int, target: Target, fus
         described = candidate.describe()
         for description in (described, {**described, "label": f"{described['label']} interleaved",
                                         "interleaved": True})[:2 if fusion.entries > 1 else 1]:
-            found.append((description, fs.fused_launch(stage, dtype, rows, cols, target, fusion, description)))
+            launch = fs.fused_launch(stage, dtype, rows, cols, target, fusion, description)
+            found.append((description, launch))
+            found += bounded(stage, dtype, rows, cols, target, fusion, description, launch)
     unique = {}
     for description, launch in found:
         unique.setdefault(launch, (description, launch))
     return list(unique.values())
+
+
+def bounded(stage, dtype, rows, cols, target: Target, fusion: fs.Fusion, description: dict, launch) -> list:
+    """[(description, launch)] of a register block under a __launch_bounds__ of more blocks an SM,
+    where its fused kernel (the LOAD and STORE hold more live values than softmax's) holds fewer
+    than its softmax path's kernel: the most blocks, of that many, halfway and one more, that
+    cost no local memory; [] where there is none."""
+    spec = launch.spec
+    if spec.path.impl != "block_regs" or spec.path.min_blocks:
+        return []
+    threads = spec.threads_per_block
+    fused_blocks = target.max_active_blocks(spec, threads, launch.smem_bytes, True)
+    path_blocks = target.max_active_blocks(spec.path, threads, launch.smem_bytes, True)
+    if path_blocks <= max(fused_blocks, 1):
+        return []
+    for blocks in sorted({path_blocks, (path_blocks + fused_blocks + 1) // 2, fused_blocks + 1}, reverse=True):
+        bound = {**description, "label": f"{description['label']} mb{blocks}",
+                 "spec": {**description["spec"], "min_blocks": blocks}}
+        chosen = fs.fused_launch(stage, dtype, rows, cols, target, fusion, bound)
+        if target.resources(chosen.spec)["local_bytes"] <= fs.MAX_LOCAL_BYTES:
+            return [(bound, chosen)]
+    return []
 
 
 def sample_operands(shape: tuple, dtype: str, mask_shape: Optional[tuple], bias_shape: Optional[tuple],

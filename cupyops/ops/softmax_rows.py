@@ -206,7 +206,7 @@ class SoftmaxSpec(jit.KernelSpec):
     online: bool = False          # block_uncached, block_async: max and sum in one pass
     cluster_size: int = 1         # block_async: blocks of a thread-block cluster sharing a row
     tail_packs: int = 0           # block_async: packs of each input a thread holds in registers
-    min_blocks: int = 0           # block_smem: __launch_bounds__' blocks an SM (0: threads alone)
+    min_blocks: int = 0           # block_smem, block_regs: __launch_bounds__' blocks an SM (0: threads alone)
     cached_inputs: int = 0        # block_smem: inputs held in shared memory (0: all; the rest read twice)
 
     @property
@@ -228,7 +228,8 @@ class SoftmaxSpec(jit.KernelSpec):
         if self.impl == "block_regs":
             storage = "_packed" if self.storage_cache else ""
             rows = f"x{self.rows_per_block}" if self.rows_per_block > 1 else ""
-            return f"{head}_k{self.packs_per_thread}_b{self.block_size}{rows}{peel}{storage}"
+            bound = f"_mb{self.min_blocks}" if self.min_blocks else ""
+            return f"{head}_k{self.packs_per_thread}_b{self.block_size}{rows}{peel}{storage}{bound}"
         if self.impl == "block_smem":
             bound = f"_mb{self.min_blocks}" if self.min_blocks else ""
             cached = f"_cached{self.cached_inputs}" if self.cached_inputs else ""
