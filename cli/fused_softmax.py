@@ -54,7 +54,7 @@ def _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, x_dims) 
         bias_short = "f64"   # fused_softmax converts it
     layout = fused_softmax_operands.geometry(tuple(x_dims), operand_dims.get("--bias-shape"),
                                              operand_dims.get("--mask-shape"), 1, 0)
-    entries = fused_softmax_operands.bias_entries(layout) if bias_shape is not None and layout is not None else 1
+    entries = 1 if layout is None else fused_softmax_operands.bias_entries(layout)
     return fs.Fusion(bias_short, mask_shape is not None, causal, dropout > 0, entries)
 
 

@@ -175,6 +175,5 @@ def prepare(x, *, scale, bias, mask, causal, diagonal, dropout, axis) -> Operand
                       for v in (bias, mask))
         layout = geometry(x.shape, *(None if v is None else v.shape for v in (bias, mask)), causal_rows,
                           int(diagonal))
-    if bias is not None:
-        fusion = replace(fusion, entries=bias_entries(layout))
+    fusion = replace(fusion, entries=bias_entries(layout))
     return Operands(x, bias, mask, fusion, scale, dropout, int(diagonal), axis, layout)

@@ -7,8 +7,9 @@ compute type, shared memory, re-reading the row), each read through the fused ke
 (fused_softmax.fused_launch), and where a bias lets the rows of several entries run in turn
 (Fusion.entries), each also taking them so. A register block whose fused kernel holds fewer
 blocks an SM than its softmax path's kernel is also timed under a __launch_bounds__ of more
-blocks, the most that costs no local memory (bounded). Each is run once on a NaN-filled output and checked against the
-oneflow policy's result on its first rows (its own plan, the same dropout mask), then timed
+blocks, the most that costs no local memory (bounded). Each is run once on a NaN-filled
+output and checked against the oneflow policy's result on its first rows (its own plan, the
+same dropout mask), then timed
 with the L2 flushed; the fastest is kept in the tuning table (cupyops.tune) under the op
 fused_softmax.TUNED_OPS[stage] and fused_softmax.tuning_key, which fused_softmax.plan reads under
 policy="auto"."""
@@ -40,9 +41,10 @@ def candidates(stage: str, dtype: str, rows: int, cols: int, target: Target, fus
         if candidate.label in ("auto", "oneflow") or spec.impl not in FUSED_IMPLS or \
                 (spec.impl == "block_regs" and spec.storage_cache):
             continue
-        described = candidate.describe()
-        for description in (described, {**described, "label": f"{described['label']} interleaved",
-                                        "interleaved": True})[:2 if fusion.entries > 1 else 1]:
+        orders = [candidate.describe()]
+        if fusion.entries > 1:
+            orders.append({**orders[0], "label": f"{orders[0]['label']} interleaved", "interleaved": True})
+        for description in orders:
             launch = fs.fused_launch(stage, dtype, rows, cols, target, fusion, description)
             found.append((description, launch))
             found += bounded(stage, dtype, rows, cols, target, fusion, description, launch)
