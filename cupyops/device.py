@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 WARP_SIZE = 32
 STATIC_SMEM_LIMIT = 48 * 1024   # shared memory a block gets without opting in
+BLOCK_RESERVED_SMEM = 1024      # shared memory the driver keeps for each resident block (sm_80 and newer)
 CLUSTER_MIN_ARCH = 90           # thread-block clusters from sm_90 on
 
 

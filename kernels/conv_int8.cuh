@@ -32,6 +32,7 @@
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
+#include "tma.cuh"
 
 namespace cupyops {
 
@@ -120,20 +121,25 @@ __device__ __forceinline__ void conv_epilogue_store(const int (&acc)[8], int oc,
   }
 }
 
-// The block's tile: blockIdx.x numbers the tiles, GEMM_M tiles fastest (the blocks
-// sharing an input tile run together, so it is read from DRAM once); blockIdx.z is
+// A block's tile: tiles are numbered GEMM_M tiles fastest (the blocks sharing an
+// input tile run together, so it is read from DRAM once), then GEMM_N tiles, then
 // the split of GEMM_K, `steps` 64-byte steps from step_begin.
 struct ConvTile {
-  int m0, n0, step_begin, steps;
+  int m0, n0, step_begin, steps, split;
 };
 
 template <int TM, int TN>
-__device__ __forceinline__ ConvTile conv_tile(const ConvParams& p) {
+__device__ __forceinline__ ConvTile conv_tile_of(const ConvParams& p, int index, int split) {
   const int m_tiles = (p.gemm_m + TM - 1) / TM;
-  const int block = blockIdx.x, n_tile = block / m_tiles;
-  const int step_begin = blockIdx.z * p.steps_per_split;
-  return ConvTile{(block - n_tile * m_tiles) * TM, n_tile * TN, step_begin,
-                  min(p.k_steps, step_begin + p.steps_per_split) - step_begin};
+  const int n_tile = index / m_tiles;
+  const int step_begin = split * p.steps_per_split;
+  return ConvTile{(index - n_tile * m_tiles) * TM, n_tile * TN, step_begin,
+                  min(p.k_steps, step_begin + p.steps_per_split) - step_begin, split};
+}
+// The tile of this block: blockIdx.x its tile, blockIdx.z its split.
+template <int TM, int TN>
+__device__ __forceinline__ ConvTile conv_tile(const ConvParams& p) {
+  return conv_tile_of<TM, TN>(p, blockIdx.x, blockIdx.z);
 }
 
 // Global -> shared loads of a block's A (TM filter rows) and B (TN pixels) tiles,
@@ -143,14 +149,17 @@ __device__ __forceinline__ ConvTile conv_tile(const ConvParams& p) {
 // VECTORS = 2 thread t loads vectors 2 (t & 1) and 2 (t & 1) + 1 -- a whole 32-byte
 // chunk, one bounds check and source for two copies -- of rows t / 2, t / 2 +
 // THREADS / 2, ...; in 128-byte rows the halves then alternate every two rows.
-template <int TM, int TN, int THREADS, int ROW_BYTES = CONV_STEP_BYTES, int VECTORS = 1>
+// WITH_A = false loads the B tile alone (the copy engine brings A), thread t being
+// the t-th of the THREADS loading ones.
+template <int TM, int TN, int THREADS, int ROW_BYTES = CONV_STEP_BYTES, int VECTORS = 1, bool WITH_A = true>
 struct ConvTileLoader {
   static constexpr int HALVES = ROW_BYTES / CONV_STEP_BYTES;
   static constexpr int ROW_STEP = THREADS * VECTORS / 4;
-  static constexpr int A_ITERS = TM / ROW_STEP, B_ITERS = TN / ROW_STEP;
+  static constexpr int A_ITERS = WITH_A ? TM / ROW_STEP : 0, B_ITERS = TN / ROW_STEP;
+  static constexpr int A_HELD = A_ITERS > 0 ? A_ITERS : 1;   // arrays of A_ITERS (none without A)
   static_assert(HALVES == 1 || HALVES == 2, "64- or 128-byte rows");
   static_assert(VECTORS == 1 || VECTORS == 2, "a vector or a chunk a row");
-  static_assert(TM % ROW_STEP == 0 && TN % ROW_STEP == 0, "every thread loads whole rows");
+  static_assert((!WITH_A || TM % ROW_STEP == 0) && TN % ROW_STEP == 0, "every thread loads whole rows");
   static_assert(ROW_STEP % 8 == 0, "a thread's rows share their swizzle phase");
 
   // The current chunk of a half, read from the tap table once a stage.
@@ -174,17 +183,16 @@ struct ConvTileLoader {
   int vector, row0, group[HALVES], tap[HALVES], a_offset[HALVES], chunks_left[HALVES];
   int tap_step, group_step;   // 2 * HALVES chunks = group_step groups + tap_step taps (< taps)
   int slot[HALVES];           // shared offset of half h's vector of row row0
-  const signed char* a_row[A_ITERS];   // this thread's filter rows (past GEMM_M: never read)
+  const signed char* a_row[A_HELD];   // this thread's filter rows (past GEMM_M: never read)
   int a_rows;                 // its rows i * ROW_STEP below this are within GEMM_M
   const signed char* b_pixel[B_ITERS];   // where this thread's pixels' (ih0, iw0) would be
   int b_ih[B_ITERS], b_iw[B_ITERS];
 
   __device__ __forceinline__ ConvTileLoader(const signed char* x_, const signed char* w_, const ConvParams& p_,
-                                            const ConvTile& tile)
+                                            const ConvTile& tile, int tid)
       : x(x_), w(w_), p(p_), h(p_.h), width(p_.w), c32(p_.c32), taps(p_.taps) {
     const int gemm_k = c32 * 32 * taps;
     group_bytes = h * width * 32;
-    const int tid = threadIdx.x;
     const int ohw = p.oh * p.ow;
     vector = (tid & (4 / VECTORS - 1)) * VECTORS;
     row0 = tid / (4 / VECTORS);
@@ -292,7 +300,7 @@ struct ConvTileLoader {
   }
 
   // The register path (64-byte rows): the current step into registers (then the next step), and to a stage.
-  __device__ __forceinline__ void fetch(int4 (&a_held)[A_ITERS], int4 (&b_held)[B_ITERS]) {
+  __device__ __forceinline__ void fetch(int4 (&a_held)[A_HELD], int4 (&b_held)[B_ITERS]) {
     static_assert(HALVES == 1 && VECTORS == 1, "the register path holds one vector of a 64-byte step");
     const Chunk c = current_chunk(0);
 #pragma unroll
@@ -303,7 +311,7 @@ struct ConvTileLoader {
       b_held[i] = b_inside(c, i) ? __ldg(reinterpret_cast<const int4*>(b_source(c, i))) : make_int4(0, 0, 0, 0);
     advance();
   }
-  __device__ __forceinline__ void store(char* stage, const int4 (&a_held)[A_ITERS],
+  __device__ __forceinline__ void store(char* stage, const int4 (&a_held)[A_HELD],
                                         const int4 (&b_held)[B_ITERS]) const {
 #pragma unroll
     for (int i = 0; i < A_ITERS; ++i) *reinterpret_cast<int4*>(stage + a_slot(0, i)) = a_held[i];
@@ -322,8 +330,8 @@ struct ConvTileLoader {
 // column c) sits at c * 32 + (i ^ swizzle(c)), conflict-free both ways.
 template <int RB, int NB>
 __device__ __forceinline__ void conv_warp_epilogue(const int (&acc)[RB][NB][2], int* exchange, int channel0,
-                                                   int pixel0, const ConvParams& p, void* y, const signed char* z,
-                                                   const float* alpha_vec, const void* bias) {
+                                                   int pixel0, int split, const ConvParams& p, void* y,
+                                                   const signed char* z, const float* alpha_vec, const void* bias) {
   constexpr int ROW_BLOCKS = RB >= 4 ? 4 : RB;   // 8-channel blocks of a round
   constexpr int COL_BLOCKS = 4 / ROW_BLOCKS;      // 8-pixel blocks of a round
   static_assert(RB % ROW_BLOCKS == 0 && NB % COL_BLOCKS == 0 && (RB == 2 || RB % 4 == 0), "warp tile");
@@ -332,7 +340,7 @@ __device__ __forceinline__ void conv_warp_epilogue(const int (&acc)[RB][NB][2], 
   const int pixel = lane >> 2, quarter = lane & 3;        // reader: pixel, channels 8 * quarter ..
   const int pixel_swizzle = conv_exchange_swizzle(pixel);
   const int ohw = p.oh * p.ow;
-  const int64 split_offset = p.splits > 1 ? static_cast<int64>(blockIdx.z) * p.gemm_m * p.gemm_n : 0;
+  const int64 split_offset = p.splits > 1 ? static_cast<int64>(split) * p.gemm_m * p.gemm_n : 0;
 #pragma unroll
   for (int slice = 0; slice < RB / ROW_BLOCKS; ++slice) {
 #pragma unroll
@@ -388,7 +396,7 @@ __device__ __forceinline__ void conv2d_int8_fprop(const signed char* __restrict_
   const int warp_m = (warp % WARPS_M) * WM, warp_n = (warp / WARPS_M) * WN;
   const ConvTile tile = conv_tile<TM, TN>(p);
   const int steps = tile.steps;
-  Loader loader(x, w, p, tile);
+  Loader loader(x, w, p, tile, threadIdx.x);
 
   int acc[WM / 8][WN / 8][2];
 #pragma unroll
@@ -461,7 +469,8 @@ __device__ __forceinline__ void conv2d_int8_fprop(const signed char* __restrict_
     }
   }
   __syncthreads();   // every warp is done with the pipeline's shared memory
-  conv_warp_epilogue(acc, reinterpret_cast<int*>(shared) + warp * 256, tile.m0 + warp_m, tile.n0 + warp_n, p, y, z,
+  conv_warp_epilogue(acc, reinterpret_cast<int*>(shared) + warp * 256, tile.m0 + warp_m, tile.n0 + warp_n, tile.split,
+                     p, y, z,
                      alpha_vec, bias);
 }
 
@@ -511,7 +520,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_wgmma(const signed char* __res
   const int wg_m = (warpgroup % WARPGROUPS_M) * 64, wg_n = (warpgroup / WARPGROUPS_M) * WN;
   const ConvTile tile = conv_tile<TM, TN>(p);
   const int steps = (tile.steps + Loader::HALVES - 1) / Loader::HALVES;   // stages of this split
-  Loader loader(x, w, p, tile);
+  Loader loader(x, w, p, tile, threadIdx.x);
 
   int acc[2][WN / 8][2];
 #pragma unroll
@@ -554,8 +563,154 @@ __device__ __forceinline__ void conv2d_int8_fprop_wgmma(const signed char* __res
   wgmma_fence_operands(acc);
   cp_async_wait<0>();
   __syncthreads();   // every warpgroup is done with the pipeline's shared memory
-  conv_warp_epilogue(acc, exchange_base + warp * 256, tile.m0 + wg_m + (warp & 3) * 16, tile.n0 + wg_n, p, y, z,
-                     alpha_vec, bias);
+  conv_warp_epilogue(acc, exchange_base + warp * 256, tile.m0 + wg_m + (warp & 3) * 16, tile.n0 + wg_n, tile.split,
+                     p, y, z, alpha_vec, bias);
+}
+
+// One block's TM x TN tile by wgmma (sm_90a), warp-specialised: TM / 64 x TN / WN
+// consumer warpgroups issue the MMAs, one producer warpgroup fills the stages. The
+// copy engine brings A, a 2-D tiled copy of the packed filter. B comes either
+// (IM2COL) from the copy engine too, an im2col copy per 32-channel chunk -- the
+// engine walks TN pixels from the tile's first, adds the chunk's tap offsets, and
+// fills padding and rows past GEMM_N with zeros; the input map is 5-D (c, w, h,
+// image, channel group) so that the walk goes from one image to the next within a
+// group (cupyops/ops/conv_tma.py) -- or from the producer's 128 threads by
+// cp.async (the loader above, B rows alone).
+// A stage holds ROW_BYTES of GEMM_K for the TM + TN rows: IM2COL, as ROW_BYTES / 32
+// chunks each [A (TM x 32 bytes) | B (TN x 32 bytes)] in the 32-byte swizzle;
+// else as A (TM x ROW_BYTES) then B (TN x ROW_BYTES) in the ROW_BYTES swizzle.
+// Barriers: full[s] is armed by the producer's first thread with the copy engine's
+// bytes and completed by its copies (and, for cp.async, by each producer thread's
+// copies: cp.async.mbarrier.arrive.noinc); empty[s] completes when every consumer
+// warpgroup has finished its wgmma on the stage. A consumer keeps one stage's wgmma
+// group in flight and releases the stage before it.
+template <int TM, int TN, int WN, int stages, int ROW_BYTES, bool IM2COL>
+__device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_map, const TensorMap& input_map,
+                                                      const signed char* x, void* y, const signed char* z,
+                                                      const float* alpha_vec, const void* bias, const ConvParams& p) {
+  constexpr int CONSUMERS = (TM / 64) * (TN / WN), PRODUCERS = 128;
+  constexpr int CHUNKS = ROW_BYTES / 32;
+  constexpr int DESCRIPTOR_ROW = IM2COL ? 32 : ROW_BYTES;          // bytes a row of a descriptor's tile
+  constexpr int SLICE_STRIDE = IM2COL ? (TM + TN) * 32 : 32;       // from one k32 slice to the next
+  constexpr int STAGE_BYTES = (TM + TN) * ROW_BYTES;
+  constexpr int A_COPY_BYTES = IM2COL ? TM * 32 : TM * ROW_BYTES;  // one copy of the filter
+  typedef ConvTileLoader<TM, TN, PRODUCERS, (ROW_BYTES > 32 ? ROW_BYTES : 64), 2, false> Loader;
+  static_assert(TM % 64 == 0 && TN % WN == 0 && WN % 8 == 0 && WN <= 256 && TN <= 256, "warpgroup tile");
+  static_assert(IM2COL || ROW_BYTES == 64 || ROW_BYTES == 128, "cp.async stages of 64- or 128-byte rows");
+  static_assert(TN % 8 == 0 && STAGE_BYTES % 1024 == 0, "stages keep the 1024-byte alignment of the first");
+  extern __shared__ int4 conv_shared[];
+  __shared__ unsigned long long barriers[2 * stages];   // full[s], then empty[s]
+  const unsigned raw_base = shared_address(conv_shared);
+  const unsigned shared_base = (raw_base + 1023u) & ~1023u;
+  const unsigned full = shared_address(barriers), empty = full + 8 * stages;
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);
+  const int tiles = (p.gemm_m + TM - 1) / TM * ((p.gemm_n + TN - 1) / TN);
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < stages; ++s) {
+      mbarrier_init(full + 8 * s, IM2COL ? 1 : 1 + PRODUCERS);
+      mbarrier_init(empty + 8 * s, CONSUMERS);
+    }
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+
+  // Persistent: block b takes tiles b, b + gridDim.x, ... of every split, and the
+  // rounds (stages' uses) run on across them, so the producer fills the next tile's
+  // stages while the consumers store the last one's.
+  if (warpgroup == CONSUMERS) {   // the producer
+    const int thread = threadIdx.x - CONSUMERS * 128;
+    if (IM2COL && thread != 0) return;
+    unsigned round = 0;
+    for (int job = blockIdx.x; job < tiles * p.splits; job += gridDim.x) {
+      const ConvTile tile = conv_tile_of<TM, TN>(p, job % tiles, job / tiles);
+      const int chunk_begin = 2 * tile.step_begin;
+      const int chunks = min(2 * tile.steps, p.c32 * p.taps - chunk_begin);
+      const int ohw = p.oh * p.ow;
+      const int image = tile.n0 / ohw, rest = tile.n0 - image * ohw;
+      const int oh = rest / p.ow, ow = rest - oh * p.ow;
+      const int w0 = ow * p.stride_w - p.pad_w, h0 = oh * p.stride_h - p.pad_h;
+      int group = chunk_begin / p.taps, tap = chunk_begin - group * p.taps, chunk = chunk_begin;
+      Loader loader(x, nullptr, p, tile, thread);
+      for (int t = 0; t * CHUNKS < chunks; ++t, ++round) {
+        const unsigned s = round % stages;
+        if (round >= stages) mbarrier_wait(empty + 8 * s, ((round / stages) + 1) & 1);
+        const unsigned stage = shared_base + s * STAGE_BYTES;
+        if (IM2COL) {
+          const int valid = min(CHUNKS, chunks - t * CHUNKS);
+          mbarrier_arrive_expect_tx(full + 8 * s, valid * (TM + TN) * 32);
+#pragma unroll
+          for (int k = 0; k < CHUNKS; ++k) {
+            if (k < valid) {
+              tma_load_2d(stage + k * SLICE_STRIDE, filter_map, chunk * 32, tile.m0, full + 8 * s);
+              tma_load_im2col_5d(stage + k * SLICE_STRIDE + A_COPY_BYTES, input_map, 0, w0, h0, image, group,
+                                 static_cast<unsigned short>(p.tap_dw[tap]),
+                                 static_cast<unsigned short>(p.tap_dh[tap]), 0, full + 8 * s);
+              ++chunk;
+              if (++tap == p.taps) {
+                tap = 0;
+                ++group;
+              }
+            }
+          }
+        } else {
+          // Filter bytes past GEMM_K (or GEMM_M) are zeros; past the split, B's rows are.
+          if (thread == 0) {
+            mbarrier_arrive_expect_tx(full + 8 * s, A_COPY_BYTES);
+            tma_load_2d(stage, filter_map, (chunk_begin + t * CHUNKS) * 32, tile.m0, full + 8 * s);
+          }
+          loader.issue_async(stage);
+          cp_async_mbarrier_arrive_noinc(full + 8 * s);
+        }
+      }
+    }
+    return;
+  }
+
+  const int warp = threadIdx.x >> 5;
+  const int wg_m = (warpgroup % (TM / 64)) * 64, wg_n = (warpgroup / (TM / 64)) * WN;
+  int* exchange = reinterpret_cast<int*>(reinterpret_cast<char*>(conv_shared) + (shared_base - raw_base) +
+                                         stages * STAGE_BYTES) + warp * 256;
+  const unsigned long long a_descriptor = wgmma_descriptor<DESCRIPTOR_ROW>(shared_base + wg_m * DESCRIPTOR_ROW);
+  const unsigned long long b_descriptor =
+      wgmma_descriptor<DESCRIPTOR_ROW>(shared_base + (TM + wg_n) * DESCRIPTOR_ROW);
+  unsigned round = 0;
+  for (int job = blockIdx.x; job < tiles * p.splits; job += gridDim.x) {
+    const ConvTile tile = conv_tile_of<TM, TN>(p, job % tiles, job / tiles);
+    const int chunks = min(2 * tile.steps, p.c32 * p.taps - 2 * tile.step_begin);
+    int acc[2][WN / 8][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int j = 0; j < WN / 8; ++j) acc[h][j][0] = acc[h][j][1] = 0;
+    for (int t = 0; t * CHUNKS < chunks; ++t, ++round) {
+      const unsigned s = round % stages;
+      mbarrier_wait(full + 8 * s, (round / stages) & 1);
+      if (!IM2COL) fence_proxy_async_shared();   // cp.async's writes, seen through the barrier, to wgmma
+      const int valid = min(CHUNKS, chunks - t * CHUNKS);
+      wgmma_fence_operands(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < CHUNKS; ++k) {
+        if (k < valid) {
+          const unsigned units = (s * STAGE_BYTES + k * SLICE_STRIDE) >> 4;
+          WgmmaS8<WN>::mma(acc, wgmma_descriptor_moved(a_descriptor, units),
+                           wgmma_descriptor_moved(b_descriptor, units));
+        }
+      }
+      wgmma_commit();
+      wgmma_fence_operands(acc);
+      wgmma_wait<1>();
+      wgmma_fence_operands(acc);
+      // The group of the round before is complete in this warpgroup: its stage may be loaded again.
+      if (t > 0 && (threadIdx.x & 127) == 0) mbarrier_arrive(empty + 8 * ((round - 1) % stages));
+    }
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc);
+    if ((threadIdx.x & 127) == 0) mbarrier_arrive(empty + 8 * ((round - 1) % stages));
+    conv_warp_epilogue(acc, exchange, tile.m0 + wg_m + (warp & 3) * 16, tile.n0 + wg_n, tile.split, p, y, z,
+                       alpha_vec, bias);
+  }
 }
 
 // Sums the p.splits int32 partials of split-K and applies the epilogue: each

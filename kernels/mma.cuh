@@ -65,16 +65,17 @@ __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, int s
 // Descriptor (PTX ISA, "Matrix Descriptor Format"): bits 0-13 start address >> 4,
 // 16-29 leading-dimension byte offset >> 4, 32-45 stride-dimension byte offset
 // >> 4, 49-51 base offset, 62-63 swizzle (1: 128B, 2: 64B, 3: 32B). Operands here
-// are the convolution's shared tiles of R-byte rows (R = 64 or 128 bytes of GEMM_K),
+// are the convolution's shared tiles of R-byte rows (R = 32, 64 or 128 bytes of GEMM_K),
 // vector v of row r at r * R + 16 * (v ^ ((r * R >> 7) & (R / 16 - 1))) -- CUTLASS's
-// Swizzle<2,4,3> (64B) or Swizzle<3,4,3> (128B) on shared addresses, whose pattern
-// repeats every 8 rows. K-major with the R-byte swizzle: rows of an 8-row core
+// Swizzle<1,4,3> (32B, the copy engine's im2col tiles), Swizzle<2,4,3> (64B) or
+// Swizzle<3,4,3> (128B) on shared addresses, whose pattern repeats every 8 rows. K-major with the R-byte swizzle: rows of an 8-row core
 // group R bytes apart (implied by the mode), 8-row groups 8 R bytes apart (the
 // stride offset); the leading offset is unused (a k32 slice, 32 bytes, lies within
 // a row; 1, as CUTLASS writes it). Slice k starts 32 k bytes into the rows: the
 // hardware applies the swizzle to the computed address, so the start address just
-// moves by 32 k bytes. Tiles start on 1024-byte boundaries, so the address bits
+// moves by 32 k bytes. Tiles start on 8 R-byte boundaries, so the address bits
 // of the pattern's phase are those of the row and the base offset stays 0.
+constexpr int WGMMA_SWIZZLE_32B = 3;
 constexpr int WGMMA_SWIZZLE_64B = 2;
 constexpr int WGMMA_SWIZZLE_128B = 1;
 constexpr int WGMMA_SWIZZLE_ROWS = 8;   // rows of a core group: the stride offset is 8 R bytes
@@ -82,8 +83,9 @@ constexpr int WGMMA_LEADING_BYTE_OFFSET_UNUSED = 1;
 
 template <int ROW_BYTES>
 __device__ __forceinline__ unsigned long long wgmma_descriptor(unsigned address) {
-  static_assert(ROW_BYTES == 64 || ROW_BYTES == 128, "64B or 128B swizzle");
-  constexpr unsigned long long swizzle = ROW_BYTES == 128 ? WGMMA_SWIZZLE_128B : WGMMA_SWIZZLE_64B;
+  static_assert(ROW_BYTES == 32 || ROW_BYTES == 64 || ROW_BYTES == 128, "32B, 64B or 128B swizzle");
+  constexpr unsigned long long swizzle =
+      ROW_BYTES == 128 ? WGMMA_SWIZZLE_128B : ROW_BYTES == 64 ? WGMMA_SWIZZLE_64B : WGMMA_SWIZZLE_32B;
   return static_cast<unsigned long long>((address & 0x3ffff) >> 4) |
          (static_cast<unsigned long long>(WGMMA_LEADING_BYTE_OFFSET_UNUSED) << 16) |
          (static_cast<unsigned long long>(WGMMA_SWIZZLE_ROWS * ROW_BYTES >> 4) << 32) | (swizzle << 62);

@@ -2,7 +2,8 @@
 (memcheck, racecheck): python scripts/sanitize_conv.py.
 
 Every configuration the generator can produce (both policies' kernels, and on
-sm_90 every wgmma configuration) on a shape with tails in GEMM_M, GEMM_N and GEMM_K, with and without split-K (the
+sm_90 every wgmma configuration, the persistent warp-specialised ones also on two
+blocks) on a shape with tails in GEMM_M, GEMM_N and GEMM_K, with and without split-K (the
 reduction kernel), then the public function through each policy with every
 out_dtype and the whole epilogue (bias, z, per-channel alpha, ReLU), and a
 1x7 filter with padding only at the sides. Prints each kernel's name."""
@@ -27,14 +28,19 @@ def main() -> None:
     g = ConvGeometry(2, 96, 9, 7, 160, 3, 3, (1, 1), (1, 1))
     x = rng.integers(-128, 128, (g.n, g.c // 32, g.h, g.w, 32), dtype=numpy.int8)
     w = rng.integers(-128, 128, (g.k, g.c // 32, g.r, g.s, 32), dtype=numpy.int8)
+    resident = conv._resident_blocks
     for spec in conv.all_specs(arch):
-        for splits in (1, 2):
-            per_split = -(-g.k_steps // splits)
-            chosen = conv.ConvPlan(spec, g, -(-g.k_steps // per_split), per_split, "sanitize", "auto")
-            y = cupy.empty(g.output_shape, numpy.int8)
-            conv.launch(chosen, x, w, y, None, None, None, conv.Epilogue(alpha=1e-4))
-            cupy.cuda.Device().synchronize()
-            print(f"{spec.name} splits {chosen.splits}", flush=True)
+        # the persistent kernels also on two blocks: each walks many tiles, reusing its stages
+        for blocks in (None, 2) if spec.tma else (None,):
+            conv._resident_blocks = resident if blocks is None else lambda spec, device_id: blocks
+            for splits in (1, 2):
+                per_split = -(-g.k_steps // splits)
+                chosen = conv.ConvPlan(spec, g, -(-g.k_steps // per_split), per_split, "sanitize", "auto")
+                y = cupy.empty(g.output_shape, numpy.int8)
+                conv.launch(chosen, x, w, y, None, None, None, conv.Epilogue(alpha=1e-4))
+                cupy.cuda.Device().synchronize()
+                print(f"{spec.name} splits {chosen.splits} blocks {blocks or 'resident'}", flush=True)
+    conv._resident_blocks = resident
     bias = rng.standard_normal(g.k, dtype=numpy.float32)
     alpha = cupy.full(g.k, 1e-4, numpy.float32)
     z = rng.integers(-128, 128, g.output_shape, dtype=numpy.int8)

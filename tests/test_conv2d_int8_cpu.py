@@ -6,17 +6,19 @@ every configuration for sm_80 and sm_90 (sm_90a for wgmma) and of the int8 peak
 kernels, and the sm_90a cubin cache."""
 from __future__ import annotations
 
+import ctypes
 import json
 import re
+from dataclasses import asdict
 
 import numpy
 import pytest
 
 import cupyops
-from cupyops import jit, tune
+from cupyops import jit, tensor_map, tune
 from cupyops.launch import Target
 from cupyops.ops import conv2d_int8 as conv
-from cupyops.ops import conv_layout
+from cupyops.ops import conv_layout, conv_tma
 from cupyops.ops import conv_reference as ref
 from cupyops.ops import mma_peak
 from cupyops.ops.conv_layout import ConvGeometry
@@ -346,22 +348,28 @@ def test_candidates_are_structurally_valid(profile, geometry):
         spec = chosen.spec
         threads = spec.threads_per_block
         assert threads <= 1024 and spec.smem_bytes <= facts.smem_per_block_optin
-        assert spec.tile_m % (threads // 4) == 0 and spec.tile_n % (threads // 4) == 0, spec.name
+        if spec.tma:   # consumer warpgroups, then the producer's, whose 128 threads copy whole B rows (32 bytes)
+            assert threads == (spec.tile_m // 64) * (spec.tile_n // spec.warp_n) * 128 + 128, spec.name
+            assert spec.tile_n % 64 == 0 and spec.tile_n <= 256, spec.name
+        else:
+            assert spec.tile_m % (threads // 4) == 0 and spec.tile_n % (threads // 4) == 0, spec.name
         if spec.wgmma:
             assert threads % 128 == 0 and spec.tile_m % 64 == 0 and spec.warp_m == 64
             assert spec.tile_n % spec.warp_n == 0 and spec.warp_n % 16 == 0 and spec.warp_n <= 256
             assert spec.stages >= 3 and (spec.tile_m + spec.tile_n) * spec.step_bytes % 1024 == 0
-            assert spec.smem_bytes == spec.stages * (spec.tile_m + spec.tile_n) * spec.step_bytes + 1024
-            assert candidate["steps_per_split"] % spec.steps_per_stage == 0 or chosen.splits == 1
+            exchange = spec.consumer_warps * 1024 if spec.tma else 0   # warp-specialised: apart from the stages
+            assert spec.smem_bytes == spec.stages * (spec.tile_m + spec.tile_n) * spec.step_bytes + exchange + 1024
+            assert candidate["steps_per_split"] % spec.steps_per_stage == 0 or chosen.splits == 1 or spec.tma
         assert (chosen.splits - 1) * chosen.steps_per_split < geometry.k_steps <= chosen.splits * chosen.steps_per_split
+    assert any(c["tma"] for c in found) == (facts.arch == "sm_90")
     rule = conv.default_candidate(geometry, facts.sm_count, facts.smem_per_block_optin, facts.arch)
-    assert rule in found and rule["wgmma"] == (facts.arch == "sm_90")
+    assert rule in found and rule["wgmma"] == (facts.arch == "sm_90") and not rule["tma"]
 
 
 def test_wgmma_runs_on_sm_90_alone():
     assert not any(spec.wgmma for spec in conv.all_specs("sm_80"))
     assert {spec.name for spec in conv.all_specs("sm_90") if spec.wgmma} == \
-        {conv.spec_for(c, "auto", "sm_90").name for c in conv.WGMMA_CONFIGS}
+        {conv.spec_for(c, "auto", "sm_90").name for c in conv.WGMMA_CONFIGS + conv.TMA_CONFIGS}
     with pytest.raises(ValueError, match="sm_90"):
         conv.spec_for(conv.WGMMA_CONFIGS[0], "auto", "sm_80")
     with pytest.raises(ValueError, match="auto"):
@@ -517,6 +525,73 @@ def test_wgmma_kernel_fences_its_pipeline(step_bytes):
                  "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8"):
         assert text in ptx, text
     assert ptx.count("wgmma.mma_async") == step_bytes // 32
+
+
+@pytest.mark.parametrize("tma", ["filter", "im2col"])
+def test_warp_specialised_kernel_synchronises_by_barriers(tma):
+    """The PTX of a warp-specialised kernel: stage barriers waited on and armed, the
+    copy engine's copies (the filter tiled; the pixels by im2col or by cp.async
+    arriving on the barrier), the persistent walk over tiles (the grid's size read),
+    and k32 MMAs for the chunks of a stage (a full stage's four, and the tail's)."""
+    config = next(c for c in conv.TMA_CONFIGS if c.tma == tma and c.step_bytes == 128)
+    spec = conv.spec_for(config, "auto", "sm_90")
+    assert f"_ws_tma_{'im2col_sw32' if tma == 'im2col' else 'cpasync_sw128'}_" in spec.name
+    ptx = jit.compile_ptx(spec, "sm_90")
+    for text in ("mbarrier.try_wait.parity.shared::cta.b64", "mbarrier.arrive.expect_tx.shared::cta.b64",
+                 "cp.async.bulk.tensor.2d.shared::cluster.global.tile", "%nctaid.x",
+                 "wgmma.wait_group.sync.aligned 1", ".param .align 64 .b8"):
+        assert text in ptx, text
+    if tma == "im2col":
+        assert "cp.async.bulk.tensor.5d.shared::cluster.global.im2col" in ptx and "cp.async.cg" not in ptx
+    else:
+        assert "cp.async.mbarrier.arrive.noinc" in ptx and "cp.async.cg.shared.global" in ptx
+        assert "fence.proxy.async.shared::cta" in ptx
+    assert ptx.count("wgmma.mma_async") >= 4
+    candidate = {**asdict(config), "splits": 1, "steps_per_split": RESNET_3X3.k_steps}
+    info = conv.plan_from(RESNET_3X3, candidate, "sm_90", "tuned").explain()
+    assert info["persistent"] and info["kernel"] == spec.name and info["copy"].startswith("copy engine (filter")
+    assert not conv.plan(RESNET_3X3, "auto", H100).explain()["persistent"]
+
+
+def test_copy_engine_maps_describe_the_convolution():
+    """The im2col map's box corners give back the output size along each dim (the
+    engine walks (W + upper - lower - 1) / stride + 1 positions), the image sits between
+    the spatial dims and the channel group, the strides are the NCHW32 array's; the
+    filter map's boxes are a stage's bytes by a tile's rows."""
+    g = ConvGeometry(2, 64, 23, 17, 96, 3, 5, (2, 1), (1, 2), (1, 2))
+    layout = conv_tma.input_layout(g, 128)
+    assert layout.dims == (32, 17, 23, 2, 2) and layout.channels == 32 and layout.pixels == 128
+    assert layout.strides == (32, 17 * 32, 2 * 23 * 17 * 32, 23 * 17 * 32)
+    assert layout.tensor_bytes == g.n * g.c * g.h * g.w
+    for dim, (size, out, stride) in enumerate(((g.w, g.ow, g.stride[1]), (g.h, g.oh, g.stride[0]), (g.n, g.n, 1))):
+        span = size + layout.upper_corner[dim] - layout.lower_corner[dim] - 1
+        assert span // stride + 1 == out and layout.element_strides[dim + 1] == stride
+    assert layout.lower_corner == (-2, -1, 0) and layout.upper_corner == (2 - 8, 1 - 2, 0)
+    filters = conv_tma.filter_layout(g, 128, 128)
+    assert filters.dims == (g.gemm[2], 96) and filters.strides == (g.gemm[2],) and filters.box == (128, 128)
+    assert filters.tensor_bytes == g.k * g.gemm[2] and filters.swizzle == 128
+
+
+def test_copy_engine_refuses_what_its_maps_cannot_describe():
+    assert all(conv_tma.fits(ConvGeometry(32, 64, 56, 56, 64, r, r, (1, 1), (r // 2, r // 2))) for r in (1, 3, 5, 7))
+    assert not conv_tma.fits(ConvGeometry(1, 32, 64, 64, 32, 3, 3, (1, 1), (17, 17)))      # a corner past -16
+    assert not conv_tma.fits(ConvGeometry(1, 32, 80, 80, 32, 3, 3, (1, 1), (1, 1), (16, 16)))  # offsets past 31
+    assert not conv_tma.fits(ConvGeometry(1, 32, 64, 64, 32, 1, 1, (9, 9), (0, 0)))         # stride past 8
+    big_pad = ConvGeometry(1, 32, 64, 64, 32, 3, 3, (1, 1), (17, 17))
+    assert not any(c["tma"] == "im2col" for c in conv.candidates(big_pad, 132, 232448, "sm_90"))
+    assert any(c["tma"] == "filter" for c in conv.candidates(big_pad, 132, 232448, "sm_90"))
+
+
+@pytest.mark.parametrize("version, tensor_bytes, cleared", [(13000, 4096, True), (13010, (1 << 17) - 1, True),
+                                                            (13020, 4096, False), (13000, 1 << 17, False)])
+def test_small_tensor_maps_drop_the_drivers_flag(version, tensor_bytes, cleared):
+    raw = (ctypes.c_uint8 * 128)(*([0xFF] * 128))
+    record = tensor_map._finish(raw, 0, "encode", tensor_bytes, version)
+    words = record["opaque"][0]
+    assert record.dtype.itemsize == 128 and words[0] == 2**64 - 1
+    assert bool(words[1] & tensor_map.SMALL_TENSOR_FLAG) != cleared and words[1] | tensor_map.SMALL_TENSOR_FLAG == 2**64 - 1
+    with pytest.raises(RuntimeError, match="error 1"):
+        tensor_map._finish(raw, 1, "encode", tensor_bytes, version)
 
 
 def test_arch_specific_cubins_are_cached_on_disk(monkeypatch, tmp_path):

@@ -1,6 +1,7 @@
 """GPU tests of conv2d_int8 against the exact NumPy reference (tests/conftest.py
 skips them where no GPU is usable): every filter shape, stride, padding,
-dilation, tails, both policies, every kernel configuration (wgmma's on sm_90),
+dilation, tails, both policies, every kernel configuration (wgmma's on sm_90,
+the warp-specialised ones on every shape),
 every candidate the generator yields for tail shapes with every out_dtype,
 split-K, the epilogue (bias, z, per-channel alpha, ReLU), the int8 peak
 kernels, bad input."""
@@ -153,6 +154,35 @@ def test_every_configuration(rng, spec_index, splits):
     y = cupy.full(g.output_shape, -7, dtype=numpy.int32)
     conv.launch(chosen, x5, w5, y, None, None, None, conv.Epilogue(out_dtype="int32"))
     _check_exact(y, ref.accumulators(x, w, g.stride, g.padding, g.dilation), f"{spec.name} splits {splits}")
+
+
+@pytest.mark.parametrize("tma", ["filter", "im2col"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_warp_specialised_kernels_every_shape(rng, monkeypatch, shape, tma):
+    """The warp-specialised kernels (the copy engine bringing the filter, or the
+    filter and the pixels) on every filter shape, stride, padding and dilation above,
+    whole and split along GEMM_K in three, into poisoned outputs; on their persistent
+    grid and on two blocks, each then walking many tiles and splits."""
+    import cupy
+
+    if Target.live(cupy.cuda.runtime.getDevice()).facts.arch != conv.WGMMA_ARCH:
+        pytest.skip("the copy engine's kernels are sm_90a code")
+    g = _geometry(shape)
+    x, w = _inputs(rng, g)
+    acc = ref.accumulators(x, w, g.stride, g.padding, g.dilation)
+    x5, w5 = cupy.asarray(cupyops.to_nchw32(x)), cupy.asarray(cupyops.pack_conv_filter(w))
+    configs = [c for c in conv.TMA_CONFIGS if c.tma == tma]
+    resident = conv._resident_blocks
+    for blocks in (None, 2):
+        monkeypatch.setattr(conv, "_resident_blocks", resident if blocks is None else lambda spec, device_id: blocks)
+        for config in (configs[0], configs[-1]):
+            spec = conv.spec_for(config, "auto", conv.WGMMA_ARCH)
+            for splits in (1, 3):
+                per_split = -(-g.k_steps // splits)
+                chosen = conv.ConvPlan(spec, g, -(-g.k_steps // per_split), per_split, "test", "auto")
+                y = cupy.full(g.output_shape, -7, dtype=numpy.int32)
+                conv.launch(chosen, x5, w5, y, None, None, None, conv.Epilogue(out_dtype="int32"))
+                _check_exact(y, acc, f"{spec.name} splits {chosen.splits} blocks {blocks or 'resident'}")
 
 
 GENERATOR_SHAPES = [SHAPES[2], SHAPES[7], (2, 96, 19, 17, 160, 3, 3, 1, 1, 1), SHAPES[10]]

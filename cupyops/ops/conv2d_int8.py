@@ -8,10 +8,12 @@ Two policies share one loader and one epilogue (kernels/conv_int8.cuh):
 - "auto": on sm_90 (compute capability 9.0 exactly: sm_90a code runs nowhere
   else) wgmma m64nNk32 from the shared stages, warpgroups of 64 x N; elsewhere
   mma.sync m16n8k32 (sm_80 and newer). Both with a cp.async pipeline of 3-8
-  stages (wgmma's of 64- or 128-byte GEMM_K steps), the configuration from the
-  measured tuner (cupyops.tune) or else the default rule, split-K (int32
-  partials summed by a second kernel that applies the epilogue) where the tiles
-  of N * OH * OW leave SMs idle.
+  stages (wgmma's of 64- or 128-byte GEMM_K steps); on sm_90 also warp-specialised
+  wgmma whose producer warpgroup has the copy engine bring the filter and
+  copies the pixels by cp.async, or has the engine bring both (im2col tensor
+  maps, cupyops/ops/conv_tma.py). The configuration comes from the measured tuner (cupyops.tune) or
+  else the default rule, split-K (int32 partials summed by a second kernel that
+  applies the epilogue) where the tiles of N * OH * OW leave SMs idle.
 """
 from __future__ import annotations
 
@@ -21,9 +23,9 @@ from typing import ClassVar, Optional
 
 import numpy
 
-from .. import arrays, jit, tune
+from .. import arrays, device, jit, tune
 from ..launch import LaunchCache, Target, live_function
-from . import conv_layout
+from . import conv_layout, conv_tma
 from .conv_layout import INTERLEAVE, OUT_KINDS, ConvGeometry
 
 OP = "conv2d_int8"
@@ -32,6 +34,9 @@ STEP_BYTES = 64              # a GEMM_K step; ConvParams.k_steps and split-K cou
 WGMMA = "wgmma"              # ConvInt8Spec.instruction of the sm_90a kernels
 WGMMA_ARCH = "sm_90"         # the one arch they run on
 WGMMA_ALIGN_SLACK = 1024     # dynamic shared memory the kernel may skip to align its stages
+EXCHANGE_BYTES = 1024        # a warp's epilogue exchange (kernels/conv_int8.cuh)
+SM_REGISTERS = 65536
+SM_MAX_THREADS = 2048
 REDUCE_THREADS = 256
 REDUCE_BLOCKS_PER_SM = 8
 MAX_SPLITS = 16
@@ -52,6 +57,7 @@ class ConvInt8Spec(jit.KernelSpec):
     stages: int
     async_copy: bool         # cp.async multistage, else registers (two stages)
     step_bytes: int = STEP_BYTES   # GEMM_K bytes a stage holds per row (wgmma: 64 or 128)
+    tma: str = ""            # warp-specialised wgmma: the copy engine brings the "filter" or both ("im2col")
 
     @property
     def wgmma(self) -> bool:
@@ -73,9 +79,10 @@ class ConvInt8Spec(jit.KernelSpec):
     @property
     def name(self) -> str:
         copy = "cpasync" if self.async_copy else "ldg"
-        if self.wgmma:   # the descriptors' swizzle is the stage's row
+        if self.wgmma:   # the descriptors' swizzle is the stage's row (a chunk's, for the copy engine)
             groups = f"wg{self.tile_m // self.warp_m}x{self.tile_n // self.warp_n}"
-            copy += f"_sw{self.step_bytes}"
+            copy = {"im2col": "ws_tma_im2col_sw32", "filter": f"ws_tma_cpasync_sw{self.step_bytes}"}.get(
+                self.tma, f"{copy}_sw{self.step_bytes}")
         else:
             groups = f"w{self.warp_m}x{self.warp_n}x{self.step_bytes}"
         return (f"conv2d_int8_fprop_{self.arch}_{self.instruction}{'_' + self.mma_shape if self.wgmma else ''}_s8_"
@@ -84,12 +91,19 @@ class ConvInt8Spec(jit.KernelSpec):
 
     @property
     def threads_per_block(self) -> int:
-        threads = 128 if self.wgmma else 32
-        return (self.tile_m // self.warp_m) * (self.tile_n // self.warp_n) * threads
+        return self.consumer_warps * 32 + (128 if self.tma else 0)
+
+    @property
+    def consumer_warps(self) -> int:
+        """Warps that issue MMAs (all but the producer warpgroup)."""
+        return (self.tile_m // self.warp_m) * (self.tile_n // self.warp_n) * (4 if self.wgmma else 1)
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.tile_m + self.tile_n) * self.step_bytes + (WGMMA_ALIGN_SLACK if self.wgmma else 0)
+        stages = self.stages * (self.tile_m + self.tile_n) * self.step_bytes
+        # warp-specialised kernels keep each consumer warp's epilogue exchange apart from the stages
+        exchange = self.consumer_warps * EXCHANGE_BYTES if self.tma else 0
+        return stages + exchange + (WGMMA_ALIGN_SLACK if self.wgmma else 0)
 
     @property
     def steps_per_stage(self) -> int:
@@ -99,7 +113,7 @@ class ConvInt8Spec(jit.KernelSpec):
     def template_args(self) -> dict:
         return dict(tile_m=self.tile_m, tile_n=self.tile_n, warp_m=self.warp_m, warp_n=self.warp_n,
                     k32=self.instruction == "m16n8k32", wgmma=self.wgmma, stages=self.stages,
-                    async_copy=self.async_copy, step_bytes=self.step_bytes, split_reduce=False)
+                    async_copy=self.async_copy, step_bytes=self.step_bytes, tma=self.tma, split_reduce=False)
 
 
 @dataclass(frozen=True)
@@ -116,7 +130,7 @@ class SplitReduceSpec(jit.KernelSpec):
         return REDUCE_THREADS
 
     def template_args(self) -> dict:
-        return dict(split_reduce=True, wgmma=False)
+        return dict(split_reduce=True, wgmma=False, tma=False)
 
 
 @dataclass(frozen=True)
@@ -129,6 +143,7 @@ class TileConfig:
     stages: int
     wgmma: bool = False
     step_bytes: int = STEP_BYTES
+    tma: str = ""
 
     @property
     def area(self) -> int:
@@ -158,6 +173,16 @@ _WGMMA_128B = ((128, 256, 256, 4), (256, 128, 128, 4), (128, 128, 128, 5), (64, 
 WGMMA_CONFIGS = tuple(TileConfig(tm, tn, 64, wn, stages, True, step)
                       for step, table in ((STEP_BYTES, _WGMMA_64B), (2 * STEP_BYTES, _WGMMA_128B))
                       for tm, tn, wn, stages in table)
+# Warp-specialised wgmma (tile_m, tile_n, warp_n, stages, step bytes): the consumers
+# issue MMAs alone, so the tiles are the largest the accumulators allow. With the
+# pixels copied by the copy engine too, its 32-byte rows bound the loads: fewer tiles.
+_TMA_FILTER = ((128, 256, 256, 4, 128), (128, 256, 256, 7, 64), (256, 128, 128, 4, 128), (128, 128, 128, 6, 128),
+               (128, 128, 128, 3, 128), (64, 256, 256, 5, 128), (64, 256, 256, 3, 128), (64, 256, 128, 5, 128),
+               (64, 128, 128, 8, 128), (64, 128, 128, 4, 128))
+_TMA_IM2COL = ((128, 256, 256, 7, 64), (256, 128, 128, 4, 128), (64, 256, 256, 5, 128), (64, 128, 128, 4, 128))
+TMA_CONFIGS = tuple(TileConfig(tm, tn, 64, wn, stages, True, step, tma)
+                    for tma, table in (("filter", _TMA_FILTER), ("im2col", _TMA_IM2COL))
+                    for tm, tn, wn, stages, step in table)
 
 
 def spec_for(config: TileConfig, policy: str, arch: str) -> ConvInt8Spec:
@@ -166,7 +191,7 @@ def spec_for(config: TileConfig, policy: str, arch: str) -> ConvInt8Spec:
         if policy != "auto" or arch != WGMMA_ARCH:
             raise ValueError(f"wgmma configurations run on {WGMMA_ARCH} under policy='auto' only, not {arch}")
         return ConvInt8Spec(WGMMA, config.tile_m, config.tile_n, config.warp_m, config.warp_n, config.stages, True,
-                            config.step_bytes)
+                            config.step_bytes, config.tma)
     if policy == "megengine" or int(arch.removeprefix("sm_")) < 80:
         return ConvInt8Spec("m8n8k16", config.tile_m, config.tile_n, config.warp_m, config.warp_n, 2, False)
     return ConvInt8Spec("m16n8k32", config.tile_m, config.tile_n, config.warp_m, config.warp_n,
@@ -174,8 +199,9 @@ def spec_for(config: TileConfig, policy: str, arch: str) -> ConvInt8Spec:
 
 
 def auto_configs(arch: str) -> tuple:
-    """The auto policy's configurations on `arch`: wgmma's first on sm_90, then mma.sync's."""
-    return (WGMMA_CONFIGS if arch == WGMMA_ARCH else ()) + AUTO_CONFIGS
+    """The auto policy's configurations on `arch`: wgmma's first on sm_90 (fed by the
+    copy engine, then by cp.async), then mma.sync's."""
+    return (TMA_CONFIGS + WGMMA_CONFIGS if arch == WGMMA_ARCH else ()) + AUTO_CONFIGS
 
 
 def all_specs(arch: str) -> list:
@@ -210,10 +236,12 @@ def candidates(geometry: ConvGeometry, sm_count: int, smem_limit: int, arch: str
     found = []
     for config in auto_configs(arch):
         if config.tile_m > max(64 if config.wgmma else 32, 1 << (geometry.k - 1).bit_length()) or \
-                spec_for(config, "auto", arch).smem_bytes > smem_limit:
+                spec_for(config, "auto", arch).smem_bytes > smem_limit or \
+                (config.tma == "im2col" and not conv_tma.fits(geometry)):
             continue
-        splits, per_split = split_k(geometry, _grid_tiles(geometry, config), sm_count,
-                                    config.step_bytes // STEP_BYTES)
+        # warp-specialised rounds start anywhere; a cp.async stage must not straddle two splits
+        granule = 1 if config.tma else config.step_bytes // STEP_BYTES
+        splits, per_split = split_k(geometry, _grid_tiles(geometry, config), sm_count, granule)
         found.append({**asdict(config), "splits": 1, "steps_per_split": geometry.k_steps})
         if splits > 1:
             found.append({**asdict(config), "splits": splits, "steps_per_split": per_split})
@@ -221,10 +249,11 @@ def candidates(geometry: ConvGeometry, sm_count: int, smem_limit: int, arch: str
 
 
 def default_candidate(geometry: ConvGeometry, sm_count: int, smem_limit: int, arch: str) -> dict:
-    """The default rule: wgmma where the arch has it; the largest tile (then 64-byte
-    steps, the ones measured against cuDNN; then the most stages) whose grid fills every
-    SM; where none does, the smallest tile, split along GEMM_K."""
-    found = candidates(geometry, sm_count, smem_limit, arch)
+    """The default rule: wgmma fed by cp.async where the arch has it (the warp-specialised
+    kernels win some shapes and lose others: the tuner's to choose); the largest tile
+    (then 64-byte steps; then the most stages) whose grid fills every SM; where none
+    does, the smallest tile, split along GEMM_K."""
+    found = [c for c in candidates(geometry, sm_count, smem_limit, arch) if not c["tma"]]
     found = [c for c in found if c["wgmma"]] or found
     full = [c for c in found if c["splits"] == 1 and
             _grid_tiles(geometry, _config(c)) >= sm_count]
@@ -241,9 +270,10 @@ def megengine_config(geometry: ConvGeometry) -> TileConfig:
 
 
 def _config(candidate: dict) -> TileConfig:
-    # tables written before wgmma (or 128-byte steps) existed hold no "wgmma" ("step_bytes") key
+    # tables written before wgmma (128-byte steps, the copy engine) hold no "wgmma" ("step_bytes", "tma") key
     return TileConfig(*(candidate[name] for name in ("tile_m", "tile_n", "warp_m", "warp_n", "stages")),
-                      candidate.get("wgmma", False), candidate.get("step_bytes", STEP_BYTES))
+                      candidate.get("wgmma", False), candidate.get("step_bytes", STEP_BYTES),
+                      candidate.get("tma", ""))
 
 
 @dataclass(frozen=True)
@@ -275,8 +305,12 @@ class ConvPlan:
                 "instruction": f"wgmma.mma_async.{spec.mma_shape}.s8" if spec.wgmma
                 else f"mma.sync.{spec.instruction}.s8",
                 "tile": f"{self.spec.tile_m}x{self.spec.tile_n}x{self.spec.step_bytes}", **groups,
-                "stages": self.spec.stages, "copy": "cp.async" if self.spec.async_copy else "registers",
+                "stages": self.spec.stages,
+                "copy": {"im2col": "copy engine (filter, im2col)", "filter": "copy engine (filter), cp.async"}.get(
+                    spec.tma, "cp.async" if spec.async_copy else "registers"),
                 "split_k": self.splits, "block": list(self.block), "grid": list(self.grid),
+                # warp-specialised kernels launch the blocks the GPU holds at once, each walking tiles
+                "persistent": bool(spec.tma),
                 "smem_bytes": self.spec.smem_bytes, "kernel": self.spec.name, "source": self.source}
 
 
@@ -328,20 +362,37 @@ def launch(chosen: ConvPlan, x, w, y, z, alpha_vec, bias, epilogue: Epilogue) ->
     import cupy
 
     device_id = x.device.id
-    function = live_function(chosen.spec, device_id, chosen.spec.smem_bytes)
+    spec = chosen.spec
+    function = live_function(spec, device_id, spec.smem_bytes)
+    operands, grid = (x, w), chosen.grid
+    if spec.tma:   # persistent: as many blocks as the GPU holds at once, each walking tiles and splits
+        operands = (*conv_tma.maps(chosen.geometry, spec, x.data.ptr, w.data.ptr), x)
+        grid = (min(grid[0] * grid[2], _resident_blocks(spec, device_id)), 1, 1)
     if chosen.splits == 1:
-        function(chosen.grid, chosen.block, (x, w, y, z, alpha_vec, bias, _params(chosen.geometry, 1, 0, epilogue)),
-                 shared_mem=chosen.spec.smem_bytes)
+        function(grid, chosen.block, (*operands, y, z, alpha_vec, bias, _params(chosen.geometry, 1, 0, epilogue)),
+                 shared_mem=spec.smem_bytes)
         return
     partials = cupy.empty((chosen.splits, *chosen.geometry.output_shape), dtype=numpy.int32)
     raw = _params(chosen.geometry, chosen.splits, chosen.steps_per_split, replace(epilogue, out_dtype="int32"))
-    function(chosen.grid, chosen.block, (x, w, partials, None, None, None, raw),
-             shared_mem=chosen.spec.smem_bytes)
+    function(grid, chosen.block, (*operands, partials, None, None, None, raw), shared_mem=spec.smem_bytes)
     params = _params(chosen.geometry, chosen.splits, 0, epilogue)
     reduce_function = live_function(SplitReduceSpec(), device_id)
     groups = -(-y.size // 8)
     blocks = min(-(-groups // REDUCE_THREADS), Target.live(device_id).facts.sm_count * REDUCE_BLOCKS_PER_SM)
     reduce_function((blocks,), (REDUCE_THREADS,), (partials, y, z, alpha_vec, bias, params))
+
+
+@functools.lru_cache(maxsize=256)
+def _resident_blocks(spec: ConvInt8Spec, device_id: int) -> int:
+    """Blocks of `spec` the GPU holds at once: its SMs times the blocks an SM fits by
+    shared memory (each with the driver's reserve), registers (per warp, in 256s) and threads."""
+    facts = Target.live(device_id).facts
+    raw = jit.kernel(spec, device_id)
+    smem_per_sm = facts.smem_per_block_optin + device.BLOCK_RESERVED_SMEM
+    by_smem = smem_per_sm // (spec.smem_bytes + raw.shared_size_bytes + device.BLOCK_RESERVED_SMEM)
+    warp_registers = -(-raw.num_regs * 32 // 256) * 256
+    by_registers = SM_REGISTERS // (warp_registers * spec.threads_per_block // 32)
+    return facts.sm_count * max(1, min(by_smem, by_registers, SM_MAX_THREADS // spec.threads_per_block))
 
 
 _plans = LaunchCache()
@@ -439,8 +490,9 @@ def conv2d_int8(x, w, bias=None, z=None, *, stride=1, padding=0, dilation=1, alp
     "int32" returns the raw accumulators (no epilogue). On dequantised values
     this is ``torch.nn.functional.conv2d(x, w, stride=stride, padding=padding,
     dilation=dilation)`` scaled by alpha, plus bias and z, then ReLU.
-    policy: "auto" (tuned or default-rule plan, m16n8k32, cp.async) or
-    "megengine" (MegEngine's kernel, for comparison)."""
+    policy: "auto" (the tuned or default-rule plan: wgmma on sm_90, fed by cp.async
+    or, where the tuner finds it faster, by a producer warpgroup and the copy engine;
+    mma.sync m16n8k32 elsewhere) or "megengine" (MegEngine's kernel, for comparison)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if out_dtype not in OUT_KINDS:

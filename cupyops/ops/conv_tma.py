@@ -1,0 +1,75 @@
+"""The copy engine's view of a convolution (sm_90): the tensor maps the
+warp-specialised wgmma kernel (kernels/conv_int8.cuh, conv2d_int8_fprop_tma)
+loads its tiles through, and the shapes those maps can describe.
+
+- The packed filter is a 2-D tiled map: GEMM_K bytes by K rows, boxes of a
+  stage's GEMM_K bytes (or, beside im2col copies, of one 32-channel chunk) by a
+  tile's rows.
+- The NCHW32 input (N, C/32, H, W, 32) is a 5-D im2col map with dims (c, w, h,
+  image, channel group): the image taken as the third spatial dim (filter extent
+  1, no padding), the channel group as the outermost. A copy of `tile_n` pixels
+  then walks (ow, oh, image) -- GEMM_N's order -- within one channel group, and
+  the engine adds the tap's offsets, applies the stride and fills the padding."""
+from __future__ import annotations
+
+import functools
+
+import numpy
+
+from .. import tensor_map
+from .conv_layout import INTERLEAVE, ConvGeometry
+
+SWIZZLE = 32                  # bytes: one chunk (32 channels) a row
+# Bounds of a 5-D im2col map: box corners in [-16, 15], tap offsets in [0, 31]
+# (three spatial dims share 16 bits), traversal strides up to 8.
+CORNER_RANGE = (-16, 15)
+MAX_OFFSET = 31
+MAX_STRIDE = 8
+MAPS_CACHED = 64
+
+
+def fits(geometry: ConvGeometry) -> bool:
+    """Whether the im2col map can describe this convolution."""
+    g = geometry
+    for pad, taps, dilation, stride in ((g.padding[0], g.r, g.dilation[0], g.stride[0]),
+                                        (g.padding[1], g.s, g.dilation[1], g.stride[1])):
+        reach = (taps - 1) * dilation
+        if not (CORNER_RANGE[0] <= -pad <= CORNER_RANGE[1] and CORNER_RANGE[0] <= pad - reach <= CORNER_RANGE[1]):
+            return False
+        if reach > MAX_OFFSET or stride > MAX_STRIDE:
+            return False
+    return True
+
+
+def input_layout(geometry: ConvGeometry, tile_n: int) -> tensor_map.Im2colLayout:
+    """The input's im2col map for copies of `tile_n` pixels."""
+    g = geometry
+    groups = g.c // INTERLEAVE
+    plane = g.h * g.w * INTERLEAVE
+    reach_h, reach_w = (g.r - 1) * g.dilation[0], (g.s - 1) * g.dilation[1]
+    return tensor_map.Im2colLayout(
+        dims=(INTERLEAVE, g.w, g.h, g.n, groups),
+        strides=(INTERLEAVE, g.w * INTERLEAVE, groups * plane, plane),
+        lower_corner=(-g.padding[1], -g.padding[0], 0),
+        upper_corner=(g.padding[1] - reach_w, g.padding[0] - reach_h, 0),
+        channels=INTERLEAVE, pixels=tile_n, element_strides=(1, g.stride[1], g.stride[0], 1, 1), swizzle=SWIZZLE)
+
+
+def filter_layout(geometry: ConvGeometry, tile_m: int, row_bytes: int) -> tensor_map.TiledLayout:
+    """The packed filter's tiled map for boxes of `row_bytes` of GEMM_K by `tile_m`
+    rows, in the swizzle of that many bytes."""
+    gemm_k = geometry.gemm[2]
+    return tensor_map.TiledLayout(dims=(gemm_k, geometry.k), strides=(gemm_k,), box=(row_bytes, tile_m),
+                                  swizzle=row_bytes)
+
+
+@functools.lru_cache(maxsize=MAPS_CACHED)
+def maps(geometry: ConvGeometry, spec, x_address: int, w_address: int) -> tuple:
+    """(filter map, input map) of kernel `spec` (a ConvInt8Spec) on the arrays at
+    these device addresses; the input map is left empty where the kernel copies the
+    pixels itself."""
+    if spec.tma == "im2col":
+        return (tensor_map.encode_tiled(w_address, filter_layout(geometry, spec.tile_m, SWIZZLE)),
+                tensor_map.encode_im2col(x_address, input_layout(geometry, spec.tile_n)))
+    return (tensor_map.encode_tiled(w_address, filter_layout(geometry, spec.tile_m, spec.step_bytes)),
+            numpy.zeros(1, dtype=tensor_map.MAP_DTYPE))
