@@ -3,8 +3,8 @@ table, chunk walk, zero predicates), the swizzled shared tiles, ldmatrix and
 mma.sync as the PTX ISA defines their fragments, wgmma reading the tiles
 through its shared-memory descriptors (decoded as the PTX ISA's canonical
 K-major 64B- or 128B-swizzle layouts) into its accumulator fragment, stages of
-64- or 128-byte GEMM_K steps, split-K, and the
-epilogue's shared-memory exchange. It runs the kernel's index arithmetic on the
+64- or 128-byte GEMM_K steps, split-K, the
+epilogue's shared-memory exchange, and the copy engine's im2col copies. It runs the kernel's index arithmetic on the
 CPU (raw int32 outputs), so a wrong address, descriptor or fragment shows up
 without a GPU."""
 from __future__ import annotations
@@ -284,3 +284,29 @@ def _epilogue(acc, g, channel0, pixel0, out, writes):
                     offset = ((image * (m_total // 32) + (oc >> 5)) * ohw + rest) * 32 + (oc & 31)
                     out[offset: offset + 8] = values[lane]
                     writes[offset: offset + 8] += 1
+
+
+def im2col_copy(x5: numpy.ndarray, layout, start: tuple, offsets: tuple) -> numpy.ndarray:
+    """(pixels, channels) rows of one im2col copy of a 5-D map `layout` (dims c, w, h, d, n)
+    over the NCHW32 array x5 (N, C/32, H, W, 32), indexed [d, n, h, w, c]: from base
+    position (w, h, d, n) = `start` the engine takes the element at the base plus the filter
+    `offsets` (zeros outside the tensor), then steps w by its traversal stride through the
+    box's positions lower .. lower + (size + upper - lower - 1) // stride * stride, wrapping
+    into h, then d, then n (PTX ISA, im2col mode)."""
+    dims, lower, upper, steps = layout.dims, layout.lower_corner, layout.upper_corner, layout.element_strides
+    counts = [(dims[i + 1] + upper[i] - lower[i] - 1) // steps[i + 1] + 1 for i in range(3)]
+    base = list(start)
+    rows = numpy.zeros((layout.pixels, layout.channels), dtype=x5.dtype)
+    for p in range(layout.pixels):
+        w, h, d = (base[i] + offsets[i] for i in range(3))
+        n = base[3]
+        if 0 <= w < dims[1] and 0 <= h < dims[2] and 0 <= d < dims[3] and 0 <= n < dims[4]:
+            rows[p] = x5[d, n, h, w, :layout.channels]
+        for i in range(3):   # the next position: w, carrying into h, d, then n
+            base[i] += steps[i + 1]
+            if base[i] < lower[i] + counts[i] * steps[i + 1]:
+                break
+            base[i] = lower[i]
+        else:
+            base[3] += 1
+    return rows

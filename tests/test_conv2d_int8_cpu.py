@@ -572,6 +572,38 @@ def test_copy_engine_maps_describe_the_convolution():
     assert filters.tensor_bytes == g.k * g.gemm[2] and filters.swizzle == 128
 
 
+@pytest.mark.parametrize("geometry", [ConvGeometry(2, 64, 9, 11, 32, 3, 3, (1, 1), (1, 1)),
+                                      ConvGeometry(3, 32, 15, 14, 32, 3, 5, (2, 1), (1, 2), (1, 2)),
+                                      ConvGeometry(2, 32, 23, 23, 32, 7, 7, (2, 2), (3, 3)),
+                                      ConvGeometry(1, 96, 5, 5, 32, 3, 3, (1, 1), (3, 3))])
+def test_im2col_copies_walk_gemm_n_within_a_channel_group(rng, geometry):
+    """The kernel's im2col copies (start at the tile's first pixel, ow * stride - pad,
+    oh * stride - pad, its image and the chunk's channel group; the tap's offsets) over
+    the map of conv_tma.input_layout give the implicit GEMM's B rows of that chunk, tile
+    after tile, across rows and images, padding read as zeros."""
+    g = geometry
+    x = rng.integers(-128, 128, (g.n, g.c, g.h, g.w), dtype=numpy.int8)
+    x5 = cupyops.to_nchw32(x)
+    tile_n = 32
+    layout = conv_tma.input_layout(g, tile_n)
+    _, rows, cols = conv_layout.tap_table(g)
+    ohw = g.oh * g.ow
+    for n0 in range(0, g.gemm[1], tile_n):
+        image, rest = divmod(n0, ohw)
+        oh, ow = divmod(rest, g.ow)
+        start = (ow * g.stride[1] - g.padding[1], oh * g.stride[0] - g.padding[0], image)
+        for chunk in range(g.c // 32 * g.r * g.s):
+            group, tap = divmod(chunk, g.r * g.s)
+            got = conv_emulation.im2col_copy(x5, layout, (*start, group), (cols[tap], rows[tap], 0))
+            for j in range(n0, min(n0 + tile_n, g.gemm[1])):
+                b, rest = divmod(j, ohw)
+                ih = rest // g.ow * g.stride[0] - g.padding[0] + rows[tap]
+                iw = rest % g.ow * g.stride[1] - g.padding[1] + cols[tap]
+                inside = 0 <= ih < g.h and 0 <= iw < g.w
+                expected = x5[b, group, ih, iw] if inside else numpy.zeros(32, numpy.int8)
+                assert numpy.array_equal(got[j - n0], expected), (n0, chunk, j)
+
+
 def test_copy_engine_refuses_what_its_maps_cannot_describe():
     assert all(conv_tma.fits(ConvGeometry(32, 64, 56, 56, 64, r, r, (1, 1), (r // 2, r // 2))) for r in (1, 3, 5, 7))
     assert not conv_tma.fits(ConvGeometry(1, 32, 64, 64, 32, 3, 3, (1, 1), (17, 17)))      # a corner past -16
