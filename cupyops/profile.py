@@ -1,10 +1,11 @@
-"""Measured tuning values of the row-wise planners, one JSON file per device.
+"""Measured tuning values of the planners, one JSON file per device.
 
-The planners in cupyops/ops/ (softmax_rows, softmax_split, softmax_axis,
-norm_forward, norm_backward, row_packs) keep their structural constants in
-Python (warp size, shared memory limits, OneFlow's own rules, block-size
-ladders) and read the thresholds and tables chosen by measurement from the
-profile of the device they plan for: ``profile_for(target.facts).NAME``.
+The planners in cupyops/ops/ (the row-wise softmax_rows, softmax_split,
+softmax_axis, norm_forward, norm_backward, row_packs; elementwise;
+fused_softmax; conv2d_int8) keep their structural constants in Python (warp
+size, shared memory limits, OneFlow's own rules, block-size ladders) and read
+the thresholds and tables chosen by measurement from the profile of the
+device they plan for: ``profile_for(target.facts).NAME``.
 
 The files live in cupyops/profiles/ (package data): ``h100.json`` and
 ``h200.json``, each with a ``"tuning"`` object (name -> value), a ``"notes"``

@@ -1,5 +1,5 @@
 """Times the elementwise launch candidates (block, packs a thread) against OneFlow's launch
-to choose AUTO_LAUNCH, and the host cost of a repeated small call (fuse with out= and
+to choose the profiles' ELEMENTWISE_AUTO_LAUNCH, and the host cost of a repeated small call (fuse with out= and
 allocating, cupyops.elementwise, every named op) against a bare RawKernel launch of the
 kernel and arguments that call launches (ratio limit HOST_RATIO, flagged).
 

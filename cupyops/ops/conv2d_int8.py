@@ -25,6 +25,7 @@ import numpy
 
 from .. import arrays, device, jit, tune
 from ..launch import LaunchCache, Target, live_function
+from ..profile import profile_for
 from . import conv_layout, conv_tma
 from .conv_layout import INTERLEAVE, OUT_KINDS, ConvGeometry
 
@@ -38,7 +39,6 @@ EXCHANGE_BYTES = 1024        # a warp's epilogue exchange (kernels/conv_int8.cuh
 SM_REGISTERS = 65536
 SM_MAX_THREADS = 2048
 REDUCE_THREADS = 256
-REDUCE_BLOCKS_PER_SM = 8
 MAX_SPLITS = 16
 MIN_STEPS_PER_SPLIT = 4
 
@@ -378,7 +378,9 @@ def launch(chosen: ConvPlan, x, w, y, z, alpha_vec, bias, epilogue: Epilogue) ->
     params = _params(chosen.geometry, chosen.splits, 0, epilogue)
     reduce_function = live_function(SplitReduceSpec(), device_id)
     groups = -(-y.size // 8)
-    blocks = min(-(-groups // REDUCE_THREADS), Target.live(device_id).facts.sm_count * REDUCE_BLOCKS_PER_SM)
+    facts = Target.live(device_id).facts
+    tuned = profile_for(facts)
+    blocks = min(-(-groups // REDUCE_THREADS), facts.sm_count * tuned.CONV_REDUCE_BLOCKS_PER_SM)
     reduce_function((blocks,), (REDUCE_THREADS,), (partials, y, z, alpha_vec, bias, params))
 
 

@@ -12,7 +12,9 @@ policy="oneflow" launches as OneFlow's elementwise.cuh does: pack = the smallest
 alignment, 256 threads, GetNumBlocks with 32 waves, the tail in the same launch.
 policy="auto" reads misaligned operands element by element without narrowing the others,
 and launches as measured fastest for its estimated arithmetic per byte (`launch_candidates`
-lists what it chooses among, `AUTO_LAUNCH` the winners).
+lists what it chooses among; the device profile's `ELEMENTWISE_AUTO_LAUNCH` the winners: for
+rows of least estimated instructions per byte moved (OP_COST), a launch of block, bytes of each
+operand a thread has in flight and waves).
 """
 from __future__ import annotations
 
@@ -29,19 +31,12 @@ import numpy
 from .. import arrays, callcache, fx
 from ..callcache import cupy_module
 from ..launch import MAX_GRID_X, LaunchCache, Target, fast_divisor, get_num_blocks, live_function
+from ..profile import profile_for
 from .elementwise_kernel import C_TYPES, ElementwiseSpec, OperandSpec, fast_math, generate
 
 ONEFLOW_BLOCK = 256
 ONEFLOW_MAX_PACK = 8            # OneFlow's kMaxPackSize
 MAX_PACK_BYTES = 16
-# auto's launch (block, bytes of each operand a thread has in flight, waves), each one of
-# launch_candidates, by the expression's estimated instructions per byte moved (OP_COST):
-# memory-bound ones cover the array in one pass, those with some arithmetic with two packs of
-# each operand in flight a thread; compute-bound ones walk it with a grid of 32 waves of
-# resident blocks, the most compute-bound (gelu of 16-bit data) with 16, so that warps
-# computing overlap warps loading. Rows (least instructions per byte, launch): the measured
-# winners of scripts/tune_elementwise.py (H100 and H200, 16384 x 8192).
-AUTO_LAUNCH = ((0.0, (512, 16, None)), (2.0, (256, 32, None)), (4.0, (256, 16, 32)), (6.0, (256, 16, 16)))
 # Estimated float32 instructions per element of each op (others: 1); double costs twice.
 OP_COST = {"exp": 8, "log": 10, "tanh": 14, "sigmoid": 16, "erf": 24, "rsqrt": 4, "gelu": 28,
            "gelu_tanh": 20, "silu": 17, "power": 20, "divide": 8, "dropout": 30}
@@ -192,7 +187,7 @@ def make_plan(roots: tuple, args: tuple, outs: tuple, names: tuple, policy: str,
               launch: Optional[tuple] = None) -> ElementwisePlan:
     """The launch of the kernel computing `roots` over `args` (ArrayInfo of arrays, Python or
     NumPy scalar types of scalars) into outputs `outs` (ArrayInfo or None each). launch: one of
-    launch_candidates in place of auto's choice from AUTO_LAUNCH."""
+    launch_candidates in place of auto's choice from the profile's ELEMENTWISE_AUTO_LAUNCH."""
     used = _used_operands(roots)
     array_positions = [i for i in used if isinstance(args[i], ArrayInfo)]
     try:
@@ -237,7 +232,8 @@ def make_plan(roots: tuple, args: tuple, outs: tuple, names: tuple, policy: str,
             streamed = [info.dtype.itemsize for info, (access, _, _) in zip(infos, layouts)
                         if access in ("linear", "strided")] + [out.dtype.itemsize for out in out_infos]
             intensity = compute_per_byte(roots, streamed)
-            launch = [row_launch for least, row_launch in AUTO_LAUNCH if intensity >= least][-1]
+            tuned = profile_for(target.facts)
+            launch = [row_launch for least, row_launch in tuned.ELEMENTWISE_AUTO_LAUNCH if intensity >= least][-1]
         block, per_thread, grid = launch_geometry(launch, packs, pack_size * max(itemsizes), target.facts)
     # 32-bit indices where every element offset, and the loop's last pack index plus its step, fit
     extents = [sum(abs(s) * (n - 1) for n, s in zip(sizes, st)) + 1 for st in strides]

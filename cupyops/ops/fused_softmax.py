@@ -26,15 +26,14 @@ import numpy
 from .. import arrays, callcache, dtypes, jit, philox
 from ..callcache import call_key, run_on, writable
 from ..launch import KernelLaunch, LaunchCache, Target, get_num_blocks, live_function
+from ..profile import profile_for
 from . import row_candidates, softmax_candidates, softmax_rows as softmax
 from .fused_softmax_operands import WIDE_ROWS, Fusion, Operands, division_magics, prepare, row_order
 
 STAGES = ("forward", "backward")
 SOFTMAX_OP = {"forward": "softmax", "backward": "softmax_backward"}
 TUNED_OPS = {stage: f"fused_softmax_{stage}" for stage in SOFTMAX_OP}   # the tuning table's ops
-SHARED_BLOCK_SIZE = 512       # rows cached in shared memory through the LOAD
 MASK_BLOCK_SIZE = 256
-MAX_LOCAL_BYTES = 16         # spilled / stack bytes a register-cached fused row may take
 
 
 @dataclass(frozen=True)
@@ -120,7 +119,8 @@ def _long_row_plan(op, dtype, rows, cols, pack_size, same_phase, target, regs=Tr
     cache_pack, peel = softmax.peeled_pack(pack_size, ftype.itemsize, same_phase)
     cached = softmax.SUM_INPUTS[op]
     cache_bytes = cached * cols * dtypes.BY_SHORT[ftype.compute].itemsize
-    spec = softmax.SoftmaxSpec(op, "block_smem", dtype, cache_pack, block_size=SHARED_BLOCK_SIZE, peel=peel)
+    tuned = profile_for(target.facts)
+    spec = softmax.SoftmaxSpec(op, "block_smem", dtype, cache_pack, block_size=tuned.FUSED_SHARED_BLOCK_SIZE, peel=peel)
     if target.max_active_blocks(spec, spec.block_size, cache_bytes, True):
         return softmax.block_plan(spec, rows, cache_bytes, target)
     return softmax._uncached_plan(op, dtype, rows, cache_pack, True, target, peel)
@@ -201,10 +201,17 @@ def rule_plan(stage: str, rows: int, cols: int, dtype: str, policy: str, target:
     return _in_order_if_spilling(_without_spills(fused, op, rows, cols, target), target)
 
 
+def spills(spec, target: Target) -> bool:
+    """Whether `spec` takes more spilled and stack bytes on `target` than its profile
+    allows a fused kernel (FUSED_MAX_LOCAL_BYTES)."""
+    tuned = profile_for(target.facts)
+    return target.resources(spec)["local_bytes"] > tuned.FUSED_MAX_LOCAL_BYTES
+
+
 def _in_order_if_spilling(chosen: KernelLaunch, target) -> KernelLaunch:
     """An interleaved kernel that spills (RowOrder holds registers): the same kernel taking its
     rows in order."""
-    if not chosen.spec.interleaved or target.resources(chosen.spec)["local_bytes"] <= MAX_LOCAL_BYTES:
+    if not chosen.spec.interleaved or not spills(chosen.spec, target):
         return chosen
     return replace(chosen, spec=replace(chosen.spec, interleaved=False))
 
@@ -215,7 +222,7 @@ def _without_spills(chosen: KernelLaunch, op, rows, cols, target) -> KernelLaunc
     register-cached row in wider blocks holding fewer packs a thread, else cached in
     shared memory."""
     spec = chosen.spec
-    if target.resources(spec)["local_bytes"] <= MAX_LOCAL_BYTES:
+    if not spills(spec, target):
         return chosen
     path = spec.path
     if path.min_blocks:
@@ -229,7 +236,7 @@ def _without_spills(chosen: KernelLaunch, op, rows, cols, target) -> KernelLaunc
             continue
         wider = replace(spec, path=replace(path, block_size=block_size, packs_per_thread=packs_per_thread,
                                            rows_per_block=1))      # a row a block once wider than a warp
-        if target.resources(wider)["local_bytes"] <= MAX_LOCAL_BYTES:
+        if not spills(wider, target):
             return softmax.block_plan(wider, rows, 0, target)
     pack_size = 1 if path.peel else path.pack_size   # a peeled row's packs are its 16-byte ones again
     shared = _long_row_plan(op, path.dtype, rows, cols, pack_size, path.peel, target, regs=False)

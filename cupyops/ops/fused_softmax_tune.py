@@ -71,7 +71,7 @@ def bounded(stage, dtype, rows, cols, target: Target, fusion: fs.Fusion, descrip
         bound = {**description, "label": f"{description['label']} mb{blocks}",
                  "spec": {**description["spec"], "min_blocks": blocks}}
         chosen = fs.fused_launch(stage, dtype, rows, cols, target, fusion, bound)
-        if target.resources(chosen.spec)["local_bytes"] <= fs.MAX_LOCAL_BYTES:
+        if not fs.spills(chosen.spec, target):
             return [(bound, chosen)]
     return []
 
