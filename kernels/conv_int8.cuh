@@ -126,6 +126,10 @@ __device__ __forceinline__ void conv_epilogue_store(const int (&acc)[8], int oc,
 // the split of GEMM_K, `steps` 64-byte steps from step_begin.
 struct ConvTile {
   int m0, n0, step_begin, steps, split;
+  // The 32-channel chunks of GEMM_K the tile's split covers (two a step, the last step maybe one).
+  __device__ __forceinline__ int chunks(const ConvParams& p) const {
+    return min(2 * steps, p.c32 * p.taps - 2 * step_begin);
+  }
 };
 
 template <int TM, int TN>
@@ -470,8 +474,7 @@ __device__ __forceinline__ void conv2d_int8_fprop(const signed char* __restrict_
   }
   __syncthreads();   // every warp is done with the pipeline's shared memory
   conv_warp_epilogue(acc, reinterpret_cast<int*>(shared) + warp * 256, tile.m0 + warp_m, tile.n0 + warp_n, tile.split,
-                     p, y, z,
-                     alpha_vec, bias);
+                     p, y, z, alpha_vec, bias);
 }
 
 // One block's TM x TN tile by wgmma (sm_90a): warpgroups of 64 x WN (TM / 64 of
@@ -594,9 +597,9 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
   constexpr int SLICE_STRIDE = IM2COL ? (TM + TN) * 32 : 32;       // from one k32 slice to the next
   constexpr int STAGE_BYTES = (TM + TN) * ROW_BYTES;
   constexpr int A_COPY_BYTES = IM2COL ? TM * 32 : TM * ROW_BYTES;  // one copy of the filter
-  typedef ConvTileLoader<TM, TN, PRODUCERS, (ROW_BYTES > 32 ? ROW_BYTES : 64), 2, false> Loader;
+  typedef ConvTileLoader<TM, TN, PRODUCERS, ROW_BYTES, 2, false> Loader;
   static_assert(TM % 64 == 0 && TN % WN == 0 && WN % 8 == 0 && WN <= 256 && TN <= 256, "warpgroup tile");
-  static_assert(IM2COL || ROW_BYTES == 64 || ROW_BYTES == 128, "cp.async stages of 64- or 128-byte rows");
+  static_assert(ROW_BYTES == 64 || ROW_BYTES == 128, "stages of 64 or 128 GEMM_K bytes");
   static_assert(TN % 8 == 0 && STAGE_BYTES % 1024 == 0, "stages keep the 1024-byte alignment of the first");
   extern __shared__ int4 conv_shared[];
   __shared__ unsigned long long barriers[2 * stages];   // full[s], then empty[s]
@@ -624,8 +627,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
     unsigned round = 0;
     for (int job = blockIdx.x; job < tiles * p.splits; job += gridDim.x) {
       const ConvTile tile = conv_tile_of<TM, TN>(p, job % tiles, job / tiles);
-      const int chunk_begin = 2 * tile.step_begin;
-      const int chunks = min(2 * tile.steps, p.c32 * p.taps - chunk_begin);
+      const int chunk_begin = 2 * tile.step_begin, chunks = tile.chunks(p);
       const int ohw = p.oh * p.ow;
       const int image = tile.n0 / ohw, rest = tile.n0 - image * ohw;
       const int oh = rest / p.ow, ow = rest - oh * p.ow;
@@ -677,7 +679,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
   unsigned round = 0;
   for (int job = blockIdx.x; job < tiles * p.splits; job += gridDim.x) {
     const ConvTile tile = conv_tile_of<TM, TN>(p, job % tiles, job / tiles);
-    const int chunks = min(2 * tile.steps, p.c32 * p.taps - 2 * tile.step_begin);
+    const int chunks = tile.chunks(p);
     int acc[2][WN / 8][2];
 #pragma unroll
     for (int h = 0; h < 2; ++h)

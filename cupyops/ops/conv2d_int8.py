@@ -11,9 +11,10 @@ Two policies share one loader and one epilogue (kernels/conv_int8.cuh):
   stages (wgmma's of 64- or 128-byte GEMM_K steps); on sm_90 also warp-specialised
   wgmma whose producer warpgroup has the copy engine bring the filter and
   copies the pixels by cp.async, or has the engine bring both (im2col tensor
-  maps, cupyops/ops/conv_tma.py). The configuration comes from the measured tuner (cupyops.tune) or
-  else the default rule, split-K (int32 partials summed by a second kernel that
-  applies the epilogue) where the tiles of N * OH * OW leave SMs idle.
+  maps, cupyops/ops/conv_tma.py). The configuration comes from the measured
+  tuner (cupyops.tune) or else the default rule, split-K (int32 partials summed
+  by a second kernel that applies the epilogue) where the tiles of N * OH * OW
+  leave SMs idle.
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ class SplitReduceSpec(jit.KernelSpec):
         return REDUCE_THREADS
 
     def template_args(self) -> dict:
-        return dict(split_reduce=True, wgmma=False, tma=False)
+        return dict(split_reduce=True, wgmma=False, tma="")
 
 
 @dataclass(frozen=True)
