@@ -148,8 +148,9 @@ def compile_conv(archs):
 
 
 def compiled_specs(arch: str) -> list:
-    """What `compile conv2d_int8` compiles for `arch`."""
-    return conv.all_specs(arch) + [conv.SplitReduceSpec()] + mma_peak.peak_specs(arch)
+    """What `compile conv2d_int8` compiles for `arch` (the halo tiles of the "all" layers)."""
+    geometries = tuple(layer["geometry"] for layer in load_layers("all"))
+    return conv.all_specs(arch, geometries) + [conv.SplitReduceSpec()] + mma_peak.peak_specs(arch)
 
 
 @bench.command(name=OP)

@@ -324,6 +324,18 @@ struct ConvTileLoader {
   }
 };
 
+// Column j of GEMM_N as an output pixel: image, and rest = oh * OW + ow within it;
+// false past GEMM_N.
+struct GemmPixels {
+  int ohw, gemm_n;
+  __device__ __forceinline__ bool locate(int j, int& image, int& rest) const {
+    if (j >= gemm_n) return false;
+    image = j / ohw;
+    rest = j - image * ohw;
+    return true;
+  }
+};
+
 // The epilogue of one warp's accumulators through its 256 ints of shared memory
 // `exchange`. acc[rb][nb][e] holds output channel channel0 + 8 rb + lane / 4,
 // pixel pixel0 + 8 nb + 2 (lane & 3) + e: the C fragment of mma.sync m16n8 and of
@@ -332,10 +344,12 @@ struct ConvTileLoader {
 // of two 8-pixel blocks where it holds 16 (wgmma: a warp owns 16 rows of 64) --
 // so that each lane ends with 8 consecutive channels of one pixel. Int (row i,
 // column c) sits at c * 32 + (i ^ swizzle(c)), conflict-free both ways.
-template <int RB, int NB>
+// Pixels: which output pixel GEMM_N column j of the tile is (GemmPixels, HaloPixels).
+template <int RB, int NB, typename Pixels>
 __device__ __forceinline__ void conv_warp_epilogue(const int (&acc)[RB][NB][2], int* exchange, int channel0,
                                                    int pixel0, int split, const ConvParams& p, void* y,
-                                                   const signed char* z, const float* alpha_vec, const void* bias) {
+                                                   const signed char* z, const float* alpha_vec, const void* bias,
+                                                   const Pixels& pixels) {
   constexpr int ROW_BLOCKS = RB >= 4 ? 4 : RB;   // 8-channel blocks of a round
   constexpr int COL_BLOCKS = 4 / ROW_BLOCKS;      // 8-pixel blocks of a round
   static_assert(RB % ROW_BLOCKS == 0 && NB % COL_BLOCKS == 0 && (RB == 2 || RB % 4 == 0), "warp tile");
@@ -364,8 +378,8 @@ __device__ __forceinline__ void conv_warp_epilogue(const int (&acc)[RB][NB][2], 
       __syncwarp();
       const int oc = channel0 + (slice * ROW_BLOCKS + quarter % ROW_BLOCKS) * 8;
       const int j = pixel0 + (round * COL_BLOCKS + quarter / ROW_BLOCKS) * 8 + pixel;
-      if (oc < p.gemm_m && j < p.gemm_n) {
-        const int image = j / ohw, rest = j - image * ohw;
+      int image, rest;
+      if (oc < p.gemm_m && pixels.locate(j, image, rest)) {
         const int64 offset = (static_cast<int64>(image * p.k32 + (oc >> 5)) * ohw + rest) * 32 + (oc & 31);
         const int values[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
         conv_epilogue_store(values, oc, offset + split_offset, p, y, z, alpha_vec, bias);
@@ -474,7 +488,7 @@ __device__ __forceinline__ void conv2d_int8_fprop(const signed char* __restrict_
   }
   __syncthreads();   // every warp is done with the pipeline's shared memory
   conv_warp_epilogue(acc, reinterpret_cast<int*>(shared) + warp * 256, tile.m0 + warp_m, tile.n0 + warp_n, tile.split,
-                     p, y, z, alpha_vec, bias);
+                     p, y, z, alpha_vec, bias, GemmPixels{p.oh * p.ow, p.gemm_n});
 }
 
 // One block's TM x TN tile by wgmma (sm_90a): warpgroups of 64 x WN (TM / 64 of
@@ -526,10 +540,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_wgmma(const signed char* __res
   Loader loader(x, w, p, tile, threadIdx.x);
 
   int acc[2][WN / 8][2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int j = 0; j < WN / 8; ++j) acc[h][j][0] = acc[h][j][1] = 0;
+  zero_accumulators(acc);
 
 #pragma unroll
   for (int s = 0; s < DEPTH; ++s) {
@@ -567,7 +578,43 @@ __device__ __forceinline__ void conv2d_int8_fprop_wgmma(const signed char* __res
   cp_async_wait<0>();
   __syncthreads();   // every warpgroup is done with the pipeline's shared memory
   conv_warp_epilogue(acc, exchange_base + warp * 256, tile.m0 + wg_m + (warp & 3) * 16, tile.n0 + wg_n, tile.split,
-                     p, y, z, alpha_vec, bias);
+                     p, y, z, alpha_vec, bias, GemmPixels{p.oh * p.ow, p.gemm_n});
+}
+
+// A warp-specialised kernel's barriers: full[s] (full_arrivals a phase) then empty[s]
+// (one arrival a consumer warpgroup), initialised by thread 0 before the block syncs.
+template <int stages>
+__device__ __forceinline__ void ws_barriers_init(unsigned full, unsigned full_arrivals, unsigned consumers) {
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < stages; ++s) {
+      mbarrier_init(full + 8 * s, full_arrivals);
+      mbarrier_init(full + 8 * (stages + s), consumers);
+    }
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+}
+
+// A consumer warpgroup's end of round `round` (the `index`-th of its tile): its wgmma
+// group committed, the group before complete, whose stage is then released.
+template <int stages, int ROWS, int COLS>
+__device__ __forceinline__ void ws_round_issued(int (&acc)[ROWS][COLS][2], unsigned empty, unsigned round,
+                                                int index) {
+  wgmma_commit();
+  wgmma_fence_operands(acc);
+  wgmma_wait<1>();
+  wgmma_fence_operands(acc);
+  // The group of the round before is complete in this warpgroup: its stage may be loaded again.
+  if (index > 0 && (threadIdx.x & 127) == 0) mbarrier_arrive(empty + 8 * ((round - 1) % stages));
+}
+
+// A consumer warpgroup's end of a tile: every group complete, the last stage released.
+template <int stages, int ROWS, int COLS>
+__device__ __forceinline__ void ws_tile_done(int (&acc)[ROWS][COLS][2], unsigned empty, unsigned round) {
+  wgmma_wait<0>();
+  wgmma_fence_operands(acc);
+  if ((threadIdx.x & 127) == 0) mbarrier_arrive(empty + 8 * ((round - 1) % stages));
 }
 
 // One block's TM x TN tile by wgmma (sm_90a), warp-specialised: TM / 64 x TN / WN
@@ -608,15 +655,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
   const unsigned full = shared_address(barriers), empty = full + 8 * stages;
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);
   const int tiles = (p.gemm_m + TM - 1) / TM * ((p.gemm_n + TN - 1) / TN);
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < stages; ++s) {
-      mbarrier_init(full + 8 * s, IM2COL ? 1 : 1 + PRODUCERS);
-      mbarrier_init(empty + 8 * s, CONSUMERS);
-    }
-    mbarrier_init_fence();
-  }
-  __syncthreads();
+  ws_barriers_init<stages>(full, IM2COL ? 1 : 1 + PRODUCERS, CONSUMERS);
 
   // Persistent: block b takes tiles b, b + gridDim.x, ... of every split, and the
   // rounds (stages' uses) run on across them, so the producer fills the next tile's
@@ -681,10 +720,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
     const ConvTile tile = conv_tile_of<TM, TN>(p, job % tiles, job / tiles);
     const int chunks = tile.chunks(p);
     int acc[2][WN / 8][2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int j = 0; j < WN / 8; ++j) acc[h][j][0] = acc[h][j][1] = 0;
+    zero_accumulators(acc);
     for (int t = 0; t * CHUNKS < chunks; ++t, ++round) {
       const unsigned s = round % stages;
       mbarrier_wait(full + 8 * s, (round / stages) & 1);
@@ -700,18 +736,11 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
                            wgmma_descriptor_moved(b_descriptor, units));
         }
       }
-      wgmma_commit();
-      wgmma_fence_operands(acc);
-      wgmma_wait<1>();
-      wgmma_fence_operands(acc);
-      // The group of the round before is complete in this warpgroup: its stage may be loaded again.
-      if (t > 0 && (threadIdx.x & 127) == 0) mbarrier_arrive(empty + 8 * ((round - 1) % stages));
+      ws_round_issued<stages>(acc, empty, round, t);
     }
-    wgmma_wait<0>();
-    wgmma_fence_operands(acc);
-    if ((threadIdx.x & 127) == 0) mbarrier_arrive(empty + 8 * ((round - 1) % stages));
+    ws_tile_done<stages>(acc, empty, round);
     conv_warp_epilogue(acc, exchange, tile.m0 + wg_m + (warp & 3) * 16, tile.n0 + wg_n, tile.split, p, y, z,
-                       alpha_vec, bias);
+                       alpha_vec, bias, GemmPixels{p.oh * p.ow, p.gemm_n});
   }
 }
 

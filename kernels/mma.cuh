@@ -90,6 +90,16 @@ __device__ __forceinline__ unsigned long long wgmma_descriptor(unsigned address)
          (static_cast<unsigned long long>(WGMMA_LEADING_BYTE_OFFSET_UNUSED) << 16) |
          (static_cast<unsigned long long>(WGMMA_SWIZZLE_ROWS * ROW_BYTES >> 4) << 32) | (swizzle << 62);
 }
+// A K-major operand without swizzle: 8-row core matrices of 16-byte rows, each 128
+// contiguous bytes (the pattern CUTLASS calls INTERLEAVE); `leading_bytes` from a core
+// matrix to the next along K (a k32 slice spans two), `stride_bytes` to the next 8 rows.
+// The start need only be 16-byte aligned, so a tile may begin at any row.
+__device__ __forceinline__ unsigned long long wgmma_descriptor_interleaved(unsigned address, unsigned leading_bytes,
+                                                                           unsigned stride_bytes) {
+  return static_cast<unsigned long long>((address & 0x3ffff) >> 4) |
+         (static_cast<unsigned long long>(leading_bytes >> 4) << 16) |
+         (static_cast<unsigned long long>(stride_bytes >> 4) << 32);
+}
 __device__ __forceinline__ unsigned long long wgmma_descriptor_sw64(unsigned address) {
   return wgmma_descriptor<64>(address);
 }
@@ -121,6 +131,15 @@ template <int pending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(pending) : "memory");
 }
+// Zeroes a warpgroup's wgmma accumulators.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void zero_accumulators(int (&acc)[ROWS][COLS][2]) {
+#pragma unroll
+  for (int h = 0; h < ROWS; ++h)
+#pragma unroll
+    for (int j = 0; j < COLS; ++j) acc[h][j][0] = acc[h][j][1] = 0;
+}
+
 // Pins the accumulators at this point of the program (no code is emitted): the
 // compiler may not move their reads or writes across it, so none lands while a
 // wgmma that writes them is in flight.

@@ -1,15 +1,17 @@
 """Runs every conv2d_int8 kernel once on small shapes, for compute-sanitizer
-(memcheck, racecheck): python scripts/sanitize_conv.py.
+(memcheck, racecheck): python scripts/sanitize_conv.py [NAME_PART], the kernels
+launched directly narrowed to those whose name holds NAME_PART where given.
 
 Every configuration the generator can produce (both policies' kernels, and on
-sm_90 every wgmma configuration, the persistent warp-specialised ones also on two
-blocks) on a shape with tails in GEMM_M, GEMM_N and GEMM_K, with and without split-K (the
+sm_90 every wgmma configuration and the shape's halo tiles, the persistent
+warp-specialised ones also on two blocks) on a shape with tails in GEMM_M, GEMM_N and GEMM_K, with and without split-K (the
 reduction kernel), then the public function through each policy with every
 out_dtype and the whole epilogue (bias, z, per-channel alpha, ReLU), and a
 1x7 filter with padding only at the sides. Prints each kernel's name."""
 from __future__ import annotations
 
 import os
+import sys
 
 import cupy
 import numpy
@@ -29,13 +31,15 @@ def main() -> None:
     x = rng.integers(-128, 128, (g.n, g.c // 32, g.h, g.w, 32), dtype=numpy.int8)
     w = rng.integers(-128, 128, (g.k, g.c // 32, g.r, g.s, 32), dtype=numpy.int8)
     resident = conv._resident_blocks
-    for spec in conv.all_specs(arch):
+    part = sys.argv[1] if len(sys.argv) > 1 else ""
+    for spec in [s for s in conv.all_specs(arch, (g,)) if part in s.name]:   # with g's halo tiles on sm_90
         # the persistent kernels also on two blocks: each walks many tiles, reusing its stages
         for blocks in (None, 2) if spec.tma else (None,):
             conv._resident_blocks = resident if blocks is None else lambda spec, device_id: blocks
             for splits in (1, 2):
-                per_split = -(-g.k_steps // splits)
-                chosen = conv.ConvPlan(spec, g, -(-g.k_steps // per_split), per_split, "sanitize", "auto")
+                steps = conv.split_steps(g, spec)
+                per_split = -(-steps // splits)
+                chosen = conv.ConvPlan(spec, g, -(-steps // per_split), per_split, "sanitize", "auto")
                 y = cupy.empty(g.output_shape, numpy.int8)
                 conv.launch(chosen, x, w, y, None, None, None, conv.Epilogue(alpha=1e-4))
                 cupy.cuda.Device().synchronize()

@@ -27,7 +27,8 @@ def exchange_swizzle(pixel):
 
 
 # kernels/mma.cuh's wgmma descriptor (tests check its constants against this)
-SWIZZLE_MODES = {64: 2, 128: 1}   # row bytes -> descriptor swizzle mode (64B, 128B)
+SWIZZLE_MODES = {32: 3, 64: 2, 128: 1}   # row bytes -> descriptor swizzle mode (32B, 64B, 128B)
+INTERLEAVED = 0               # descriptor mode without swizzle: 8 x 16-byte core matrices
 SWIZZLE_ROWS = 8              # stride-dimension byte offset: 8 rows
 LEADING_BYTE_OFFSET = 1       # unused for swizzled K-major layouts
 
@@ -45,14 +46,19 @@ def wgmma_descriptor_moved(descriptor: int, units: int) -> int:
 
 def wgmma_operand(shared: numpy.ndarray, descriptor: int, rows: int) -> numpy.ndarray:
     """(rows, 32) int8 operand of one wgmma k32 as the hardware reads it (PTX ISA, K-major
-    canonical layouts with the R-byte swizzle of the descriptor's mode, R = 64 or 128): row
-    r, byte k at start + (r // 8) * SBO + (r % 8) * R + k, then address bits 4.. XOR bits
-    7.. (CUTLASS's Swizzle<2,4,3> for 64B, Swizzle<3,4,3> for 128B)."""
+    canonical layouts). With the R-byte swizzle of the descriptor's mode (R = 32, 64 or
+    128): row r, byte k at start + (r // 8) * SBO + (r % 8) * R + k, then address bits 4..
+    XOR bits 7.. (CUTLASS's Swizzle<1,4,3>, <2,4,3>, <3,4,3>). Without swizzle: 8 x 16-byte
+    core matrices, row r, byte k at start + (r // 8) * SBO + (r % 8) * 16 + (k // 16) * LBO
+    + k % 16."""
     start = (descriptor & 0x3FFF) << 4
+    leading = ((descriptor >> 16) & 0x3FFF) << 4
     stride = ((descriptor >> 32) & 0x3FFF) << 4
-    row_bytes = {mode: row for row, mode in SWIZZLE_MODES.items()}[descriptor >> 62]
     assert (descriptor >> 49) & 7 == 0, "base offset 0"
     r, k = numpy.meshgrid(numpy.arange(rows), numpy.arange(32), indexing="ij")
+    if descriptor >> 62 == INTERLEAVED:
+        return shared[start + (r // 8) * stride + (r % 8) * 16 + (k // 16) * leading + k % 16]
+    row_bytes = {mode: row for row, mode in SWIZZLE_MODES.items()}[descriptor >> 62]
     address = start + (r // 8) * stride + (r % 8) * row_bytes + k
     return shared[address ^ (((address >> 7) & (row_bytes // 16 - 1)) << 4)]
 
@@ -310,3 +316,63 @@ def im2col_copy(x5: numpy.ndarray, layout, start: tuple, offsets: tuple) -> nump
         else:
             base[3] += 1
     return rows
+
+
+def halo_run(spec: ConvInt8Spec, g, x5: numpy.ndarray, w5: numpy.ndarray, splits: int = 1,
+             units_per_split: int = 0) -> numpy.ndarray:
+    """conv2d_int8_fprop_halo on the CPU, stage by stage: the copy engine's filter taps
+    (32-byte swizzle), the producer's copies of the input rows into two planes of
+    16-byte halves (its copy-to-slot map, zeros outside the image), each tap's wgmma
+    reading them through the descriptors the kernel builds (the B start moved by the
+    tap's shift), split-K partials summed, and the slots HaloPixels keeps. Raw int32
+    accumulators, NCHW32."""
+    tm, tn, wn, pitch = spec.tile_m, spec.tile_n, spec.warp_n, spec.halo_pitch
+    rows_out, rb, s, dh, dw = tn // pitch, spec.halo_filter_rows, spec.filter_width, spec.dilation_h, spec.dilation_w
+    taps = rb * s
+    halo_slots = (rows_out + (rb - 1) * dh) * pitch
+    slack = -(-(s - 1) * dw // 8) * 8
+    a_bytes, plane_bytes = taps * tm * 32, (halo_slots + slack) * 16
+    filter_rows = w5.reshape(g.k, -1)
+    group_units = g.r // rb
+    units = g.c // INTERLEAVE * group_units
+    units_per_split = units_per_split or units
+    out = numpy.zeros(g.output_shape, dtype=numpy.int64)
+    a_descriptor = wgmma_descriptor(0, 32)
+    for split in range(splits):
+        for image in range(g.n):
+            for oh0 in range(0, g.oh, rows_out):
+                for m0 in range(0, g.k, tm):
+                    acc = numpy.zeros((tm, tn), dtype=numpy.int64)
+                    for unit in range(split * units_per_split, min(units, (split + 1) * units_per_split)):
+                        shared = numpy.zeros(a_bytes + 2 * plane_bytes, dtype=numpy.int8)
+                        group, r0 = divmod(unit, group_units)
+                        for t in range(taps):   # the copy engine: box (32 bytes, tm rows), 32-byte swizzle
+                            for row in range(min(tm, g.k - m0)):
+                                chunk = filter_rows[m0 + row, (unit * taps + t) * 32:(unit * taps + t + 1) * 32]
+                                for v in range(2):
+                                    at = t * tm * 32 + tile_offset(row, v, 32)
+                                    shared[at:at + 16] = chunk[16 * v:16 * v + 16]
+                        ih0 = oh0 - g.padding[0] + r0 * rb * dh
+                        for c in range(2 * halo_slots):   # the producer's copies
+                            half, slot = (c >> 3) & 1, (c & 7) + ((c >> 4) << 3)
+                            ih, iw = ih0 + slot // pitch, slot % pitch - g.padding[1]
+                            if 0 <= ih < g.h and 0 <= iw < g.w:
+                                at = a_bytes + half * plane_bytes + slot * 16
+                                shared[at:at + 16] = x5[image, group, ih, iw, 16 * half:16 * half + 16]
+                        for wg_m in range(0, tm, 64):
+                            for wg_n in range(0, tn, wn):
+                                b_descriptor = (((a_bytes + wg_n * 16) >> 4) | ((plane_bytes >> 4) << 16)
+                                                | ((128 >> 4) << 32))
+                                for t in range(taps):
+                                    i, col = divmod(t, s)
+                                    a = wgmma_operand(shared, wgmma_descriptor_moved(
+                                        a_descriptor, (t * tm * 32 + wg_m * 32) >> 4), 64)
+                                    b = wgmma_operand(shared, wgmma_descriptor_moved(
+                                        b_descriptor, i * dh * pitch + col * dw), wn)
+                                    acc[wg_m:wg_m + 64, wg_n:wg_n + wn] += a.astype(numpy.int64) @ b.T.astype(numpy.int64)
+                    for j in range(tn):   # HaloPixels: the slots inside the output
+                        oh, ow = oh0 + j // pitch, j % pitch
+                        if ow < g.ow and oh < g.oh:
+                            for m in range(m0, min(m0 + tm, g.k)):
+                                out[image, m // 32, oh, ow, m % 32] += acc[m - m0, j]
+    return out.astype(numpy.int32)

@@ -18,7 +18,7 @@ import cupyops
 from cupyops import jit, tensor_map, tune
 from cupyops.launch import Target
 from cupyops.ops import conv2d_int8 as conv
-from cupyops.ops import conv_layout, conv_tma
+from cupyops.ops import conv_halo, conv_layout, conv_tma
 from cupyops.ops import conv_reference as ref
 from cupyops.ops import mma_peak
 from cupyops.ops.conv_layout import ConvGeometry
@@ -348,6 +348,9 @@ def test_candidates_are_structurally_valid(profile, geometry):
         spec = chosen.spec
         threads = spec.threads_per_block
         assert threads <= 1024 and spec.smem_bytes <= facts.smem_per_block_optin
+        if spec.tma == "halo":
+            _check_halo(geometry, chosen)
+            continue
         if spec.tma:   # consumer warpgroups, then the producer's, whose 128 threads copy whole B rows (32 bytes)
             assert threads == (spec.tile_m // 64) * (spec.tile_n // spec.warp_n) * 128 + 128, spec.name
             assert spec.tile_n % 64 == 0 and spec.tile_n <= 256, spec.name
@@ -364,6 +367,71 @@ def test_candidates_are_structurally_valid(profile, geometry):
     assert any(c["tma"] for c in found) == (facts.arch == "sm_90")
     rule = conv.default_candidate(geometry, facts.sm_count, facts.smem_per_block_optin, facts.arch)
     assert rule in found and rule["wgmma"] == (facts.arch == "sm_90") and not rule["tma"]
+
+
+def _check_halo(g, chosen):
+    """A halo tile: stride 1, rows of at least OW plus the filter's reach, one or two
+    warpgroups of whole 8-slot groups along N, a stage per filter row or per filter,
+    shared memory as the kernel lays it out, split-K covering GEMM_K's units."""
+    spec = chosen.spec
+    pitch, rows = spec.halo_pitch, spec.tile_n // spec.halo_pitch
+    assert g.stride == (1, 1) and pitch >= g.ow + (g.s - 1) * g.dilation[1] and pitch % 8 == 0
+    assert spec.tile_n == rows * pitch <= 512 and rows <= g.oh and spec.warp_n % 16 == 0 and spec.warp_n <= 256
+    assert spec.threads_per_block == (spec.tile_m // 64) * (spec.tile_n // spec.warp_n) * 128 + 128 <= 384
+    assert spec.halo_filter_rows in (1, g.r) and spec.filter_width == g.s
+    assert (spec.dilation_h, spec.dilation_w) == g.dilation and spec.stages >= 3
+    slots = spec.tile_n + (spec.halo_filter_rows - 1) * g.dilation[0] * pitch + -(-(g.s - 1) * g.dilation[1] // 8) * 8
+    stage = -(-(spec.halo_filter_rows * g.s * spec.tile_m * 32 + 2 * slots * 16) // 1024) * 1024
+    assert spec.smem_bytes == spec.stages * stage + spec.consumer_warps * 1024 + 1024
+    units = g.c // 32 * g.r // spec.halo_filter_rows
+    assert conv.split_steps(g, spec) == units
+    assert (chosen.splits - 1) * chosen.steps_per_split < units <= chosen.splits * chosen.steps_per_split
+
+
+HALO_GEOMETRIES = [ConvGeometry(1, 64, 6, 7, 64, 3, 3, (1, 1), (1, 1)),
+                   ConvGeometry(2, 32, 9, 10, 96, 3, 3, (1, 1), (2, 1), (2, 1)),   # dilated rows, M tail
+                   ConvGeometry(1, 32, 5, 12, 32, 1, 5, (1, 1), (0, 2))]          # one filter row
+
+
+@pytest.mark.parametrize("geometry", HALO_GEOMETRIES)
+def test_halo_model_matches_the_reference(rng, geometry):
+    """Every halo tile of the geometry, whole and split in three, through the NumPy model
+    of its copies, descriptors and pixels (tests/conv_emulation.py, halo_run)."""
+    g = geometry
+    x, w = _random(rng, (g.n, g.c, g.h, g.w)), _random(rng, (g.k, g.c, g.r, g.s))
+    x5, w5 = cupyops.to_nchw32(x), cupyops.pack_conv_filter(w)
+    expected = ref.accumulators(x, w, g.stride, g.padding, g.dilation)
+    configs = conv.halo_configs(g, Target.profile("h100").facts.smem_per_block_optin)
+    assert {c.halo_filter_rows for c in configs} == {1, g.r}
+    for config in configs:
+        spec = conv.spec_for(config, "auto", "sm_90")
+        units = conv.split_steps(g, spec)
+        for splits in (1, 3):
+            per_split = -(-units // splits)
+            got = cupyops.from_nchw32(conv_emulation.halo_run(spec, g, x5, w5, -(-units // per_split), per_split))
+            bad = numpy.argwhere(got != expected)
+            assert not len(bad), f"{spec.name} splits {splits}: first mismatch at {bad[0].tolist()}"
+
+
+def test_halo_tiles_only_where_rows_are_shared():
+    """Stride 1 and filters wider than a column, rows of at most 256 slots; elsewhere no
+    halo candidate, and the default rule never takes one."""
+    facts = Target.profile("h100").facts
+    assert conv_halo.fits(RESNET_3X3) and conv_halo.fits(ConvGeometry(1, 32, 8, 8, 32, 1, 7, padding=(0, 3)))
+    for g in (ConvGeometry(64, 128, 56, 56, 128, 3, 3, (2, 2), (1, 1)), ConvGeometry(64, 256, 56, 56, 64, 1, 1),
+              ConvGeometry(1, 32, 8, 8, 32, 7, 1, padding=(3, 0)), ConvGeometry(1, 32, 8, 300, 32, 3, 3)):
+        assert not conv_halo.fits(g) and not conv.halo_configs(g, facts.smem_per_block_optin)
+        found = conv.candidates(g, facts.sm_count, facts.smem_per_block_optin, facts.arch)
+        assert found and not any(c["tma"] == "halo" for c in found)
+    found = conv.candidates(RESNET_3X3, facts.sm_count, facts.smem_per_block_optin, facts.arch)
+    assert any(c["tma"] == "halo" for c in found)
+    assert not conv.candidates(RESNET_3X3, 108, 166912, "sm_80") or not any(
+        c["tma"] for c in conv.candidates(RESNET_3X3, 108, 166912, "sm_80"))
+    assert conv.default_candidate(RESNET_3X3, facts.sm_count, facts.smem_per_block_optin, facts.arch)["tma"] == ""
+    halo = next(c for c in found if c["tma"] == "halo")
+    explained = conv.plan_from(RESNET_3X3, halo, "sm_90", "tuned").explain()
+    assert explained["persistent"] and "once for" in explained["copy"] and "_ws_halo_p64_r" in explained["kernel"]
+    assert explained["grid"][0] == conv_halo.tiles(RESNET_3X3, halo["tile_m"], halo["tile_n"] // halo["halo_pitch"])
 
 
 def test_wgmma_runs_on_sm_90_alone():
@@ -452,7 +520,10 @@ def test_tuning_table_sits_beside_cupys_cache(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_configuration_compiles_without_spills(arch):
-    specs = conv.all_specs(arch) + [conv.SplitReduceSpec()] + mma_peak.peak_specs(arch)
+    from cli.conv import compiled_specs
+
+    specs = compiled_specs(arch)   # on sm_90 with the halo tiles of the bench's layers
+    assert any(s.tma == "halo" for s in specs if isinstance(s, conv.ConvInt8Spec)) == (arch == "sm_90")
     assert {s.instruction for s in specs if isinstance(s, conv.ConvInt8Spec)} == \
         {"m8n8k16", "m16n8k32"} | ({"wgmma"} if arch == "sm_90" else set())
     failures = []

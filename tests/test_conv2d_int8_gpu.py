@@ -185,6 +185,36 @@ def test_warp_specialised_kernels_every_shape(rng, monkeypatch, shape, tma):
                 _check_exact(y, acc, f"{spec.name} splits {chosen.splits} blocks {blocks or 'resident'}")
 
 
+@pytest.mark.parametrize("shape", [s for s in SHAPES if _geometry(s).stride == (1, 1) and _geometry(s).s > 1])
+def test_halo_kernels_every_shape(rng, monkeypatch, shape):
+    """Every halo tile the generator yields for each stride-1 shape above (whole input
+    rows in shared memory, read once for a filter row's taps or all of them), whole
+    and split along GEMM_K in three, into poisoned outputs; on their persistent grid
+    and on two blocks, each then walking many tiles and splits."""
+    import cupy
+
+    if Target.live(cupy.cuda.runtime.getDevice()).facts.arch != conv.WGMMA_ARCH:
+        pytest.skip("halo tiles are sm_90a code")
+    g = _geometry(shape)
+    x, w = _inputs(rng, g)
+    acc = ref.accumulators(x, w, g.stride, g.padding, g.dilation)
+    x5, w5 = cupy.asarray(cupyops.to_nchw32(x)), cupy.asarray(cupyops.pack_conv_filter(w))
+    configs = conv.halo_configs(g, Target.live(cupy.cuda.runtime.getDevice()).facts.smem_per_block_optin)
+    assert configs, f"no halo tile for {g}"
+    resident = conv._resident_blocks
+    for blocks in (None, 2):
+        monkeypatch.setattr(conv, "_resident_blocks", resident if blocks is None else lambda spec, device_id: blocks)
+        for config in configs:
+            spec = conv.spec_for(config, "auto", conv.WGMMA_ARCH)
+            steps = conv.split_steps(g, spec)
+            for splits in (1, 3):
+                per_split = -(-steps // splits)
+                chosen = conv.ConvPlan(spec, g, -(-steps // per_split), per_split, "test", "auto")
+                y = cupy.full(g.output_shape, -7, dtype=numpy.int32)
+                conv.launch(chosen, x5, w5, y, None, None, None, conv.Epilogue(out_dtype="int32"))
+                _check_exact(y, acc, f"{spec.name} splits {chosen.splits} blocks {blocks or 'resident'}")
+
+
 GENERATOR_SHAPES = [SHAPES[2], SHAPES[7], (2, 96, 19, 17, 160, 3, 3, 1, 1, 1), SHAPES[10]]
 
 
@@ -212,9 +242,10 @@ def test_every_candidate_of_the_generator(rng, shape, out_dtype):
     facts = Target.live(cupy.cuda.runtime.getDevice()).facts
     found = conv.candidates(g, facts.sm_count, facts.smem_per_block_optin, facts.arch)
     assert any(c["wgmma"] for c in found) == (facts.arch == conv.WGMMA_ARCH)
-    for candidate in found + [{**c, "splits": 3, "steps_per_split": -(-g.k_steps // 3)} for c in found]:
+    split = [{**c, "splits": 3, "steps_per_split": -(-conv.split_steps(g, conv._config(c)) // 3)} for c in found]
+    for candidate in found + split:
         chosen = conv.plan_from(g, candidate, facts.arch, "test")
-        if (chosen.splits - 1) * chosen.steps_per_split >= g.k_steps:
+        if (chosen.splits - 1) * chosen.steps_per_split >= conv.split_steps(g, chosen.spec):
             continue   # a split would be empty
         y = cupy.full(g.output_shape, -7 if out_dtype == "int32" else 77, dtype=out_dtype)   # poisoned
         conv.launch(chosen, x5, w5, y, *arrays, epilogue)

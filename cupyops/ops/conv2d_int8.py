@@ -27,7 +27,7 @@ import numpy
 from .. import arrays, device, jit, tune
 from ..launch import LaunchCache, Target, live_function
 from ..profile import profile_for
-from . import conv_layout, conv_tma
+from . import conv_halo, conv_layout, conv_tma
 from .conv_layout import INTERLEAVE, OUT_KINDS, ConvGeometry
 
 OP = "conv2d_int8"
@@ -42,6 +42,8 @@ SM_MAX_THREADS = 2048
 REDUCE_THREADS = 256
 MAX_SPLITS = 16
 MIN_STEPS_PER_SPLIT = 4
+HALO_FIELDS = ("halo_pitch", "halo_filter_rows", "filter_width", "dilation_h", "dilation_w")
+HALO_SMEM_LIMIT = 232448     # sm_90's opt-in shared memory a block: all_specs' halo tiles
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,13 @@ class ConvInt8Spec(jit.KernelSpec):
     stages: int
     async_copy: bool         # cp.async multistage, else registers (two stages)
     step_bytes: int = STEP_BYTES   # GEMM_K bytes a stage holds per row (wgmma: 64 or 128)
-    tma: str = ""            # warp-specialised wgmma: the copy engine brings the "filter" or both ("im2col")
+    tma: str = ""            # warp-specialised wgmma: the copy engine brings the "filter" or both ("im2col"),
+    #                          or the filter beside whole input rows ("halo": conv_halo)
+    halo_pitch: int = 0      # halo: slots of a tile's row (tile_n / halo_pitch rows)
+    halo_filter_rows: int = 0   # halo: filter rows a stage holds (1 or R)
+    filter_width: int = 0    # halo: S (a stage's MMAs: halo_filter_rows x S)
+    dilation_h: int = 0      # halo: the shift from one filter row to the next, in rows
+    dilation_w: int = 0      # halo: the shift from one filter column to the next, in slots
 
     @property
     def wgmma(self) -> bool:
@@ -82,7 +90,9 @@ class ConvInt8Spec(jit.KernelSpec):
         copy = "cpasync" if self.async_copy else "ldg"
         if self.wgmma:   # the descriptors' swizzle is the stage's row (a chunk's, for the copy engine)
             groups = f"wg{self.tile_m // self.warp_m}x{self.tile_n // self.warp_n}"
-            copy = {"im2col": "ws_tma_im2col_sw32", "filter": f"ws_tma_cpasync_sw{self.step_bytes}"}.get(
+            copy = {"im2col": "ws_tma_im2col_sw32", "filter": f"ws_tma_cpasync_sw{self.step_bytes}",
+                    "halo": f"ws_halo_p{self.halo_pitch}_r{self.halo_filter_rows}x{self.filter_width}"
+                            f"_d{self.dilation_h}x{self.dilation_w}"}.get(
                 self.tma, f"{copy}_sw{self.step_bytes}")
         else:
             groups = f"w{self.warp_m}x{self.warp_n}x{self.step_bytes}"
@@ -102,6 +112,9 @@ class ConvInt8Spec(jit.KernelSpec):
     @property
     def smem_bytes(self) -> int:
         stages = self.stages * (self.tile_m + self.tile_n) * self.step_bytes
+        if self.tma == "halo":
+            stages = self.stages * conv_halo.stage_bytes(self.tile_m, self.tile_n, self.halo_pitch, self.halo_filter_rows,
+                                                         self.filter_width, (self.dilation_h, self.dilation_w))
         # warp-specialised kernels keep each consumer warp's epilogue exchange apart from the stages
         exchange = self.consumer_warps * EXCHANGE_BYTES if self.tma else 0
         return stages + exchange + (WGMMA_ALIGN_SLACK if self.wgmma else 0)
@@ -114,7 +127,9 @@ class ConvInt8Spec(jit.KernelSpec):
     def template_args(self) -> dict:
         return dict(tile_m=self.tile_m, tile_n=self.tile_n, warp_m=self.warp_m, warp_n=self.warp_n,
                     k32=self.instruction == "m16n8k32", wgmma=self.wgmma, stages=self.stages,
-                    async_copy=self.async_copy, step_bytes=self.step_bytes, tma=self.tma, split_reduce=False)
+                    async_copy=self.async_copy, step_bytes=self.step_bytes, tma=self.tma, halo_pitch=self.halo_pitch,
+                    halo_filter_rows=self.halo_filter_rows, filter_width=self.filter_width,
+                    dilation_h=self.dilation_h, dilation_w=self.dilation_w, split_reduce=False)
 
 
 @dataclass(frozen=True)
@@ -145,6 +160,11 @@ class TileConfig:
     wgmma: bool = False
     step_bytes: int = STEP_BYTES
     tma: str = ""
+    halo_pitch: int = 0
+    halo_filter_rows: int = 0
+    filter_width: int = 0
+    dilation_h: int = 0
+    dilation_w: int = 0
 
     @property
     def area(self) -> int:
@@ -192,7 +212,7 @@ def spec_for(config: TileConfig, policy: str, arch: str) -> ConvInt8Spec:
         if policy != "auto" or arch != WGMMA_ARCH:
             raise ValueError(f"wgmma configurations run on {WGMMA_ARCH} under policy='auto' only, not {arch}")
         return ConvInt8Spec(WGMMA, config.tile_m, config.tile_n, config.warp_m, config.warp_n, config.stages, True,
-                            config.step_bytes, config.tma)
+                            config.step_bytes, config.tma, *(getattr(config, name) for name in HALO_FIELDS))
     if policy == "megengine" or int(arch.removeprefix("sm_")) < 80:
         return ConvInt8Spec("m8n8k16", config.tile_m, config.tile_n, config.warp_m, config.warp_n, 2, False)
     return ConvInt8Spec("m16n8k32", config.tile_m, config.tile_n, config.warp_m, config.warp_n,
@@ -205,24 +225,45 @@ def auto_configs(arch: str) -> tuple:
     return (TMA_CONFIGS + WGMMA_CONFIGS if arch == WGMMA_ARCH else ()) + AUTO_CONFIGS
 
 
-def all_specs(arch: str) -> list:
-    """Every kernel the planner can choose on `arch`: both policies' configurations."""
+def halo_configs(geometry: ConvGeometry, smem_limit: int) -> tuple:
+    """The halo tiles (conv_halo) worth timing for `geometry` on sm_90."""
+    return tuple(TileConfig(tm, tn, 64, wn, stages, True, 32, "halo", pitch, rows, geometry.s, *geometry.dilation)
+                 for tm, tn, wn, stages, pitch, rows in conv_halo.configs(geometry, smem_limit, EXCHANGE_BYTES))
+
+
+def all_specs(arch: str, geometries: tuple = ()) -> list:
+    """Every kernel the planner can choose on `arch`: both policies' configurations,
+    and on sm_90 the halo tiles of `geometries` (those depend on the shape)."""
     specs = [spec_for(c, "megengine", arch) for c in MEGENGINE_LADDER]
     specs += [spec_for(c, "auto", arch) for c in auto_configs(arch)]
+    if arch == WGMMA_ARCH:
+        specs += [spec_for(c, "auto", arch) for g in geometries for c in halo_configs(g, HALO_SMEM_LIMIT)]
     return list(dict.fromkeys(specs))
 
 
-def _grid_tiles(geometry: ConvGeometry, config: TileConfig) -> int:
+def _grid_tiles(geometry: ConvGeometry, config) -> int:
+    """Tiles of `config`'s (or a spec's) grid, a split's worth."""
+    if config.tma == "halo":
+        return conv_halo.tiles(geometry, config.tile_m, config.tile_n // config.halo_pitch)
     m, n, _ = geometry.gemm
     return -(-m // config.tile_m) * -(-n // config.tile_n)
 
 
-def split_k(geometry: ConvGeometry, tiles: int, sm_count: int, granule: int = 1) -> tuple:
+def split_steps(geometry: ConvGeometry, config) -> int:
+    """GEMM_K in the steps `config`'s (or a spec's) kernel splits it by: 64-byte
+    steps, or a halo tile's units."""
+    if config.tma == "halo":
+        return conv_halo.units(geometry, config.halo_filter_rows)
+    return geometry.k_steps
+
+
+def split_k(geometry: ConvGeometry, tiles: int, sm_count: int, granule: int = 1, steps: int = 0) -> tuple:
     """(splits, steps per split): GEMM_K split across blocks where `tiles` blocks
     leave SMs idle, each split at least MIN_STEPS_PER_SPLIT steps, none empty, and
     a multiple of `granule` steps (a kernel's stage: one straddling two splits would
-    load zeros for the part past its own)."""
-    steps = geometry.k_steps
+    load zeros for the part past its own). `steps`: GEMM_K's steps where they are
+    not 64-byte ones (halo tiles count units)."""
+    steps = steps or geometry.k_steps
     if tiles >= sm_count:
         return 1, steps
     wanted = min(MAX_SPLITS, -(-sm_count // tiles), max(1, steps // MIN_STEPS_PER_SPLIT))
@@ -235,15 +276,17 @@ def candidates(geometry: ConvGeometry, sm_count: int, smem_limit: int, arch: str
     up to the next tile, or the smallest tile of the instruction: 32, 64 for wgmma;
     shared memory within the limit), each with and without split-K."""
     found = []
-    for config in auto_configs(arch):
+    halo = halo_configs(geometry, smem_limit) if arch == WGMMA_ARCH else ()
+    for config in halo + auto_configs(arch):
         if config.tile_m > max(64 if config.wgmma else 32, 1 << (geometry.k - 1).bit_length()) or \
                 spec_for(config, "auto", arch).smem_bytes > smem_limit or \
                 (config.tma == "im2col" and not conv_tma.fits(geometry)):
             continue
         # warp-specialised rounds start anywhere; a cp.async stage must not straddle two splits
         granule = 1 if config.tma else config.step_bytes // STEP_BYTES
-        splits, per_split = split_k(geometry, _grid_tiles(geometry, config), sm_count, granule)
-        found.append({**asdict(config), "splits": 1, "steps_per_split": geometry.k_steps})
+        steps = split_steps(geometry, config)
+        splits, per_split = split_k(geometry, _grid_tiles(geometry, config), sm_count, granule, steps)
+        found.append({**asdict(config), "splits": 1, "steps_per_split": steps})
         if splits > 1:
             found.append({**asdict(config), "splits": splits, "steps_per_split": per_split})
     return found
@@ -274,7 +317,7 @@ def _config(candidate: dict) -> TileConfig:
     # tables written before wgmma (128-byte steps, the copy engine) hold no "wgmma" ("step_bytes", "tma") key
     return TileConfig(*(candidate[name] for name in ("tile_m", "tile_n", "warp_m", "warp_n", "stages")),
                       candidate.get("wgmma", False), candidate.get("step_bytes", STEP_BYTES),
-                      candidate.get("tma", ""))
+                      candidate.get("tma", ""), *(candidate.get(name, 0) for name in HALO_FIELDS))
 
 
 @dataclass(frozen=True)
@@ -293,8 +336,7 @@ class ConvPlan:
 
     @property
     def grid(self) -> tuple:
-        m, n, _ = self.geometry.gemm
-        return (-(-n // self.spec.tile_n) * -(-m // self.spec.tile_m), 1, self.splits)
+        return (_grid_tiles(self.geometry, self.spec), 1, self.splits)
 
     def explain(self) -> dict:
         m, n, k = self.geometry.gemm
@@ -307,7 +349,9 @@ class ConvPlan:
                 else f"mma.sync.{spec.instruction}.s8",
                 "tile": f"{self.spec.tile_m}x{self.spec.tile_n}x{self.spec.step_bytes}", **groups,
                 "stages": self.spec.stages,
-                "copy": {"im2col": "copy engine (filter, im2col)", "filter": "copy engine (filter), cp.async"}.get(
+                "copy": {"im2col": "copy engine (filter, im2col)", "filter": "copy engine (filter), cp.async",
+                         "halo": f"copy engine (filter), cp.async (rows of {spec.halo_pitch} slots, once for "
+                                 f"{spec.halo_filter_rows} x {spec.filter_width} taps)"}.get(
                     spec.tma, "cp.async" if spec.async_copy else "registers"),
                 "split_k": self.splits, "block": list(self.block), "grid": list(self.grid),
                 # warp-specialised kernels launch the blocks the GPU holds at once, each walking tiles

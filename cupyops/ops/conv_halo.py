@@ -1,0 +1,81 @@
+"""Halo tiles of the int8 convolution (sm_90, kernels/conv_int8.cuh,
+conv2d_int8_fprop_halo): a block's GEMM_N is `rows` whole output rows of one
+image, each `pitch` slots wide (its OW pixels, then slots whose results are
+dropped), so that the input rows a stage's filter rows read sit in shared
+memory once for all their taps: tap (i, s) reads them shifted by i rows and
+s columns (times the dilation). A stage holds one filter row, or all R where
+they fit. Stride 1 only (a shift must be whole slots); filters one column wide
+have little to share. This module says which convolutions fit, the tiles worth
+timing and what a tile costs in shared memory."""
+from __future__ import annotations
+
+from .conv_layout import ConvGeometry
+
+SLOT_BYTES = 16               # one half of a pixel's 32 channels: the planes' row
+MAX_TILE_N = 512              # slots of a tile: two warpgroups of 256
+MAX_WARP_N = 256
+MAX_CONSUMERS = 2             # consumer warpgroups: their accumulators share an SM's registers
+STAGE_ALIGN = 1024
+MAX_STAGES = 8
+
+
+def fits(geometry: ConvGeometry) -> bool:
+    """Whether halo tiles can compute this convolution."""
+    g = geometry
+    return g.stride == (1, 1) and g.s > 1 and least_pitch(g) <= MAX_WARP_N
+
+
+def least_pitch(geometry: ConvGeometry) -> int:
+    """Slots a row needs: OW pixels and the shift of the last filter column."""
+    return geometry.ow + (geometry.s - 1) * geometry.dilation[1]
+
+
+def stage_bytes(tile_m: int, tile_n: int, pitch: int, filter_rows: int, filter_width: int, dilation: tuple) -> int:
+    """Shared memory of one stage: its filter_rows x filter_width taps, then both
+    planes of its input rows with their slack (the shift of the last row's tiles),
+    1 KB aligned."""
+    slack = -(-(filter_width - 1) * dilation[1] // 8) * 8
+    slots = tile_n + (filter_rows - 1) * dilation[0] * pitch + slack
+    raw = filter_rows * filter_width * tile_m * 32 + 2 * slots * SLOT_BYTES
+    return -(-raw // STAGE_ALIGN) * STAGE_ALIGN
+
+
+def tiles(geometry: ConvGeometry, tile_m: int, rows: int) -> int:
+    """Tiles of a grid: GEMM_M tiles x row blocks x images."""
+    return -(-geometry.k // tile_m) * -(-geometry.oh // rows) * geometry.n
+
+
+def units(geometry: ConvGeometry, filter_rows: int) -> int:
+    """GEMM_K in units of one channel group and `filter_rows` filter rows (a stage each)."""
+    return geometry.c // 32 * geometry.r // filter_rows
+
+
+def configs(geometry: ConvGeometry, smem_limit: int, exchange_bytes: int) -> list:
+    """(tile_m, tile_n, warp_n, stages, pitch, filter_rows) worth timing: pitches of
+    the fewest slots rounded to 8 and to 16, as many rows as one or two warpgroups
+    of at most 256 slots hold (no more rows than OH), 64 or 128 channels (no more
+    than K needs), stages of one filter row or all R, and as many stages (at least
+    3, up to MAX_STAGES) as shared memory holds."""
+    if not fits(geometry):
+        return []
+    least = least_pitch(geometry)
+    found = []
+    for pitch in sorted({-(-least // 8) * 8, -(-least // 16) * 16}):
+        for groups_n in (1, 2):
+            rows = min(geometry.oh, MAX_WARP_N * groups_n // pitch)
+            while rows and (rows * pitch) % (16 * groups_n):
+                rows -= 1
+            if not rows:
+                continue
+            tile_n = rows * pitch
+            for tile_m in (64, 128):
+                if tile_m > max(64, geometry.k) or (tile_m // 64) * groups_n > MAX_CONSUMERS:
+                    continue
+                for filter_rows in sorted({1, geometry.r}):
+                    per_stage = stage_bytes(tile_m, tile_n, pitch, filter_rows, geometry.s, geometry.dilation)
+                    consumer_warps = 4 * (tile_m // 64) * groups_n
+                    room = smem_limit - STAGE_ALIGN - consumer_warps * exchange_bytes
+                    stages = min(MAX_STAGES, room // per_stage)
+                    if stages >= 3:
+                        found.append((tile_m, tile_n, tile_n // groups_n, stages, pitch, filter_rows))
+    return list(dict.fromkeys(found))

@@ -1,0 +1,148 @@
+// Halo tiles of the int8 convolution (sm_90a): whole output rows of one image a
+// tile, so that the input rows a stage's filter taps read sit in shared memory
+// once for all of them (cupyops/ops/conv_halo.py chooses the tiles).
+#pragma once
+#include "conv_int8.cuh"
+
+namespace cupyops {
+
+// A halo tile: TM output channels from m0 by ROWS output rows from oh0 of one image,
+// each row PITCH slots (its OW pixels, then slots whose results are dropped); GEMM_K
+// in units (a channel group and RB filter rows), `units` of them from unit_begin.
+template <int TM, int ROWS>
+struct HaloTile {
+  int m0, image, oh0, unit_begin, units, split;
+  // Tile `job`: GEMM_M tiles fastest, then row blocks, then images, then splits
+  // (p.steps_per_split counts units here); group_units units a channel group.
+  __device__ __forceinline__ HaloTile(const ConvParams& p, int job, int group_units) {
+    const int m_tiles = (p.gemm_m + TM - 1) / TM, row_blocks = (p.oh + ROWS - 1) / ROWS;
+    const int tiles = m_tiles * row_blocks * p.n;
+    split = job / tiles;
+    const int index = job - split * tiles, n_tile = index / m_tiles;
+    m0 = (index - n_tile * m_tiles) * TM;
+    image = n_tile / row_blocks;
+    oh0 = (n_tile - image * row_blocks) * ROWS;
+    unit_begin = split * p.steps_per_split;
+    units = min(p.c32 * group_units, unit_begin + p.steps_per_split) - unit_begin;
+  }
+};
+
+// Slot j of a halo tile's rows as an output pixel: false for the slots past OW and
+// the rows past OH.
+template <int PITCH>
+struct HaloPixels {
+  int image, oh0, oh, ow;
+  __device__ __forceinline__ bool locate(int j, int& image_, int& rest) const {
+    const int row = j / PITCH, col = j - row * PITCH;
+    if (col >= ow || oh0 + row >= oh) return false;
+    image_ = image;
+    rest = (oh0 + row) * ow + col;
+    return true;
+  }
+};
+
+// One block's tiles by wgmma (sm_90a), warp-specialised, each input row read once
+// for several filter taps (stride 1): a tile is TM output channels by ROWS output
+// rows of one image (HaloTile), GEMM_N = ROWS x PITCH slots. A stage holds one unit
+// of GEMM_K, channel group g and filter rows r0 .. r0 + RB - 1: their RB x S filter
+// taps (TM x 32 bytes each, 32-byte swizzle, copied by the copy engine) and the
+// ROWS + (RB - 1) DH input rows from oh0 - pad_h + r0 DH, slot j of a row holding
+// input column j - pad_w (zeros outside the image), as two planes of 16-byte halves
+// of the 32 channels, [half][slot], without swizzle (copied by the producer's 128
+// threads, cp.async). Tap (r0 + i, s) reads B from slot j + i DH PITCH + s DW: the
+// descriptor's start moves, the data stays. SLACK slots past the rows keep the
+// moved tiles of the last row in the stage (what they read only reaches dropped
+// slots). Pipeline and barriers as conv2d_int8_fprop_tma; persistent likewise.
+template <int TM, int ROWS, int PITCH, int WN, int RB, int S, int DH, int DW, int stages>
+__device__ __forceinline__ void conv2d_int8_fprop_halo(const TensorMap& filter_map, const signed char* x, void* y,
+                                                       const signed char* z, const float* alpha_vec,
+                                                       const void* bias, const ConvParams& p) {
+  constexpr int TN = ROWS * PITCH;
+  constexpr int CONSUMERS = (TM / 64) * (TN / WN), PRODUCERS = 128;
+  constexpr int TAPS = RB * S;                               // MMAs of a stage
+  constexpr int HALO_SLOTS = (ROWS + (RB - 1) * DH) * PITCH;
+  constexpr int SLACK = ((S - 1) * DW + 7) / 8 * 8;
+  constexpr int A_BYTES = TAPS * TM * 32;
+  constexpr int PLANE_BYTES = (HALO_SLOTS + SLACK) * 16;     // one half of every slot's channels
+  constexpr int STAGE_BYTES = (A_BYTES + 2 * PLANE_BYTES + 1023) / 1024 * 1024;
+  constexpr int COPIES = 2 * HALO_SLOTS;                     // 16-byte copies of a stage's rows
+  static_assert(TM % 64 == 0 && TN % WN == 0 && WN % 16 == 0 && WN <= 256 && TN % 8 == 0 && PITCH % 8 == 0,
+                "warpgroup tile");
+  static_assert(CONSUMERS <= 4, "at most four consumer warpgroups");
+  extern __shared__ int4 conv_shared[];
+  __shared__ unsigned long long barriers[2 * stages];   // full[s], then empty[s]
+  const unsigned raw_base = shared_address(conv_shared);
+  const unsigned shared_base = (raw_base + 1023u) & ~1023u;
+  const unsigned full = shared_address(barriers), empty = full + 8 * stages;
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);
+  const int group_units = p.taps / TAPS;                     // R / RB
+  const int jobs = (p.gemm_m + TM - 1) / TM * ((p.oh + ROWS - 1) / ROWS) * p.n * p.splits;
+  ws_barriers_init<stages>(full, 1 + PRODUCERS, CONSUMERS);
+
+  if (warpgroup == CONSUMERS) {   // the producer
+    const int thread = threadIdx.x - CONSUMERS * 128;
+    // Copy c of a stage: half (c >> 3) & 1 of slot (c & 7) + 8 (c >> 4): eight threads
+    // write 128 contiguous bytes of a plane, a warp reads 16 whole pixels.
+    unsigned round = 0;
+    for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
+      const HaloTile<TM, ROWS> tile(p, job, group_units);
+      for (int u = 0; u < tile.units; ++u, ++round) {
+        const unsigned s = round % stages;
+        if (round >= stages) mbarrier_wait(empty + 8 * s, ((round / stages) + 1) & 1);
+        const unsigned stage = shared_base + s * STAGE_BYTES;
+        const int unit = tile.unit_begin + u, group = unit / group_units;
+        if (thread == 0) {   // the unit's taps are TAPS consecutive chunks of a filter row
+          mbarrier_arrive_expect_tx(full + 8 * s, A_BYTES);
+#pragma unroll
+          for (int t = 0; t < TAPS; ++t) {
+            tma_load_2d(stage + t * TM * 32, filter_map, (unit * TAPS + t) * 32, tile.m0, full + 8 * s);
+          }
+        }
+        const int ih0 = tile.oh0 - p.pad_h + (unit - group * group_units) * RB * DH;
+        const signed char* plane = x + static_cast<int64>(tile.image * p.c32 + group) * p.h * p.w * 32;
+        for (int c = thread; c < COPIES; c += PRODUCERS) {
+          const int half = (c >> 3) & 1, slot = (c & 7) + ((c >> 4) << 3);
+          const int row = slot / PITCH, ih = ih0 + row, iw = slot - row * PITCH - p.pad_w;
+          const bool inside = ih >= 0 && ih < p.h && iw >= 0 && iw < p.w;
+          cp_async_16(stage + A_BYTES + half * PLANE_BYTES + slot * 16,
+                      inside ? plane + (ih * p.w + iw) * 32 + half * 16 : x, inside ? 16 : 0);
+        }
+        cp_async_mbarrier_arrive_noinc(full + 8 * s);
+      }
+    }
+    return;
+  }
+
+  const int warp = threadIdx.x >> 5;
+  const int wg_m = (warpgroup % (TM / 64)) * 64, wg_n = (warpgroup / (TM / 64)) * WN;
+  int* exchange = reinterpret_cast<int*>(reinterpret_cast<char*>(conv_shared) + (shared_base - raw_base) +
+                                         stages * STAGE_BYTES) + warp * 256;
+  const unsigned long long a_descriptor = wgmma_descriptor<32>(shared_base + wg_m * 32);
+  const unsigned long long b_descriptor =
+      wgmma_descriptor_interleaved(shared_base + A_BYTES + wg_n * 16, PLANE_BYTES, 128);
+  unsigned round = 0;
+  for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
+    const HaloTile<TM, ROWS> tile(p, job, group_units);
+    int acc[2][WN / 8][2];
+    zero_accumulators(acc);
+    for (int u = 0; u < tile.units; ++u, ++round) {
+      const unsigned s = round % stages;
+      mbarrier_wait(full + 8 * s, (round / stages) & 1);
+      fence_proxy_async_shared();   // cp.async's writes, seen through the barrier, to wgmma
+      wgmma_fence_operands(acc);
+      wgmma_fence();
+#pragma unroll 1
+      for (int t = 0; t < TAPS; ++t) {
+        const int i = t / S, c = t - i * S;
+        WgmmaS8<WN>::mma(acc, wgmma_descriptor_moved(a_descriptor, (s * STAGE_BYTES + t * TM * 32) >> 4),
+                         wgmma_descriptor_moved(b_descriptor, (s * STAGE_BYTES >> 4) + i * DH * PITCH + c * DW));
+      }
+      ws_round_issued<stages>(acc, empty, round, u);
+    }
+    ws_tile_done<stages>(acc, empty, round);
+    conv_warp_epilogue(acc, exchange, tile.m0 + wg_m + (warp & 3) * 16, wg_n, tile.split, p, y, z, alpha_vec, bias,
+                       HaloPixels<PITCH>{tile.image, tile.oh0, p.oh, p.ow});
+  }
+}
+
+}  // namespace cupyops
