@@ -37,7 +37,7 @@ from cupyops.callcache import CallCache
 from cupyops.device import live_facts
 from cupyops.dtypes import parse_dtype
 from cupyops.launch import LaunchCache
-from cupyops.ops import activations, fused_softmax, norm, norm_launch, softmax, softmax_axis, softmax_split
+from cupyops.ops import activations, conv2d_int8, fused_softmax, norm, norm_launch, softmax, softmax_axis, softmax_split
 from cupyops.ops.elementwise import FusedFunction
 
 MAX_RATIO = 2.0
@@ -69,7 +69,7 @@ def per_call_us_alternating(functions: list, calls: int) -> list:
 
 def _fresh_memos() -> None:
     """Empties the call and launch memos: the next call of each op compiles its launches anew."""
-    softmax._calls, norm._calls = CallCache(), CallCache()
+    softmax._calls, norm._calls, conv2d_int8._calls = CallCache(), CallCache(), CallCache()
     for module in (softmax, softmax_axis, softmax_split, fused_softmax):
         module._launches = LaunchCache()
     norm_launch._ready_launches = {}
@@ -164,6 +164,22 @@ def cases(rows: int, cols: int, dtype) -> list:
               ("layer_norm_backward(dy, x, mean, rstd, w)",
                lambda: cupyops.layer_norm_backward(dy, x, mean, rstd, weight)),
               ("rms_norm_backward(dy, x, rstd, w)", lambda: cupyops.rms_norm_backward(dy, x, rms_rstd, weight))]
+    # the attention softmax on (1, 1, rows, cols) scores, the fused elementwise ops on (rows, cols),
+    # the int8 convolution on a 3x3 filter over 32 channels of 8 x 8 pixels
+    scores, grad = x.reshape(1, 1, rows, cols), dy.reshape(1, 1, rows, cols)
+    _, lse = cupyops.fused_softmax(scores, causal=True, return_lse=True)
+    found += [("fused_softmax(x, causal, out=)",
+               lambda: cupyops.fused_softmax(scores, causal=True, out=out.reshape(1, 1, rows, cols))),
+              ("fused_softmax(x, causal)", lambda: cupyops.fused_softmax(scores, causal=True)),
+              ("fused_softmax_backward(dy, x, lse, causal)",
+               lambda: cupyops.fused_softmax_backward(grad, scores, lse, causal=True)),
+              ("bias_gelu(x, b, out=)", lambda: cupyops.bias_gelu(x, bias, out=out)),
+              ("bias_gelu(x, b)", lambda: cupyops.bias_gelu(x, bias))]
+    images = rng.integers(-128, 128, (1, 1, 8, 8, 32), dtype=numpy.int8)
+    filters = rng.integers(-128, 128, (32, 1, 3, 3, 32), dtype=numpy.int8)
+    conv_out = cupy.empty((1, 1, 8, 8, 32), numpy.int8)
+    found += [("conv2d_int8(x, w, out=)", lambda: cupyops.conv2d_int8(images, filters, padding=1, out=conv_out)),
+              ("conv2d_int8(x, w)", lambda: cupyops.conv2d_int8(images, filters, padding=1))]
     return found
 
 

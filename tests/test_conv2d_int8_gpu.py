@@ -12,6 +12,7 @@ import pytest
 
 import cupyops
 from cupyops import tune
+from cupyops.callcache import CallCache
 from cupyops.launch import Target
 from cupyops.ops import conv2d_int8 as conv
 from cupyops.ops import conv_reference as ref
@@ -260,6 +261,38 @@ def test_int8_peak_kernels_run():
     peaks = mma_peak.measure_peaks(device_id)
     assert set(peaks) == {s.instruction for s in mma_peak.peak_specs(Target.live(device_id).facts.arch)}
     assert all(10 < tops < 20000 for tops in peaks.values()), peaks
+
+
+def test_repeated_calls_take_the_memo_and_stay_right(rng, monkeypatch):
+    """A repeated call of one layout replays its ready launch (conv2d_int8._calls); views
+    of another layout, a per-channel alpha changed in place and fresh arrays of the same
+    layout all still give the reference's values."""
+    import cupy
+
+    g = _geometry((2, 64, 13, 11, 64, 3, 3, 1, 1, 1))
+    x, w = _inputs(rng, g)
+    x5, w5 = cupy.asarray(cupyops.to_nchw32(x)), cupy.asarray(cupyops.pack_conv_filter(w))
+    acc = ref.accumulators(x, w, g.stride, g.padding, g.dilation)
+    options = dict(stride=g.stride, padding=g.padding, dilation=g.dilation)
+    monkeypatch.setattr(conv, "_calls", CallCache())
+    for _ in range(2):
+        _check_exact(cupyops.conv2d_int8(x5, w5, out_dtype="int32", **options), acc, "allocating")
+        y = cupy.full(g.output_shape, -7, dtype=numpy.int32)
+        assert cupyops.conv2d_int8(x5, w5, out_dtype="int32", out=y, **options) is y
+        _check_exact(y, acc, "out=")
+    assert len(conv._calls._entries) == 2
+    wide = cupy.zeros((*x5.shape[:-1], 64), numpy.int8)
+    wide[..., :32] = x5   # a strided view: copied by the slow path, never remembered
+    _check_exact(cupyops.conv2d_int8(wide[..., :32], w5, out_dtype="int32", **options), acc, "strided x")
+    _check_exact(cupyops.conv2d_int8(wide[..., :32], w5, out_dtype="int32", **options), acc, "strided x again")
+    assert len(conv._calls._entries) == 2
+    alpha = cupy.full(g.k, _scale(g), numpy.float32)
+    for scale in (1.0, 0.5):
+        alpha *= scale   # the same array, new values
+        value = ref.epilogue(acc, alpha=alpha.get(), beta=1.0, gamma=0.0, bias=None, z=None, relu=False)
+        _check_int8(cupyops.conv2d_int8(x5, w5, alpha=alpha, **options), value, f"per-channel alpha x{scale}")
+    fresh_x, fresh_w = x5.copy(), w5.copy()   # new addresses: new tensor maps where the plan uses them
+    _check_exact(cupyops.conv2d_int8(fresh_x, fresh_w, out_dtype="int32", **options), acc, "fresh arrays")
 
 
 def test_first_use_tunes_and_explain_says_so(rng, monkeypatch, tmp_path):

@@ -11,7 +11,9 @@ Two policies share one loader and one epilogue (kernels/conv_int8.cuh):
   stages (wgmma's of 64- or 128-byte GEMM_K steps); on sm_90 also warp-specialised
   wgmma whose producer warpgroup has the copy engine bring the filter and
   copies the pixels by cp.async, or has the engine bring both (im2col tensor
-  maps, cupyops/ops/conv_tma.py). The configuration comes from the measured
+  maps, cupyops/ops/conv_tma.py), or holds whole input rows for a filter's
+  taps (halo tiles, cupyops/ops/conv_halo.py); the configurations to choose
+  from are in cupyops/ops/conv_configs.py. The configuration comes from the measured
   tuner (cupyops.tune) or else the default rule, split-K (int32 partials summed
   by a second kernel that applies the epilogue) where the tiles of N * OH * OW
   leave SMs idle.
@@ -24,15 +26,17 @@ from typing import ClassVar, Optional
 
 import numpy
 
-from .. import arrays, device, jit, tune
+from .. import arrays, callcache, device, jit, tune
+from ..callcache import CallCache, call_key, run_on
 from ..launch import LaunchCache, Target, live_function
 from ..profile import profile_for
 from . import conv_halo, conv_layout, conv_tma
+from .conv_configs import (AUTO_CONFIGS, MEGENGINE_LADDER, STEP_BYTES, TMA_CONFIGS, WGMMA_CONFIGS,  # noqa: F401
+                           TileConfig)
 from .conv_layout import INTERLEAVE, OUT_KINDS, ConvGeometry
 
 OP = "conv2d_int8"
 POLICIES = ("auto", "megengine")
-STEP_BYTES = 64              # a GEMM_K step; ConvParams.k_steps and split-K count them
 WGMMA = "wgmma"              # ConvInt8Spec.instruction of the sm_90a kernels
 WGMMA_ARCH = "sm_90"         # the one arch they run on
 WGMMA_ALIGN_SLACK = 1024     # dynamic shared memory the kernel may skip to align its stages
@@ -113,8 +117,9 @@ class ConvInt8Spec(jit.KernelSpec):
     def smem_bytes(self) -> int:
         stages = self.stages * (self.tile_m + self.tile_n) * self.step_bytes
         if self.tma == "halo":
-            stages = self.stages * conv_halo.stage_bytes(self.tile_m, self.tile_n, self.halo_pitch, self.halo_filter_rows,
-                                                         self.filter_width, (self.dilation_h, self.dilation_w))
+            stages = self.stages * conv_halo.stage_bytes(self.tile_m, self.tile_n, self.halo_pitch,
+                                                         self.halo_filter_rows, self.filter_width,
+                                                         (self.dilation_h, self.dilation_w))
         # warp-specialised kernels keep each consumer warp's epilogue exchange apart from the stages
         exchange = self.consumer_warps * EXCHANGE_BYTES if self.tma else 0
         return stages + exchange + (WGMMA_ALIGN_SLACK if self.wgmma else 0)
@@ -147,63 +152,6 @@ class SplitReduceSpec(jit.KernelSpec):
 
     def template_args(self) -> dict:
         return dict(split_reduce=True, wgmma=False, tma="")
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    """Threadblock, warp (for wgmma: warpgroup) tile and stages of one kernel configuration."""
-    tile_m: int
-    tile_n: int
-    warp_m: int
-    warp_n: int
-    stages: int
-    wgmma: bool = False
-    step_bytes: int = STEP_BYTES
-    tma: str = ""
-    halo_pitch: int = 0
-    halo_filter_rows: int = 0
-    filter_width: int = 0
-    dilation_h: int = 0
-    dilation_w: int = 0
-
-    @property
-    def area(self) -> int:
-        return self.tile_m * self.tile_n
-
-
-# MegEngine's int8 NCHW32 IMMA list (algo.cpp), largest first, warps of at least 32 x 32.
-MEGENGINE_LADDER = (TileConfig(128, 128, 64, 64, 2), TileConfig(128, 64, 64, 32, 2),
-                    TileConfig(64, 128, 32, 64, 2), TileConfig(64, 64, 32, 32, 2),
-                    TileConfig(32, 64, 32, 32, 2))
-# The auto generator's configurations (each shape takes those its K allows).
-AUTO_CONFIGS = (TileConfig(256, 128, 64, 64, 3), TileConfig(128, 256, 64, 64, 3),
-                TileConfig(128, 128, 64, 64, 4), TileConfig(128, 128, 64, 64, 3),
-                TileConfig(64, 256, 64, 64, 4),
-                TileConfig(128, 64, 64, 32, 4), TileConfig(64, 128, 32, 64, 4),
-                TileConfig(64, 64, 32, 32, 5), TileConfig(32, 128, 32, 32, 6))
-# sm_90's wgmma configurations: warpgroups of 64 x N (N <= 256: N / 2 accumulators
-# a thread), tiles as large as a step's loads and 2 x 128 accumulators allow; fewer
-# stages where that lets two blocks share an SM (short GEMM_K: one block's prologue
-# and epilogue overlap the other's main loop), or 3-4 share it (GEMM_M = 64: more
-# bytes in flight per SM). 128-byte steps: four MMAs a barrier instead of two.
-_WGMMA_64B = ((128, 256, 256, 6), (128, 256, 256, 4), (256, 128, 128, 4), (128, 128, 128, 6),
-              (64, 256, 256, 6), (64, 256, 256, 4), (64, 256, 128, 4), (64, 128, 128, 6),
-              (64, 256, 256, 3), (64, 128, 128, 8), (64, 128, 128, 4))
-_WGMMA_128B = ((128, 256, 256, 4), (256, 128, 128, 4), (128, 128, 128, 5), (64, 256, 256, 4),
-               (64, 256, 256, 3), (64, 256, 128, 4), (64, 128, 128, 5), (64, 128, 128, 3))
-WGMMA_CONFIGS = tuple(TileConfig(tm, tn, 64, wn, stages, True, step)
-                      for step, table in ((STEP_BYTES, _WGMMA_64B), (2 * STEP_BYTES, _WGMMA_128B))
-                      for tm, tn, wn, stages in table)
-# Warp-specialised wgmma (tile_m, tile_n, warp_n, stages, step bytes): the consumers
-# issue MMAs alone, so the tiles are the largest the accumulators allow. With the
-# pixels copied by the copy engine too, its 32-byte rows bound the loads: fewer tiles.
-_TMA_FILTER = ((128, 256, 256, 4, 128), (128, 256, 256, 7, 64), (256, 128, 128, 4, 128), (128, 128, 128, 6, 128),
-               (128, 128, 128, 3, 128), (64, 256, 256, 5, 128), (64, 256, 256, 3, 128), (64, 256, 128, 5, 128),
-               (64, 128, 128, 8, 128), (64, 128, 128, 4, 128))
-_TMA_IM2COL = ((128, 256, 256, 7, 64), (256, 128, 128, 4, 128), (64, 256, 256, 5, 128), (64, 128, 128, 4, 128))
-TMA_CONFIGS = tuple(TileConfig(tm, tn, 64, wn, stages, True, step, tma)
-                    for tma, table in (("filter", _TMA_FILTER), ("im2col", _TMA_IM2COL))
-                    for tm, tn, wn, stages, step in table)
 
 
 def spec_for(config: TileConfig, policy: str, arch: str) -> ConvInt8Spec:
@@ -402,31 +350,60 @@ def _params(geometry: ConvGeometry, splits: int, steps_per_split: int, epilogue:
     return params
 
 
+class ReadyConv:
+    """A plan bound to one epilogue on one GPU: its compiled kernels, grid, parameter
+    blocks and (persistent kernels) tensor maps per pair of array addresses, so that
+    calling it, ready(x, w, y, z, alpha_vec, bias), only launches."""
+    __slots__ = ("function", "grid", "block", "smem", "params", "maps", "chosen", "reduce")
+
+    def __init__(self, chosen: ConvPlan, epilogue: Epilogue, device_id: int):
+        spec, g = chosen.spec, chosen.geometry
+        self.chosen, self.block, self.smem = chosen, chosen.block, spec.smem_bytes
+        self.function = live_function(spec, device_id, spec.smem_bytes)
+        self.grid = chosen.grid
+        # persistent kernels: as many blocks as the GPU holds at once, each walking tiles and splits
+        self.maps = {} if spec.tma else None
+        if spec.tma:
+            self.grid = (min(self.grid[0] * self.grid[2], _resident_blocks(spec, device_id)), 1, 1)
+        self.params = _params(g, chosen.splits, 0, epilogue)   # the reduction's, where GEMM_K is split
+        self.reduce = None
+        if chosen.splits > 1:   # int32 partials, then the reduction applies the epilogue
+            facts = Target.live(device_id).facts
+            tuned = profile_for(facts)
+            groups = -(-g.n * g.k * g.oh * g.ow // 8)   # 8 output channels a thread
+            blocks = min(-(-groups // REDUCE_THREADS), facts.sm_count * tuned.CONV_REDUCE_BLOCKS_PER_SM)
+            self.reduce = (live_function(SplitReduceSpec(), device_id), (blocks,), (REDUCE_THREADS,),
+                           _params(g, chosen.splits, chosen.steps_per_split, replace(epilogue, out_dtype="int32")),
+                           (chosen.splits, *g.output_shape))
+
+    def operands(self, x, w) -> tuple:
+        """The kernel's first arguments: x and w, or the tensor maps over them and x."""
+        if self.maps is None:
+            return x, w
+        key = (x.data.ptr, w.data.ptr)
+        found = self.maps.get(key)
+        if found is None:
+            if len(self.maps) >= conv_tma.MAPS_CACHED:
+                self.maps.clear()
+            found = self.maps[key] = (*conv_tma.maps(self.chosen.geometry, self.chosen.spec, *key), x)
+        return found
+
+    def __call__(self, x, w, y, z, alpha_vec, bias) -> None:
+        operands = self.operands(x, w)
+        if self.reduce is None:
+            self.function(self.grid, self.block, (*operands, y, z, alpha_vec, bias, self.params), self.smem)
+            return
+        import cupy
+
+        reduce_function, blocks, threads, raw, partials_shape = self.reduce
+        partials = cupy.empty(partials_shape, dtype=numpy.int32)
+        self.function(self.grid, self.block, (*operands, partials, None, None, None, raw), self.smem)
+        reduce_function(blocks, threads, (partials, y, z, alpha_vec, bias, self.params))
+
+
 def launch(chosen: ConvPlan, x, w, y, z, alpha_vec, bias, epilogue: Epilogue) -> None:
     """Runs `chosen` on the current device and stream: y = conv(x, w) with the epilogue."""
-    import cupy
-
-    device_id = x.device.id
-    spec = chosen.spec
-    function = live_function(spec, device_id, spec.smem_bytes)
-    operands, grid = (x, w), chosen.grid
-    if spec.tma:   # persistent: as many blocks as the GPU holds at once, each walking tiles and splits
-        operands = (*conv_tma.maps(chosen.geometry, spec, x.data.ptr, w.data.ptr), x)
-        grid = (min(grid[0] * grid[2], _resident_blocks(spec, device_id)), 1, 1)
-    if chosen.splits == 1:
-        function(grid, chosen.block, (*operands, y, z, alpha_vec, bias, _params(chosen.geometry, 1, 0, epilogue)),
-                 shared_mem=spec.smem_bytes)
-        return
-    partials = cupy.empty((chosen.splits, *chosen.geometry.output_shape), dtype=numpy.int32)
-    raw = _params(chosen.geometry, chosen.splits, chosen.steps_per_split, replace(epilogue, out_dtype="int32"))
-    function(grid, chosen.block, (*operands, partials, None, None, None, raw), shared_mem=spec.smem_bytes)
-    params = _params(chosen.geometry, chosen.splits, 0, epilogue)
-    reduce_function = live_function(SplitReduceSpec(), device_id)
-    groups = -(-y.size // 8)
-    facts = Target.live(device_id).facts
-    tuned = profile_for(facts)
-    blocks = min(-(-groups // REDUCE_THREADS), facts.sm_count * tuned.CONV_REDUCE_BLOCKS_PER_SM)
-    reduce_function((blocks,), (REDUCE_THREADS,), (partials, y, z, alpha_vec, bias, params))
+    ReadyConv(chosen, epilogue, x.device.id)(x, w, y, z, alpha_vec, bias)
 
 
 @functools.lru_cache(maxsize=256)
@@ -453,8 +430,8 @@ def _time_candidate(geometry: ConvGeometry, arch: str, arrays_: tuple):
     x, w, y = arrays_
 
     def time_us(candidate: dict) -> float:
-        chosen = plan_from(geometry, candidate, arch, "measuring")
-        return timer.time(lambda: launch(chosen, x, w, y, None, None, None, Epilogue())).median_us
+        ready = ReadyConv(plan_from(geometry, candidate, arch, "measuring"), Epilogue(), x.device.id)
+        return timer.time(lambda: ready(x, w, y, None, None, None)).median_us
     return time_us
 
 
@@ -497,37 +474,22 @@ def live_plan(geometry: ConvGeometry, policy: str, device_id: int) -> ConvPlan:
 
 # -- public function ----------------------------------------------------------
 
-def _int8_nchw32(array, name: str, hint: str):
-    """A contiguous, 16-byte aligned int8 (., ., ., ., 32) CuPy array (copied where it is not)."""
-    array = arrays.as_cupy(array, name)
-    if array.dtype != numpy.int8:
-        raise TypeError(f"{name} must be int8, got {array.dtype}")
-    if array.ndim != 5 or array.shape[4] != INTERLEAVE:
-        raise ValueError(f"{name} has shape {array.shape}; {hint}")
-    if not array.flags.c_contiguous or array.data.ptr % 16:
-        array = array.copy()   # C-contiguous, freshly allocated: aligned
-    return array
+# Whole calls per layout of their arrays (callcache.call_key): a repeated call costs a
+# key, a lookup, its output and its launches.
+_calls = CallCache()
 
 
-def _channel_vector(value, name: str, k: int, dtypes_: tuple, device_id: int):
-    """A contiguous (K,) CuPy vector of one of `dtypes_`, on `device_id`."""
-    import cupy
+class _ReadyCall:
+    """A call of one layout: its ReadyConv and the output it allocates where none is given."""
+    __slots__ = ("ready", "shape", "dtype")
 
-    value = arrays.as_cupy(value, name)
-    if value.dtype not in dtypes_:
-        raise TypeError(f"{name} must be {' or '.join(str(numpy.dtype(d)) for d in dtypes_)}, got {value.dtype}")
-    if value.shape != (k,):
-        raise ValueError(f"{name} has shape {value.shape}, expected ({k},): one value per output channel")
-    if value.device.id != device_id:
-        raise ValueError(f"{name} is on GPU {value.device.id}, x on GPU {device_id}")
-    return cupy.ascontiguousarray(value)
+    def __init__(self, ready: ReadyConv, shape: tuple, dtype):
+        self.ready, self.shape, self.dtype = ready, shape, dtype
 
-
-def _check_out(out, shape: tuple, dtype, device_id: int):
-    out = arrays.check_out(out, shape, dtype, device_id)
-    if out is not None and (not out.flags.c_contiguous or out.data.ptr % 16):
-        raise ValueError("out must be C-contiguous and 16-byte aligned")
-    return out
+    def run(self, x, w, bias, z, alpha_vec, out):
+        y = callcache.empty(self.shape, self.dtype) if out is None else out
+        self.ready(x, w, y, z, alpha_vec, bias)
+        return y
 
 
 def conv2d_int8(x, w, bias=None, z=None, *, stride=1, padding=0, dilation=1, alpha=1.0, beta=1.0,
@@ -545,12 +507,23 @@ def conv2d_int8(x, w, bias=None, z=None, *, stride=1, padding=0, dilation=1, alp
     policy: "auto" (the tuned or default-rule plan: wgmma on sm_90, fed by cp.async
     or, where the tuner finds it faster, by a producer warpgroup and the copy engine;
     mma.sync m16n8k32 elsewhere) or "megengine" (MegEngine's kernel, for comparison)."""
+    vector = alpha if hasattr(alpha, "__cuda_array_interface__") else None
+    key = call_key((policy, out_dtype, stride, padding, dilation, relu, beta, gamma, None if vector else alpha),
+                   (x, w, bias, z, out, vector))
+    ready = _calls.find(key)
+    if ready is not None:
+        if stream is None:
+            return ready.run(x, w, bias, z, vector, out)
+        return run_on(stream, ready.run, x, w, bias, z, vector, out)
+    given = (x, w, bias, z, alpha)
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if out_dtype not in OUT_KINDS:
         raise ValueError(f"out_dtype must be one of {tuple(OUT_KINDS)}, got {out_dtype!r}")
-    x = _int8_nchw32(x, "x", "expected int8 NCHW32 (N, C/32, H, W, 32): convert with cupyops.to_nchw32")
-    w = _int8_nchw32(w, "w", "expected the packed (K, C/32, R, S, 32) filter: cupyops.pack_conv_filter")
+    x = conv_layout.nchw32_operand(x, "x", "expected int8 NCHW32 (N, C/32, H, W, 32): convert with "
+                                   "cupyops.to_nchw32")
+    w = conv_layout.nchw32_operand(w, "w", "expected the packed (K, C/32, R, S, 32) filter: "
+                                   "cupyops.pack_conv_filter")
     device_id = x.device.id
     if w.device.id != device_id:
         raise ValueError(f"w is on GPU {w.device.id}, x on GPU {device_id}")
@@ -565,21 +538,24 @@ def conv2d_int8(x, w, bias=None, z=None, *, stride=1, padding=0, dilation=1, alp
     raw = out_dtype == "int32"
     if raw and (bias is not None or z is not None or relu or alpha_per_channel or alpha != 1.0):
         raise ValueError('out_dtype="int32" returns the raw accumulators: give no alpha, bias, z or relu')
-    alpha_vec = _channel_vector(alpha, "alpha", k, (numpy.float32,), device_id) if alpha_per_channel else None
+    alpha_vec = None
+    if alpha_per_channel:
+        alpha_vec = conv_layout.channel_vector(alpha, "alpha", k, (numpy.float32,), device_id)
     if bias is not None:
-        bias = _channel_vector(bias, "bias", k, (numpy.float32, numpy.int32), device_id)
+        bias = conv_layout.channel_vector(bias, "bias", k, (numpy.float32, numpy.int32), device_id)
     if z is not None:
-        z = _int8_nchw32(z, "z", f"expected the output's shape {geometry.output_shape}")
+        z = conv_layout.nchw32_operand(z, "z", f"expected the output's shape {geometry.output_shape}")
         if z.shape != geometry.output_shape:
             raise ValueError(f"z has shape {z.shape}, expected the output's {geometry.output_shape}")
         if z.device.id != device_id:
             raise ValueError(f"z is on GPU {z.device.id}, x on GPU {device_id}")
-    out = _check_out(out, geometry.output_shape, numpy.dtype(out_dtype), device_id)
+    out = conv_layout.check_out(out, geometry.output_shape, numpy.dtype(out_dtype), device_id)
     epilogue = Epilogue(out_dtype, None if bias is None else bias.dtype.name, bool(relu), z is not None,
                         alpha_per_channel, 1.0 if alpha_per_channel else float(alpha), float(beta), float(gamma))
-    import cupy
-
     with arrays.on_device(x, stream):
-        y = out if out is not None else cupy.empty(geometry.output_shape, dtype=out_dtype)
-        launch(live_plan(geometry, policy, device_id), x, w, y, z, alpha_vec, bias, epilogue)
+        ready = _ReadyCall(ReadyConv(live_plan(geometry, policy, device_id), epilogue, device_id),
+                           geometry.output_shape, numpy.dtype(out_dtype))
+        y = ready.run(x, w, bias, z, alpha_vec, out)
+    if all(a is b for a, b in zip((x, w, bias, z, alpha_vec if alpha_per_channel else alpha), given)):
+        _calls.remember(key, ready)   # the arrays were used as given: a call of this layout may skip the checks
     return y

@@ -1,12 +1,15 @@
 """NCHW32 layouts, the packed filter, convolution geometry and the kernel
 parameter block (with the host-computed tap table) of the int8 implicit-GEMM
-convolution. Array helpers work on NumPy and CuPy arrays alike."""
+convolution, and the checks of a call's arrays. Layout helpers work on NumPy
+and CuPy arrays alike."""
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
 
 import numpy
+
+from .. import arrays
 
 INTERLEAVE = 32          # channels a group of NCHW32 holds
 STEP_CHUNKS = 2          # 32-channel chunks of GEMM_K a pipeline stage holds (64 bytes)
@@ -192,3 +195,39 @@ def kernel_params(geometry: ConvGeometry, *, splits: int = 1, steps_per_split: i
     record["tap_dh"][:taps] = rows
     record["tap_dw"][:taps] = cols
     return params
+
+
+# -- a call's arrays ------------------------------------------------------------
+
+def nchw32_operand(array, name: str, hint: str):
+    """A contiguous, 16-byte aligned int8 (., ., ., ., 32) CuPy array (copied where it is not)."""
+    array = arrays.as_cupy(array, name)
+    if array.dtype != numpy.int8:
+        raise TypeError(f"{name} must be int8, got {array.dtype}")
+    if array.ndim != 5 or array.shape[4] != INTERLEAVE:
+        raise ValueError(f"{name} has shape {array.shape}; {hint}")
+    if not array.flags.c_contiguous or array.data.ptr % 16:
+        array = array.copy()   # C-contiguous, freshly allocated: aligned
+    return array
+
+
+def channel_vector(value, name: str, k: int, dtypes_: tuple, device_id: int):
+    """A contiguous (K,) CuPy vector of one of `dtypes_`, on `device_id`."""
+    import cupy
+
+    value = arrays.as_cupy(value, name)
+    if value.dtype not in dtypes_:
+        raise TypeError(f"{name} must be {' or '.join(str(numpy.dtype(d)) for d in dtypes_)}, got {value.dtype}")
+    if value.shape != (k,):
+        raise ValueError(f"{name} has shape {value.shape}, expected ({k},): one value per output channel")
+    if value.device.id != device_id:
+        raise ValueError(f"{name} is on GPU {value.device.id}, x on GPU {device_id}")
+    return cupy.ascontiguousarray(value)
+
+
+def check_out(out, shape: tuple, dtype, device_id: int):
+    """`out` checked for the call (arrays.check_out), C-contiguous and 16-byte aligned; or None."""
+    out = arrays.check_out(out, shape, dtype, device_id)
+    if out is not None and (not out.flags.c_contiguous or out.data.ptr % 16):
+        raise ValueError("out must be C-contiguous and 16-byte aligned")
+    return out
