@@ -129,9 +129,13 @@ def recorded_launches(call) -> list:
 
 
 def bare_round(launches: list):
+    """The launches made directly: through each cupy.RawKernel, or for an arch-specific
+    cubin (jit.CubinKernel, which CuPy does not load) through its cupy Function."""
+    calls = [(raw if callable(raw) else raw.kernel, *launch) for raw, *launch in launches]
+
     def run():
-        for raw, grid, block, args, smem in launches:
-            raw(grid, block, args, shared_mem=smem)
+        for function, grid, block, args, smem in calls:
+            function(grid, block, args, shared_mem=smem)
     return run
 
 

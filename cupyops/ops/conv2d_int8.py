@@ -350,11 +350,21 @@ def _params(geometry: ConvGeometry, splits: int, steps_per_split: int, epilogue:
     return params
 
 
+def _by_value(record: numpy.ndarray):
+    """A struct parameter (a one-element structured array: ConvParams, a tensor map) as
+    the address CuPy hands the driver, which copies the bytes at launch; built once, so
+    a launch does not convert the record (CuPy's conversion of ConvParams costs more
+    than the rest of the launch). The caller keeps `record` alive."""
+    from cupy.cuda.function import CPointer
+
+    return CPointer(record.ctypes.data)
+
+
 class ReadyConv:
     """A plan bound to one epilogue on one GPU: its compiled kernels, grid, parameter
     blocks and (persistent kernels) tensor maps per pair of array addresses, so that
     calling it, ready(x, w, y, z, alpha_vec, bias), only launches."""
-    __slots__ = ("function", "grid", "block", "smem", "params", "maps", "chosen", "reduce")
+    __slots__ = ("function", "grid", "block", "smem", "params", "maps", "chosen", "reduce", "records")
 
     def __init__(self, chosen: ConvPlan, epilogue: Epilogue, device_id: int):
         spec, g = chosen.spec, chosen.geometry
@@ -365,15 +375,18 @@ class ReadyConv:
         self.maps = {} if spec.tma else None
         if spec.tma:
             self.grid = (min(self.grid[0] * self.grid[2], _resident_blocks(spec, device_id)), 1, 1)
-        self.params = _params(g, chosen.splits, 0, epilogue)   # the reduction's, where GEMM_K is split
+        params = _params(g, chosen.splits, 0, epilogue)   # the reduction's, where GEMM_K is split
+        self.records = [params]   # what the addresses passed by value point into
+        self.params = _by_value(params)
         self.reduce = None
         if chosen.splits > 1:   # int32 partials, then the reduction applies the epilogue
             facts = Target.live(device_id).facts
             tuned = profile_for(facts)
             groups = -(-g.n * g.k * g.oh * g.ow // 8)   # 8 output channels a thread
             blocks = min(-(-groups // REDUCE_THREADS), facts.sm_count * tuned.CONV_REDUCE_BLOCKS_PER_SM)
-            self.reduce = (live_function(SplitReduceSpec(), device_id), (blocks,), (REDUCE_THREADS,),
-                           _params(g, chosen.splits, chosen.steps_per_split, replace(epilogue, out_dtype="int32")),
+            raw = _params(g, chosen.splits, chosen.steps_per_split, replace(epilogue, out_dtype="int32"))
+            self.records.append(raw)
+            self.reduce = (live_function(SplitReduceSpec(), device_id), (blocks,), (REDUCE_THREADS,), _by_value(raw),
                            (chosen.splits, *g.output_shape))
 
     def operands(self, x, w) -> tuple:
@@ -385,8 +398,9 @@ class ReadyConv:
         if found is None:
             if len(self.maps) >= conv_tma.MAPS_CACHED:
                 self.maps.clear()
-            found = self.maps[key] = (*conv_tma.maps(self.chosen.geometry, self.chosen.spec, *key), x)
-        return found
+            maps = conv_tma.maps(self.chosen.geometry, self.chosen.spec, *key)
+            found = self.maps[key] = (*(_by_value(m) for m in maps), maps)
+        return found[0], found[1], x
 
     def __call__(self, x, w, y, z, alpha_vec, bias) -> None:
         operands = self.operands(x, w)
@@ -508,7 +522,7 @@ def conv2d_int8(x, w, bias=None, z=None, *, stride=1, padding=0, dilation=1, alp
     or, where the tuner finds it faster, by a producer warpgroup and the copy engine;
     mma.sync m16n8k32 elsewhere) or "megengine" (MegEngine's kernel, for comparison)."""
     vector = alpha if hasattr(alpha, "__cuda_array_interface__") else None
-    key = call_key((policy, out_dtype, stride, padding, dilation, relu, beta, gamma, None if vector else alpha),
+    key = call_key((policy, out_dtype, stride, padding, dilation, relu, beta, gamma, alpha if vector is None else None),
                    (x, w, bias, z, out, vector))
     ready = _calls.find(key)
     if ready is not None:
