@@ -519,8 +519,10 @@ def conv2d_int8(x, w, bias=None, z=None, *, stride=1, padding=0, dilation=1, alp
     this is ``torch.nn.functional.conv2d(x, w, stride=stride, padding=padding,
     dilation=dilation)`` scaled by alpha, plus bias and z, then ReLU.
     policy: "auto" (the tuned or default-rule plan: wgmma on sm_90, fed by cp.async
-    or, where the tuner finds it faster, by a producer warpgroup and the copy engine;
-    mma.sync m16n8k32 elsewhere) or "megengine" (MegEngine's kernel, for comparison)."""
+    or, where the tuner finds it faster, by a producer warpgroup and the copy engine,
+    for stride 1 also from whole input rows held for a filter's taps; mma.sync
+    m16n8k32 elsewhere) or "megengine" (MegEngine's kernel, for comparison). A
+    repeated call with arrays of the same layout replays its launch."""
     vector = alpha if hasattr(alpha, "__cuda_array_interface__") else None
     key = call_key((policy, out_dtype, stride, padding, dilation, relu, beta, gamma, alpha if vector is None else None),
                    (x, w, bias, z, out, vector))
