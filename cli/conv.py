@@ -194,7 +194,9 @@ def tune_conv(layers_name):
         result = conv.tune_shape(layer["geometry"], device_id, table)
         best = result.best
         group = "wgmma warpgroup" if best.get("wgmma") else "mma.sync warp"
+        copy = {"filter": " warp-specialised", "im2col": " warp-specialised im2col",
+                "halo": f" halo p{best.get('halo_pitch')} r{best.get('halo_filter_rows')}"}.get(best.get("tma", ""), "")
         click.echo(f"{layer['label']:<20} {best['tile_m']}x{best['tile_n']} {group} {best['warp_m']}x{best['warp_n']} "
-                   f"st{best['stages']} split {best['splits']}: {result.best_us:.1f} us "
+                   f"st{best['stages']}{copy} split {best['splits']}: {result.best_us:.1f} us "
                    f"({len(result.timings)} candidates, {time.perf_counter() - began:.1f} s)")
     click.echo(f"kept in {table.path}")
