@@ -12,8 +12,8 @@ Two policies share one loader and one epilogue (kernels/conv_int8.cuh):
   wgmma whose producer warpgroup has the copy engine bring the filter and
   copies the pixels by cp.async, or has the engine bring both (im2col tensor
   maps, cupyops/ops/conv_tma.py), or holds whole input rows for a filter's
-  taps (halo tiles, cupyops/ops/conv_halo.py); the configurations to choose
-  from are in cupyops/ops/conv_configs.py. The configuration comes from the measured
+  taps (halo tiles, cupyops/ops/conv_halo.py); the tile tables are in
+  cupyops/ops/conv_configs.py. The configuration comes from the measured
   tuner (cupyops.tune) or else the default rule, split-K (int32 partials summed
   by a second kernel that applies the epilogue) where the tiles of N * OH * OW
   leave SMs idle.
@@ -64,8 +64,9 @@ class ConvInt8Spec(jit.KernelSpec):
     stages: int
     async_copy: bool         # cp.async multistage, else registers (two stages)
     step_bytes: int = STEP_BYTES   # GEMM_K bytes a stage holds per row (wgmma: 64 or 128)
-    tma: str = ""            # warp-specialised wgmma: the copy engine brings the "filter" or both ("im2col"),
-    #                          or the filter beside whole input rows ("halo": conv_halo)
+    # warp-specialised wgmma: the copy engine brings the "filter", or both ("im2col"),
+    # or the filter while the producer copies whole input rows ("halo", conv_halo)
+    tma: str = ""
     halo_pitch: int = 0      # halo: slots of a tile's row (tile_n / halo_pitch rows)
     halo_filter_rows: int = 0   # halo: filter rows a stage holds (1 or R)
     filter_width: int = 0    # halo: S (a stage's MMAs: halo_filter_rows x S)
