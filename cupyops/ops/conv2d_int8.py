@@ -174,10 +174,12 @@ def auto_configs(arch: str) -> tuple:
     return (TMA_CONFIGS + WGMMA_CONFIGS if arch == WGMMA_ARCH else ()) + AUTO_CONFIGS
 
 
-def halo_configs(geometry: ConvGeometry, smem_limit: int) -> tuple:
-    """The halo tiles (conv_halo) worth timing for `geometry` on sm_90."""
+def halo_configs(geometry: ConvGeometry, smem_limit: int, sm_count: int = 0) -> tuple:
+    """The halo tiles (conv_halo) worth timing for `geometry` on sm_90 (with `sm_count`,
+    also the row counts whose tiles fill that many SMs best)."""
     return tuple(TileConfig(tm, tn, 64, wn, stages, True, 32, "halo", pitch, rows, geometry.s, *geometry.dilation)
-                 for tm, tn, wn, stages, pitch, rows in conv_halo.configs(geometry, smem_limit, EXCHANGE_BYTES))
+                 for tm, tn, wn, stages, pitch, rows in conv_halo.configs(geometry, smem_limit, EXCHANGE_BYTES,
+                                                                          sm_count))
 
 
 def all_specs(arch: str, geometries: tuple = ()) -> list:
@@ -186,7 +188,8 @@ def all_specs(arch: str, geometries: tuple = ()) -> list:
     specs = [spec_for(c, "megengine", arch) for c in MEGENGINE_LADDER]
     specs += [spec_for(c, "auto", arch) for c in auto_configs(arch)]
     if arch == WGMMA_ARCH:
-        specs += [spec_for(c, "auto", arch) for g in geometries for c in halo_configs(g, HALO_SMEM_LIMIT)]
+        specs += [spec_for(c, "auto", arch) for g in geometries
+                  for c in halo_configs(g, HALO_SMEM_LIMIT, device.PROFILES["h100"].sm_count)]
     return list(dict.fromkeys(specs))
 
 
@@ -225,7 +228,7 @@ def candidates(geometry: ConvGeometry, sm_count: int, smem_limit: int, arch: str
     up to the next tile, or the smallest tile of the instruction: 32, 64 for wgmma;
     shared memory within the limit), each with and without split-K."""
     found = []
-    halo = halo_configs(geometry, smem_limit) if arch == WGMMA_ARCH else ()
+    halo = halo_configs(geometry, smem_limit, sm_count) if arch == WGMMA_ARCH else ()
     for config in halo + auto_configs(arch):
         if config.tile_m > max(64 if config.wgmma else 32, 1 << (geometry.k - 1).bit_length()) or \
                 spec_for(config, "auto", arch).smem_bytes > smem_limit or \

@@ -50,32 +50,48 @@ def units(geometry: ConvGeometry, filter_rows: int) -> int:
     return geometry.c // 32 * geometry.r // filter_rows
 
 
-def configs(geometry: ConvGeometry, smem_limit: int, exchange_bytes: int) -> list:
+def _row_counts(geometry: ConvGeometry, pitch: int, groups_n: int) -> list:
+    """Rows a tile may take (most first): their slots split into groups_n warpgroups
+    of a multiple of 16 slots, at most 256 each, no more rows than OH."""
+    most = min(geometry.oh, MAX_WARP_N * groups_n // pitch)
+    return [rows for rows in range(most, 0, -1) if (rows * pitch) % (16 * groups_n) == 0]
+
+
+def _balance(geometry: ConvGeometry, tile_m: int, rows: int, sm_count: int) -> float:
+    """The share of the grid's slots of SM time doing output rows: whole waves of tiles
+    over `sm_count` SMs, times the share of the row blocks' rows inside OH."""
+    count = tiles(geometry, tile_m, rows)
+    return count / (-(-count // sm_count) * sm_count) * geometry.oh / (-(-geometry.oh // rows) * rows)
+
+
+def configs(geometry: ConvGeometry, smem_limit: int, exchange_bytes: int, sm_count: int = 0) -> list:
     """(tile_m, tile_n, warp_n, stages, pitch, filter_rows) worth timing: pitches of
-    the fewest slots rounded to 8 and to 16, as many rows as one or two warpgroups
-    of at most 256 slots hold (no more rows than OH), 64 or 128 channels (no more
-    than K needs), stages of one filter row or all R, and as many stages (at least
-    3, up to MAX_STAGES) as shared memory holds."""
+    the fewest slots rounded to 8 and to 16; one or two warpgroups along N, with the
+    most rows they hold and, given `sm_count`, the rows (down to half as many) whose
+    tiles fill the SMs' waves and OH best (_balance); 64 or 128 channels (no more than
+    K needs); stages of one filter row or all R, as many (at least 3, up to
+    MAX_STAGES) as shared memory holds."""
     if not fits(geometry):
         return []
     least = least_pitch(geometry)
     found = []
     for pitch in sorted({-(-least // 8) * 8, -(-least // 16) * 16}):
         for groups_n in (1, 2):
-            rows = min(geometry.oh, MAX_WARP_N * groups_n // pitch)
-            while rows and (rows * pitch) % (16 * groups_n):
-                rows -= 1
-            if not rows:
-                continue
-            tile_n = rows * pitch
+            counts = _row_counts(geometry, pitch, groups_n)
             for tile_m in (64, 128):
-                if tile_m > max(64, geometry.k) or (tile_m // 64) * groups_n > MAX_CONSUMERS:
+                if not counts or tile_m > max(64, geometry.k) or (tile_m // 64) * groups_n > MAX_CONSUMERS:
                     continue
-                for filter_rows in sorted({1, geometry.r}):
-                    per_stage = stage_bytes(tile_m, tile_n, pitch, filter_rows, geometry.s, geometry.dilation)
-                    consumer_warps = 4 * (tile_m // 64) * groups_n
-                    room = smem_limit - STAGE_ALIGN - consumer_warps * exchange_bytes
-                    stages = min(MAX_STAGES, room // per_stage)
-                    if stages >= 3:
-                        found.append((tile_m, tile_n, tile_n // groups_n, stages, pitch, filter_rows))
+                choices = [counts[0]]
+                if sm_count:
+                    choices.append(max((rows for rows in counts if 2 * rows >= counts[0]),
+                                       key=lambda rows: _balance(geometry, tile_m, rows, sm_count)))
+                for rows in dict.fromkeys(choices):
+                    tile_n = rows * pitch
+                    for filter_rows in sorted({1, geometry.r}):
+                        per_stage = stage_bytes(tile_m, tile_n, pitch, filter_rows, geometry.s, geometry.dilation)
+                        consumer_warps = 4 * (tile_m // 64) * groups_n
+                        room = smem_limit - STAGE_ALIGN - consumer_warps * exchange_bytes
+                        stages = min(MAX_STAGES, room // per_stage)
+                        if stages >= 3:
+                            found.append((tile_m, tile_n, tile_n // groups_n, stages, pitch, filter_rows))
     return list(dict.fromkeys(found))
