@@ -434,6 +434,21 @@ def test_halo_tiles_only_where_rows_are_shared():
     assert explained["grid"][0] == conv_halo.tiles(RESNET_3X3, halo["tile_m"], halo["tile_n"] // halo["halo_pitch"])
 
 
+def test_halo_row_counts_fill_the_sms():
+    """Given the SM count, each halo tile also comes in the row count (down to half the
+    most) whose tiles fill whole waves and OH best: at 3x3 64ch@56 on 132 SMs, 7 rows of
+    64 slots (512 tiles, 3.9 waves) beside 8 (448 tiles, 3.4 waves)."""
+    smem = Target.profile("h100").facts.smem_per_block_optin
+    most = {(c.tile_m, c.tile_n, c.warp_n) for c in conv.halo_configs(RESNET_3X3, smem)}
+    balanced = {(c.tile_m, c.tile_n, c.warp_n) for c in conv.halo_configs(RESNET_3X3, smem, 132)}
+    assert (64, 512, 256) in most and most < balanced and (64, 448, 224) in balanced
+    assert conv_halo.tiles(RESNET_3X3, 64, 7) == 512 and conv_halo.tiles(RESNET_3X3, 64, 8) == 448
+    assert conv_halo._balance(RESNET_3X3, 64, 7, 132) > conv_halo._balance(RESNET_3X3, 64, 8, 132)
+    for tile_m, tile_n, warp_n in balanced:
+        rows = tile_n // 64
+        assert 2 * rows >= 8 and tile_n % (16 * (tile_n // warp_n)) == 0
+
+
 def test_wgmma_runs_on_sm_90_alone():
     assert not any(spec.wgmma for spec in conv.all_specs("sm_80"))
     assert {spec.name for spec in conv.all_specs("sm_90") if spec.wgmma} == \
