@@ -113,10 +113,8 @@ __device__ __forceinline__ void conv2d_int8_fprop_halo(const TensorMap& filter_m
     return;
   }
 
-  const int warp = threadIdx.x >> 5;
-  const int wg_m = (warpgroup % (TM / 64)) * 64, wg_n = (warpgroup / (TM / 64)) * WN;
-  int* exchange = reinterpret_cast<int*>(reinterpret_cast<char*>(conv_shared) + (shared_base - raw_base) +
-                                         stages * STAGE_BYTES) + warp * 256;
+  const auto [warp, wg_m, wg_n, exchange] =
+      ws_consumer<TM, WN>(conv_shared, shared_base - raw_base, stages * STAGE_BYTES, warpgroup);
   const unsigned long long a_descriptor = wgmma_descriptor<32>(shared_base + wg_m * 32);
   const unsigned long long b_descriptor =
       wgmma_descriptor_interleaved(shared_base + A_BYTES + wg_n * 16, PLANE_BYTES, 128);

@@ -581,6 +581,21 @@ __device__ __forceinline__ void conv2d_int8_fprop_wgmma(const signed char* __res
                      p, y, z, alpha_vec, bias, GemmPixels{p.oh * p.ow, p.gemm_n});
 }
 
+// A consumer warp of a warp-specialised kernel: its warp index, its warpgroup's origin
+// in the block's tile (warpgroups TM / 64 along GEMM_M, then along GEMM_N) and its 256-int
+// epilogue exchange, `offset` bytes past the stages' start, `skip` bytes into the dynamic
+// shared memory.
+struct WsConsumer {
+  int warp, wg_m, wg_n;
+  int* exchange;
+};
+template <int TM, int WN>
+__device__ __forceinline__ WsConsumer ws_consumer(int4* dynamic, unsigned skip, int offset, int warpgroup) {
+  const int warp = threadIdx.x >> 5;
+  return WsConsumer{warp, (warpgroup % (TM / 64)) * 64, (warpgroup / (TM / 64)) * WN,
+                    reinterpret_cast<int*>(reinterpret_cast<char*>(dynamic) + skip + offset) + warp * 256};
+}
+
 // A warp-specialised kernel's barriers: full[s] (full_arrivals a phase) then empty[s]
 // (one arrival a consumer warpgroup), initialised by thread 0 before the block syncs.
 template <int stages>
@@ -708,10 +723,8 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
     return;
   }
 
-  const int warp = threadIdx.x >> 5;
-  const int wg_m = (warpgroup % (TM / 64)) * 64, wg_n = (warpgroup / (TM / 64)) * WN;
-  int* exchange = reinterpret_cast<int*>(reinterpret_cast<char*>(conv_shared) + (shared_base - raw_base) +
-                                         stages * STAGE_BYTES) + warp * 256;
+  const auto [warp, wg_m, wg_n, exchange] =
+      ws_consumer<TM, WN>(conv_shared, shared_base - raw_base, stages * STAGE_BYTES, warpgroup);
   const unsigned long long a_descriptor = wgmma_descriptor<DESCRIPTOR_ROW>(shared_base + wg_m * DESCRIPTOR_ROW);
   const unsigned long long b_descriptor =
       wgmma_descriptor<DESCRIPTOR_ROW>(shared_base + (TM + wg_n) * DESCRIPTOR_ROW);

@@ -157,51 +157,18 @@ def test_every_configuration(rng, spec_index, splits):
     _check_exact(y, ref.accumulators(x, w, g.stride, g.padding, g.dilation), f"{spec.name} splits {splits}")
 
 
-@pytest.mark.parametrize("tma", ["filter", "im2col"])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_warp_specialised_kernels_every_shape(rng, monkeypatch, shape, tma):
-    """The warp-specialised kernels (the copy engine bringing the filter, or the
-    filter and the pixels) on every filter shape, stride, padding and dilation above,
-    whole and split along GEMM_K in three, into poisoned outputs; on their persistent
-    grid and on two blocks, each then walking many tiles and splits."""
+def _check_persistent(rng, monkeypatch, shape, configs_of) -> None:
+    """The persistent (warp-specialised) kernels of configs_of(g) on `shape`, whole and
+    split along GEMM_K in three, into poisoned outputs; on their persistent grid and on
+    two blocks, each then walking many tiles and splits."""
     import cupy
 
-    if Target.live(cupy.cuda.runtime.getDevice()).facts.arch != conv.WGMMA_ARCH:
-        pytest.skip("the copy engine's kernels are sm_90a code")
     g = _geometry(shape)
     x, w = _inputs(rng, g)
     acc = ref.accumulators(x, w, g.stride, g.padding, g.dilation)
     x5, w5 = cupy.asarray(cupyops.to_nchw32(x)), cupy.asarray(cupyops.pack_conv_filter(w))
-    configs = [c for c in conv.TMA_CONFIGS if c.tma == tma]
-    resident = conv._resident_blocks
-    for blocks in (None, 2):
-        monkeypatch.setattr(conv, "_resident_blocks", resident if blocks is None else lambda spec, device_id: blocks)
-        for config in (configs[0], configs[-1]):
-            spec = conv.spec_for(config, "auto", conv.WGMMA_ARCH)
-            for splits in (1, 3):
-                per_split = -(-g.k_steps // splits)
-                chosen = conv.ConvPlan(spec, g, -(-g.k_steps // per_split), per_split, "test", "auto")
-                y = cupy.full(g.output_shape, -7, dtype=numpy.int32)
-                conv.launch(chosen, x5, w5, y, None, None, None, conv.Epilogue(out_dtype="int32"))
-                _check_exact(y, acc, f"{spec.name} splits {chosen.splits} blocks {blocks or 'resident'}")
-
-
-@pytest.mark.parametrize("shape", [s for s in SHAPES if _geometry(s).stride == (1, 1) and _geometry(s).s > 1])
-def test_halo_kernels_every_shape(rng, monkeypatch, shape):
-    """Every halo tile the generator yields for each stride-1 shape above (whole input
-    rows in shared memory, read once for a filter row's taps or all of them), whole
-    and split along GEMM_K in three, into poisoned outputs; on their persistent grid
-    and on two blocks, each then walking many tiles and splits."""
-    import cupy
-
-    if Target.live(cupy.cuda.runtime.getDevice()).facts.arch != conv.WGMMA_ARCH:
-        pytest.skip("halo tiles are sm_90a code")
-    g = _geometry(shape)
-    x, w = _inputs(rng, g)
-    acc = ref.accumulators(x, w, g.stride, g.padding, g.dilation)
-    x5, w5 = cupy.asarray(cupyops.to_nchw32(x)), cupy.asarray(cupyops.pack_conv_filter(w))
-    configs = conv.halo_configs(g, Target.live(cupy.cuda.runtime.getDevice()).facts.smem_per_block_optin)
-    assert configs, f"no halo tile for {g}"
+    configs = configs_of(g)
+    assert configs, f"no configuration for {g}"
     resident = conv._resident_blocks
     for blocks in (None, 2):
         monkeypatch.setattr(conv, "_resident_blocks", resident if blocks is None else lambda spec, device_id: blocks)
@@ -214,6 +181,37 @@ def test_halo_kernels_every_shape(rng, monkeypatch, shape):
                 y = cupy.full(g.output_shape, -7, dtype=numpy.int32)
                 conv.launch(chosen, x5, w5, y, None, None, None, conv.Epilogue(out_dtype="int32"))
                 _check_exact(y, acc, f"{spec.name} splits {chosen.splits} blocks {blocks or 'resident'}")
+
+
+def _live_arch() -> str:
+    import cupy
+
+    return Target.live(cupy.cuda.runtime.getDevice()).facts.arch
+
+
+@pytest.mark.parametrize("tma", ["filter", "im2col"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_warp_specialised_kernels_every_shape(rng, monkeypatch, shape, tma):
+    """The warp-specialised kernels (the copy engine bringing the filter, or the
+    filter and the pixels), the first and last configuration of each, on every filter
+    shape, stride, padding and dilation above (_check_persistent)."""
+    if _live_arch() != conv.WGMMA_ARCH:
+        pytest.skip("the copy engine's kernels are sm_90a code")
+    configs = [c for c in conv.TMA_CONFIGS if c.tma == tma]
+    _check_persistent(rng, monkeypatch, shape, lambda g: (configs[0], configs[-1]))
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if _geometry(s).stride == (1, 1) and _geometry(s).s > 1])
+def test_halo_kernels_every_shape(rng, monkeypatch, shape):
+    """Every halo tile the generator yields for each stride-1 shape above (whole input
+    rows in shared memory, read once for a filter row's taps or all of them)
+    (_check_persistent)."""
+    import cupy
+
+    if _live_arch() != conv.WGMMA_ARCH:
+        pytest.skip("halo tiles are sm_90a code")
+    smem = Target.live(cupy.cuda.runtime.getDevice()).facts.smem_per_block_optin
+    _check_persistent(rng, monkeypatch, shape, lambda g: conv.halo_configs(g, smem))
 
 
 GENERATOR_SHAPES = [SHAPES[2], SHAPES[7], (2, 96, 19, 17, 160, 3, 3, 1, 1, 1), SHAPES[10]]

@@ -38,7 +38,7 @@ STRUCTURAL = {
     # kernel layouts, index limits and hardware limits (the copy engine's map ranges, registers, threads)
     "INTERLEAVE", "STEP_CHUNKS", "MAX_TAPS", "STEP_BYTES", "WGMMA", "WGMMA_ARCH", "WGMMA_ALIGN_SLACK",
     "EXCHANGE_BYTES", "SM_REGISTERS", "SM_MAX_THREADS", "SWIZZLE", "CORNER_RANGE", "MAX_OFFSET", "MAX_STRIDE",
-    "MAX_PACK_BYTES", "WIDE_ROWS", "MAX_LEADING_DIMS", "WGMMA_N", "SLOT_BYTES", "STAGE_ALIGN", "HALO_SMEM_LIMIT",
+    "MAX_PACK_BYTES", "WIDE_ROWS", "MAX_LEADING_DIMS", "WGMMA_N", "SLOT_BYTES", "STAGE_ALIGN",
     "MAX_WARP_N",
     # OneFlow's and MegEngine's own rules (the reproduced policies)
     "ONEFLOW_BLOCK", "ONEFLOW_MAX_PACK", "MEGENGINE_LADDER",

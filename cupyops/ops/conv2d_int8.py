@@ -46,8 +46,8 @@ SM_MAX_THREADS = 2048
 REDUCE_THREADS = 256
 MAX_SPLITS = 16
 MIN_STEPS_PER_SPLIT = 4
+MAPS_CACHED = 64             # pairs of array addresses a ReadyConv keeps tensor maps for
 HALO_FIELDS = ("halo_pitch", "halo_filter_rows", "filter_width", "dilation_h", "dilation_w")
-HALO_SMEM_LIMIT = 232448     # sm_90's opt-in shared memory a block: all_specs' halo tiles
 
 
 @dataclass(frozen=True)
@@ -187,9 +187,10 @@ def all_specs(arch: str, geometries: tuple = ()) -> list:
     and on sm_90 the halo tiles of `geometries` (those depend on the shape)."""
     specs = [spec_for(c, "megengine", arch) for c in MEGENGINE_LADDER]
     specs += [spec_for(c, "auto", arch) for c in auto_configs(arch)]
-    if arch == WGMMA_ARCH:
+    if arch == WGMMA_ARCH:   # halo tiles as the sm_90 profile's GPU gets them
+        facts = device.PROFILES[device.ARCH_PROFILES[WGMMA_ARCH]]
         specs += [spec_for(c, "auto", arch) for g in geometries
-                  for c in halo_configs(g, HALO_SMEM_LIMIT, device.PROFILES["h100"].sm_count)]
+                  for c in halo_configs(g, facts.smem_per_block_optin, facts.sm_count)]
     return list(dict.fromkeys(specs))
 
 
@@ -400,7 +401,7 @@ class ReadyConv:
         key = (x.data.ptr, w.data.ptr)
         found = self.maps.get(key)
         if found is None:
-            if len(self.maps) >= conv_tma.MAPS_CACHED:
+            if len(self.maps) >= MAPS_CACHED:
                 self.maps.clear()
             maps = conv_tma.maps(self.chosen.geometry, self.chosen.spec, *key)
             found = self.maps[key] = (*(_by_value(m) for m in maps), maps)

@@ -12,8 +12,6 @@ loads its tiles through, and the shapes those maps can describe.
   the engine adds the tap's offsets, applies the stride and fills the padding."""
 from __future__ import annotations
 
-import functools
-
 import numpy
 
 from .. import tensor_map
@@ -25,7 +23,6 @@ SWIZZLE = 32                  # bytes: one chunk (32 channels) a row
 CORNER_RANGE = (-16, 15)
 MAX_OFFSET = 31
 MAX_STRIDE = 8
-MAPS_CACHED = 64
 
 
 def fits(geometry: ConvGeometry) -> bool:
@@ -63,7 +60,6 @@ def filter_layout(geometry: ConvGeometry, tile_m: int, row_bytes: int) -> tensor
                                   swizzle=row_bytes)
 
 
-@functools.lru_cache(maxsize=MAPS_CACHED)
 def maps(geometry: ConvGeometry, spec, x_address: int, w_address: int) -> tuple:
     """(filter map, input map) of kernel `spec` (a ConvInt8Spec) on the arrays at
     these device addresses; the input map is left empty where the kernel copies the
