@@ -4,7 +4,8 @@ Each kernel family describes one instantiation with a frozen dataclass
 deriving from KernelSpec. Its `name` is the kernel symbol, the cache key and
 the label in logs and benchmarks. `kernel(spec)` returns a memoised
 cupy.RawKernel; `compile_cubin(spec, arch)` compiles without a GPU and
-reports registers, shared memory and spills from the ptxas log.
+reports registers, shared memory and spills from the ptxas log; `precompile`
+compiles many arch-specific kernels at once, in threads.
 
 A spec whose `arch_specific` is true (wgmma needs sm_90a) is compiled for the
 arch-specific target, e.g. "sm_90a", which runs on that compute capability
@@ -130,6 +131,29 @@ def kernel(spec: KernelSpec, device_id: int):
                                            backend="nvrtc")
                 _kernels[key] = found
     return found
+
+
+def precompile(specs, arch: str) -> None:
+    """Compiles the arch-specific kernels among `specs` for `arch` (e.g. "sm_90") into
+    the disk cache several at once (NVRTC runs outside the GIL), so that their first
+    launches only load them: a tuner about to time many candidates calls it first.
+    The other kernels compile on first launch, as always; a kernel that fails to
+    compile here fails again, with its error, at that launch."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = list(dict.fromkeys(spec for spec in specs if spec.arch_specific))
+    if not todo:
+        return
+
+    def compile_one(spec: KernelSpec) -> None:
+        try:
+            cached_cubin(spec, target_arch(spec, arch))
+        except CompileError:
+            pass
+
+    with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
+        list(pool.map(compile_one, todo))
 
 
 class CubinKernel:

@@ -729,6 +729,25 @@ def test_arch_specific_cubins_are_cached_on_disk(monkeypatch, tmp_path):
     assert jit.cached_cubin(spec, "sm_90a") == cubin
 
 
+def test_precompile_fills_the_cubin_cache_for_arch_specific_kernels(monkeypatch, tmp_path):
+    """The tuner's precompile leaves one cubin per arch-specific kernel (repeats compiled
+    once, the others left to their first launch), which later loads read without NVRTC."""
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    specific = [conv.spec_for(c, "auto", "sm_90") for c in conv.WGMMA_CONFIGS[:2]]
+    generic = mma_peak.MmaPeakSpec("m16n8k32")
+    jit.precompile([*specific, generic, specific[0]], "sm_90")
+    folder = tmp_path / jit.CubinKernel.CACHE_FOLDER
+    assert sorted(p.name.rsplit("_", 1)[0] for p in folder.glob("*.cubin")) == sorted(s.name for s in specific)
+
+    def no_compile(*args):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(jit, "_nvrtc", no_compile)
+    for spec in specific:
+        (path,) = folder.glob(f"{spec.name}_*.cubin")
+        assert jit.cached_cubin(spec, "sm_90a") == path.read_bytes()
+
+
 def test_peak_kernels_per_arch():
     assert [s.instruction for s in mma_peak.peak_specs("sm_80")] == ["m8n8k16", "m16n8k32"]
     assert [s.instruction for s in mma_peak.peak_specs("sm_90")] == ["m8n8k16", "m16n8k32", "wgmma_m64n256k32"]

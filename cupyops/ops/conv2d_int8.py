@@ -471,6 +471,7 @@ def tune_shape(geometry: ConvGeometry, device_id: int, table: Optional[tune.Tuni
                          dtype=numpy.int8)
         y = cupy.empty(geometry.output_shape, numpy.int8)
         found = candidates(geometry, facts.sm_count, facts.smem_per_block_optin, facts.arch)
+        jit.precompile([plan_from(geometry, c, facts.arch, "measuring").spec for c in found], facts.arch)
         return tune.tune(table or tune.default_table(), tune.DeviceKey.live(device_id), OP, geometry.key(),
                          found, _time_candidate(geometry, facts.arch, (x, w, y)))
 
