@@ -16,9 +16,9 @@ that overlaps an input other than by being it goes the slow way too
 
 The hit path creates no Python object besides the key and the kernel's
 argument tuple: cupy is bound once (`cupy_module`), ready launches are
-slotted objects calling the compiled function positionally, and outputs are
+slotted objects calling the compiled function positionally, outputs are
 allocated by `empty` (cupy.ndarray) with a shape and dtype worked out on the
-slow path.
+slow path, and workspaces by `alloc` (a bare block of the pool).
 """
 from __future__ import annotations
 
@@ -28,17 +28,22 @@ _cupy = None
 # empty(shape, dtype): a new array as cupy.empty makes it, called as cupy.ndarray
 # (cupy.empty's own Python frame spared); bound with cupy (a stand-in may replace it).
 empty = None
+# alloc(nbytes): a raw block of CuPy's pool (cupy.cuda.alloc, a MemoryPointer) for a
+# workspace no array need wrap; bound with cupy (a stand-in may replace it).
+alloc = None
 
 
 def cupy_module():
     """The cupy module, imported on first use (cupyops imports without a GPU
     stack); the hit paths read the global `_cupy` first."""
-    global _cupy, empty
+    global _cupy, empty, alloc
     if _cupy is None:
         import cupy
         _cupy = cupy
         if empty is None:
             empty = cupy.ndarray
+        if alloc is None:
+            alloc = cupy.cuda.alloc
     return _cupy
 
 

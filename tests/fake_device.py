@@ -51,6 +51,7 @@ class FakeDevice:
         monkeypatch.setattr(cupy, "empty", self.empty)
         callcache.cupy_module()     # binds callcache.empty first: undone, the patch restores cupy's
         monkeypatch.setattr(callcache, "empty", self.empty)
+        monkeypatch.setattr(callcache, "alloc", self.alloc)
         monkeypatch.setattr(launch, "_live_target", lambda device_id: target)
         for module in (softmax, softmax_axis, softmax_split, norm_launch, elementwise, fused_softmax):
             monkeypatch.setattr(module, "live_function",
@@ -78,6 +79,11 @@ class FakeDevice:
         size = max(1, int(numpy.prod(shape))) * dtype.itemsize * (2 if strides else 1) + offset_bytes
         owned = self._memory.UnownedMemory(next(self._addresses), size, None, device_id=0)
         return cupy.ndarray(shape, dtype, self._memory.MemoryPointer(owned, offset_bytes), strides=strides)
+
+    def alloc(self, nbytes: int):
+        """A block of `nbytes`, as cupy.cuda.alloc gives it."""
+        return self._memory.MemoryPointer(self._memory.UnownedMemory(next(self._addresses), nbytes, None,
+                                                                     device_id=0), 0)
 
     def empty(self, shape, dtype=float, order="C"):
         return self.array(tuple(shape) if isinstance(shape, (tuple, list)) else (shape,), dtype)

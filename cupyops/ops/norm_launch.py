@@ -40,8 +40,7 @@ class BackwardLaunch(NamedTuple):
     weight's phase copies (or None), their elements and its scalar
     arguments; the dx kernel and the column reduction (steps: launch, writes
     dx, writes partials) and their scalar arguments; the finish kernel (or
-    None) and its; the shapes of the partial sums of two gradients and of one
-    ([2, parts, cols] and [1, parts, cols])."""
+    None) and its; the elements of one gradient's partial sums (parts x cols)."""
     weight_phases: Optional[ReadyLaunch]
     phase_copies: int
     phases_scalars: tuple
@@ -49,7 +48,7 @@ class BackwardLaunch(NamedTuple):
     scalars: tuple
     finish: Optional[ReadyLaunch]
     finish_scalars: tuple
-    parts_shapes: tuple
+    parts_elements: int
 
 
 def forward_launch(chosen, device_id: int, rows: int, cols: int, ftype: dtypes.FloatType, eps: float,
@@ -82,26 +81,29 @@ def backward_launch(chosen, device_id: int, rows: int, cols: int, dy_stride: int
         _int64s(cols, phase_stride), steps,
         _int64s(rows, cols, dy_stride, x_stride, dx_stride, chosen.rows_per_chunk, phase_stride),
         None if chosen.finish is None else ready(chosen.finish, device_id), _int64s(chosen.num_parts, cols),
-        ((2, chosen.num_parts, cols), (1, chosen.num_parts, cols)))
+        chosen.num_parts * cols)
 
 
 def run_backward(launch: BackwardLaunch, dy, x, dx, rstd, mean, weight, dweight, dbias) -> None:
     """Runs a ready backward plan: dy, x, dx as the kernels read them, rstd /
     mean (None for RMSNorm) [rows] in the compute type, weight contiguous
     [cols]; dweight / dbias (None unless wanted) [cols]. The weight's phase
-    copies and the partial sums of the gradients wanted take one workspace each."""
-    empty = callcache.empty or callcache.cupy_module().ndarray
+    copies and the partial sums of the gradients wanted take one workspace
+    each: raw blocks of CuPy's pool (no array around them), freed on return
+    once their kernels are queued, as CuPy frees a temporary array."""
+    alloc = callcache.alloc or callcache.cupy_module().cuda.alloc
     if launch.weight_phases is not None:
-        copies = empty(launch.phase_copies, weight.dtype)
-        launch.weight_phases((weight, launch.phases_scalars[0], copies, launch.phases_scalars[1]))
-        weight = copies
+        copies = alloc(launch.phase_copies * weight.itemsize)
+        weight_copies = numpy.uint64(copies.ptr)
+        launch.weight_phases((weight, launch.phases_scalars[0], weight_copies, launch.phases_scalars[1]))
+        weight = weight_copies
     weight_parts = bias_parts = _NULL
     if dweight is not None or dbias is not None:
-        parts = empty(launch.parts_shapes[dweight is None or dbias is None], rstd.dtype)
-        if dweight is not None:
-            weight_parts = parts
-        if dbias is not None:
-            bias_parts = parts if dweight is None else numpy.uint64(parts.data.ptr + (parts.nbytes >> 1))
+        both = dweight is not None and dbias is not None
+        half = launch.parts_elements * rstd.itemsize
+        parts = alloc(2 * half if both else half)
+        weight_parts = numpy.uint64(parts.ptr) if dweight is not None else _NULL
+        bias_parts = numpy.uint64(parts.ptr + half if both else parts.ptr) if dbias is not None else _NULL
     weight = _NULL if weight is None else weight
     mean = _NULL if mean is None else mean
     scalars = launch.scalars
