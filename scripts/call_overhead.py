@@ -67,6 +67,13 @@ def per_call_us_alternating(functions: list, calls: int) -> list:
     return best
 
 
+def _memos() -> tuple:
+    """The memos _fresh_memos replaces."""
+    return (softmax._calls, norm._calls, conv2d_int8._calls, norm_launch._ready_launches,
+            *(module._launches for module in (softmax, softmax_axis, softmax_split, fused_softmax)),
+            *(function._launchers for function in vars(activations).values() if isinstance(function, FusedFunction)))
+
+
 def _fresh_memos() -> None:
     """Empties the call and launch memos: the next call of each op compiles its launches anew."""
     softmax._calls, norm._calls, conv2d_int8._calls = CallCache(), CallCache(), CallCache()
@@ -111,9 +118,11 @@ class _RecordingFunction:
         self.function(grid, block, args, shared_mem, stream)
 
 
-def recorded_launches(call) -> list:
-    """The launches of call() taken from the call memo (its second run):
-    [(cupy.RawKernel, grid, block, args, smem)]."""
+def recorded_launches(call) -> tuple:
+    """The launches of call() taken from the call memo (its second run),
+    [(cupy.RawKernel, grid, block, args, smem)], and the memos of that run,
+    which must outlive the bare launches: an argument passed by address
+    (conv2d_int8's parameter block) points into a record its ready call owns."""
     log = []
     compile_kernel = jit.kernel
     jit.kernel = lambda spec, device_id: _RecordingKernel(compile_kernel(spec, device_id), log)
@@ -124,16 +133,18 @@ def recorded_launches(call) -> list:
         call()
     finally:
         jit.kernel = compile_kernel
+        kept = _memos()
         _fresh_memos()
-    return log
+    return log, kept
 
 
-def bare_round(launches: list):
+def bare_round(launches: list, kept: tuple):
     """The launches made directly: through each cupy.RawKernel, or for an arch-specific
-    cubin (jit.CubinKernel, which CuPy does not load) through its cupy Function."""
+    cubin (jit.CubinKernel, which CuPy does not load) through its cupy Function;
+    `kept`: what their arguments point into, held while the round lives."""
     calls = [(raw if callable(raw) else raw.kernel, *launch) for raw, *launch in launches]
 
-    def run():
+    def run(kept=kept):
         for function, grid, block, args, smem in calls:
             function(grid, block, args, shared_mem=smem)
     return run
@@ -199,8 +210,8 @@ def cupy_section(options) -> int:
     print(f"{'op':44s} {'kernels':>7s} {'us/call':>8s} {'bare us':>8s} {'ratio':>6s}")
     worst = 0.0
     for label, call in cases(options.rows, options.cols, dtype):
-        launches = recorded_launches(call)
-        bare, took = per_call_us_alternating([bare_round(launches), call], options.calls)
+        launches, kept = recorded_launches(call)
+        bare, took = per_call_us_alternating([bare_round(launches, kept), call], options.calls)
         ratio = took / bare
         worst = max(worst, ratio)
         flag = "" if ratio <= MAX_RATIO else f"  > {MAX_RATIO}x"
@@ -266,8 +277,8 @@ def torch_section(options) -> None:
     print(f"{'function':36s} {'mode':8s} {'cupyops':>8s} {'torch':>8s} {'bare fwd':>8s} {'ratio':>6s}")
     for label, calls, ours, theirs, inputs in torch_cases(torch, options):
         with torch.no_grad():
-            launches = recorded_launches(lambda: ours(*inputs))
-        bare = per_call_us(bare_round(launches), calls)
+            launches, kept = recorded_launches(lambda: ours(*inputs))
+        bare = per_call_us(bare_round(launches, kept), calls)
         leaves = [t.detach().requires_grad_() for t in inputs]
         dy = torch.randn_like(theirs(*inputs))
 
