@@ -65,9 +65,13 @@ struct BroadcastRow {
     B added[N];
     if (has_mask) gather(mask + mask_base + col * mask_strides[3], mask_strides[3], kept);
     if (has_bias) gather(bias + bias_base + col * bias_strides[3], bias_strides[3], added);
+    // the causal rule keeps columns col..col + kept_to: one 64-bit difference a pack, then
+    // 32-bit compares (kept_to clamped to -1..N)
+    const int64 room = causal ? last_col - col : int64(N);
+    const int kept_to = room < 0 ? -1 : room > N ? N : static_cast<int>(room);
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      dropped[i] = (has_mask && !kept[i]) || (causal && col + i > last_col);
+      dropped[i] = (has_mask && !kept[i]) || (causal && i > kept_to);
       bias_values[i] = has_bias ? cast<C>(added[i]) : C(0);
     }
   }
@@ -171,18 +175,42 @@ struct DropoutStore {
     const int64 row = order(i);
     bool kept[N];
     if (dropout) drop.keep_pack<N>(static_cast<unsigned long long>(row * row_stride + col), kept);
+    C values[N];
+    if constexpr (dropout) {
+      // a branch an element: without them the compiler holds several packs' dropout
+      // state at once (sm_90, a warp's row of four packs with bias, mask and causal
+      // rule: 188 registers, not 80)
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        values[i] = src[i];
+        if (values[i] != values[i]) zero_if_masked(values[i], row, col + i);
+      }
+    } else {
+      bool any_nan = false;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        values[i] = src[i];
+        any_nan = any_nan || values[i] != values[i];
+      }
+      if (any_nan) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+          if (values[i] != values[i]) zero_if_masked(values[i], row, col + i);
+        }
+      }
+    }
     Pack<T, N> pack;
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      C value = src[i];
-      if (value != value) {
-        broadcast.locate(row);
-        if (broadcast.masked(col + i)) value = C(0);
-      }
-      if (dropout) value = kept[i] ? value * keep_scale : C(0);
-      pack.elem[i] = cast<T>(value);
-    }
+    for (int i = 0; i < N; ++i) pack.elem[i] = cast<T>(dropout ? (kept[i] ? values[i] * keep_scale : C(0)) : values[i]);
     store_pack(y + row * row_stride + col, pack);
+  }
+
+ private:
+  // A NaN output: 0 where the position is masked (a row with no kept position gives
+  // exp(-inf - -inf)); a NaN of the input elsewhere stays.
+  __device__ __forceinline__ void zero_if_masked(C& value, int64 row, int64 col) const {
+    broadcast.locate(row);
+    if (broadcast.masked(col)) value = C(0);
   }
 };
 
