@@ -133,6 +133,11 @@ def kernel(spec: KernelSpec, device_id: int):
     return found
 
 
+# NVRTC compiles at once in precompile: one a core the process may run on, and at most this
+# many, since each compile holds its own working memory.
+PRECOMPILE_THREADS = 16
+
+
 def precompile(specs, arch: str) -> None:
     """Compiles the arch-specific kernels among `specs` for `arch` (e.g. "sm_90") into
     the disk cache several at once (NVRTC runs outside the GIL), so that their first
@@ -152,7 +157,8 @@ def precompile(specs, arch: str) -> None:
         except CompileError:
             pass
 
-    with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with ThreadPoolExecutor(max_workers=min(len(todo), cores, PRECOMPILE_THREADS)) as pool:
         list(pool.map(compile_one, todo))
 
 
