@@ -33,6 +33,8 @@ from .softmax_rows import (INPUTS, SUM_INPUTS, SoftmaxSpec, async_share_bytes, b
 # registers, a quarter of the most it may have) on the warp and register paths.
 MAX_HELD_BYTES = 256
 BLOCK_SIZES = (128, 256, 512, 1024)
+# Register blocks also of two warps: more packs a thread, fewer threads sharing a row's reductions.
+REGS_BLOCK_SIZES = (64, *BLOCK_SIZES)
 # How a candidate's grid follows rows: "waves" (enough blocks for the waves,
 # get_num_blocks), "resident" (as many as fit the SMs at once, each walking
 # rows), "per_row" (a block, or a cluster, a row).
@@ -92,7 +94,7 @@ def _warp_candidates(op, dtype, rows, cols, pack, target):
 def _regs_candidates(op, dtype, rows, cols, regs_pack, peel, target):
     itemsize, num_inputs = dtypes.BY_SHORT[dtype].itemsize, len(INPUTS[op])
     num_packs = cols // regs_pack
-    for block in BLOCK_SIZES:
+    for block in REGS_BLOCK_SIZES:
         per_thread = -(-num_packs // block)
         if per_thread * regs_pack * 4 * num_inputs <= MAX_HELD_BYTES and num_packs >= block // 2:
             for storage_cache in ((False, True) if itemsize == 2 else (False,)):
