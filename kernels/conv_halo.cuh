@@ -69,12 +69,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_halo(const TensorMap& filter_m
   static_assert(TM % 64 == 0 && TN % WN == 0 && WN % 16 == 0 && WN <= 256 && TN % 8 == 0 && PITCH % 8 == 0,
                 "warpgroup tile");
   static_assert(CONSUMERS <= 4, "at most four consumer warpgroups");
-  extern __shared__ int4 conv_shared[];
-  __shared__ unsigned long long barriers[2 * stages];   // full[s], then empty[s]
-  const unsigned raw_base = shared_address(conv_shared);
-  const unsigned shared_base = (raw_base + 1023u) & ~1023u;
-  const unsigned full = shared_address(barriers), empty = full + 8 * stages;
-  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);
+  const auto [conv_shared, shared_base, skip, full, empty, warpgroup] = ws_block<stages>();
   const int group_units = p.taps / TAPS;                     // R / RB
   const int jobs = (p.gemm_m + TM - 1) / TM * ((p.oh + ROWS - 1) / ROWS) * p.n * p.splits;
   ws_barriers_init<stages>(full, 1 + PRODUCERS, CONSUMERS);
@@ -114,7 +109,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_halo(const TensorMap& filter_m
   }
 
   const auto [warp, wg_m, wg_n, exchange] =
-      ws_consumer<TM, WN>(conv_shared, shared_base - raw_base, stages * STAGE_BYTES, warpgroup);
+      ws_consumer<TM, WN>(conv_shared, skip, stages * STAGE_BYTES, warpgroup);
   const unsigned long long a_descriptor = wgmma_descriptor<32>(shared_base + wg_m * 32);
   const unsigned long long b_descriptor =
       wgmma_descriptor_interleaved(shared_base + A_BYTES + wg_n * 16, PLANE_BYTES, 128);

@@ -611,6 +611,26 @@ __device__ __forceinline__ void ws_barriers_init(unsigned full, unsigned full_ar
   __syncthreads();
 }
 
+// What a warp-specialised kernel sets up first: the dynamic shared memory, its stages'
+// start (the first 1024-byte boundary, `skip` bytes in), the full and empty barriers of
+// ws_barriers_init and the thread's warpgroup (from lane 0: the compiler then knows it,
+// and the descriptors, warp-uniform).
+struct WsBlock {
+  int4* dynamic;
+  unsigned shared_base, skip, full, empty;
+  int warpgroup;
+};
+template <int stages>
+__device__ __forceinline__ WsBlock ws_block() {
+  extern __shared__ int4 conv_shared[];
+  __shared__ unsigned long long barriers[2 * stages];   // full[s], then empty[s]
+  const unsigned raw_base = shared_address(conv_shared);
+  const unsigned shared_base = (raw_base + 1023u) & ~1023u;
+  const unsigned full = shared_address(barriers);
+  return WsBlock{conv_shared, shared_base, shared_base - raw_base, full, full + 8 * stages,
+                 __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0)};
+}
+
 // A consumer warpgroup's end of round `round` (the `index`-th of its tile): its wgmma
 // group committed, the group before complete, whose stage is then released.
 template <int stages, int ROWS, int COLS>
@@ -663,12 +683,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
   static_assert(TM % 64 == 0 && TN % WN == 0 && WN % 8 == 0 && WN <= 256 && TN <= 256, "warpgroup tile");
   static_assert(ROW_BYTES == 64 || ROW_BYTES == 128, "stages of 64 or 128 GEMM_K bytes");
   static_assert(TN % 8 == 0 && STAGE_BYTES % 1024 == 0, "stages keep the 1024-byte alignment of the first");
-  extern __shared__ int4 conv_shared[];
-  __shared__ unsigned long long barriers[2 * stages];   // full[s], then empty[s]
-  const unsigned raw_base = shared_address(conv_shared);
-  const unsigned shared_base = (raw_base + 1023u) & ~1023u;
-  const unsigned full = shared_address(barriers), empty = full + 8 * stages;
-  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);
+  const auto [conv_shared, shared_base, skip, full, empty, warpgroup] = ws_block<stages>();
   const int tiles = (p.gemm_m + TM - 1) / TM * ((p.gemm_n + TN - 1) / TN);
   ws_barriers_init<stages>(full, IM2COL ? 1 : 1 + PRODUCERS, CONSUMERS);
 
@@ -724,7 +739,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
   }
 
   const auto [warp, wg_m, wg_n, exchange] =
-      ws_consumer<TM, WN>(conv_shared, shared_base - raw_base, stages * STAGE_BYTES, warpgroup);
+      ws_consumer<TM, WN>(conv_shared, skip, stages * STAGE_BYTES, warpgroup);
   const unsigned long long a_descriptor = wgmma_descriptor<DESCRIPTOR_ROW>(shared_base + wg_m * DESCRIPTOR_ROW);
   const unsigned long long b_descriptor =
       wgmma_descriptor<DESCRIPTOR_ROW>(shared_base + (TM + wg_n) * DESCRIPTOR_ROW);
