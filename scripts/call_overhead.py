@@ -67,22 +67,24 @@ def per_call_us_alternating(functions: list, calls: int) -> list:
     return best
 
 
+def _memo_slots() -> list:
+    """(owner, attribute, empty memo) of every call and launch memo."""
+    return ([(module, "_calls", CallCache) for module in (softmax, norm, conv2d_int8)] +
+            [(module, "_launches", LaunchCache) for module in (softmax, softmax_axis, softmax_split, fused_softmax)] +
+            [(norm_launch, "_ready_launches", dict)] +
+            [(function, "_launchers", LaunchCache) for function in vars(activations).values()
+             if isinstance(function, FusedFunction)])
+
+
 def _memos() -> tuple:
     """The memos _fresh_memos replaces."""
-    return (softmax._calls, norm._calls, conv2d_int8._calls, norm_launch._ready_launches,
-            *(module._launches for module in (softmax, softmax_axis, softmax_split, fused_softmax)),
-            *(function._launchers for function in vars(activations).values() if isinstance(function, FusedFunction)))
+    return tuple(getattr(owner, name) for owner, name, _ in _memo_slots())
 
 
 def _fresh_memos() -> None:
     """Empties the call and launch memos: the next call of each op compiles its launches anew."""
-    softmax._calls, norm._calls, conv2d_int8._calls = CallCache(), CallCache(), CallCache()
-    for module in (softmax, softmax_axis, softmax_split, fused_softmax):
-        module._launches = LaunchCache()
-    norm_launch._ready_launches = {}
-    for function in vars(activations).values():
-        if isinstance(function, FusedFunction):
-            function._launchers = LaunchCache()
+    for owner, name, empty in _memo_slots():
+        setattr(owner, name, empty())
 
 
 class _RecordingKernel:
