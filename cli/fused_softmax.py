@@ -52,10 +52,17 @@ def _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, x_dims) 
     bias_short = dtypes.NAMES[bias_dtype or dtype] if bias_shape is not None else ""
     if bias_short in ("f16", "bf16") and dtypes.NAMES[dtype] == "f64":
         bias_short = "f64"   # fused_softmax converts it
-    layout = fused_softmax_operands.geometry(tuple(x_dims), operand_dims.get("--bias-shape"),
-                                             operand_dims.get("--mask-shape"), 1, 0)
-    entries = 1 if layout is None else fused_softmax_operands.bias_entries(layout)
-    return fs.Fusion(bias_short, mask_shape is not None, causal, dropout > 0, entries)
+    bias_dims, mask_dims = operand_dims.get("--bias-shape"), operand_dims.get("--mask-shape")
+    layout = fused_softmax_operands.geometry(tuple(x_dims), bias_dims, mask_dims, 1, 0)
+    if layout is None:   # fused_softmax reads them expanded to x's shape
+        bias_dims, mask_dims = (None if dims is None else tuple(x_dims) for dims in (bias_dims, mask_dims))
+        layout = fused_softmax_operands.geometry(tuple(x_dims), bias_dims, mask_dims, 1, 0)
+    return fs.Fusion(bias_short, mask_shape is not None, causal, dropout > 0,
+                     fused_softmax_operands.bias_entries(layout),
+                     # a fresh mask's address: CuPy's allocations are 256-byte aligned
+                     fused_softmax_operands.mask_alignment(None if mask_dims is None else 0, layout),
+                     any(dims is not None and math.prod(dims) >= fused_softmax_operands.WIDE_ROWS
+                         for dims in (bias_dims, mask_dims)))
 
 
 def _plan(op, dims, dtype, policy, plan_target, fusion):

@@ -394,14 +394,15 @@ struct DivMod {
 };
 template <bool wide>
 __device__ __forceinline__ DivMod divmod(int64 n, int64 d, unsigned long long magic) {
-  int64 quotient;
   if constexpr (wide) {
-    quotient = n / d;
-  } else {
-    quotient = d == 1 ? n : fast_quotient(static_cast<unsigned>(n), static_cast<unsigned>(magic >> 32),
-                                          static_cast<unsigned>(magic & 63));
+    const int64 quotient = n / d;
+    return {quotient, n - quotient * d};
+  } else {   // 32-bit arithmetic: n, d and the quotient are below 2^31
+    const unsigned low = static_cast<unsigned>(n), divisor = static_cast<unsigned>(d);
+    const unsigned quotient = divisor == 1 ? low : fast_quotient(low, static_cast<unsigned>(magic >> 32),
+                                                                 static_cast<unsigned>(magic & 63));
+    return {quotient, low - quotient * divisor};
   }
-  return {quotient, n - quotient * d};
 }
 
 template <typename T> __device__ __forceinline__ T infinity();

@@ -18,9 +18,14 @@ namespace cupyops {
 // or 1. causal: row % causal_rows is the query index q, and col > q +
 // diagonal is masked. A row's indices come from divmod by sizes[2], sizes[1]
 // and causal_rows with the host's magic numbers (size_magic[0] unused); wide:
-// rows from 2^31 on, which divide.
-template <typename B, bool has_bias, bool has_mask, bool causal, bool wide>
+// rows or operand offsets from 2^31 on, which divide and take 64-bit offsets
+// (else 32-bit ones). mask_words: the host guarantees the mask's column
+// stride is 1 and every pack of N (a multiple of 4) columns at a multiple of
+// N starts on an N-byte boundary: a pack's mask is N / 4 words, each
+// position tested in its word.
+template <typename B, bool has_bias, bool has_mask, bool causal, bool wide, bool mask_words>
 struct BroadcastRow {
+  typedef typename Select<wide, int64, int>::type Offset;
   const B* bias;
   const bool* mask;
   int64 sizes[3];
@@ -31,19 +36,21 @@ struct BroadcastRow {
   unsigned long long size_magic[3];
   unsigned long long causal_magic;
   // The row the offsets below belong to (-1: none yet).
-  mutable int64 row = -1, bias_base = 0, mask_base = 0, last_col = 0;
+  mutable int64 row = -1, last_col = 0;
+  mutable Offset bias_base = 0, mask_base = 0;
 
   __device__ __forceinline__ void locate(int64 at) const {
     if (at == row) return;
     row = at;
     const DivMod inner = divmod<wide>(at, sizes[2], size_magic[2]);
     const DivMod outer = divmod<wide>(inner.quotient, sizes[1], size_magic[1]);
-    const int64 index[3] = {outer.quotient, outer.remainder, inner.remainder};
-    int64 bias_offset = 0, mask_offset = 0;
+    const Offset index[3] = {static_cast<Offset>(outer.quotient), static_cast<Offset>(outer.remainder),
+                             static_cast<Offset>(inner.remainder)};
+    Offset bias_offset = 0, mask_offset = 0;
 #pragma unroll
     for (int d = 0; d < 3; ++d) {
-      if (has_bias) bias_offset += index[d] * bias_strides[d];
-      if (has_mask) mask_offset += index[d] * mask_strides[d];
+      if (has_bias) bias_offset += index[d] * static_cast<Offset>(bias_strides[d]);
+      if (has_mask) mask_offset += index[d] * static_cast<Offset>(mask_strides[d]);
     }
     bias_base = bias_offset;
     mask_base = mask_offset;
@@ -54,7 +61,7 @@ struct BroadcastRow {
   __device__ __forceinline__ bool causal_from(int64 col) const { return causal && col > last_col; }
   __device__ __forceinline__ bool masked(int64 col) const {
     bool out = false;
-    if (has_mask) out = !mask[mask_base + col * mask_strides[3]];
+    if (has_mask) out = !mask[mask_base + static_cast<Offset>(col) * static_cast<Offset>(mask_strides[3])];
     if (causal) out = out || col > last_col;
     return out;
   }
@@ -63,8 +70,11 @@ struct BroadcastRow {
   __device__ __forceinline__ void pack_at(int64 col, bool (&dropped)[N], C (&bias_values)[N]) const {
     bool kept[N];
     B added[N];
-    if (has_mask) gather(mask + mask_base + col * mask_strides[3], mask_strides[3], kept);
-    if (has_bias) gather(bias + bias_base + col * bias_strides[3], bias_strides[3], added);
+    if (has_mask) mask_pack(col, kept);
+    if (has_bias) {
+      gather(bias + bias_base + static_cast<Offset>(col) * static_cast<Offset>(bias_strides[3]), bias_strides[3],
+             added);
+    }
     // the causal rule keeps columns col..col + kept_to: one 64-bit difference a pack, then
     // 32-bit compares (kept_to clamped to -1..N)
     const int64 room = causal ? last_col - col : int64(N);
@@ -77,6 +87,18 @@ struct BroadcastRow {
   }
 
  private:
+  template <int N>
+  __device__ __forceinline__ void mask_pack(int64 col, bool (&kept)[N]) const {
+    if constexpr (mask_words && N % 4 == 0) {
+      const Pack<unsigned, N / 4> words = load_pack<unsigned, N / 4>(
+          reinterpret_cast<const unsigned*>(mask + mask_base + static_cast<Offset>(col)));
+#pragma unroll
+      for (int i = 0; i < N; ++i) kept[i] = (words.elem[i / 4] & (0xffu << (8 * (i % 4)))) != 0u;
+    } else {
+      gather(mask + mask_base + static_cast<Offset>(col) * static_cast<Offset>(mask_strides[3]), mask_strides[3],
+             kept);
+    }
+  }
   // N elements `stride` (0 or 1) apart: one vector load where they are
   // consecutive and the address allows it.
   template <typename V, int N>
@@ -154,49 +176,40 @@ struct ScoresLoad {
 // The forward's STORE: y = softmax * keep / (1 - p). A masked position gives
 // 0, also in a row with no kept position (whose softmax is NaN). Where lse is
 // given, each row's float32 log-sum-exp of z goes there too (finish_row).
-template <typename C, typename T, typename Broadcast, typename Order, bool dropout>
+template <typename C, typename T, typename Broadcast, typename Order, typename Mask, bool dropout>
 struct DropoutStore {
   T* y;
   int64 row_stride;
   Broadcast broadcast;
   Order order;
-  DropoutMask drop;
+  Mask drop;                 // DropoutMask, or GroupedDropoutMask where each pack starts a group
   C keep_scale;              // 1 / (1 - p)
   float* lse;                // nullptr: not wanted
-  // lse[row] = max + log(sum exp(z - max)); -inf for a row with no kept position.
+  // Whether the row being stored may give a NaN at a masked position: its max is -inf (no
+  // kept position) or NaN, or its sum is NaN (an inf or NaN score). In any other row a masked
+  // position's exp(-inf - max) / sum is 0, so only these rows look at their outputs.
+  mutable bool unsettled = true;
+  // Every thread, once its row's max and sum are known and before the row's stores; the
+  // leader writes lse[row] = max + log(sum exp(z - max)), -inf for a row with no kept position.
   template <typename Op>
-  __device__ __forceinline__ void finish_row(const Op& op, C sum, int64 i) const {
+  __device__ __forceinline__ void finish_row(const Op& op, C sum, int64 i, bool leader) const {
     static_assert(Op::Exp::natural, "sum is of exp(z - max)");
     const C max = op.finish.max;
-    if (lse != nullptr) lse[order(i)] = static_cast<float>(max == -infinity<C>() ? max : max + log(sum));
+    unsettled = !(max > -infinity<C>() && sum > C(0));
+    if (leader && lse != nullptr) lse[order(i)] = static_cast<float>(max == -infinity<C>() ? max : max + log(sum));
   }
   template <int N>
   __device__ __forceinline__ void store(const C* src, int64 i, int64 col) const {
     const int64 row = order(i);
     bool kept[N];
-    if (dropout) drop.keep_pack<N>(static_cast<unsigned long long>(row * row_stride + col), kept);
+    if (dropout) drop.template keep_pack<N>(static_cast<unsigned long long>(row * row_stride + col), kept);
     C values[N];
-    if constexpr (dropout) {
-      // a branch an element: without them the compiler holds several packs' dropout
-      // state at once (sm_90, a warp's row of four packs with bias, mask and causal
-      // rule: 188 registers, not 80)
+#pragma unroll
+    for (int i = 0; i < N; ++i) values[i] = src[i];
+    if (unsettled) {
 #pragma unroll
       for (int i = 0; i < N; ++i) {
-        values[i] = src[i];
         if (values[i] != values[i]) zero_if_masked(values[i], row, col + i);
-      }
-    } else {
-      bool any_nan = false;
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        values[i] = src[i];
-        any_nan = any_nan || values[i] != values[i];
-      }
-      if (any_nan) {
-#pragma unroll
-        for (int i = 0; i < N; ++i) {
-          if (values[i] != values[i]) zero_if_masked(values[i], row, col + i);
-        }
       }
     }
     Pack<T, N> pack;
@@ -220,7 +233,7 @@ struct DropoutStore {
 //   y  (probability = true):  the softmax exp(z - lse), recomputed from x and
 //      the row's log-sum-exp (0 where z or lse is -inf: masked, or a row with
 //      no kept position).
-template <typename T, typename C, typename Scores, bool dropout>
+template <typename T, typename C, typename Scores, typename Mask, bool dropout>
 struct FusedGradLoad {
   typedef T Storage;
   bool probability;
@@ -228,7 +241,7 @@ struct FusedGradLoad {
   int64 row_stride;
   Scores scores;
   const float* lse;
-  DropoutMask drop;
+  Mask drop;
   C keep_scale;
   template <int N>
   __device__ __forceinline__ void load(C* dst, int64 i, int64 col) const {
@@ -249,7 +262,7 @@ struct FusedGradLoad {
       }
       const Pack<T, N> pack = load_pack<T, N>(src + row * row_stride + col);
       bool kept[N];
-      if (dropout) drop.keep_pack<N>(static_cast<unsigned long long>(row * row_stride + col), kept);
+      if (dropout) drop.template keep_pack<N>(static_cast<unsigned long long>(row * row_stride + col), kept);
 #pragma unroll
       for (int i = 0; i < N; ++i) {
         const C g = cast<C>(pack.elem[i]);

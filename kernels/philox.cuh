@@ -64,4 +64,24 @@ struct DropoutMask {
   }
 };
 
+// The same mask where every pack the kernel asks for starts a group of eight (packs of 8 at
+// multiples of 8 in rows of a multiple of 8, and offset a multiple of 8): each element's half
+// is compared in its word, a high half as word >= threshold << 16, a low one as
+// (word << 16) >= threshold << 16, with no bits gathered and no second group.
+struct GroupedDropoutMask : DropoutMask {
+  // (Packs of other sizes, which such kernels instantiate but never run, take DropoutMask's.)
+  template <int N>
+  __device__ __forceinline__ void keep_pack(unsigned long long first_index, bool (&kept)[N]) const {
+    if constexpr (N != 8) {
+      DropoutMask::keep_pack<N>(first_index, kept);
+    } else {
+      const uint4 w = words((first_index + offset) >> 3);
+      const unsigned word[4] = {w.x, w.y, w.z, w.w};
+      const unsigned bound = threshold << 16;
+#pragma unroll
+      for (int j = 0; j < N; ++j) kept[j] = ((j & 1) ? word[j >> 1] : word[j >> 1] << 16) >= bound;
+    }
+  }
+};
+
 }  // namespace cupyops

@@ -247,14 +247,15 @@ __device__ __forceinline__ void store_pack_outputs(const Op& op, const Store& st
 }
 
 // A row's statistics, to a STORE that keeps them (a member finish_row(op, sum,
-// row): the fused forward's log-sum-exp), once op holds the row's maximum and
-// sum: one call a row, by the thread `leader`. Other STOREs have no such member
-// and the call is empty. Every path but block_async makes it (the fused
-// softmax, the one STORE with the member, never takes that path).
+// row, leader): the fused forward's log-sum-exp, written by the thread
+// `leader`), once op holds the row's maximum and sum: every thread of the row
+// calls it before the row's stores. Other STOREs have no such member and the
+// call is empty. Every path but block_async makes it (the fused softmax, the
+// one STORE with the member, never takes that path).
 template <typename Store, typename Op, typename C>
 __device__ __forceinline__ auto finish_row(const Store& store, const Op& op, C sum, int64 row, bool leader, int)
-    -> decltype(store.finish_row(op, sum, row), void()) {
-  if (leader) store.finish_row(op, sum, row);
+    -> decltype(store.finish_row(op, sum, row, leader), void()) {
+  store.finish_row(op, sum, row, leader);
 }
 template <typename Store, typename Op, typename C>
 __device__ __forceinline__ void finish_row(const Store&, const Op&, C, int64, bool, long) {}

@@ -117,6 +117,32 @@ def test_inf_and_nan_in_x(rng):
     check_backward(rng, *found, numpy.float32)
 
 
+@pytest.mark.parametrize("dtype", [numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)], ids=str)
+@pytest.mark.parametrize("offset", [0, 1, 4, 8])
+def test_masks_at_any_address_and_rows_without_finite_scores(rng, dtype, offset):
+    """A mask at any byte offset (packs on aligned addresses read as words, others byte by
+    byte), with rows of no kept position, a +inf or a NaN score: each masked position gives 0,
+    the rest match the reference."""
+    import cupy
+
+    shape = (4, 2, 6, 64)
+    mask = rng.random((4, 1, 6, 64)) < 0.6
+    mask[0, :, 2] = False
+    x = rng.standard_normal(shape) * 3
+    for (b, h, q, k), value in (((1, 0, 3, 5), numpy.inf), ((2, 1, 4, 9), numpy.nan), ((3, 1, 1, 60), -numpy.inf)):
+        x[b, h, q, k], mask[b, 0, q, k] = value, True
+    x = rounded(x, dtype)
+    buffer = cupy.zeros(mask.size + offset, dtype=bool)
+    buffer[offset:] = cupy.asarray(mask.ravel())
+    gpu_mask = buffer[offset:].reshape(mask.shape)
+    y, lse = fs.fused_softmax(to_gpu(x.astype(dtype)), mask=gpu_mask, return_lse=True)
+    y_ref, lse_ref = ref.forward(x, mask=mask)
+    assert_close(host(y), y_ref, dtype, scale=2.0)
+    numpy.testing.assert_allclose(host(lse), lse_ref, rtol=1e-5, atol=1e-5)
+    assert bool(cupy.all(y[~cupy.broadcast_to(gpu_mask, shape)] == 0))
+    check_backward(rng, x, None, mask, {}, lse, dtype)
+
+
 PATH_COLS = [1, 2, 7, 8, 31, 32, 33, 127, 128, 129, 254, 255, 256, 1023, 1024, 1025, 2047, 2048, 4095, 4096,
              4097, 8191, 8192, 12287, 12288, 12289, 16383, 16384, 16385, 32768, 65535, 65536]
 
@@ -190,13 +216,14 @@ def test_dropout_keep_rate_within_5_sigma():
 
 
 @pytest.mark.parametrize("cols", [1, 100, 1024, 5000, 40000])
-def test_forward_dropout_is_dropout_mask_on_every_plan(cols):
+@pytest.mark.parametrize("offset", [11, 0, 2 ** 33 + 8])   # packs straddling groups; whole groups (grouped_variant)
+def test_forward_dropout_is_dropout_mask_on_every_plan(cols, offset):
     import cupy
 
     x = cupy.zeros((7, cols), numpy.float16)
-    keep = fs.dropout_mask(x.shape, 0.4, seed=9, offset=11)
+    keep = fs.dropout_mask(x.shape, 0.4, seed=9, offset=offset)
     for policy in ("auto", "oneflow"):
-        y = fs.fused_softmax(x, dropout=0.4, seed=9, offset=11, policy=policy)
+        y = fs.fused_softmax(x, dropout=0.4, seed=9, offset=offset, policy=policy)
         assert bool(cupy.all((y != 0) == keep))
 
 

@@ -98,7 +98,7 @@ def test_rows_from_2_31_take_a_kernel_that_divides(stage):
     target = Target.profile("h100")
     fusion = fs.Fusion("f16", True, True, False)
     narrow, wide = (fs.plan(stage, rows, 8, "f16", "auto", target, fusion) for rows in (fs.WIDE_ROWS - 1, fs.WIDE_ROWS))
-    assert not narrow.spec.wide_rows and wide.spec.wide_rows
+    assert not narrow.spec.wide and wide.spec.wide
     assert wide.spec.name == narrow.spec.name + "_wide"
     assert jit.compile_cubin(wide.spec, "sm_90").spill_bytes == 0
 
@@ -167,13 +167,52 @@ def test_tuned_candidates_take_both_row_orders(stage):
     assert fs.tuning_key("f16", 1024, 512, fusion) != fs.tuning_key("f16", 1024, 512, without_entries)
 
 
+def test_mask_words_need_an_aligned_mask_and_whole_packs():
+    """A mask is read as words only where its address and leading strides keep every pack of
+    a multiple of 4 columns on its own boundary, on paths that do not peel."""
+    x_shape = (2, 16, 64, 64)
+    padding = fo.geometry(x_shape, None, (2, 1, 1, 64), 1, 0)
+    assert [fo.mask_alignment(address, padding) for address in (None, 0, 256, 4, 1)] == [0, 16, 16, 4, 1]
+    assert fo.mask_alignment(0, fo.geometry((2, 16, 64, 40), None, (2, 1, 1, 40), 1, 0)) == 8    # stride 40
+    assert fo.mask_alignment(0, fo.geometry(x_shape, None, (2, 1, 64, 1), 1, 0)) == 0    # broadcast columns
+    path = sm.SoftmaxSpec("softmax", "block_regs", "f16", 8, block_size=128, packs_per_thread=1)
+    for align, pack, peel, words in ((16, 8, False, True), (8, 8, False, True), (4, 8, False, False),
+                                     (16, 8, True, False), (16, 2, False, False), (16, 4, False, True)):
+        fusion = fs.Fusion(mask=True, mask_align=align)
+        assert fs.mask_words(replace(path, pack_size=pack, peel=peel), fusion) == words
+    assert not fs.mask_words(path, fs.Fusion(mask_align=16))
+    target = TARGETS["sm_90"]
+    names = [fs.plan("forward", 4096, 1024, "f16", "auto", target, fs.Fusion(mask=True, mask_align=align)).spec.name
+             for align in (16, 1)]
+    assert "_scale_maskw" in names[0] and "_scale_mask" in names[1] and "maskw" not in names[1]
+    wide = fs.plan("forward", 4096, 1024, "f16", "auto", target, fs.Fusion(mask=True, wide_operands=True))
+    assert wide.spec.wide and wide.spec.name.endswith("_wide")
+
+
+def test_grouped_dropout_variants_take_whole_groups_of_eight():
+    """A dropout kernel of 8-element packs that does not peel has a variant reading each pack
+    as one Philox group (offsets that are multiples of 8 run it); it compiles for each arch."""
+    for cols, dtype, grouped in ((1024, "f16", True), (4096, "bf16", True), (1000, "f16", True),
+                                 (1001, "f16", False), (1024, "f32", False)):
+        for stage in ("forward", "backward"):
+            chosen = fs.plan(stage, 64, cols, dtype, "auto", TARGETS["sm_90"], fs.Fusion(dropout=True))
+            variant = fs.grouped_variant(chosen.spec, TARGETS["sm_90"])
+            assert (variant is not None) == grouped, (cols, dtype, chosen.spec.name)
+            if variant is not None:
+                assert variant.name.endswith("_drop8") and variant == replace(chosen.spec, grouped_dropout=True)
+                for arch in TARGETS:
+                    jit.compile_cubin(variant, arch)
+    plain = fs.plan("forward", 64, 1024, "f16", "auto", TARGETS["sm_90"], fs.Fusion())
+    assert fs.grouped_variant(plain.spec, TARGETS["sm_90"]) is None
+
+
 def test_tuned_candidates_bound_register_blocks_that_lose_occupancy():
-    """A padding mask's register block at 2048 columns takes more registers than its softmax
+    """A dropout's register block at 2048 columns takes more registers than its softmax
     path: the tuner also times it bounded to more blocks an SM, without local memory."""
     from cupyops.ops import fused_softmax_tune
 
     target = Target.profile("h100")
-    found = fused_softmax_tune.candidates("forward", "f16", 65536, 2048, target, fs.Fusion(mask=True))
+    found = fused_softmax_tune.candidates("forward", "f16", 65536, 2048, target, fs.Fusion(dropout=True))
     by_label = {description["label"]: launch for description, launch in found}
     bounded = [label for label in by_label if label.startswith("regs b128 k2 mb")]
     assert len(bounded) == 1, sorted(by_label)
@@ -210,7 +249,8 @@ def test_geometry_needs_at_most_three_dims_after_merging():
 
 # -- plans and compiles ----------------------------------------------------------
 
-FUSIONS = [fs.Fusion(), fs.Fusion("f32", True, True, True), fs.Fusion("f16", True, False, True)]
+# the last reads its mask as words where the packs allow it (mask_words)
+FUSIONS = [fs.Fusion(), fs.Fusion("f32", True, True, True), fs.Fusion("f16", True, False, True, mask_align=16)]
 SWEEP = [(1, "f16"), (7, "bf16"), (128, "f16"), (255, "f32"), (1000, "f16"), (1024, "bf16"), (4096, "f32"),
          (12345, "f16"), (16384, "bf16"), (65536, "f16"), (2 ** 20, "f32"), (300, "f64")]
 # Spilled bytes a fused kernel may take: the register plans move to wider
@@ -232,8 +272,9 @@ def sweep_plans(arch):
 
 @pytest.mark.parametrize("arch", sorted(TARGETS))
 def test_planned_instantiations_avoid_raw_storage_and_compile(arch):
-    """Every plan takes a path the functors serve, and its kernel compiles without spilling."""
-    spills = {}
+    """Every plan takes a path the functors serve, and its kernel (and its grouped dropout
+    variant) compiles without spilling."""
+    spills, words = {}, 0
     for chosen in sweep_plans(arch):
         spec = chosen.spec
         assert spec.name.startswith("fused_softmax") and spec.fusion in spec.name
@@ -241,10 +282,13 @@ def test_planned_instantiations_avoid_raw_storage_and_compile(arch):
         assert not spec.path.storage_cache, spec.name
         if spec.impl == "block_smem":
             assert chosen.smem_bytes <= TARGETS[arch].facts.smem_per_block_optin
-        report = jit.compile_cubin(spec, arch)
-        if report.spill_bytes > MAX_SPILL_BYTES and spec.dtype != "f64":
-            spills[spec.name] = report.spill_bytes
+        words += spec.mask_words
+        for kernel in (spec, fs.grouped_variant(spec, TARGETS[arch])):
+            report = jit.compile_cubin(kernel, arch) if kernel is not None else None
+            if report is not None and report.spill_bytes > MAX_SPILL_BYTES and spec.dtype != "f64":
+                spills[kernel.name] = report.spill_bytes
     assert not spills, spills
+    assert words, "no plan read its mask as words"
 
 
 def test_spilling_rows_of_a_warp_each_widen_to_a_row_a_block(monkeypatch):

@@ -40,9 +40,12 @@ MASK_BLOCK_SIZE = 256
 class FusedSoftmaxSpec(jit.KernelSpec):
     """A softmax path (`path`, a SoftmaxSpec) with the fusion's operands: bias of
     type bias_dtype ("" none), a bool mask, the causal rule, dropout. The forward
-    also writes each row's log-sum-exp where the call asks for it. wide_rows: rows
-    from 2**31 on, whose broadcast indices divide rather than multiply (WIDE_ROWS).
-    interleaved: Fusion.entries' rows taken in turn (kernels/fused_softmax.cuh's RowOrder)."""
+    also writes each row's log-sum-exp where the call asks for it. wide: rows, or
+    bias or mask elements, from 2**31 on (WIDE_ROWS), whose broadcast indices divide
+    rather than multiply and take 64-bit offsets. interleaved: Fusion.entries' rows
+    taken in turn (kernels/fused_softmax.cuh's RowOrder). mask_words: the mask's
+    packs are aligned words (mask_words). grouped_dropout: each pack is a whole
+    group of eight of the dropout mask (grouped_variant)."""
     template = "fused_softmax.cu.j2"
 
     stage: str
@@ -52,18 +55,21 @@ class FusedSoftmaxSpec(jit.KernelSpec):
     mask: bool = False
     causal: bool = False
     dropout: bool = False
-    wide_rows: bool = False
+    wide: bool = False
     interleaved: bool = False
+    mask_words: bool = False
+    grouped_dropout: bool = False
 
     @property
     def fusion(self) -> str:
         parts = ["scale", f"bias{self.bias_dtype}" if self.bias_dtype else "",
-                 "mask" if self.mask else "", "causal" if self.causal else "", "drop" if self.dropout else ""]
+                 ("maskw" if self.mask_words else "mask") if self.mask else "", "causal" if self.causal else "",
+                 ("drop8" if self.grouped_dropout else "drop") if self.dropout else ""]
         return "_".join(part for part in parts if part)
 
     @property
     def name(self) -> str:
-        return (f"fused_{self.path.name}_{self.fusion}{'_wide' if self.wide_rows else ''}"
+        return (f"fused_{self.path.name}_{self.fusion}{'_wide' if self.wide else ''}"
                 f"{'_interleaved' if self.interleaved else ''}")
 
     @property
@@ -78,6 +84,11 @@ class FusedSoftmaxSpec(jit.KernelSpec):
             raise AttributeError(field)
         return getattr(path, field)
 
+    def with_path(self, path: softmax.SoftmaxSpec) -> "FusedSoftmaxSpec":
+        """This kernel on another path; its mask words kept where the packs are the same."""
+        same_packs = (path.pack_size, path.peel) == (self.path.pack_size, self.path.peel)
+        return replace(self, path=path, mask_words=self.mask_words and same_packs)
+
     def explain_extra(self) -> dict:
         return {**self.path.explain_extra(), "stage": self.stage, "fusion": self.fusion,
                 "storage_cache": self.path.storage_cache, "interleaved": self.interleaved}
@@ -86,7 +97,8 @@ class FusedSoftmaxSpec(jit.KernelSpec):
         ftype = dtypes.BY_SHORT[self.dtype]
         return {**self.path.template_args(), "stage": self.stage, "storage_type": ftype.c_type,
                 "compute_type": ftype.compute_c_type, "mask": self.mask, "causal": self.causal,
-                "dropout": self.dropout, "wide_rows": self.wide_rows, "interleaved": self.interleaved,
+                "dropout": self.dropout, "wide": self.wide, "interleaved": self.interleaved,
+                "mask_words": self.mask_words, "grouped_dropout": self.grouped_dropout,
                 "bias_type": dtypes.BY_SHORT[self.bias_dtype].c_type if self.bias_dtype else ""}
 
 
@@ -165,14 +177,34 @@ def fused_launch(stage, dtype, rows, cols, target, fusion, description: dict) ->
     path = softmax_candidates.Candidate.from_description(description, rows, target).launch
     chosen = _with_compute_cache(path, SOFTMAX_OP[stage], dtype, rows, cols, target)
     interleaved = description.get("interleaved", False) and fusion.entries > 1
-    fused = replace(chosen, spec=FusedSoftmaxSpec(stage, dtype, chosen.spec, **_spec_fields(rows, fusion, interleaved)))
+    fused = replace(chosen, spec=FusedSoftmaxSpec(stage, dtype, chosen.spec,
+                                                   **_spec_fields(rows, fusion, interleaved, chosen.spec)))
     return _in_order_if_spilling(fused, target)
 
 
-def _spec_fields(rows: int, fusion: Fusion, interleaved: bool) -> dict:
+def mask_words(path: softmax.SoftmaxSpec, fusion: Fusion) -> bool:
+    """Whether the path's mask packs are whole words on aligned addresses: packs of a
+    multiple of 4 columns at multiples of the pack (not peeled), the mask aligned to a pack."""
+    return fusion.mask and path.pack_size % 4 == 0 and not path.peel and fusion.mask_align >= path.pack_size
+
+
+def grouped_variant(spec: FusedSoftmaxSpec, target: Target):
+    """`spec` taking each dropout pack as one whole group of eight of the mask (Philox's four
+    words compared half by half, kernels/philox.cuh's GroupedDropoutMask), where its packs
+    allow it (8 elements at multiples of 8: not peeled, rows of a multiple of 8) and it does
+    not spill on `target`; a call runs it when its offset is a multiple of 8 as well. None
+    elsewhere."""
+    if not (spec.dropout and spec.path.pack_size == 8 and not spec.path.peel):
+        return None
+    variant = replace(spec, grouped_dropout=True)
+    return None if spills(variant, target) else variant
+
+
+def _spec_fields(rows: int, fusion: Fusion, interleaved: bool, path: softmax.SoftmaxSpec) -> dict:
     """FusedSoftmaxSpec's fields beside the path for a call's rows and fusion."""
     return dict(bias_dtype=fusion.bias_dtype, mask=fusion.mask, causal=fusion.causal, dropout=fusion.dropout,
-                wide_rows=rows >= WIDE_ROWS, interleaved=interleaved)
+                wide=rows >= WIDE_ROWS or fusion.wide_operands, interleaved=interleaved,
+                mask_words=mask_words(path, fusion))
 
 
 def interleave_rule(rows: int, cols: int, dtype: str, fusion: Fusion, target: Target) -> bool:
@@ -197,7 +229,8 @@ def rule_plan(stage: str, rows: int, cols: int, dtype: str, policy: str, target:
         chosen = _long_row_plan(op, dtype, rows, cols, chosen.spec.pack_size, same_phase, target)
     chosen = _with_compute_cache(chosen, op, dtype, rows, cols, target)
     interleaved = policy == "auto" and interleave_rule(rows, cols, dtype, fusion, target)   # OneFlow's: in order
-    fused = replace(chosen, spec=FusedSoftmaxSpec(stage, dtype, chosen.spec, **_spec_fields(rows, fusion, interleaved)))
+    fused = replace(chosen, spec=FusedSoftmaxSpec(stage, dtype, chosen.spec,
+                                                   **_spec_fields(rows, fusion, interleaved, chosen.spec)))
     return _in_order_if_spilling(_without_spills(fused, op, rows, cols, target), target)
 
 
@@ -226,7 +259,7 @@ def _without_spills(chosen: KernelLaunch, op, rows, cols, target) -> KernelLaunc
         return chosen
     path = spec.path
     if path.min_blocks:
-        return replace(chosen, spec=replace(spec, path=replace(path, min_blocks=0)))
+        return replace(chosen, spec=spec.with_path(replace(path, min_blocks=0)))
     if path.impl != "block_regs":
         return chosen
     num_packs = cols // path.pack_size   # as softmax's register plan counts them
@@ -234,14 +267,14 @@ def _without_spills(chosen: KernelLaunch, op, rows, cols, target) -> KernelLaunc
         packs_per_thread = -(-num_packs // block_size)
         if block_size <= path.block_size or packs_per_thread >= path.packs_per_thread:
             continue
-        wider = replace(spec, path=replace(path, block_size=block_size, packs_per_thread=packs_per_thread,
-                                           rows_per_block=1))      # a row a block once wider than a warp
+        wider = spec.with_path(replace(path, block_size=block_size, packs_per_thread=packs_per_thread,
+                                       rows_per_block=1))      # a row a block once wider than a warp
         if not spills(wider, target):
             return softmax.block_plan(wider, rows, 0, target)
     pack_size = 1 if path.peel else path.pack_size   # a peeled row's packs are its 16-byte ones again
     shared = _long_row_plan(op, path.dtype, rows, cols, pack_size, path.peel, target, regs=False)
     shared = _with_compute_cache(shared, op, path.dtype, rows, cols, target)
-    return replace(shared, spec=replace(spec, path=shared.spec))
+    return replace(shared, spec=spec.with_path(shared.spec))
 
 
 # -- launch ------------------------------------------------------------------
@@ -255,20 +288,27 @@ _NULL = numpy.uint64(0)     # the forward's lse where the call does not return i
 class StageLaunch:
     """One stage's kernel ready for a call's layout: the compiled function, grid, block and
     shared memory, the scalar arguments before the dropout's, and its threshold (None for a
-    kernel without dropout: seed and offset pass as 0, though each must still be a number)."""
-    __slots__ = ("function", "grid", "block", "smem", "scalars", "threshold")
+    kernel without dropout: seed and offset pass as 0, though each must still be a number);
+    grouped: the function of its grouped_variant (None where there is none), run for offsets
+    that are multiples of 8."""
+    __slots__ = ("function", "grid", "block", "smem", "scalars", "threshold", "grouped")
 
-    def __init__(self, function, grid, block, smem, scalars, threshold):
+    def __init__(self, function, grid, block, smem, scalars, threshold, grouped=None):
         self.function, self.grid, self.block, self.smem = function, grid, block, smem
-        self.scalars, self.threshold = scalars, threshold
+        self.scalars, self.threshold, self.grouped = scalars, threshold, grouped
 
     def run(self, pointers: tuple, seed, offset) -> None:
         """Launches on `pointers` (x, dy, bias, mask, out, lse: those the stage reads and writes,
         lse _NULL for a forward not returning it)."""
         seed, offset = seed % 2 ** 64, offset % 2 ** 64
-        counters = _NO_DROPOUT if self.threshold is None else \
-            (numpy.uint64(seed), numpy.uint64(offset), self.threshold)
-        self.function(self.grid, self.block, (*pointers, *self.scalars, *counters), self.smem)
+        function = self.function
+        if self.threshold is None:
+            counters = _NO_DROPOUT
+        else:
+            counters = (numpy.uint64(seed), numpy.uint64(offset), self.threshold)
+            if self.grouped is not None and offset % 8 == 0:
+                function = self.grouped
+        function(self.grid, self.block, (*pointers, *self.scalars, *counters), self.smem)
 
 
 def stage_launch(stage: str, operands: Operands, policy: str, out, dy=None, chosen=None) -> StageLaunch:
@@ -296,7 +336,9 @@ def stage_launch(stage: str, operands: Operands, policy: str, out, dy=None, chos
                *(numpy.uint64(m) for m in division_magics(operands.rows, operands.geometry)),
                numpy.int64(outer), numpy.int64(inner), numpy.uint64(order_magic))
     threshold = numpy.uint32(philox.dropout_threshold(operands.dropout)) if chosen.spec.dropout else None
-    return StageLaunch(function, chosen.grid, chosen.block, chosen.smem_bytes, scalars, threshold)
+    grouped = grouped_variant(chosen.spec, Target.live(device_id))
+    grouped = None if grouped is None else live_function(grouped, device_id, chosen.smem_bytes)
+    return StageLaunch(function, chosen.grid, chosen.block, chosen.smem_bytes, scalars, threshold, grouped)
 
 
 def stage_inputs(x, dy, operands: Operands) -> list:

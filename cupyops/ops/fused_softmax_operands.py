@@ -13,19 +13,26 @@ from .. import arrays, dtypes, philox
 from ..launch import fast_divisor
 
 MAX_LEADING_DIMS = 3          # x's leading dims the kernels decompose a row into (after merging)
-WIDE_ROWS = 2 ** 31          # rows from which a row's index no longer divides by kernels/common.cuh's fast_quotient
+# rows (or bias / mask elements) from which a row's index no longer divides by kernels/common.cuh's
+# fast_quotient (or an operand's offsets need 64 bits)
+WIDE_ROWS = 2 ** 31
 
 
 @dataclass(frozen=True)
 class Fusion:
     """What a call fuses, as its kernels are instantiated for it; entries: those of
     x's outermost leading dim whose rows the kernels may take in turn (bias_entries;
-    1: none)."""
+    1: none); mask_align: the bytes (a power of two up to 16) dividing the mask's
+    address and leading strides where its column stride is 1 (0: no mask, or one
+    broadcast along the columns); wide_operands: a bias or mask of WIDE_ROWS
+    elements or more."""
     bias_dtype: str = ""
     mask: bool = False
     causal: bool = False
     dropout: bool = False
     entries: int = 1
+    mask_align: int = 0
+    wide_operands: bool = False
 
 
 @dataclass
@@ -139,6 +146,15 @@ def bias_entries(layout: tuple) -> int:
     return sizes[outer]
 
 
+def mask_alignment(address, layout: tuple) -> int:
+    """Fusion.mask_align of a contiguous mask in its own shape at `address` (None: no
+    mask) read through `layout` (geometry's tuple; bool elements: strides are bytes)."""
+    mask_strides = layout[2 * MAX_LEADING_DIMS + 1:3 * MAX_LEADING_DIMS + 2]
+    if address is None or mask_strides[-1] != 1:
+        return 0
+    return arrays.alignment(address, *mask_strides[:-1])
+
+
 def row_order(rows: int, entries: int) -> tuple:
     """RowOrder's arguments (outer, inner, magic) for rows interleaving `entries` entries."""
     return entries, rows // entries, _magic(entries, rows)
@@ -175,5 +191,7 @@ def prepare(x, *, scale, bias, mask, causal, diagonal, dropout, axis) -> Operand
                       for v in (bias, mask))
         layout = geometry(x.shape, *(None if v is None else v.shape for v in (bias, mask)), causal_rows,
                           int(diagonal))
-    fusion = replace(fusion, entries=bias_entries(layout))
+    fusion = replace(fusion, entries=bias_entries(layout),
+                     mask_align=mask_alignment(None if mask is None else mask.data.ptr, layout),
+                     wide_operands=any(v is not None and v.size >= WIDE_ROWS for v in (bias, mask)))
     return Operands(x, bias, mask, fusion, scale, dropout, int(diagonal), axis, layout)
