@@ -19,11 +19,12 @@ namespace cupyops {
 // diagonal is masked. A row's indices come from divmod by sizes[2], sizes[1]
 // and causal_rows with the host's magic numbers (size_magic[0] unused); wide:
 // rows or operand offsets from 2^31 on, which divide and take 64-bit offsets
-// (else 32-bit ones). mask_words: the host guarantees the mask's column
-// stride is 1 and every pack of N (a multiple of 4) columns at a multiple of
-// N starts on an N-byte boundary: a pack's mask is N / 4 words, each
-// position tested in its word.
-template <typename B, bool has_bias, bool has_mask, bool causal, bool wide, bool mask_words>
+// (else 32-bit ones). bias_vectors, mask_words: the host guarantees the
+// operand's column stride is 1 and every pack of N columns at a multiple of N
+// starts on its own boundary (up to 16 bytes): a pack of the bias is one
+// vector load, one of the mask (N a multiple of 4) N / 4 words, each
+// position tested in its word. Otherwise each pack checks its address.
+template <typename B, bool has_bias, bool has_mask, bool causal, bool wide, bool bias_vectors, bool mask_words>
 struct BroadcastRow {
   typedef typename Select<wide, int64, int>::type Offset;
   const B* bias;
@@ -71,10 +72,7 @@ struct BroadcastRow {
     bool kept[N];
     B added[N];
     if (has_mask) mask_pack(col, kept);
-    if (has_bias) {
-      gather(bias + bias_base + static_cast<Offset>(col) * static_cast<Offset>(bias_strides[3]), bias_strides[3],
-             added);
-    }
+    if (has_bias) bias_pack(col, added);
     // the causal rule keeps columns col..col + kept_to: one 64-bit difference a pack, then
     // 32-bit compares (kept_to clamped to -1..N)
     const int64 room = causal ? last_col - col : int64(N);
@@ -87,6 +85,17 @@ struct BroadcastRow {
   }
 
  private:
+  template <int N>
+  __device__ __forceinline__ void bias_pack(int64 col, B (&added)[N]) const {
+    if constexpr (bias_vectors && N > 1) {
+      const Pack<B, N> pack = load_pack<B, N>(bias + bias_base + static_cast<Offset>(col));
+#pragma unroll
+      for (int i = 0; i < N; ++i) added[i] = pack.elem[i];
+    } else {
+      gather(bias + bias_base + static_cast<Offset>(col) * static_cast<Offset>(bias_strides[3]), bias_strides[3],
+             added);
+    }
+  }
   template <int N>
   __device__ __forceinline__ void mask_pack(int64 col, bool (&kept)[N]) const {
     if constexpr (mask_words && N % 4 == 0) {

@@ -167,24 +167,33 @@ def test_tuned_candidates_take_both_row_orders(stage):
     assert fs.tuning_key("f16", 1024, 512, fusion) != fs.tuning_key("f16", 1024, 512, without_entries)
 
 
-def test_mask_words_need_an_aligned_mask_and_whole_packs():
-    """A mask is read as words only where its address and leading strides keep every pack of
-    a multiple of 4 columns on its own boundary, on paths that do not peel."""
+def test_aligned_packs_need_aligned_operands_and_whole_packs():
+    """A bias is read as vectors and a mask as words only where the operand's address and
+    leading strides keep every pack on its own boundary, on paths that do not peel."""
     x_shape = (2, 16, 64, 64)
     padding = fo.geometry(x_shape, None, (2, 1, 1, 64), 1, 0)
-    assert [fo.mask_alignment(address, padding) for address in (None, 0, 256, 4, 1)] == [0, 16, 16, 4, 1]
-    assert fo.mask_alignment(0, fo.geometry((2, 16, 64, 40), None, (2, 1, 1, 40), 1, 0)) == 8    # stride 40
-    assert fo.mask_alignment(0, fo.geometry(x_shape, None, (2, 1, 64, 1), 1, 0)) == 0    # broadcast columns
+    assert [fo.operand_alignments(padding, None, 0, address)[1] for address in (None, 0, 256, 4, 1)] == \
+        [0, 16, 16, 4, 1]
+    assert fo.operand_alignments(fo.geometry((2, 16, 64, 40), None, (2, 1, 1, 40), 1, 0), None, 0, 0) == (0, 8)
+    assert fo.operand_alignments(fo.geometry(x_shape, None, (2, 1, 64, 1), 1, 0), None, 0, 0) == (0, 0)
+    bias = fo.geometry((2, 16, 64, 36), (1, 16, 64, 36), None, 1, 0)    # rows of 72 bytes in float16
+    assert fo.operand_alignments(bias, 0, 2, None) == (8, 0) and fo.operand_alignments(bias, 0, 4, None) == (16, 0)
     path = sm.SoftmaxSpec("softmax", "block_regs", "f16", 8, block_size=128, packs_per_thread=1)
     for align, pack, peel, words in ((16, 8, False, True), (8, 8, False, True), (4, 8, False, False),
                                      (16, 8, True, False), (16, 2, False, False), (16, 4, False, True)):
         fusion = fs.Fusion(mask=True, mask_align=align)
-        assert fs.mask_words(replace(path, pack_size=pack, peel=peel), fusion) == words
-    assert not fs.mask_words(path, fs.Fusion(mask_align=16))
+        assert fs.aligned_packs(replace(path, pack_size=pack, peel=peel), fusion)["mask_words"] == words
+    for bias_dtype, align, pack, vectors in (("f16", 16, 8, True), ("f16", 8, 8, False), ("f16", 8, 4, True),
+                                             ("f32", 16, 8, True), ("f16", 16, 1, False)):
+        fusion = fs.Fusion(bias_dtype, bias_align=align)
+        assert fs.aligned_packs(replace(path, pack_size=pack), fusion) == {"bias_vectors": vectors,
+                                                                           "mask_words": False}
+    assert fs.aligned_packs(path, fs.Fusion(mask_align=16, bias_align=16)) == {"bias_vectors": False,
+                                                                               "mask_words": False}
     target = TARGETS["sm_90"]
-    names = [fs.plan("forward", 4096, 1024, "f16", "auto", target, fs.Fusion(mask=True, mask_align=align)).spec.name
-             for align in (16, 1)]
-    assert "_scale_maskw" in names[0] and "_scale_mask" in names[1] and "maskw" not in names[1]
+    names = [fs.plan("forward", 4096, 1024, "f16", "auto", target,
+                     fs.Fusion("f16", mask=True, bias_align=align, mask_align=align)).spec.name for align in (16, 1)]
+    assert "_scale_biasf16v_maskw" in names[0] and "_scale_biasf16_mask" in names[1]
     wide = fs.plan("forward", 4096, 1024, "f16", "auto", target, fs.Fusion(mask=True, wide_operands=True))
     assert wide.spec.wide and wide.spec.name.endswith("_wide")
 
@@ -249,8 +258,9 @@ def test_geometry_needs_at_most_three_dims_after_merging():
 
 # -- plans and compiles ----------------------------------------------------------
 
-# the last reads its mask as words where the packs allow it (mask_words)
-FUSIONS = [fs.Fusion(), fs.Fusion("f32", True, True, True), fs.Fusion("f16", True, False, True, mask_align=16)]
+# the last reads its bias as vectors and its mask as words where the packs allow it (aligned_packs)
+FUSIONS = [fs.Fusion(), fs.Fusion("f32", True, True, True),
+           fs.Fusion("f16", True, False, True, bias_align=16, mask_align=16)]
 SWEEP = [(1, "f16"), (7, "bf16"), (128, "f16"), (255, "f32"), (1000, "f16"), (1024, "bf16"), (4096, "f32"),
          (12345, "f16"), (16384, "bf16"), (65536, "f16"), (2 ** 20, "f32"), (300, "f64")]
 # Spilled bytes a fused kernel may take: the register plans move to wider
@@ -282,13 +292,13 @@ def test_planned_instantiations_avoid_raw_storage_and_compile(arch):
         assert not spec.path.storage_cache, spec.name
         if spec.impl == "block_smem":
             assert chosen.smem_bytes <= TARGETS[arch].facts.smem_per_block_optin
-        words += spec.mask_words
+        words += spec.mask_words and spec.bias_vectors
         for kernel in (spec, fs.grouped_variant(spec, TARGETS[arch])):
             report = jit.compile_cubin(kernel, arch) if kernel is not None else None
             if report is not None and report.spill_bytes > MAX_SPILL_BYTES and spec.dtype != "f64":
                 spills[kernel.name] = report.spill_bytes
     assert not spills, spills
-    assert words, "no plan read its mask as words"
+    assert words, "no plan read its bias as vectors and its mask as words"
 
 
 def test_spilling_rows_of_a_warp_each_widen_to_a_row_a_block(monkeypatch):

@@ -43,9 +43,10 @@ class FusedSoftmaxSpec(jit.KernelSpec):
     also writes each row's log-sum-exp where the call asks for it. wide: rows, or
     bias or mask elements, from 2**31 on (WIDE_ROWS), whose broadcast indices divide
     rather than multiply and take 64-bit offsets. interleaved: Fusion.entries' rows
-    taken in turn (kernels/fused_softmax.cuh's RowOrder). mask_words: the mask's
-    packs are aligned words (mask_words). grouped_dropout: each pack is a whole
-    group of eight of the dropout mask (grouped_variant)."""
+    taken in turn (kernels/fused_softmax.cuh's RowOrder). bias_vectors, mask_words:
+    the bias's packs are aligned vectors, the mask's aligned words (aligned_packs).
+    grouped_dropout: each pack is a whole group of eight of the dropout mask
+    (grouped_variant)."""
     template = "fused_softmax.cu.j2"
 
     stage: str
@@ -57,12 +58,13 @@ class FusedSoftmaxSpec(jit.KernelSpec):
     dropout: bool = False
     wide: bool = False
     interleaved: bool = False
+    bias_vectors: bool = False
     mask_words: bool = False
     grouped_dropout: bool = False
 
     @property
     def fusion(self) -> str:
-        parts = ["scale", f"bias{self.bias_dtype}" if self.bias_dtype else "",
+        parts = ["scale", f"bias{self.bias_dtype}{'v' if self.bias_vectors else ''}" if self.bias_dtype else "",
                  ("maskw" if self.mask_words else "mask") if self.mask else "", "causal" if self.causal else "",
                  ("drop8" if self.grouped_dropout else "drop") if self.dropout else ""]
         return "_".join(part for part in parts if part)
@@ -85,9 +87,10 @@ class FusedSoftmaxSpec(jit.KernelSpec):
         return getattr(path, field)
 
     def with_path(self, path: softmax.SoftmaxSpec) -> "FusedSoftmaxSpec":
-        """This kernel on another path; its mask words kept where the packs are the same."""
+        """This kernel on another path; its aligned packs kept where the packs are the same."""
         same_packs = (path.pack_size, path.peel) == (self.path.pack_size, self.path.peel)
-        return replace(self, path=path, mask_words=self.mask_words and same_packs)
+        return replace(self, path=path, bias_vectors=self.bias_vectors and same_packs,
+                       mask_words=self.mask_words and same_packs)
 
     def explain_extra(self) -> dict:
         return {**self.path.explain_extra(), "stage": self.stage, "fusion": self.fusion,
@@ -98,7 +101,8 @@ class FusedSoftmaxSpec(jit.KernelSpec):
         return {**self.path.template_args(), "stage": self.stage, "storage_type": ftype.c_type,
                 "compute_type": ftype.compute_c_type, "mask": self.mask, "causal": self.causal,
                 "dropout": self.dropout, "wide": self.wide, "interleaved": self.interleaved,
-                "mask_words": self.mask_words, "grouped_dropout": self.grouped_dropout,
+                "bias_vectors": self.bias_vectors, "mask_words": self.mask_words,
+                "grouped_dropout": self.grouped_dropout,
                 "bias_type": dtypes.BY_SHORT[self.bias_dtype].c_type if self.bias_dtype else ""}
 
 
@@ -182,10 +186,15 @@ def fused_launch(stage, dtype, rows, cols, target, fusion, description: dict) ->
     return _in_order_if_spilling(fused, target)
 
 
-def mask_words(path: softmax.SoftmaxSpec, fusion: Fusion) -> bool:
-    """Whether the path's mask packs are whole words on aligned addresses: packs of a
-    multiple of 4 columns at multiples of the pack (not peeled), the mask aligned to a pack."""
-    return fusion.mask and path.pack_size % 4 == 0 and not path.peel and fusion.mask_align >= path.pack_size
+def aligned_packs(path: softmax.SoftmaxSpec, fusion: Fusion) -> dict:
+    """FusedSoftmaxSpec's bias_vectors and mask_words: whether the path's packs (at multiples
+    of the pack: not peeled) of the bias are vectors on their own boundary (the bias aligned
+    to a pack, up to 16 bytes), and those of the mask whole words on theirs (packs of a
+    multiple of 4 columns, the mask aligned to a pack)."""
+    pack, whole = path.pack_size, path.pack_size > 1 and not path.peel
+    bias_bytes = min(16, pack * dtypes.BY_SHORT[fusion.bias_dtype].itemsize) if fusion.bias_dtype else 0
+    return {"bias_vectors": bool(fusion.bias_dtype) and whole and fusion.bias_align >= bias_bytes,
+            "mask_words": fusion.mask and whole and pack % 4 == 0 and fusion.mask_align >= pack}
 
 
 def grouped_variant(spec: FusedSoftmaxSpec, target: Target):
@@ -204,7 +213,7 @@ def _spec_fields(rows: int, fusion: Fusion, interleaved: bool, path: softmax.Sof
     """FusedSoftmaxSpec's fields beside the path for a call's rows and fusion."""
     return dict(bias_dtype=fusion.bias_dtype, mask=fusion.mask, causal=fusion.causal, dropout=fusion.dropout,
                 wide=rows >= WIDE_ROWS or fusion.wide_operands, interleaved=interleaved,
-                mask_words=mask_words(path, fusion))
+                **aligned_packs(path, fusion))
 
 
 def interleave_rule(rows: int, cols: int, dtype: str, fusion: Fusion, target: Target) -> bool:

@@ -22,15 +22,16 @@ WIDE_ROWS = 2 ** 31
 class Fusion:
     """What a call fuses, as its kernels are instantiated for it; entries: those of
     x's outermost leading dim whose rows the kernels may take in turn (bias_entries;
-    1: none); mask_align: the bytes (a power of two up to 16) dividing the mask's
-    address and leading strides where its column stride is 1 (0: no mask, or one
-    broadcast along the columns); wide_operands: a bias or mask of WIDE_ROWS
-    elements or more."""
+    1: none); bias_align, mask_align: the bytes (a power of two up to 16) dividing
+    the operand's address and leading strides where its column stride is 1 (0: no
+    such operand, or one broadcast along the columns); wide_operands: a bias or mask
+    of WIDE_ROWS elements or more."""
     bias_dtype: str = ""
     mask: bool = False
     causal: bool = False
     dropout: bool = False
     entries: int = 1
+    bias_align: int = 0
     mask_align: int = 0
     wide_operands: bool = False
 
@@ -146,13 +147,18 @@ def bias_entries(layout: tuple) -> int:
     return sizes[outer]
 
 
-def mask_alignment(address, layout: tuple) -> int:
-    """Fusion.mask_align of a contiguous mask in its own shape at `address` (None: no
-    mask) read through `layout` (geometry's tuple; bool elements: strides are bytes)."""
-    mask_strides = layout[2 * MAX_LEADING_DIMS + 1:3 * MAX_LEADING_DIMS + 2]
-    if address is None or mask_strides[-1] != 1:
-        return 0
-    return arrays.alignment(address, *mask_strides[:-1])
+def operand_alignments(layout: tuple, bias_address, bias_itemsize: int, mask_address) -> tuple:
+    """Fusion's (bias_align, mask_align) of contiguous operands in their own shape at these
+    addresses (None: absent), read through `layout` (geometry's tuple)."""
+    def align(address, itemsize, strides):
+        if address is None or strides[-1] != 1:
+            return 0
+        return arrays.alignment(address, *(stride * itemsize for stride in strides[:-1]))
+
+    per_operand = MAX_LEADING_DIMS + 1
+    bias_strides = layout[MAX_LEADING_DIMS:MAX_LEADING_DIMS + per_operand]
+    mask_strides = layout[MAX_LEADING_DIMS + per_operand:MAX_LEADING_DIMS + 2 * per_operand]
+    return align(bias_address, bias_itemsize, bias_strides), align(mask_address, 1, mask_strides)
 
 
 def row_order(rows: int, entries: int) -> tuple:
@@ -191,7 +197,8 @@ def prepare(x, *, scale, bias, mask, causal, diagonal, dropout, axis) -> Operand
                       for v in (bias, mask))
         layout = geometry(x.shape, *(None if v is None else v.shape for v in (bias, mask)), causal_rows,
                           int(diagonal))
-    fusion = replace(fusion, entries=bias_entries(layout),
-                     mask_align=mask_alignment(None if mask is None else mask.data.ptr, layout),
+    bias_align, mask_align = (None if v is None else v.data.ptr for v in (bias, mask))
+    bias_align, mask_align = operand_alignments(layout, bias_align, 0 if bias is None else bias.itemsize, mask_align)
+    fusion = replace(fusion, entries=bias_entries(layout), bias_align=bias_align, mask_align=mask_align,
                      wide_operands=any(v is not None and v.size >= WIDE_ROWS for v in (bias, mask)))
     return Operands(x, bias, mask, fusion, scale, dropout, int(diagonal), axis, layout)
