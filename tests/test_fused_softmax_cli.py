@@ -21,7 +21,7 @@ def test_explain_json_names_the_kernel_and_its_path(op, stage):
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)
     assert info["stage"] == stage and info["kernel"].startswith("fused_softmax")
-    assert info["fusion"] == "scale_biasf16_mask_causal_drop"
+    assert info["fusion"] == "scale_biasf16v_maskw_causal_drop"   # fresh operands: aligned packs
     assert info["impl"] in ("warp", "block_regs", "block_smem", "block_uncached")
 
 
