@@ -29,6 +29,16 @@ def philox4x32_10(counter, key) -> np.ndarray:
     return np.stack([w.astype(np.uint32) for w in c], axis=-1)
 
 
+def round_keys(seed: int) -> np.ndarray:
+    """The ten round keys of `seed`'s Philox key as kernels/philox.cuh's RoundKeys lays them out:
+    uint32 (20,), the low words key_lo + r * W0 then the high words key_hi + r * W1 (mod 2^32)."""
+    seed = int(seed) % 2 ** 64
+    rounds = np.arange(10, dtype=np.uint64)
+    low = (np.uint64(seed & 0xFFFFFFFF) + rounds * np.uint64(_W0)) & _LOW
+    high = (np.uint64(seed >> 32) + rounds * np.uint64(_W1)) & _LOW
+    return np.concatenate([low, high]).astype(np.uint32)
+
+
 def check_dropout(p, name: str = "dropout") -> float:
     """p as a float, or ValueError naming `name` unless 0 <= p < 1."""
     p = float(p)

@@ -7,33 +7,60 @@
 
 namespace cupyops {
 
-__device__ __forceinline__ uint4 philox4x32_10(uint4 counter, uint2 key) {
+// The ten rounds, round r's key key_at(r) (a uint2).
+template <typename KeyAt>
+__device__ __forceinline__ uint4 philox_rounds(uint4 counter, const KeyAt& key_at) {
   const unsigned M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;
-  const unsigned W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
 #pragma unroll
   for (int round = 0; round < 10; ++round) {
+    const uint2 key = key_at(round);
     const unsigned hi0 = __umulhi(M0, counter.x), lo0 = M0 * counter.x;
     const unsigned hi1 = __umulhi(M1, counter.z), lo1 = M1 * counter.z;
     counter = make_uint4(hi1 ^ counter.y ^ key.x, lo1, hi0 ^ counter.w ^ key.y, lo0);
-    key.x += W0;
-    key.y += W1;
   }
   return counter;
 }
 
+// The Weyl steps Philox adds to its key each round.
+constexpr unsigned kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;
+
+__device__ __forceinline__ uint4 philox4x32_10(uint4 counter, uint2 key) {
+  return philox_rounds(counter, [&](int round) {
+    return make_uint2(key.x + round * kPhiloxW0, key.y + round * kPhiloxW1);
+  });
+}
+
+// A key's ten round keys, key + round * (W0, W1), made on the host (cupyops.philox.round_keys)
+// and passed as a kernel parameter: each round's XOR reads its key where the parameters lie,
+// with no sums in the kernel.
+struct RoundKeys {
+  unsigned lo[10], hi[10];
+};
+
+__device__ __forceinline__ uint4 philox4x32_10(uint4 counter, const RoundKeys& keys) {
+  return philox_rounds(counter, [&](int round) { return make_uint2(keys.lo[round], keys.hi[round]); });
+}
+
+// The key a DropoutMaskOf holds, as philox4x32_10 takes it: a seed's (low, high) words, or RoundKeys.
+__device__ __forceinline__ uint2 philox_key(unsigned long long seed) {
+  return make_uint2(static_cast<unsigned>(seed), static_cast<unsigned>(seed >> 32));
+}
+__device__ __forceinline__ const RoundKeys& philox_key(const RoundKeys& keys) { return keys; }
+
 // Element `index` is kept iff 16-bit half (n & 7) of Philox(counter = n >> 3, key = seed) is
 // >= threshold, with n = index + offset, half h the (h & 1)-th half (low first) of word h >> 1,
 // and threshold = round(p * 2^16), at most 2^16 - 1 (cupyops.philox.dropout_threshold; p = 0
-// keeps everything): one Philox call serves eight elements.
-struct DropoutMask {
-  unsigned long long seed;
+// keeps everything): one Philox call serves eight elements. Key: the seed (unsigned long long,
+// DropoutMask) or its RoundKeys (KeyedDropoutMask).
+template <typename Key>
+struct DropoutMaskOf {
+  Key key;
   unsigned long long offset;
   unsigned int threshold;
 
   __device__ __forceinline__ uint4 words(unsigned long long group) const {
-    return philox4x32_10(
-        make_uint4(static_cast<unsigned>(group), static_cast<unsigned>(group >> 32), 0u, 0u),
-        make_uint2(static_cast<unsigned>(seed), static_cast<unsigned>(seed >> 32)));
+    return philox4x32_10(make_uint4(static_cast<unsigned>(group), static_cast<unsigned>(group >> 32), 0u, 0u),
+                         philox_key(key));
   }
   // Bit h set iff element h of the group of eight is kept.
   __device__ __forceinline__ unsigned kept_bits(unsigned long long group) const {
@@ -64,16 +91,19 @@ struct DropoutMask {
   }
 };
 
+typedef DropoutMaskOf<unsigned long long> DropoutMask;
+typedef DropoutMaskOf<RoundKeys> KeyedDropoutMask;
+
 // The same mask where every pack the kernel asks for starts a group of eight (packs of 8 at
 // multiples of 8 in rows of a multiple of 8, and offset a multiple of 8): each element's half
 // is compared in its word, a high half as word >= threshold << 16, a low one as
 // (word << 16) >= threshold << 16, with no bits gathered and no second group.
-struct GroupedDropoutMask : DropoutMask {
-  // (Packs of other sizes, which such kernels instantiate but never run, take DropoutMask's.)
+struct GroupedDropoutMask : KeyedDropoutMask {
+  // (Packs of other sizes, which such kernels instantiate but never run, take KeyedDropoutMask's.)
   template <int N>
   __device__ __forceinline__ void keep_pack(unsigned long long first_index, bool (&kept)[N]) const {
     if constexpr (N != 8) {
-      DropoutMask::keep_pack<N>(first_index, kept);
+      KeyedDropoutMask::keep_pack<N>(first_index, kept);
     } else {
       const uint4 w = words((first_index + offset) >> 3);
       const unsigned word[4] = {w.x, w.y, w.z, w.w};

@@ -5,6 +5,7 @@ instantiation the plans produce for a sweep of shapes, for sm_80 and sm_90."""
 from __future__ import annotations
 
 import collections
+import ctypes
 from dataclasses import replace
 import itertools
 
@@ -356,14 +357,20 @@ def _counted(monkeypatch, counts, owner, name):
 
 
 def _launched(device, arrays: dict) -> list:
-    """The launches recorded: (kernel, grid, block, smem, args), arrays by name, fresh ones by shape."""
+    """The launches recorded: (kernel, grid, block, smem, args), arrays by name, fresh ones by
+    shape, the Philox round keys passed by address as ("round_keys", the seed they start from)."""
     names = {}
     for name, a in arrays.items():
         names.setdefault(a.data.ptr, name)
-    return [(k.name, k.grid, k.block, k.smem,
-             tuple((type(a).__name__, a.item()) if isinstance(a, numpy.generic)
-                   else names.get(a.data.ptr, ("fresh", a.shape)) for a in k.args))
-            for k in device.launches]
+
+    def argument(a):
+        if isinstance(a, numpy.generic):
+            return type(a).__name__, a.item()
+        if not hasattr(a, "data"):   # a CPointer: the 20 words of a RoundKeys
+            keys = numpy.frombuffer(ctypes.string_at(a.ptr, 80), numpy.uint32)
+            return "round_keys", int(keys[0]) | int(keys[10]) << 32
+        return names.get(a.data.ptr, ("fresh", a.shape))
+    return [(k.name, k.grid, k.block, k.smem, tuple(argument(a) for a in k.args)) for k in device.launches]
 
 
 def test_repeated_calls_replay_their_stages(monkeypatch):
@@ -397,11 +404,12 @@ def test_repeated_calls_replay_their_stages(monkeypatch):
         first, second = seen
         assert [launch[:4] for launch in first] == [launch[:4] for launch in second], label
         for before, after in zip(first, second):
-            # the same arguments but for the seed (and the offset where it follows it), which a
-            # kernel without dropout does not take
+            # the same arguments but for the seed's round keys (and the offset where it follows
+            # the seed), which a kernel without dropout does not take
             changed = [k for k, (a, b) in enumerate(zip(before[4], after[4])) if a != b]
-            wanted = 0 if "drop" not in before[0] else 2 if label == "forward" else 1
-            assert [after[4][k] for k in changed] == [("uint64", 6)] * wanted, (label, before[0])
+            wanted = [] if "drop" not in before[0] else \
+                [("round_keys", 6)] + ([("uint64", 6)] if label == "forward" else [])
+            assert [after[4][k] for k in changed] == wanted, (label, before[0])
             assert (label == "forward into out") == ("out" in before[4]), label
             # the forward writes the lse it returns, in the same kernel; a null pointer where it returns none
             assert (label == "forward") == ("result 1" in before[4]), label

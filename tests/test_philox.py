@@ -67,3 +67,13 @@ def test_keep_rate_within_5_sigma(p):
     kept = philox.keep_mask_reference(size, p, seed=2024, offset=7).sum()
     sigma = (size * p * (1 - p)) ** 0.5
     assert abs(kept - size * (1 - p)) < 5 * sigma
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2 ** 32 + 3, 2 ** 64 - 1])
+def test_round_keys_are_the_key_schedule(seed):
+    """RoundKeys: round r's key is (low + r * W0, high + r * W1) mod 2^32, as the rounds add them."""
+    keys = philox.round_keys(seed)
+    assert keys.dtype == numpy.uint32 and keys.shape == (20,)
+    low, high = seed & 0xFFFFFFFF, seed >> 32
+    assert [int(k) for k in keys[:10]] == [(low + r * 0x9E3779B9) % 2 ** 32 for r in range(10)]
+    assert [int(k) for k in keys[10:]] == [(high + r * 0xBB67AE85) % 2 ** 32 for r in range(10)]

@@ -290,14 +290,39 @@ def _without_spills(chosen: KernelLaunch, op, rows, cols, target) -> KernelLaunc
 
 # Stage launches, whole calls (call_key) and dropout-mask launches, memoised side by side.
 _launches = LaunchCache()
-_NO_DROPOUT = (numpy.uint64(0), numpy.uint64(0), numpy.uint32(0))
+_NO_COUNTERS = (numpy.uint64(0), numpy.uint32(0))   # offset and threshold of a kernel without dropout
 _NULL = numpy.uint64(0)     # the forward's lse where the call does not return it
+
+
+class _RoundKeys:
+    """The kernels' RoundKeys argument of a seed (philox.round_keys) as (CPointer, the array it
+    points into): the driver copies the 80 bytes at launch, so the caller holds the pair until
+    then. Kept for the last MOST seeds."""
+    MOST = 64
+
+    def __init__(self):
+        self.found = {}
+
+    def __call__(self, seed: int) -> tuple:
+        found = self.found.get(seed)
+        if found is None:
+            from cupy.cuda.function import CPointer
+
+            if len(self.found) >= self.MOST:
+                self.found.clear()
+            keys = philox.round_keys(seed)
+            found = self.found[seed] = (CPointer(keys.ctypes.data), keys)
+        return found
+
+
+_round_keys = _RoundKeys()
 
 
 class StageLaunch:
     """One stage's kernel ready for a call's layout: the compiled function, grid, block and
     shared memory, the scalar arguments before the dropout's, and its threshold (None for a
-    kernel without dropout: seed and offset pass as 0, though each must still be a number);
+    kernel without dropout: it gets seed 0's round keys and offset 0, though the call's seed
+    and offset must still be numbers);
     grouped: the function of its grouped_variant (None where there is none), run for offsets
     that are multiples of 8."""
     __slots__ = ("function", "grid", "block", "smem", "scalars", "threshold", "grouped")
@@ -309,15 +334,15 @@ class StageLaunch:
     def run(self, pointers: tuple, seed, offset) -> None:
         """Launches on `pointers` (x, dy, bias, mask, out, lse: those the stage reads and writes,
         lse _NULL for a forward not returning it)."""
-        seed, offset = seed % 2 ** 64, offset % 2 ** 64
         function = self.function
         if self.threshold is None:
-            counters = _NO_DROPOUT
+            keys, counters = _round_keys(0), _NO_COUNTERS
         else:
-            counters = (numpy.uint64(seed), numpy.uint64(offset), self.threshold)
+            offset = offset % 2 ** 64
+            keys, counters = _round_keys(seed % 2 ** 64), (numpy.uint64(offset), self.threshold)
             if self.grouped is not None and offset % 8 == 0:
                 function = self.grouped
-        function(self.grid, self.block, (*pointers, *self.scalars, *counters), self.smem)
+        function(self.grid, self.block, (*pointers, *self.scalars, keys[0], *counters), self.smem)
 
 
 def stage_launch(stage: str, operands: Operands, policy: str, out, dy=None, chosen=None) -> StageLaunch:
@@ -339,9 +364,10 @@ def stage_launch(stage: str, operands: Operands, policy: str, out, dy=None, chos
     chosen, function = _launches.get(key, make) if chosen is None else (chosen, live_function(
         chosen.spec, device_id, chosen.smem_bytes))
     keep_scale = 1.0 / (1.0 - operands.dropout)
+    compute = dtypes.DTYPE_OF_SHORT[dtypes.BY_SHORT[dtype].compute].type   # the kernel's C
     outer, inner, order_magic = row_order(operands.rows, operands.fusion.entries)
-    scalars = (numpy.int64(operands.rows), numpy.int64(operands.cols), numpy.float64(operands.scale),
-               numpy.float64(keep_scale), *(numpy.int64(v) for v in operands.geometry),
+    scalars = (numpy.int64(operands.rows), numpy.int64(operands.cols), compute(operands.scale),
+               compute(keep_scale), *(numpy.int64(v) for v in operands.geometry),
                *(numpy.uint64(m) for m in division_magics(operands.rows, operands.geometry)),
                numpy.int64(outer), numpy.int64(inner), numpy.uint64(order_magic))
     threshold = numpy.uint32(philox.dropout_threshold(operands.dropout)) if chosen.spec.dropout else None
