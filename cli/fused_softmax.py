@@ -84,8 +84,12 @@ def _explain_command(op: str):
                 as_json, source):
         dims = positive_shape(shape)
         fusion = _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, dims)
-        plan = _plan(op, dims, dtype, policy, target(device_name), fusion)
+        plan_target = target(device_name)
+        plan = _plan(op, dims, dtype, policy, plan_target, fusion)
         info = plan.explain()
+        grouped = fs.grouped_variant(plan.spec, plan_target)
+        if grouped is not None:   # what calls whose offset is a multiple of 8 run
+            info["kernel_offset_8"] = grouped.name
         if as_json:
             if source:
                 info["source"] = jit.render(plan.spec)
@@ -117,6 +121,9 @@ def _compile_command(op: str):
                 fusion = _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, dims)
                 plan = _plan(op, dims, dtype, policy, plan_target, fusion)
                 yield shape, arch, lambda plan=plan: plan.spec
+                grouped = fs.grouped_variant(plan.spec, plan_target)
+                if grouped is not None:   # run by calls whose offset is a multiple of 8
+                    yield shape, arch, lambda grouped=grouped: grouped
         compile_and_report(kernels())
 
     command.__doc__ = f"Render and NVRTC-compile every kernel {op}'s plans need (no GPU needed)."

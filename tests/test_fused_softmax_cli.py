@@ -23,6 +23,8 @@ def test_explain_json_names_the_kernel_and_its_path(op, stage):
     assert info["stage"] == stage and info["kernel"].startswith("fused_softmax")
     assert info["fusion"] == "scale_biasf16v_maskw_causal_drop"   # fresh operands: aligned packs
     assert info["impl"] in ("warp", "block_regs", "block_smem", "block_uncached")
+    # packs of 8 in rows of 1000: calls at offsets that are multiples of 8 run the grouped kernel
+    assert info["kernel_offset_8"] == info["kernel"].replace("_drop", "_drop8")
 
 
 def test_explain_human_readable_and_source():
@@ -32,10 +34,14 @@ def test_explain_human_readable_and_source():
 
 
 def test_compile_lists_the_kernels():
+    """The plan's kernel and, with dropout on packs of 8, its grouped variant."""
     result = run("compile", "fused_softmax_backward", "--shape", "2,4,256,256", "--dropout", "0.2",
                  "--mask-shape", "256", "--arch", "sm_80")
     assert result.exit_code == 0, result.output
-    assert "fused_softmax_backward_" in result.output and "1 kernels compiled for sm_80, 0 failed" in result.output
+    assert "fused_softmax_backward_" in result.output and "2 kernels compiled for sm_80, 0 failed" in result.output
+    assert "_maskw_drop8" in result.output
+    result = run("compile", "fused_softmax", "--shape", "2,4,256,256", "--causal", "--arch", "sm_80")
+    assert result.exit_code == 0 and "1 kernels compiled for sm_80, 0 failed" in result.output, result.output
 
 
 @pytest.mark.parametrize("args, message", [
