@@ -58,13 +58,10 @@ def _fusion(dtype, mask_shape, bias_shape, bias_dtype, causal, dropout, x_dims) 
         bias_dims, mask_dims = (None if dims is None else tuple(x_dims) for dims in (bias_dims, mask_dims))
         layout = fused_softmax_operands.geometry(tuple(x_dims), bias_dims, mask_dims, 1, 0)
     # fresh operands' addresses: CuPy's allocations are 256-byte aligned
-    bias_align, mask_align = fused_softmax_operands.operand_alignments(
-        layout, None if bias_dims is None else 0, dtypes.BY_SHORT[bias_short].itemsize if bias_short else 0,
-        None if mask_dims is None else 0)
-    return fs.Fusion(bias_short, mask_shape is not None, causal, dropout > 0,
-                     fused_softmax_operands.bias_entries(layout), bias_align, mask_align,
-                     any(dims is not None and math.prod(dims) >= fused_softmax_operands.WIDE_ROWS
-                         for dims in (bias_dims, mask_dims)))
+    return fused_softmax_operands.with_layout(
+        fs.Fusion(bias_short, mask_shape is not None, causal, dropout > 0), layout,
+        *((None, 0, 0) if bias_dims is None else (0, dtypes.BY_SHORT[bias_short].itemsize, math.prod(bias_dims))),
+        *((None, 0) if mask_dims is None else (0, math.prod(mask_dims))))
 
 
 def _plan(op, dims, dtype, policy, plan_target, fusion):

@@ -356,13 +356,16 @@ def stage_launch(stage: str, operands: Operands, policy: str, out, dy=None, chos
     same_phase = len({a.data.ptr % 16 for a in arrays_used}) == 1
     key = (stage, policy, operands.rows, operands.cols, dtype, operands.fusion, align, same_phase, device_id)
 
-    def make():
-        chosen = plan(stage, operands.rows, operands.cols, dtype, policy, Target.live(device_id),
-                      operands.fusion, align, same_phase)
-        return chosen, live_function(chosen.spec, device_id, chosen.smem_bytes)
+    def functions(chosen) -> tuple:   # the plan, its function and its grouped variant's (or None)
+        grouped = grouped_variant(chosen.spec, Target.live(device_id))
+        return (chosen, live_function(chosen.spec, device_id, chosen.smem_bytes),
+                None if grouped is None else live_function(grouped, device_id, chosen.smem_bytes))
 
-    chosen, function = _launches.get(key, make) if chosen is None else (chosen, live_function(
-        chosen.spec, device_id, chosen.smem_bytes))
+    def make():
+        return functions(plan(stage, operands.rows, operands.cols, dtype, policy, Target.live(device_id),
+                              operands.fusion, align, same_phase))
+
+    chosen, function, grouped = _launches.get(key, make) if chosen is None else functions(chosen)
     keep_scale = 1.0 / (1.0 - operands.dropout)
     compute = dtypes.DTYPE_OF_SHORT[dtypes.BY_SHORT[dtype].compute].type   # the kernel's C
     outer, inner, order_magic = row_order(operands.rows, operands.fusion.entries)
@@ -371,8 +374,6 @@ def stage_launch(stage: str, operands: Operands, policy: str, out, dy=None, chos
                *(numpy.uint64(m) for m in division_magics(operands.rows, operands.geometry)),
                numpy.int64(outer), numpy.int64(inner), numpy.uint64(order_magic))
     threshold = numpy.uint32(philox.dropout_threshold(operands.dropout)) if chosen.spec.dropout else None
-    grouped = grouped_variant(chosen.spec, Target.live(device_id))
-    grouped = None if grouped is None else live_function(grouped, device_id, chosen.smem_bytes)
     return StageLaunch(function, chosen.grid, chosen.block, chosen.smem_bytes, scalars, threshold, grouped)
 
 

@@ -197,8 +197,18 @@ def prepare(x, *, scale, bias, mask, causal, diagonal, dropout, axis) -> Operand
                       for v in (bias, mask))
         layout = geometry(x.shape, *(None if v is None else v.shape for v in (bias, mask)), causal_rows,
                           int(diagonal))
-    bias_align, mask_align = (None if v is None else v.data.ptr for v in (bias, mask))
-    bias_align, mask_align = operand_alignments(layout, bias_align, 0 if bias is None else bias.itemsize, mask_align)
-    fusion = replace(fusion, entries=bias_entries(layout), bias_align=bias_align, mask_align=mask_align,
-                     wide_operands=any(v is not None and v.size >= WIDE_ROWS for v in (bias, mask)))
+    fusion = with_layout(fusion, layout, *((None, 0, 0) if bias is None else (bias.data.ptr, bias.itemsize, bias.size)),
+                         *((None, 0) if mask is None else (mask.data.ptr, mask.size)))
     return Operands(x, bias, mask, fusion, scale, dropout, int(diagonal), axis, layout)
+
+
+def with_layout(fusion: Fusion, layout: tuple, bias_address, bias_itemsize: int, bias_size: int, mask_address,
+                mask_size: int) -> Fusion:
+    """`fusion` with what the layout (geometry's tuple) and the operands (contiguous in their
+    own shape, at these addresses; None: absent) decide: entries, bias_align, mask_align and
+    wide_operands."""
+    bias_align, mask_align = operand_alignments(layout, bias_address, bias_itemsize, mask_address)
+    wide = any(address is not None and size >= WIDE_ROWS
+               for address, size in ((bias_address, bias_size), (mask_address, mask_size)))
+    return replace(fusion, entries=bias_entries(layout), bias_align=bias_align, mask_align=mask_align,
+                   wide_operands=wide)
