@@ -13,7 +13,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from cupyops import callcache, launch, rowwise  # noqa: E402
+from cupyops import callcache, launch, packed, rowwise  # noqa: E402
 from cupyops.callcache import CallCache  # noqa: E402
 from cupyops.launch import LaunchCache, Target  # noqa: E402
 from cupyops.ops import activations, elementwise, fused_softmax  # noqa: E402
@@ -28,6 +28,8 @@ class Launch:
 
 
 class FakeFunction:
+    ptr = 0
+
     def __init__(self, spec, launches: list):
         self.name, self._launches = spec.name, launches
 
@@ -46,6 +48,8 @@ class FakeDevice:
         self._addresses = itertools.count(1 << 24, 1 << 24)
         self.launches: list = []
         self.slow_calls = 0
+        self.arrays: dict = {}      # address -> the array made there first
+        monkeypatch.setattr(packed.PackedLaunch, "__call__", lambda launch, values, stream=None: self.packed_launch(launch, values))
         target = Target.profile("h100")
         monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
         monkeypatch.setattr(cupy, "empty", self.empty)
@@ -78,7 +82,20 @@ class FakeDevice:
         dtype = numpy.dtype(dtype)
         size = max(1, int(numpy.prod(shape))) * dtype.itemsize * (2 if strides else 1) + offset_bytes
         owned = self._memory.UnownedMemory(next(self._addresses), size, None, device_id=0)
-        return cupy.ndarray(shape, dtype, self._memory.MemoryPointer(owned, offset_bytes), strides=strides)
+        made = cupy.ndarray(shape, dtype, self._memory.MemoryPointer(owned, offset_bytes), strides=strides)
+        self.arrays.setdefault(made.data.ptr, made)
+        return made
+
+    # a packed launch's changing values as CuPy would be given them
+    PACKED_TYPES = {"Q": numpy.uint64, "q": numpy.int64, "I": numpy.uint32, "i": numpy.int32}
+
+    def packed_launch(self, launch, values: tuple) -> None:
+        """Records a packed.PackedLaunch as a launch of its function's arguments, each address
+        of an array made here as that array."""
+        args = tuple(value if not isinstance(fmt, str) or fmt not in self.PACKED_TYPES else
+                     self.arrays.get(value, self.PACKED_TYPES[fmt](value)) if fmt == packed.POINTER else
+                     self.PACKED_TYPES[fmt](value) for fmt, value in zip(launch.args, launch.arguments(values)))
+        self.launches.append(Launch(launch.function.name, launch.grid, launch.block, launch.smem, args))
 
     def alloc(self, nbytes: int):
         """A block of `nbytes`, as cupy.cuda.alloc gives it."""

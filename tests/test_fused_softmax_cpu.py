@@ -5,7 +5,6 @@ instantiation the plans produce for a sweep of shapes, for sm_80 and sm_90."""
 from __future__ import annotations
 
 import collections
-import ctypes
 from dataclasses import replace
 import itertools
 
@@ -358,7 +357,7 @@ def _counted(monkeypatch, counts, owner, name):
 
 def _launched(device, arrays: dict) -> list:
     """The launches recorded: (kernel, grid, block, smem, args), arrays by name, fresh ones by
-    shape, the Philox round keys passed by address as ("round_keys", the seed they start from)."""
+    shape, the Philox round keys as ("round_keys", the seed they start from)."""
     names = {}
     for name, a in arrays.items():
         names.setdefault(a.data.ptr, name)
@@ -366,8 +365,8 @@ def _launched(device, arrays: dict) -> list:
     def argument(a):
         if isinstance(a, numpy.generic):
             return type(a).__name__, a.item()
-        if not hasattr(a, "data"):   # a CPointer: the 20 words of a RoundKeys
-            keys = numpy.frombuffer(ctypes.string_at(a.ptr, 80), numpy.uint32)
+        if isinstance(a, (bytes, numpy.ndarray)):   # the 20 words of a RoundKeys
+            keys = numpy.frombuffer(a, numpy.uint32)
             return "round_keys", int(keys[0]) | int(keys[10]) << 32
         return names.get(a.data.ptr, ("fresh", a.shape))
     return [(k.name, k.grid, k.block, k.smem, tuple(argument(a) for a in k.args)) for k in device.launches]

@@ -26,9 +26,10 @@ from typing import ClassVar, Optional
 
 import numpy
 
-from .. import arrays, callcache, device, jit, tune
+from .. import arrays, callcache, device, jit, tensor_map, tune
 from ..callcache import CallCache, call_key, run_on
 from ..launch import LaunchCache, Target, live_function
+from ..packed import POINTER, PackedLaunch
 from ..profile import profile_for
 from . import conv_halo, conv_layout, conv_tma
 from .conv_configs import (AUTO_CONFIGS, MEGENGINE_LADDER, STEP_BYTES, TMA_CONFIGS, WGMMA_CONFIGS,  # noqa: F401
@@ -47,6 +48,7 @@ REDUCE_THREADS = 256
 MAX_SPLITS = 16
 MIN_STEPS_PER_SPLIT = 4
 MAPS_CACHED = 64             # pairs of array addresses a ReadyConv keeps tensor maps for
+MAP_BYTES = f"{tensor_map.MAP_DTYPE.itemsize}s"   # a tensor map argument, packed per pair of addresses
 HALO_FIELDS = ("halo_pitch", "halo_filter_rows", "filter_width", "dilation_h", "dilation_w")
 
 
@@ -355,72 +357,68 @@ def _params(geometry: ConvGeometry, splits: int, steps_per_split: int, epilogue:
     return params
 
 
-def _by_value(record: numpy.ndarray):
-    """A struct parameter (a one-element structured array: ConvParams, a tensor map) as
-    the address CuPy hands the driver, which copies the bytes at launch; built once, so
-    a launch does not convert the record (CuPy's conversion of ConvParams costs more
-    than the rest of the launch). The caller keeps `record` alive."""
-    from cupy.cuda.function import CPointer
-
-    return CPointer(record.ctypes.data)
-
-
 class ReadyConv:
-    """A plan bound to one epilogue on one GPU: its compiled kernels, grid, parameter
-    blocks and (persistent kernels) tensor maps per pair of array addresses, so that
-    calling it, ready(x, w, y, z, alpha_vec, bias), only launches."""
-    __slots__ = ("function", "grid", "block", "smem", "params", "maps", "chosen", "reduce", "records")
+    """A plan bound to one epilogue on one GPU: its compiled kernels with their grids and
+    parameter blocks packed (packed.PackedLaunch: the parameter block is copied into the
+    launch's arguments once) and (persistent kernels) tensor maps per pair of array
+    addresses, so that calling it, ready(x, w, y, z, alpha_vec, bias), only launches."""
+    __slots__ = ("main", "maps", "chosen", "reduce")
 
     def __init__(self, chosen: ConvPlan, epilogue: Epilogue, device_id: int):
         spec, g = chosen.spec, chosen.geometry
-        self.chosen, self.block, self.smem = chosen, chosen.block, spec.smem_bytes
-        self.function = live_function(spec, device_id, spec.smem_bytes)
-        self.grid = chosen.grid
+        self.chosen = chosen
+        function = live_function(spec, device_id, spec.smem_bytes)
+        grid = chosen.grid
         # persistent kernels: as many blocks as the GPU holds at once, each walking tiles and splits
         self.maps = {} if spec.tma else None
         if spec.tma:
-            self.grid = (min(self.grid[0] * self.grid[2], _resident_blocks(spec, device_id)), 1, 1)
+            grid = (min(grid[0] * grid[2], _resident_blocks(spec, device_id)), 1, 1)
         params = _params(g, chosen.splits, 0, epilogue)   # the reduction's, where GEMM_K is split
-        self.records = [params]   # what the addresses passed by value point into
-        self.params = _by_value(params)
         self.reduce = None
+        main_params = params
         if chosen.splits > 1:   # int32 partials, then the reduction applies the epilogue
             facts = Target.live(device_id).facts
             tuned = profile_for(facts)
             groups = -(-g.n * g.k * g.oh * g.ow // 8)   # 8 output channels a thread
             blocks = min(-(-groups // REDUCE_THREADS), facts.sm_count * tuned.CONV_REDUCE_BLOCKS_PER_SM)
-            raw = _params(g, chosen.splits, chosen.steps_per_split, replace(epilogue, out_dtype="int32"))
-            self.records.append(raw)
-            self.reduce = (live_function(SplitReduceSpec(), device_id), (blocks,), (REDUCE_THREADS,), _by_value(raw),
-                           (chosen.splits, *g.output_shape))
+            main_params = _params(g, chosen.splits, chosen.steps_per_split, replace(epilogue, out_dtype="int32"))
+            self.reduce = (PackedLaunch(live_function(SplitReduceSpec(), device_id), (blocks,), (REDUCE_THREADS,), 0,
+                                        (POINTER,) * 5 + (params,)), (chosen.splits, *g.output_shape))
+        # the tensor maps over x and w (persistent kernels), then x or w, y, z, alpha and bias
+        operands = (MAP_BYTES,) * 2 + (POINTER,) if spec.tma else (POINTER,) * 2
+        self.main = PackedLaunch(function, grid, chosen.block, spec.smem_bytes,
+                                 operands + (POINTER,) * 4 + (main_params,))
 
     def operands(self, x, w) -> tuple:
-        """The kernel's first arguments: x and w, or the tensor maps over them and x."""
-        if self.maps is None:
-            return x, w
+        """The kernel's first arguments: the addresses of x and w, or the tensor maps over
+        them and the address of x."""
         key = (x.data.ptr, w.data.ptr)
+        if self.maps is None:
+            return key
         found = self.maps.get(key)
         if found is None:
             if len(self.maps) >= MAPS_CACHED:
                 self.maps.clear()
             maps = conv_tma.maps(self.chosen.geometry, self.chosen.spec, *key)
-            found = self.maps[key] = (*(_by_value(m) for m in maps), maps)
-        return found[0], found[1], x
+            found = self.maps[key] = (*(m.tobytes() for m in maps), key[0])
+        return found
 
     def __call__(self, x, w, y, z, alpha_vec, bias) -> None:
-        if self.reduce is None and self.maps is None:
-            self.function(self.grid, self.block, (x, w, y, z, alpha_vec, bias, self.params), self.smem)
+        epilogue = (0 if z is None else z.data.ptr, 0 if alpha_vec is None else alpha_vec.data.ptr,
+                    0 if bias is None else bias.data.ptr)
+        if self.maps is None and self.reduce is None:
+            self.main((x.data.ptr, w.data.ptr, y.data.ptr, *epilogue))
             return
         operands = self.operands(x, w)
         if self.reduce is None:
-            self.function(self.grid, self.block, (*operands, y, z, alpha_vec, bias, self.params), self.smem)
+            self.main((*operands, y.data.ptr, *epilogue))
             return
         import cupy
 
-        reduce_function, blocks, threads, raw, partials_shape = self.reduce
+        reduce, partials_shape = self.reduce
         partials = cupy.empty(partials_shape, dtype=numpy.int32)
-        self.function(self.grid, self.block, (*operands, partials, None, None, None, raw), self.smem)
-        reduce_function(blocks, threads, (partials, y, z, alpha_vec, bias, self.params))
+        self.main((*operands, partials.data.ptr, 0, 0, 0))
+        reduce((partials.data.ptr, y.data.ptr, *epilogue))
 
 
 def launch(chosen: ConvPlan, x, w, y, z, alpha_vec, bias, epilogue: Epilogue) -> None:

@@ -31,6 +31,7 @@ import numpy
 from .. import arrays, callcache, fx
 from ..callcache import cupy_module
 from ..launch import MAX_GRID_X, LaunchCache, Target, fast_divisor, get_num_blocks, live_function
+from ..packed import POINTER, PackedLaunch, address, format_of
 from ..profile import profile_for
 from .elementwise_kernel import C_TYPES, ElementwiseSpec, OperandSpec, fast_math, generate
 
@@ -311,13 +312,16 @@ class _Launcher:
         self.plan = plan
         self.device = device          # the operands' GPU where it is not the current one
         self.on_device = cupy.cuda.Device
-        self.function = function
-        self.grid, self.block = (plan.grid,), (plan.block,)
         # operands passed as given (every argument an array, in order) or picked and cast
         in_order = not plan.scalars and plan.arrays == tuple(range(len(args)))
         self.take_arrays = None if in_order else _getter(plan.arrays)
         self.scalars, self.dropout_p = plan.scalars, plan.dropout_p
-        self.tail = (numpy.int64(plan.size), *plan.params) if plan.size else None
+        # the kernel (None for an empty result): operand addresses, scalars, output addresses, size,
+        # layout parameters
+        self.launch = None if not plan.size else PackedLaunch(
+            function, (plan.grid,), (plan.block,), 0,
+            (POINTER,) * len(plan.arrays) + tuple(format_of(cast) for _, cast in plan.scalars) +
+            (POINTER,) * len(plan.out_dtypes) + (numpy.int64(plan.size), *plan.params))
         self.empty = callcache.empty
         self.outputs = tuple((plan.shape, dtype) for dtype in plan.out_dtypes)
         self.shape, self.dtype = self.outputs[0]
@@ -345,14 +349,15 @@ class _Launcher:
                 return False
         return True
 
-    def arguments(self, args: tuple, targets: tuple) -> tuple:
-        """The kernel's arguments: operand pointers, scalars, outputs, size, layout parameters;
+    def values(self, args: tuple, targets: tuple) -> tuple:
+        """The kernel's changing arguments: operand addresses, scalars, output addresses;
         dropout probabilities among the scalars checked (ValueError)."""
-        if self.take_arrays is not None:
-            if self.dropout_p:
-                self.check_dropout(args)
-            args = (*self.take_arrays(args), *[cast(args[p]) for p, cast in self.scalars])
-        return (*args, *targets, *self.tail)
+        if self.take_arrays is None:
+            return (*map(address, args), *map(address, targets))
+        if self.dropout_p:
+            self.check_dropout(args)
+        return (*map(address, self.take_arrays(args)), *[cast(args[p]) for p, cast in self.scalars],
+                *map(address, targets))
 
     def check_dropout(self, args: tuple) -> None:
         """ValueError unless every dropout probability among the scalars is in [0, 1)."""
@@ -366,12 +371,12 @@ class _Launcher:
     def _fresh(self, args: tuple, out, stream):
         """One output, allocated."""
         target = self.empty(self.shape, self.dtype)
-        if self.tail is None:
+        if self.launch is None:
             self.check_dropout(args)           # where nothing is launched
         elif self.take_arrays is None:
-            self.function(self.grid, self.block, (*args, target, *self.tail), 0, stream)
+            self.launch((*map(address, args), target.data.ptr), stream)
         else:
-            self.function(self.grid, self.block, self.arguments(args, (target,)), 0, stream)
+            self.launch(self.values(args, (target,)), stream)
         return target
 
     def _into(self, args: tuple, out, stream):
@@ -380,12 +385,12 @@ class _Launcher:
         if type(out) is tuple:
             (out,) = out
         target = out if self._direct(0, out, args) else self.empty(self.shape, self.dtype)
-        if self.tail is None:
+        if self.launch is None:
             self.check_dropout(args)
         elif self.take_arrays is None:
-            self.function(self.grid, self.block, (*args, target, *self.tail), 0, stream)
+            self.launch((*map(address, args), target.data.ptr), stream)
         else:
-            self.function(self.grid, self.block, self.arguments(args, (target,)), 0, stream)
+            self.launch(self.values(args, (target,)), stream)
         if target is not out:
             out[...] = target
         return out
@@ -395,8 +400,8 @@ class _Launcher:
         outs = tuple(self.empty(shape, dtype) for shape, dtype in self.outputs) if out is None else out
         targets = tuple(o if out is None or self._direct(k, o, args) else self.empty(*self.outputs[k])
                         for k, o in enumerate(outs))
-        if self.tail is not None:
-            self.function(self.grid, self.block, self.arguments(args, targets), 0, stream)
+        if self.launch is not None:
+            self.launch(self.values(args, targets), stream)
         else:
             self.check_dropout(args)
         for o, t in zip(outs, targets):

@@ -26,6 +26,7 @@ import numpy
 from .. import arrays, callcache, dtypes, jit, philox
 from ..callcache import call_key, run_on, writable
 from ..launch import KernelLaunch, LaunchCache, Target, get_num_blocks, live_function
+from ..packed import POINTER, PackedLaunch, address
 from ..profile import profile_for
 from . import row_candidates, softmax_candidates, softmax_rows as softmax
 from .fused_softmax_operands import WIDE_ROWS, Fusion, Operands, division_magics, prepare, row_order
@@ -290,28 +291,23 @@ def _without_spills(chosen: KernelLaunch, op, rows, cols, target) -> KernelLaunc
 
 # Stage launches, whole calls (call_key) and dropout-mask launches, memoised side by side.
 _launches = LaunchCache()
-_NO_COUNTERS = (numpy.uint64(0), numpy.uint32(0))   # offset and threshold of a kernel without dropout
-_NULL = numpy.uint64(0)     # the forward's lse where the call does not return it
+ROUND_KEYS = f"{philox.round_keys(0).nbytes}s"   # the RoundKeys argument, packed per launch
 
 
 class _RoundKeys:
-    """The kernels' RoundKeys argument of a seed (philox.round_keys) as (CPointer, the array it
-    points into): the driver copies the 80 bytes at launch, so the caller holds the pair until
-    then. Kept for the last MOST seeds."""
+    """The kernels' RoundKeys argument of a seed (philox.round_keys) as bytes. Kept for the
+    last MOST seeds."""
     MOST = 64
 
     def __init__(self):
         self.found = {}
 
-    def __call__(self, seed: int) -> tuple:
+    def __call__(self, seed: int) -> bytes:
         found = self.found.get(seed)
         if found is None:
-            from cupy.cuda.function import CPointer
-
             if len(self.found) >= self.MOST:
                 self.found.clear()
-            keys = philox.round_keys(seed)
-            found = self.found[seed] = (CPointer(keys.ctypes.data), keys)
+            found = self.found[seed] = philox.round_keys(seed).tobytes()
         return found
 
 
@@ -319,30 +315,31 @@ _round_keys = _RoundKeys()
 
 
 class StageLaunch:
-    """One stage's kernel ready for a call's layout: the compiled function, grid, block and
-    shared memory, the scalar arguments before the dropout's, and its threshold (None for a
-    kernel without dropout: it gets seed 0's round keys and offset 0, though the call's seed
-    and offset must still be numbers);
-    grouped: the function of its grouped_variant (None where there is none), run for offsets
-    that are multiples of 8."""
-    __slots__ = ("function", "grid", "block", "smem", "scalars", "threshold", "grouped")
+    """One stage's kernel ready for a call's layout (packed.PackedLaunch): its `pointers`
+    array addresses, then the scalar arguments before the dropout's, then the round keys,
+    offset and threshold: those of the call for a kernel with dropout (`threshold`), else
+    seed 0's, 0 and 0 (the call's seed and offset must still be numbers); grouped: the
+    launch of its grouped_variant (None where there is none), run for offsets that are
+    multiples of 8."""
+    __slots__ = ("launch", "grouped", "dropout")
 
-    def __init__(self, function, grid, block, smem, scalars, threshold, grouped=None):
-        self.function, self.grid, self.block, self.smem = function, grid, block, smem
-        self.scalars, self.threshold, self.grouped = scalars, threshold, grouped
+    def __init__(self, function, grid, block, smem, pointers: int, scalars: tuple, threshold, grouped=None):
+        self.dropout = threshold is not None
+        counters = (ROUND_KEYS, "Q", threshold) if self.dropout else \
+            (philox.round_keys(0), numpy.uint64(0), numpy.uint32(0))
+        args = (POINTER,) * pointers + scalars + counters
+        self.launch = PackedLaunch(function, grid, block, smem, args)
+        self.grouped = None if grouped is None else PackedLaunch(grouped, grid, block, smem, args)
 
     def run(self, pointers: tuple, seed, offset) -> None:
-        """Launches on `pointers` (x, dy, bias, mask, out, lse: those the stage reads and writes,
-        lse _NULL for a forward not returning it)."""
-        function = self.function
-        if self.threshold is None:
-            keys, counters = _round_keys(0), _NO_COUNTERS
-        else:
-            offset = offset % 2 ** 64
-            keys, counters = _round_keys(seed % 2 ** 64), (numpy.uint64(offset), self.threshold)
-            if self.grouped is not None and offset % 8 == 0:
-                function = self.grouped
-        function(self.grid, self.block, (*pointers, *self.scalars, keys[0], *counters), self.smem)
+        """Launches on `pointers`, the addresses of x, dy, bias, mask, out, lse: those the stage
+        reads and writes, lse 0 for a forward not returning it."""
+        if not self.dropout:
+            self.launch(pointers)
+            return
+        offset = offset % 2 ** 64
+        launch = self.grouped if self.grouped is not None and offset % 8 == 0 else self.launch
+        launch((*pointers, _round_keys(seed % 2 ** 64), offset))
 
 
 def stage_launch(stage: str, operands: Operands, policy: str, out, dy=None, chosen=None) -> StageLaunch:
@@ -374,7 +371,8 @@ def stage_launch(stage: str, operands: Operands, policy: str, out, dy=None, chos
                *(numpy.uint64(m) for m in division_magics(operands.rows, operands.geometry)),
                numpy.int64(outer), numpy.int64(inner), numpy.uint64(order_magic))
     threshold = numpy.uint32(philox.dropout_threshold(operands.dropout)) if chosen.spec.dropout else None
-    return StageLaunch(function, chosen.grid, chosen.block, chosen.smem_bytes, scalars, threshold, grouped)
+    pointers = len(stage_inputs(x, dy if stage == "backward" else None, operands)) + 2   # and out, lse
+    return StageLaunch(function, chosen.grid, chosen.block, chosen.smem_bytes, pointers, scalars, threshold, grouped)
 
 
 def stage_inputs(x, dy, operands: Operands) -> list:
@@ -399,10 +397,10 @@ class _ReadyCall:
         y = empty(self.shape, self.dtype) if out is None else out
         inputs = self.take(read)
         if lse is not None or not self.return_lse:
-            self.main.run((*inputs, y, _NULL if lse is None else lse), seed, offset)
+            self.main.run((*map(address, inputs), y.data.ptr, 0 if lse is None else lse.data.ptr), seed, offset)
             return y
         lse = empty(self.shape[:-1], numpy.float32)
-        self.main.run((*inputs, y, lse), seed, offset)
+        self.main.run((*map(address, inputs), y.data.ptr, lse.data.ptr), seed, offset)
         return y, lse
 
 
@@ -494,7 +492,8 @@ def fused_softmax(x, *, scale=1.0, bias=None, mask=None, causal=False, diagonal=
         lse = cupy.empty(x.shape[:-1], numpy.float32) if return_lse else None
         if x.size:
             main = stage_launch("forward", operands, policy, y)
-            main.run((*stage_inputs(x, None, operands), y, _NULL if lse is None else lse), seed, offset)
+            main.run((*map(address, stage_inputs(x, None, operands)), y.data.ptr, 0 if lse is None else lse.data.ptr),
+                     seed, offset)
             _remember(key, operands, caller, (x, None, None, operands.bias, operands.mask), y, out, main,
                       return_lse)
         y = _restore_axis(y, operands.axis)
@@ -542,7 +541,7 @@ def fused_softmax_backward(dy, x, lse, *, scale=1.0, bias=None, mask=None, causa
         dx = _writable_out(out, x, operands, x, dy, lse, operands.bias, operands.mask)
         if x.size:
             main = stage_launch("backward", operands, policy, dx, dy)
-            main.run((*stage_inputs(x, dy, operands), dx, lse), seed, offset)
+            main.run((*map(address, stage_inputs(x, dy, operands)), dx.data.ptr, lse.data.ptr), seed, offset)
             _remember(key, operands, caller, (x, dy, lse, operands.bias, operands.mask), dx, out, main)
         return _deliver(_restore_axis(dx, operands.axis), out)
 
@@ -564,8 +563,8 @@ def _mask_launch(size: int, threshold: int, device_id: int) -> StageLaunch:
     found = _launches.peek(key)
     if found is None:
         grid = get_num_blocks(Target.live(device_id).facts, MASK_BLOCK_SIZE, -(-size // MASK_BLOCK_SIZE))
-        found = StageLaunch(live_function(DropoutMaskSpec(), device_id), (grid,), (MASK_BLOCK_SIZE,), 0,
-                             (numpy.int64(size),), numpy.uint32(threshold))
+        found = StageLaunch(live_function(DropoutMaskSpec(), device_id), (grid,), (MASK_BLOCK_SIZE,), 0, 1,
+                            (numpy.int64(size),), numpy.uint32(threshold))
         _launches.put(key, found)
     return found
 
@@ -576,5 +575,5 @@ def dropout_mask(shape, p, seed, offset=0):
     threshold = philox.dropout_threshold(p)
     keep = (callcache.empty or callcache.cupy_module().ndarray)(tuple(shape), numpy.bool_)
     if keep.size:
-        _mask_launch(keep.size, threshold, keep.data.device_id).run((keep,), seed, offset)
+        _mask_launch(keep.size, threshold, keep.data.device_id).run((keep.data.ptr,), seed, offset)
     return keep

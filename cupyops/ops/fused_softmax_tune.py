@@ -125,7 +125,7 @@ def tune_shape(stage: str, shape: tuple, dtype: str, device_id: int, *, mask_sha
         allowed = TOLERANCE[dtype] * max(1.0, float(cupy.abs(expect).max()))
         out = cupy.empty_like(x)
         # the backward reads lse; the forward writes it, as a training forward does
-        pointers = (*fs.stage_inputs(x, None if stage == "forward" else dy, operands), out, lse)
+        pointers = tuple(a.data.ptr for a in (*fs.stage_inputs(x, None if stage == "forward" else dy, operands), out, lse))
         timer = Timer(budget_s=TIMER_BUDGET_S)
 
         def time_us(description: dict) -> float:

@@ -16,6 +16,7 @@ import numpy
 from .. import arrays, callcache, dtypes, rowwise
 from ..callcache import CallCache, ReadyLaunch, call_key, run_on, writable
 from ..launch import KernelLaunch, LaunchCache, Target, live_function
+from ..packed import POINTER, PackedLaunch, address
 from . import softmax_axis, softmax_candidates, softmax_rows, softmax_split
 
 # -- plan --------------------------------------------------------------------
@@ -70,18 +71,20 @@ _calls = CallCache()
 
 
 class _ReadyCall:
-    """A memoised call: its row kernel ready, the scalar arguments cast for
-    it, and the shape and dtype of a fresh output."""
-    __slots__ = ("function", "grid", "block", "smem", "scalars", "shape", "dtype")
+    """A memoised call: its row kernel ready with the scalar arguments cast for it
+    (packed.PackedLaunch: the addresses of the inputs and the output change), and
+    the shape and dtype of a fresh output."""
+    __slots__ = ("launch", "shape", "dtype")
 
-    def __init__(self, launch: ReadyLaunch, scalars: tuple, shape: tuple, dtype):
-        self.function, self.grid, self.block, self.smem = launch.function, launch.grid, launch.block, launch.smem
-        self.scalars, self.shape, self.dtype = scalars, shape, dtype
+    def __init__(self, launch: ReadyLaunch, scalars: tuple, inputs: int, shape: tuple, dtype):
+        self.launch = PackedLaunch(launch.function, launch.grid, launch.block, launch.smem,
+                                   (POINTER,) * (inputs + 1) + scalars)
+        self.shape, self.dtype = shape, dtype
 
     def run(self, inputs: tuple, out):
         """Launches on `inputs` into `out` (None: a fresh array); returns the result."""
         result = callcache.empty(self.shape, self.dtype) if out is None else out
-        self.function(self.grid, self.block, (*inputs, result, *self.scalars), self.smem)
+        self.launch((*map(address, inputs), result.data.ptr))
         return result
 
 
@@ -98,7 +101,7 @@ def _run_rows(op, policy, inputs: list, axes, out, result_dtype, key):
     if len(launches) == 1:
         read, written, call = launches[0]
         if call is not None and written is result and all(a is b for a, b in zip(read, inputs)):
-            _calls.remember(key, _ReadyCall(*call, result.shape, result.dtype))
+            _calls.remember(key, _ReadyCall(*call, len(read), result.shape, result.dtype))
     return result
 
 
