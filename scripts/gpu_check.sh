@@ -6,6 +6,7 @@
 #   tests | sanitize | targets | odd-rows (rows at mixed phases against torch) | small-rows (auto
 #   against oneflow at short rows) | fused-tune (scripts/tune_fused_softmax.py) |
 #   bench-forward | bench-rest (the full sweeps over cols) | elementwise | families | all
+#   host           scripts/call_overhead.py (every public op and cupyops.torch function) and the torch example
 #   fused          issue 39's sweep of fused_softmax (S 128 to 16384; FUSED_DTYPES, FUSED_PARTS narrow it)
 #   planners       scripts/compare_planners.py: the default row-wise sweep under BASELINE_DIR's
 #                  planner and this one, alternately (PLANNER_ARGS narrows it, e.g. "--ops softmax")
@@ -90,6 +91,10 @@ if run bench-rest; then
   done
 fi
 ATTENTION=(--shape 64,128,128,128 --shape 8,16,1024,1024 --shape 1,8,4096,4096)
+if run host; then   # the host cost of every public op and cupyops.torch function, the torch example
+  python scripts/call_overhead.py 2>&1 | tee "$OUT/call_overhead.txt"
+  python examples/transformer_block.py 2>&1 | tail -n 3 | tee "$OUT/transformer_block.txt"
+fi
 if run families; then   # fused softmax, int8 convolution, host cost, the torch example
   python scripts/call_overhead.py 2>&1 | tee "$OUT/call_overhead.txt"
   python examples/transformer_block.py 2>&1 | tail -n 3 | tee "$OUT/transformer_block.txt"
@@ -152,7 +157,7 @@ if run elementwise; then   # fused elementwise: sanitizers, host cost, benches (
     compute-sanitizer --tool "$tool" --error-exitcode 9 python scripts/sanitize_elementwise.py 2>&1 | tail -n 3 \
       | tee -a "$OUT/sanitize_elementwise.txt"
   done
-  python scripts/tune_elementwise.py --host-only > "$OUT/tune_elementwise.txt" 2>&1; cat "$OUT/tune_elementwise.txt"
+  python scripts/tune_elementwise.py --first-call-only > "$OUT/tune_elementwise.txt" 2>&1; cat "$OUT/tune_elementwise.txt"
   for dtype in float16 bfloat16 float32; do
     for expr in bias_gelu bias_gelu_tanh bias_silu swiglu geglu bias_dropout_add "sigmoid(a + b)" "relu(a + b) * 0.5"; do
       label=$(echo "$expr" | tr -c 'a-z0-9_\n' '_')

@@ -1,12 +1,12 @@
 """Times the elementwise launch candidates (block, packs a thread) against OneFlow's launch
-to choose the profiles' ELEMENTWISE_AUTO_LAUNCH, and the host cost of a repeated small call (fuse with out= and
-allocating, cupyops.elementwise, every named op) against a bare RawKernel launch of the
-kernel and arguments that call launches (ratio limit HOST_RATIO, flagged).
+to choose the profiles' ELEMENTWISE_AUTO_LAUNCH, and the first call of a new expression
+(render and NVRTC, then from CuPy's disk cache). The host cost of a repeated small call of
+every elementwise op against its bare launch is in scripts/call_overhead.py.
 
 Bytes counted: each operand read once at its own size, each output written once. Every
 candidate is run once into a NaN-filled output and checked against the default plan's
 result before it is timed. Usage (repository root):
-PYTHONPATH=. python scripts/tune_elementwise.py [--budget 0.1] [--host-only] [--calls N] [--expr TEXT] [--dtype NAME]
+PYTHONPATH=. python scripts/tune_elementwise.py [--budget 0.1] [--first-call-only] [--expr TEXT] [--dtype NAME]
 """
 from __future__ import annotations
 
@@ -21,9 +21,7 @@ import cupyops
 from cupyops import jit
 from cupyops.device import live_facts
 from cupyops.dtypes import BFLOAT16
-from cupyops.launch import LaunchCache
 from cupyops.ops import elementwise as ew
-from call_overhead import bare_round, per_call_us, recorded_launches
 from tuning import Tuning
 
 CASES = [   # expression, operand shapes as fractions of (rows, cols)
@@ -80,60 +78,11 @@ def throughput(tuning: Tuning, only: list, dtypes: list):
                           f"{gbs:>7.0f} {of_copy:>6.1%}", flush=True)
 
 
-HOST_RATIO = 1.5   # issue 40: a repeated small call within 1.5x a bare launch of its kernel
-
-
-def host_cases(a, b, bias, out, fused) -> list:
-    """(label, call) of `fused` (sigmoid(a + b) by cupyops.fuse, with out= and allocating),
-    cupyops.elementwise and every named op, each as a repeated call on small arrays makes it."""
-    return [("fuse(f)(a, b, out=)", lambda: fused(a, b, out=out)),
-            ("fuse(f)(a, b)", lambda: fused(a, b)),
-            ("elementwise('sigmoid(a + b)', out=)", lambda: cupyops.elementwise("sigmoid(a + b)", a=a, b=b, out=out)),
-            ("elementwise('sigmoid(a + b)')", lambda: cupyops.elementwise("sigmoid(a + b)", a=a, b=b)),
-            ("bias_gelu(x, bias, out=)", lambda: cupyops.bias_gelu(a, bias, out=out)),
-            ("bias_gelu(x, bias)", lambda: cupyops.bias_gelu(a, bias)),
-            ("bias_gelu(x, bias, 'tanh')", lambda: cupyops.bias_gelu(a, bias, "tanh")),
-            ("bias_silu(x, bias)", lambda: cupyops.bias_silu(a, bias)),
-            ("swiglu(a, b, out=)", lambda: cupyops.swiglu(a, b, out=out)),
-            ("swiglu(a, b)", lambda: cupyops.swiglu(a, b)),
-            ("geglu(a, b)", lambda: cupyops.geglu(a, b)),
-            ("geglu(a, b, 'tanh')", lambda: cupyops.geglu(a, b, "tanh")),
-            ("bias_dropout_add(x, bias, r, 0.1, seed, offset)",
-             lambda: cupyops.bias_dropout_add(a, bias, b, 0.1, 1234, 5678))]
-
-
-def _fresh_launchers(fused) -> None:
-    """The launchers of `fused` and of cupyops.elementwise's expressions made anew on their
-    next call, as recorded_launches makes the named ops' (and records them)."""
-    ew._expressions.clear()
-    fused._launchers = LaunchCache()
-
-
-def host_cost(calls: int) -> None:
-    """µs per repeated call of each case on 64 x 128 float32 arrays against a bare
-    cupy.RawKernel launch of the very kernel and arguments it launches (call_overhead's
-    recording), and the first call of a new expression."""
+def first_call_cost() -> None:
+    """The first call of a new expression: rendered and compiled, then from CuPy's disk cache."""
     rng = cupy.random.default_rng()
     a, b = (rng.standard_normal((64, 128), dtype=cupy.float32) for _ in range(2))
-    bias, out = rng.standard_normal(128, dtype=cupy.float32), cupy.empty_like(a)
-
-    @cupyops.fuse
-    def fused(a, b):
-        return cupyops.fx.sigmoid(a + b)
-
     print(f"# {live_facts(cupy.cuda.runtime.getDevice()).name}")
-    print(f"{'host cost, 64 x 128 float32':<48} {'us/call':>8} {'bare us':>8} {'ratio':>6}")
-    worst = 0.0
-    for label, call in host_cases(a, b, bias, out, fused):
-        _fresh_launchers(fused)
-        launches = recorded_launches(call)
-        _fresh_launchers(fused)
-        bare = per_call_us(bare_round(launches), calls)
-        took = per_call_us(call, calls)
-        worst = max(worst, took / bare)
-        flag = "" if took / bare <= HOST_RATIO else f"  > {HOST_RATIO}x"
-        print(f"{label:<48} {took:8.2f} {bare:8.2f} {took / bare:6.2f}{flag}", flush=True)
-    print(f"worst ratio {worst:.2f} (limit {HOST_RATIO})")
     expr = f"tanh(a * {time.time()!r}) + b"          # a new expression: render + NVRTC
     for label in ("first call of a new expression", "first call, kernel in CuPy's disk cache"):
         ew._expressions.clear()
@@ -147,13 +96,12 @@ def host_cost(calls: int) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--budget", type=float, default=0.1)
-    parser.add_argument("--host-only", action="store_true")
-    parser.add_argument("--calls", type=int, default=20000, help="calls a round of the host-cost timing")
+    parser.add_argument("--first-call-only", action="store_true")
     parser.add_argument("--expr", action="append", default=[], help="only the cases containing this text")
     parser.add_argument("--dtype", action="append", default=[], help="only these dtypes")
     options = parser.parse_args()
-    host_cost(options.calls)
-    if not options.host_only:
+    first_call_cost()
+    if not options.first_call_only:
         dtypes = [d for d in DTYPES if not options.dtype or d.name in options.dtype]
         throughput(Tuning(options.budget), options.expr, dtypes)
 
