@@ -166,6 +166,7 @@ def recorded_launches(call) -> tuple:
     [(cupy.RawKernel or Function, grid, block, args, smem)], and what they need kept
     alive: the memos of that run, the arrays it made and the records passed by address."""
     log, made, kept = [], {}, []
+    callcache.cupy_module()     # binds callcache.empty
     compile_kernel, empty, packed_call = jit.kernel, callcache.empty, packed.PackedLaunch.__call__
     jit.kernel = lambda spec, device_id: _RecordingKernel(compile_kernel(spec, device_id), log)
 
