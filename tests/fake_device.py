@@ -23,8 +23,11 @@ ALLOCATION_BYTES = 512   # CuPy's pool rounds allocations up to this
 
 
 class Launch:
-    def __init__(self, name, grid, block, smem, args):
+    """A launch recorded; packed: made by a packed.PackedLaunch (else by a CuPy Function call)."""
+
+    def __init__(self, name, grid, block, smem, args, packed=False):
         self.name, self.grid, self.block, self.smem, self.args = name, grid, block, smem, args
+        self.packed = packed
 
 
 class FakeFunction:
@@ -95,7 +98,7 @@ class FakeDevice:
         args = tuple(value if not isinstance(fmt, str) or fmt not in self.PACKED_TYPES else
                      self.arrays.get(value, self.PACKED_TYPES[fmt](value)) if fmt == packed.POINTER else
                      self.PACKED_TYPES[fmt](value) for fmt, value in zip(launch.args, launch.arguments(values)))
-        self.launches.append(Launch(launch.function.name, launch.grid, launch.block, launch.smem, args))
+        self.launches.append(Launch(launch.function.name, launch.grid, launch.block, launch.smem, args, True))
 
     def alloc(self, nbytes: int):
         """A block of `nbytes`, as cupy.cuda.alloc gives it."""

@@ -47,7 +47,8 @@ def _results(result) -> tuple:
 
 def _call_twice(device, call, **arrays) -> list:
     """call() twice: the first by the slow path, the second by the memo,
-    launching the same; returns the launches described."""
+    launching the same, every launch of its packed (packed.PackedLaunch);
+    returns the launches described."""
     seen = []
     slow_calls = device.slow_calls + 1
     for _ in range(2):
@@ -62,6 +63,7 @@ def _call_twice(device, call, **arrays) -> list:
                      [None if a is None else (a.shape, a.dtype) for a in results]))
     assert seen[1] == seen[0]
     assert seen[0][0], "nothing launched"
+    assert all(launch.packed for launch in device.launches), "a repeated call converted its arguments"
     return seen[0][0]
 
 

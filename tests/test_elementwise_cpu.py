@@ -429,6 +429,7 @@ def test_repeated_calls_neither_trace_nor_plan(device, monkeypatch, label):
         result = REPEATED[label](values, seed)
         seen.append(described(device.launches, {**values, "result": result}))
     assert not counts, f"the repeated call ran {dict(counts)}"
+    assert all(launch.packed for launch in device.launches), "the launch converted its arguments"
     (first,), (second,) = seen
     assert first[:3] == second[:3]
     if label == "bias_dropout_add":

@@ -400,6 +400,7 @@ def test_repeated_calls_replay_their_stages(monkeypatch):
             seen.append(_launched(device, dict(x=x, dy=dy, lse=lse, out=out, mask=mask, bias=bias,
                                                **{f"result {k}": r for k, r in enumerate(results)})))
         assert not counts, f"{label}: the repeated call ran {counts}"
+        assert all(launch.packed for launch in device.launches), f"{label}: a launch converted its arguments"
         first, second = seen
         assert [launch[:4] for launch in first] == [launch[:4] for launch in second], label
         for before, after in zip(first, second):
