@@ -129,9 +129,9 @@ def _compute_path(spec: softmax.SoftmaxSpec) -> softmax.SoftmaxSpec:
 def _long_row_plan(op, dtype, rows, cols, pack_size, same_phase, target, regs=True) -> KernelLaunch:
     """Rows softmax would cache by cp.async or split: registers (where `regs`),
     else shared memory in the compute type (filled through the LOAD), else re-read."""
-    regs_plan = softmax._regs_plan(op, dtype, rows, cols, pack_size, same_phase, target) if regs else None
-    if regs_plan is not None:
-        return regs_plan
+    in_registers = softmax.regs_plan(op, dtype, rows, cols, pack_size, same_phase, target) if regs else None
+    if in_registers is not None:
+        return in_registers
     ftype = dtypes.BY_SHORT[dtype]
     cache_pack, peel = softmax.peeled_pack(pack_size, ftype.itemsize, same_phase)
     cached = softmax.SUM_INPUTS[op]
@@ -140,7 +140,7 @@ def _long_row_plan(op, dtype, rows, cols, pack_size, same_phase, target, regs=Tr
     spec = softmax.SoftmaxSpec(op, "block_smem", dtype, cache_pack, block_size=tuned.FUSED_SHARED_BLOCK_SIZE, peel=peel)
     if target.max_active_blocks(spec, spec.block_size, cache_bytes, True):
         return softmax.block_plan(spec, rows, cache_bytes, target)
-    return softmax._uncached_plan(op, dtype, rows, cache_pack, True, target, peel)
+    return softmax.uncached_plan(op, dtype, rows, cache_pack, True, target, peel)
 
 
 def _with_compute_cache(chosen: KernelLaunch, op, dtype, rows, cols, target) -> KernelLaunch:
@@ -152,7 +152,7 @@ def _with_compute_cache(chosen: KernelLaunch, op, dtype, rows, cols, target) -> 
     cache_bytes = (spec.cached_inputs or len(spec.inputs)) * cols * compute_itemsize
     if target.max_active_blocks(spec, spec.block_size, cache_bytes, True):
         return softmax.block_plan(spec, rows, cache_bytes, target)
-    return softmax._uncached_plan(op, dtype, rows, spec.pack_size, True, target, spec.peel)
+    return softmax.uncached_plan(op, dtype, rows, spec.pack_size, True, target, spec.peel)
 
 
 def plan(stage: str, rows: int, cols: int, dtype: str, policy: str, target: Target, fusion: Fusion,

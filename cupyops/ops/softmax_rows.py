@@ -334,7 +334,7 @@ def _oneflow_smem_plan(op, dtype, rows, cols, pack_size, target):
     return None if block_size is None else block_plan(spec_of(block_size), rows, smem, target)
 
 
-def _uncached_plan(op, dtype, rows, pack_size, online, target, peel=False):
+def uncached_plan(op, dtype, rows, pack_size, online, target, peel=False):
     """online: a running (max, sum) pass instead of separate max and sum passes (forward only);
     peel: 16-byte packs between each row's edges (auto)."""
     tuned = profile_for(target.facts)
@@ -355,10 +355,10 @@ def _oneflow_plan(op, dtype, rows, cols, align, target) -> SoftmaxPlan:
         plan = _oneflow_smem_plan(op, dtype, rows, cols, pack_size, target)
         if plan is not None:
             return plan
-    return _uncached_plan(op, dtype, rows, pack_size, False, target)
+    return uncached_plan(op, dtype, rows, pack_size, False, target)
 
 
-def _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target, small_peeled=False):
+def regs_plan(op, dtype, rows, cols, pack_size, same_phase, target, small_peeled=False):
     """A block per row cached in registers, or None where no block size fits.
     small_peeled: only AUTO_PEELED_SMALL_BLOCKS, for rows off the 16-byte grid."""
     tuned = profile_for(target.facts)
@@ -437,7 +437,7 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
     pack_size = vector_pack_size(cols, ftype.itemsize, align)
     max_cols_per_thread = max(tuned.AUTO_WARP_MAX_BYTES_PER_LANE // compute_itemsize, pack_size)
     if cols >= tuned.AUTO_PEELED_SMALL_MIN_COLS:
-        small_plan = _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target, small_peeled=True)
+        small_plan = regs_plan(op, dtype, rows, cols, pack_size, same_phase, target, small_peeled=True)
         if small_plan is not None:
             return small_plan
     if pack_size == 1 and cols <= tuned.AUTO_NARROW_MAX_COLS and ftype.itemsize in tuned.AUTO_NARROW_ITEMSIZES:
@@ -451,9 +451,9 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
                           target)
     aligned = pack_size * ftype.itemsize == 16   # cp.async's 16-byte packs
     if not (aligned and cols * ftype.itemsize >= tuned.AUTO_ASYNC_MIN_ROW_BYTES):
-        regs_plan = _regs_plan(op, dtype, rows, cols, pack_size, same_phase, target)
-        if regs_plan is not None:
-            return regs_plan
+        in_registers = regs_plan(op, dtype, rows, cols, pack_size, same_phase, target)
+        if in_registers is not None:
+            return in_registers
     if aligned:
         async_plan = _async_plan(op, dtype, rows, cols, pack_size, target)
         if async_plan is not None:
@@ -477,7 +477,7 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
             spec = bound
     if target.max_active_blocks(spec, spec.block_size, cache_bytes, True):
         return block_plan(spec, rows, cache_bytes, target)
-    return _uncached_plan(op, dtype, rows, cache_pack, True, target, peel)
+    return uncached_plan(op, dtype, rows, cache_pack, True, target, peel)
 
 
 @functools.lru_cache(maxsize=4096)
