@@ -152,7 +152,7 @@ if run fused-tune; then   # the paths the fused softmax can take, timed against 
   tail -n 200 "$OUT/tune_fused_softmax.txt"
 fi
 EW_SHAPES=(--shape 16384,8192 --shape 4096,4096 --shape 1024,1024)
-if run elementwise; then   # fused elementwise: sanitizers, host cost, benches (its tests: mode tests)
+if run elementwise; then   # fused elementwise: sanitizers, first-call cost, benches (host cost: mode host; tests: mode tests)
   for tool in memcheck racecheck; do
     compute-sanitizer --tool "$tool" --error-exitcode 9 python scripts/sanitize_elementwise.py 2>&1 | tail -n 3 \
       | tee -a "$OUT/sanitize_elementwise.txt"
