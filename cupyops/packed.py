@@ -63,6 +63,11 @@ _FORMATS = {("b", 1): "?", ("f", 2): "e", ("f", 4): "f", ("f", 8): "d", ("i", 1)
             ("i", 4): "i", ("i", 8): "q", ("u", 1): "B", ("u", 2): "H", ("u", 4): "I", ("u", 8): "Q"}
 
 
+# the NumPy type of each scalar format (a changing argument as CuPy would be given it)
+NUMPY_TYPES = {fmt: numpy.bool_ if kind == "b" else numpy.dtype(f"{kind}{size}").type
+               for (kind, size), fmt in _FORMATS.items()}
+
+
 def format_of(scalar_type) -> str:
     """The struct format of a changing scalar argument of NumPy type `scalar_type`."""
     dtype = numpy.dtype(scalar_type)

@@ -135,10 +135,6 @@ def _closure_arrays(call) -> dict:
     return found
 
 
-_NUMPY_OF_FORMAT = {"Q": numpy.uint64, "q": numpy.int64, "I": numpy.uint32, "i": numpy.int32, "f": numpy.float32,
-                    "d": numpy.float64, "?": numpy.bool_}
-
-
 def _bare_arguments(launch, values: tuple, arrays: dict, kept: list) -> tuple:
     """A packed launch's arguments as a bare cupy launch takes them: an address of an array the
     call made or was given as that array (CuPy passes arrays as records), other addresses and
@@ -157,7 +153,7 @@ def _bare_arguments(launch, values: tuple, arrays: dict, kept: list) -> tuple:
         elif fmt == packed.POINTER:
             found.append(arrays.get(value, numpy.uint64(value)))
         else:
-            found.append(by_address(value) if isinstance(value, bytes) else _NUMPY_OF_FORMAT[fmt](value))
+            found.append(by_address(value) if isinstance(value, bytes) else packed.NUMPY_TYPES[fmt](value))
     return tuple(found)
 
 

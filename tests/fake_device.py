@@ -89,15 +89,18 @@ class FakeDevice:
         self.arrays.setdefault(made.data.ptr, made)
         return made
 
-    # a packed launch's changing values as CuPy would be given them
-    PACKED_TYPES = {"Q": numpy.uint64, "q": numpy.int64, "I": numpy.uint32, "i": numpy.int32}
+    def packed_argument(self, fmt, value):
+        """A packed launch's argument as CuPy would be given it: an address of an array made
+        here as that array, a scalar as its NumPy type; constants and records as they are."""
+        if not isinstance(fmt, str):    # a constant
+            return value
+        if fmt == packed.POINTER:
+            return self.arrays.get(value, numpy.uint64(value))
+        return packed.NUMPY_TYPES[fmt](value) if fmt in packed.NUMPY_TYPES else value
 
     def packed_launch(self, launch, values: tuple) -> None:
-        """Records a packed.PackedLaunch as a launch of its function's arguments, each address
-        of an array made here as that array."""
-        args = tuple(value if not isinstance(fmt, str) or fmt not in self.PACKED_TYPES else
-                     self.arrays.get(value, self.PACKED_TYPES[fmt](value)) if fmt == packed.POINTER else
-                     self.PACKED_TYPES[fmt](value) for fmt, value in zip(launch.args, launch.arguments(values)))
+        """Records a packed.PackedLaunch as a launch of its function's arguments."""
+        args = tuple(self.packed_argument(fmt, value) for fmt, value in zip(launch.args, launch.arguments(values)))
         self.launches.append(Launch(launch.function.name, launch.grid, launch.block, launch.smem, args, True))
 
     def alloc(self, nbytes: int):
