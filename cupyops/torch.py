@@ -6,11 +6,13 @@ registers the ops as torch.library custom ops in the "cupyops" namespace
 and its backward through cupyops' own backward kernels (or torch formulas
 for the elementwise ops), so `torch.compile(model, fullgraph=True)` captures
 a model using them without a graph break. Eager calls skip torch's
-dispatcher: they run the same implementation directly, through a
-torch.autograd.Function where an input needs a gradient (the same kernels,
-outputs and gradients). The ops run on torch's current stream of the
-tensors' GPU, read torch's memory in place and return their outputs
-through DLPack, without copies; outputs are torch tensors. CPU
+dispatcher: where an input needs a gradient they run a torch.autograd.Function
+of their own, which keeps what only its backward reads (the norms' mean and
+rstd, the fused softmax's lse) as CuPy arrays on its context instead of
+returning them as tensors; where none does, the bare computation. The same
+kernels, outputs and gradients either way. The ops run on torch's current
+stream of the tensors' GPU, read torch's memory in place and return their
+outputs through DLPack, without copies; outputs are torch tensors. CPU
 tensors take torch's own ops (but for the dropout ops, whose keep masks are
 cupyops' own).
 
@@ -20,256 +22,147 @@ bias_dropout_add (each where cupyops has the op). Modules: LayerNorm,
 RMSNorm (drop-in for torch.nn.LayerNorm / torch.nn.RMSNorm: the same
 arguments, parameters and state_dict keys) and FusedSoftmax.
 """
-import contextlib
-import functools
 from typing import Optional, Sequence, Union
 
-import cupy
-import numpy
 import torch
 from torch.autograd.function import once_differentiable
 
 import cupyops
 from cupyops import fx
-from cupyops.dtypes import BFLOAT16
+from cupyops.torch_bridge import (LAST_AXES, CustomOp, ElementwiseOp, check_float, context, elementwise_fake,
+                                  needs_grad, nothing, output_grad, run, stats_dtype, to_cupy, to_torch)
 
 _ShapeLike = Union[int, Sequence[int], torch.Size]
-
-# -- torch <-> cupy --------------------------------------------------------------------------
-
-_NUMPY_DTYPES = {torch.float16: numpy.dtype(numpy.float16), torch.bfloat16: BFLOAT16,
-                 torch.float32: numpy.dtype(numpy.float32), torch.float64: numpy.dtype(numpy.float64),
-                 torch.bool: numpy.dtype(numpy.bool_), torch.int8: numpy.dtype(numpy.int8),
-                 torch.uint8: numpy.dtype(numpy.uint8), torch.int16: numpy.dtype(numpy.int16),
-                 torch.int32: numpy.dtype(numpy.int32), torch.int64: numpy.dtype(numpy.int64)}
-_INT16 = numpy.dtype(numpy.int16)
-_MAX_VIEWS = 1024
-_views: dict = {}     # (pointer, dtype, shape, strides, GPU) -> a CuPy view of that memory
-_streams: dict = {}   # (GPU, torch's raw stream pointer) -> cupy.cuda.ExternalStream
-
-
-def _to_cupy(tensor: Optional[torch.Tensor]):
-    """A CuPy view of a CUDA tensor's memory, built from its pointer, shape and strides: no copy
-    and, unlike DLPack, no per-call stream handshake. Views are kept by layout and owned by
-    nobody (the caller's tensor keeps the memory alive for the call; a view outliving its
-    tensor is never read, since ops return only memory they allocated)."""
-    if tensor is None:
-        return None
-    key = (tensor.data_ptr(), tensor.dtype, tensor.shape, tensor.stride(), tensor.get_device())
-    view = _views.get(key)
-    if view is None:
-        dtype = _NUMPY_DTYPES.get(tensor.dtype)
-        if dtype is None or not tensor.is_cuda:
-            raise TypeError(f"cupyops takes CUDA tensors of {', '.join(map(str, _NUMPY_DTYPES))}, "
-                            f"got {tensor.dtype} on {tensor.device}")
-        pointer, _, shape, strides, device = key
-        extent = 1 + sum((n - 1) * step for n, step in zip(shape, strides)) if all(shape) else 0
-        memory = cupy.cuda.UnownedMemory(pointer, extent * dtype.itemsize, None, device)
-        view = cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0),
-                            tuple(step * dtype.itemsize for step in strides))
-        if len(_views) >= _MAX_VIEWS:
-            _views.clear()
-        _views[key] = view
-    return view
-
-
-def _to_torch(array) -> Optional[torch.Tensor]:
-    """A torch tensor of a CuPy array's memory (contiguous, as the fake implementations say),
-    through DLPack without a stream handshake: producer and consumer share torch's stream."""
-    if array is None:
-        return None
-    if array.dtype == BFLOAT16:
-        return torch._C._from_dlpack(array.view(_INT16).__dlpack__(stream=-1)).view(torch.bfloat16).contiguous()
-    return torch._C._from_dlpack(array.__dlpack__(stream=-1)).contiguous()
-
-
-def _stream(index: int):
-    """torch's current stream of GPU `index` as a CuPy stream, wrapped once per stream (the
-    raw pointer read as torch.compile's generated code reads it)."""
-    pointer = torch._C._cuda_getCurrentRawStream(index)
-    stream = _streams.get((index, pointer))
-    if stream is None:
-        stream = _streams[index, pointer] = cupy.cuda.ExternalStream(pointer, index)
-    return stream
-
-
-def _run(device: torch.device, compute):
-    """compute() (cupy arrays, None or a tuple of them) with cupy's current
-    device and stream those torch uses for `device`, as torch tensors."""
-    index = device.index
-    on_device = contextlib.nullcontext() if cupy.cuda.runtime.getDevice() == index else cupy.cuda.Device(index)
-    with on_device, _stream(index):
-        result = compute()
-    return tuple(map(_to_torch, result)) if isinstance(result, tuple) else _to_torch(result)
-
-
-def _nothing(x: torch.Tensor) -> torch.Tensor:
-    """The empty tensor standing for an output an op does not produce."""
-    return x.new_empty(0)
-
-
-def _output_grad(grad: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """An output's gradient in like's dtype: zeros where autograd passes None (an unused output)."""
-    return torch.zeros_like(like) if grad is None else grad.to(like.dtype)
-
-
-class _Op:
-    """cupyops::name, reached two ways. While torch.compile traces, the registered custom op
-    (with its fake implementation, and its gradient calling the backward custom ops). In
-    eager mode the implementation itself, without the dispatcher's per-call Python, through
-    a torch.autograd.Function where an input needs a gradient, whose backward calls the
-    backward ops' implementations: the same kernels, outputs and gradients either way."""
-
-    def __init__(self, name: str, schema: str, implementation, fake):
-        self.name, self.implementation, self.function = name, implementation, None
-        self.custom = torch.library.custom_op(f"cupyops::{name}", implementation, mutates_args=(), schema=schema)
-        self.custom.register_fake(fake)
-
-    def differentiable(self, setup_context, gradient) -> "_Op":
-        """Both ways differentiable. setup_context(ctx, inputs, output) saves what
-        gradient(call, ctx, *output gradients) reads; it returns a gradient per input, running
-        a backward _Op as call(op, *args) (the custom op traced, the implementation eager)."""
-        self.custom.register_autograd(functools.partial(gradient, _call_custom), setup_context=setup_context)
-
-        def eager_forward(ctx, *inputs):   # ctx first: Function.apply then binds no signature per call
-            output = self.implementation(*inputs)
-            ctx.set_materialize_grads(False)   # unused outputs' gradients stay None, not zeros
-            setup_context(ctx, inputs, output)
-            return output
-
-        members = {"forward": staticmethod(eager_forward),
-                   "backward": staticmethod(once_differentiable(functools.partial(gradient, _call_eager)))}
-        self.function = type(f"cupyops_{self.name}", (torch.autograd.Function,), members)
-        return self
-
-    def __call__(self, *args):
-        if torch.compiler.is_compiling():
-            return self.custom(*args)
-        if self.function is not None and torch.is_grad_enabled():
-            for arg in args:
-                if isinstance(arg, torch.Tensor) and arg.requires_grad:
-                    return self.function.apply(*args)
-        return self.implementation(*args)
-
-
-def _call_custom(op: _Op, *args):
-    return op.custom(*args)
-
-
-def _call_eager(op: _Op, *args):
-    return op.implementation(*args)
-
-
-def _check_float(x: torch.Tensor) -> None:
-    if not x.is_floating_point():
-        raise TypeError(f"cupyops takes floating-point tensors, got {x.dtype}")
-
-
-def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # -- softmax, log_softmax --------------------------------------------------------------------
 
-def _softmax_op(name: str):
-    """cupyops::name and cupyops::name_backward, the first differentiable through the second."""
-    forward, backward = getattr(cupyops, name), getattr(cupyops, f"{name}_backward")
-    forward_op = _Op(name, "(Tensor x, int dim) -> Tensor",
-                     lambda x, dim: _run(x.device, lambda: forward(_to_cupy(x), axis=dim)),
-                     lambda x, dim: torch.empty_like(x, memory_format=torch.contiguous_format))
-    backward_op = _Op(f"{name}_backward", "(Tensor grad, Tensor y, int dim) -> Tensor",
-                      lambda grad, y, dim: _run(y.device, lambda: backward(_to_cupy(grad), _to_cupy(y), axis=dim)),
+_SOFTMAX = {False: (cupyops.softmax, cupyops.softmax_backward),
+            True: (cupyops.log_softmax, cupyops.log_softmax_backward)}   # log -> (forward, backward)
+
+
+def _softmax_ops(name: str, log: bool) -> CustomOp:
+    """cupyops::name, differentiable through cupyops::name_backward."""
+    forward, backward = _SOFTMAX[log]
+    backward_op = CustomOp(f"{name}_backward", "(Tensor grad, Tensor y, int dim) -> Tensor",
+                      lambda grad, y, dim: run(y, lambda: backward(to_cupy(grad), to_cupy(y), axis=dim)),
                       lambda grad, y, dim: torch.empty_like(y, memory_format=torch.contiguous_format))
 
     def setup_context(ctx, inputs, output):
         ctx.dim = inputs[1]
         ctx.save_for_backward(output)
 
-    def gradient(call, ctx, grad):
+    def gradient(ctx, grad):
         y, = ctx.saved_tensors
-        return call(backward_op, _output_grad(grad, y), y, ctx.dim), None
+        return backward_op(output_grad(grad, y), y, ctx.dim), None
 
-    return forward_op.differentiable(setup_context, gradient)
+    return CustomOp(name, "(Tensor x, int dim) -> Tensor", lambda x, dim: _softmax_plain(x, dim, log),
+               lambda x, dim: torch.empty_like(x, memory_format=torch.contiguous_format)
+               ).differentiable(setup_context, gradient)
 
 
-_softmax = _softmax_op("softmax")
-_log_softmax = _softmax_op("log_softmax")
+def _softmax_plain(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    with context(x):
+        return to_torch(_SOFTMAX[log][0](to_cupy(x), axis=dim))
+
+
+class _Softmax(torch.autograd.Function):
+    """softmax (log: log_softmax) of x along dim; backward by cupyops' kernel from y."""
+
+    @staticmethod
+    def forward(ctx, x, dim, log):
+        y = _softmax_plain(x, dim, log)
+        ctx.dim, ctx.log = dim, log
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        y, = ctx.saved_tensors
+        with context(y):
+            dx = _SOFTMAX[ctx.log][1](to_cupy(grad), to_cupy(y), axis=ctx.dim)
+        return to_torch(dx), None, None
+
+
+_SOFTMAX_OPS = {False: _softmax_ops("softmax", False), True: _softmax_ops("log_softmax", True)}
+
+
+def _softmax_call(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    check_float(x)
+    if torch.compiler.is_compiling():
+        return _SOFTMAX_OPS[log](x, dim)
+    return _Softmax.apply(x, dim, log) if needs_grad(x) else _softmax_plain(x, dim, log)
 
 
 def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``torch.softmax(x, dim)`` by cupyops.softmax (backward: cupyops.softmax_backward)."""
-    if not x.is_cuda:
-        return torch.softmax(x, dim)
-    _check_float(x)
-    return _softmax(x, dim)
+    return torch.softmax(x, dim) if not x.is_cuda else _softmax_call(x, dim, False)
 
 
 def log_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     """``torch.log_softmax(x, dim)`` by cupyops.log_softmax (backward: cupyops.log_softmax_backward)."""
-    if not x.is_cuda:
-        return torch.log_softmax(x, dim)
-    _check_float(x)
-    return _log_softmax(x, dim)
+    return torch.log_softmax(x, dim) if not x.is_cuda else _softmax_call(x, dim, True)
 
 
 # -- layer_norm, rms_norm --------------------------------------------------------------------
-# Forward ops return (y, h, [mean,] rstd): h = x + residual, empty without a
-# residual; backward ops (dx, dweight, [dbias]), empty where not wanted.
+# Custom ops: forward (y, h, [mean,] rstd), h = x + residual, empty without a residual;
+# backward (dx, dweight, [dbias]), empty where not wanted.
+
+def _norm_cupy(centered: bool, x, weight, bias, residual, ndim: int, eps: float, stats: bool):
+    """cupyops.layer_norm (centered) / rms_norm of the tensors as CuPy arrays: y, or the tuple
+    (y, [h,] [mean,] rstd) with a residual or stats."""
+    if centered:
+        return cupyops.layer_norm(to_cupy(x), to_cupy(weight), to_cupy(bias), axis=LAST_AXES[ndim], eps=eps,
+                                  residual=to_cupy(residual), return_stats=stats)
+    return cupyops.rms_norm(to_cupy(x), to_cupy(weight), axis=LAST_AXES[ndim], eps=eps, residual=to_cupy(residual),
+                            return_stats=stats)
+
+
+def _norm_grads_cupy(centered: bool, grad, x, mean, rstd, weight, ndim: int, need_weight_grad: bool,
+                     need_bias_grad: bool):
+    """cupyops' norm backward (dx, dweight, [dbias]) as CuPy arrays, None where not wanted;
+    mean and rstd are CuPy arrays."""
+    if centered:
+        return cupyops.layer_norm_backward(to_cupy(grad), to_cupy(x), mean, rstd, to_cupy(weight),
+                                           axis=LAST_AXES[ndim], need_weight_grad=need_weight_grad,
+                                           need_bias_grad=need_bias_grad)
+    return cupyops.rms_norm_backward(to_cupy(grad), to_cupy(x), rstd, to_cupy(weight), axis=LAST_AXES[ndim],
+                                     need_weight_grad=need_weight_grad)
+
 
 def _norm_forward(centered: bool, x, weight, bias, residual, ndim: int, eps: float):
-    def compute():
-        function = cupyops.layer_norm if centered else cupyops.rms_norm
-        affine = (_to_cupy(weight), _to_cupy(bias)) if centered else (_to_cupy(weight),)
-        return function(_to_cupy(x), *affine, axis=tuple(range(-ndim, 0)), eps=eps, residual=_to_cupy(residual),
-                        return_stats=True)
-
-    outputs = _run(x.device, compute)
-    return (outputs[0], _nothing(x), *outputs[1:]) if residual is None else outputs
+    outputs = run(x, lambda: _norm_cupy(centered, x, weight, bias, residual, ndim, eps, True))
+    return (outputs[0], nothing(x), *outputs[1:]) if residual is None else outputs
 
 
 def _norm_forward_fake(centered: bool, x, residual, ndim: int):
-    stats = [x.new_empty(x.shape[:x.dim() - ndim], dtype=_stats_dtype(x.dtype)) for _ in range(1 + centered)]
+    stats = [x.new_empty(x.shape[:x.dim() - ndim], dtype=stats_dtype(x.dtype)) for _ in range(1 + centered)]
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return (y, _nothing(x) if residual is None else torch.empty_like(y), *stats)
+    return (y, nothing(x) if residual is None else torch.empty_like(y), *stats)
 
 
 def _norm_backward(centered: bool, grad, x, mean, rstd, weight, ndim: int, need_weight_grad: bool,
                    need_bias_grad: bool):
-    def compute():
-        axes = tuple(range(-ndim, 0))
-        if centered:
-            return cupyops.layer_norm_backward(_to_cupy(grad), _to_cupy(x), _to_cupy(mean), _to_cupy(rstd),
-                                               _to_cupy(weight), axis=axes, need_weight_grad=need_weight_grad,
-                                               need_bias_grad=need_bias_grad)
-        return cupyops.rms_norm_backward(_to_cupy(grad), _to_cupy(x), _to_cupy(rstd), _to_cupy(weight), axis=axes,
-                                         need_weight_grad=need_weight_grad)
-
-    return tuple(_nothing(x) if g is None else g for g in _run(x.device, compute))
+    grads = run(x, lambda: _norm_grads_cupy(centered, grad, x, to_cupy(mean), to_cupy(rstd), weight, ndim,
+                                             need_weight_grad, need_bias_grad))
+    return tuple(nothing(x) if g is None else g for g in grads)
 
 
 def _norm_backward_fake(centered: bool, x, ndim: int, need_weight_grad: bool, need_bias_grad: bool):
     def grad(wanted: bool):
-        return x.new_empty(x.shape[x.dim() - ndim:]) if wanted else _nothing(x)
+        return x.new_empty(x.shape[x.dim() - ndim:]) if wanted else nothing(x)
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     return (dx, grad(need_weight_grad), grad(need_bias_grad)) if centered else (dx, grad(need_weight_grad))
 
 
-_layer_norm = _Op(
-    "layer_norm", "(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, int ndim, float eps) "
-                  "-> (Tensor, Tensor, Tensor, Tensor)",
-    lambda x, weight, bias, residual, ndim, eps: _norm_forward(True, x, weight, bias, residual, ndim, eps),
-    lambda x, weight, bias, residual, ndim, eps: _norm_forward_fake(True, x, residual, ndim))
-_rms_norm = _Op(
-    "rms_norm", "(Tensor x, Tensor? weight, Tensor? residual, int ndim, float eps) -> (Tensor, Tensor, Tensor)",
-    lambda x, weight, residual, ndim, eps: _norm_forward(False, x, weight, None, residual, ndim, eps),
-    lambda x, weight, residual, ndim, eps: _norm_forward_fake(False, x, residual, ndim))
-_layer_norm_backward = _Op(
+_layer_norm_backward = CustomOp(
     "layer_norm_backward", "(Tensor grad, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, int ndim, "
                            "bool need_weight_grad, bool need_bias_grad) -> (Tensor, Tensor, Tensor)",
     lambda grad, x, mean, rstd, weight, ndim, need_w, need_b: _norm_backward(True, grad, x, mean, rstd, weight,
                                                                              ndim, need_w, need_b),
     lambda grad, x, mean, rstd, weight, ndim, need_w, need_b: _norm_backward_fake(True, x, ndim, need_w, need_b))
-_rms_norm_backward = _Op(
+_rms_norm_backward = CustomOp(
     "rms_norm_backward", "(Tensor grad, Tensor x, Tensor rstd, Tensor? weight, int ndim, bool need_weight_grad) "
                          "-> (Tensor, Tensor)",
     lambda grad, x, rstd, weight, ndim, need_w: _norm_backward(False, grad, x, None, rstd, weight, ndim, need_w,
@@ -284,29 +177,90 @@ def _norm_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1] if ctx.residual else x, weight, *output[2:])
 
 
-def _layer_norm_gradient(call, ctx, grad_y, grad_h, grad_mean, grad_rstd):
+def _layer_norm_gradient(ctx, grad_y, grad_h, grad_mean, grad_rstd):
     x, weight, mean, rstd = ctx.saved_tensors
     need_weight_grad = weight is not None and ctx.needs_input_grad[1]
     need_bias_grad = ctx.needs_input_grad[2]
-    dx, dweight, dbias = call(_layer_norm_backward, _output_grad(grad_y, x), x, mean, rstd, weight, ctx.ndim,
-                              need_weight_grad, need_bias_grad)
+    dx, dweight, dbias = _layer_norm_backward(output_grad(grad_y, x), x, mean, rstd, weight, ctx.ndim,
+                                              need_weight_grad, need_bias_grad)
     if ctx.residual and grad_h is not None:
         dx = dx + grad_h
     return (dx, dweight if need_weight_grad else None, dbias if need_bias_grad else None,
             dx if ctx.residual else None, None, None)
 
 
-def _rms_norm_gradient(call, ctx, grad_y, grad_h, grad_rstd):
+def _rms_norm_gradient(ctx, grad_y, grad_h, grad_rstd):
     x, weight, rstd = ctx.saved_tensors
     need_weight_grad = weight is not None and ctx.needs_input_grad[1]
-    dx, dweight = call(_rms_norm_backward, _output_grad(grad_y, x), x, rstd, weight, ctx.ndim, need_weight_grad)
+    dx, dweight = _rms_norm_backward(output_grad(grad_y, x), x, rstd, weight, ctx.ndim, need_weight_grad)
     if ctx.residual and grad_h is not None:
         dx = dx + grad_h
     return dx, dweight if need_weight_grad else None, dx if ctx.residual else None, None, None
 
 
-_layer_norm.differentiable(_norm_setup, _layer_norm_gradient)
-_rms_norm.differentiable(_norm_setup, _rms_norm_gradient)
+_layer_norm = CustomOp(
+    "layer_norm", "(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, int ndim, float eps) "
+                  "-> (Tensor, Tensor, Tensor, Tensor)",
+    lambda x, weight, bias, residual, ndim, eps: _norm_forward(True, x, weight, bias, residual, ndim, eps),
+    lambda x, weight, bias, residual, ndim, eps: _norm_forward_fake(True, x, residual, ndim)
+).differentiable(_norm_setup, _layer_norm_gradient)
+_rms_norm = CustomOp(
+    "rms_norm", "(Tensor x, Tensor? weight, Tensor? residual, int ndim, float eps) -> (Tensor, Tensor, Tensor)",
+    lambda x, weight, residual, ndim, eps: _norm_forward(False, x, weight, None, residual, ndim, eps),
+    lambda x, weight, residual, ndim, eps: _norm_forward_fake(False, x, residual, ndim)
+).differentiable(_norm_setup, _rms_norm_gradient)
+
+
+def _norm_plain(centered: bool, x, weight, bias, residual, ndim: int, eps: float):
+    with context(x):
+        result = _norm_cupy(centered, x, weight, bias, residual, ndim, eps, False)
+    return to_torch(result) if residual is None else (to_torch(result[0]), to_torch(result[1]))
+
+
+class _Norm(torch.autograd.Function):
+    """layer_norm (centered) / rms_norm of x (+ residual) over its last ndim axes: y, or (y, h)
+    with a residual. The statistics stay CuPy arrays on ctx, read by the backward."""
+
+    @staticmethod
+    def forward(ctx, centered, x, weight, bias, residual, ndim, eps):
+        with context(x):
+            y, *rest = _norm_cupy(centered, x, weight, bias, residual, ndim, eps, True)
+        ctx.centered, ctx.ndim, ctx.residual = centered, ndim, residual is not None
+        ctx.mean, ctx.rstd = (rest[-2] if centered else None), rest[-1]
+        y = to_torch(y)
+        if residual is None:
+            ctx.save_for_backward(x, weight)
+            return y
+        h = to_torch(rest[0])
+        ctx.save_for_backward(h, weight)
+        return y, h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y, grad_h=None):
+        x, weight = ctx.saved_tensors
+        need_weight_grad = weight is not None and ctx.needs_input_grad[2]
+        need_bias_grad = ctx.centered and ctx.needs_input_grad[3]
+        with context(x):
+            dx, dweight, *dbias = _norm_grads_cupy(ctx.centered, grad_y, x, ctx.mean, ctx.rstd, weight, ctx.ndim,
+                                                   need_weight_grad, need_bias_grad)
+        dx = to_torch(dx)
+        if grad_h is not None:
+            dx = dx + grad_h
+        return (None, dx, to_torch(dweight), to_torch(dbias[0]) if dbias else None, dx if ctx.residual else None,
+                None, None)
+
+
+def _norm_call(centered: bool, x, weight, bias, residual, ndim: int, eps: float):
+    """y, or (y, h) with a residual, by the custom op, the Function or the bare computation."""
+    check_float(x)
+    if torch.compiler.is_compiling():
+        outputs = (_layer_norm(x, weight, bias, residual, ndim, eps) if centered else
+                   _rms_norm(x, weight, residual, ndim, eps))
+        return outputs[0] if residual is None else (outputs[0], outputs[1])
+    if needs_grad(x, weight, bias, residual):
+        return _Norm.apply(centered, x, weight, bias, residual, ndim, eps)
+    return _norm_plain(centered, x, weight, bias, residual, ndim, eps)
 
 
 def _normalized_ndim(x: torch.Tensor, normalized_shape: _ShapeLike) -> int:
@@ -332,10 +286,8 @@ def layer_norm(x: torch.Tensor, normalized_shape: _ShapeLike, weight: Optional[t
         h = x if residual is None else x + residual
         y = torch.nn.functional.layer_norm(h, normalized_shape, weight, bias, eps)
         return y if residual is None else (y, h)
-    _check_float(x)
-    outputs = _layer_norm(x, _like(weight, x), _like(bias, x), residual, _normalized_ndim(x, normalized_shape),
-                          float(eps))
-    return outputs[0] if residual is None else (outputs[0], outputs[1])
+    return _norm_call(True, x, _like(weight, x), _like(bias, x), residual, _normalized_ndim(x, normalized_shape),
+                      float(eps))
 
 
 def rms_norm(x: torch.Tensor, normalized_shape: _ShapeLike, weight: Optional[torch.Tensor] = None,
@@ -349,9 +301,7 @@ def rms_norm(x: torch.Tensor, normalized_shape: _ShapeLike, weight: Optional[tor
         h = x if residual is None else x + residual
         y = torch.nn.functional.rms_norm(h, normalized_shape, weight, eps)
         return y if residual is None else (y, h)
-    _check_float(x)
-    outputs = _rms_norm(x, _like(weight, x), residual, _normalized_ndim(x, normalized_shape), float(eps))
-    return outputs[0] if residual is None else (outputs[0], outputs[1])
+    return _norm_call(False, x, _like(weight, x), None, residual, _normalized_ndim(x, normalized_shape), float(eps))
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -370,41 +320,6 @@ class RMSNorm(torch.nn.RMSNorm):
 
 # -- elementwise ------------------------------------------------------------------------------
 
-def _sum_to(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """grad summed over the axes `like` was broadcast along, in like's dtype."""
-    return grad.sum_to_size(like.shape).to(like.dtype)
-
-
-def _elementwise_fake(*operands):
-    shape = torch.broadcast_shapes(*(t.shape for t in operands))
-    dtype = operands[0].dtype
-    for t in operands[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return operands[0].new_empty(shape, dtype=dtype)
-
-
-def _elementwise_op(name: str, schema: str, compute, gradient, saved: int):
-    """cupyops::name of `saved` tensor operands (and scalars after them),
-    computed by compute(*cupy operands, *scalars), differentiated by
-    gradient(call, grad, *operands, *scalars) -> a gradient per operand (call: as _Op.differentiable's)."""
-    op = _Op(name, schema,
-             lambda *args: _run(args[0].device, lambda: compute(*map(_to_cupy, args[:saved]), *args[saved:])),
-             lambda *args: _elementwise_fake(*args[:saved]))
-
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:saved])
-        ctx.scalars = inputs[saved:]
-
-    def backward(call, ctx, grad):
-        operands = ctx.saved_tensors
-        if grad is None:
-            return (None,) * (len(operands) + len(ctx.scalars))
-        grads = gradient(call, grad, *operands, *ctx.scalars)
-        return (*(_sum_to(g, t) for g, t in zip(grads, operands)), *(None for _ in ctx.scalars))
-
-    return op.differentiable(setup_context, backward)
-
-
 def _gelu_gradient(call, grad, x, bias, approximate):
     dz = torch.ops.aten.gelu_backward(grad, x + bias, approximate=approximate)
     return dz, dz
@@ -422,16 +337,16 @@ def _silu_derivative(a):
 
 
 # The silu gradients, each one cupyops kernel: bias_silu's dz (x + bias's), swiglu's (da, db)
-_silu_backward = _Op(
-    "silu_backward", "(Tensor grad, Tensor x, Tensor bias) -> Tensor",
-    lambda grad, x, bias: _run(grad.device, lambda: _bias_silu_dz(_to_cupy(grad), _to_cupy(x), _to_cupy(bias))),
-    lambda grad, x, bias: _elementwise_fake(grad, x, bias))
-_swiglu_backward = _Op(
-    "swiglu_backward", "(Tensor grad, Tensor a, Tensor b) -> (Tensor, Tensor)",
-    lambda grad, a, b: _run(grad.device, lambda: _swiglu_dadb(_to_cupy(grad), _to_cupy(a), _to_cupy(b))),
-    lambda grad, a, b: (_elementwise_fake(grad, a, b), _elementwise_fake(grad, a, b)))
 _bias_silu_dz = cupyops.fuse(lambda g, x, bias: g * _silu_derivative(x + bias))
 _swiglu_dadb = cupyops.fuse(lambda g, a, b: (g * b * _silu_derivative(a), g * a * fx.sigmoid(a)))
+_silu_backward = CustomOp(
+    "silu_backward", "(Tensor grad, Tensor x, Tensor bias) -> Tensor",
+    lambda grad, x, bias: run(grad, lambda: _bias_silu_dz(to_cupy(grad), to_cupy(x), to_cupy(bias))),
+    lambda grad, x, bias: elementwise_fake(grad, x, bias))
+_swiglu_backward = CustomOp(
+    "swiglu_backward", "(Tensor grad, Tensor a, Tensor b) -> (Tensor, Tensor)",
+    lambda grad, a, b: run(grad, lambda: _swiglu_dadb(to_cupy(grad), to_cupy(a), to_cupy(b))),
+    lambda grad, a, b: (elementwise_fake(grad, a, b), elementwise_fake(grad, a, b)))
 
 
 def _silu_gradient(call, grad, x, bias):
@@ -445,9 +360,9 @@ def _swiglu_gradient(call, grad, a, b):
 
 # dropout(g) with the mask of g's shape: the gradient of bias_dropout_add's x + bias
 _dropout = cupyops.fuse(lambda g, p, seed, offset: fx.dropout(g, p, seed, offset))
-_dropout_gradient_op = _Op(
+_dropout_gradient_op = CustomOp(
     "dropout_gradient", "(Tensor grad, float p, int seed, int offset) -> Tensor",
-    lambda grad, p, seed, offset: _run(grad.device, lambda: _dropout(_to_cupy(grad), p, seed, offset)),
+    lambda grad, p, seed, offset: run(grad, lambda: _dropout(to_cupy(grad), p, seed, offset)),
     lambda grad, p, seed, offset: torch.empty_like(grad, memory_format=torch.contiguous_format))
 
 
@@ -456,13 +371,13 @@ def _bias_dropout_add_gradient(call, grad, x, bias, residual, p, seed, offset):
     return dz, dz, grad
 
 
-_bias_gelu = _elementwise_op("bias_gelu", "(Tensor x, Tensor bias, str approximate) -> Tensor",
-                             lambda x, bias, approximate: cupyops.bias_gelu(x, bias, approximate), _gelu_gradient, 2)
-_bias_silu = _elementwise_op("bias_silu", "(Tensor x, Tensor bias) -> Tensor", cupyops.bias_silu, _silu_gradient, 2)
-_swiglu = _elementwise_op("swiglu", "(Tensor a, Tensor b) -> Tensor", cupyops.swiglu, _swiglu_gradient, 2)
-_geglu = _elementwise_op("geglu", "(Tensor a, Tensor b, str approximate) -> Tensor",
-                         lambda a, b, approximate: cupyops.geglu(a, b, approximate), _geglu_gradient, 2)
-_bias_dropout_add = _elementwise_op(
+_bias_gelu = ElementwiseOp("bias_gelu", "(Tensor x, Tensor bias, str approximate) -> Tensor",
+                          lambda x, bias, approximate: cupyops.bias_gelu(x, bias, approximate), _gelu_gradient, 2)
+_bias_silu = ElementwiseOp("bias_silu", "(Tensor x, Tensor bias) -> Tensor", cupyops.bias_silu, _silu_gradient, 2)
+_swiglu = ElementwiseOp("swiglu", "(Tensor a, Tensor b) -> Tensor", cupyops.swiglu, _swiglu_gradient, 2)
+_geglu = ElementwiseOp("geglu", "(Tensor a, Tensor b, str approximate) -> Tensor",
+                      lambda a, b, approximate: cupyops.geglu(a, b, approximate), _geglu_gradient, 2)
+_bias_dropout_add = ElementwiseOp(
     "bias_dropout_add", "(Tensor x, Tensor bias, Tensor residual, float p, int seed, int offset) -> Tensor",
     cupyops.bias_dropout_add, _bias_dropout_add_gradient, 3)
 
@@ -503,36 +418,46 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor
 _FUSED_SCALARS = "float scale, bool causal, int diagonal, float dropout, int dim"
 
 
-def _fused_softmax_op():
+def _fused_cupy(x, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim, need_lse: bool):
+    """cupyops.fused_softmax of the tensors as CuPy arrays: y, or (y, lse)."""
+    return cupyops.fused_softmax(to_cupy(x), scale=scale, bias=to_cupy(bias), mask=to_cupy(mask), causal=causal,
+                                 diagonal=diagonal, dropout=dropout, seed=seed, offset=offset, axis=dim,
+                                 return_lse=need_lse)
+
+
+def _fused_grad_cupy(grad, x, lse, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim):
+    """cupyops.fused_softmax_backward's dx as a CuPy array; lse is a CuPy array."""
+    return cupyops.fused_softmax_backward(to_cupy(grad), to_cupy(x), lse, scale=scale, bias=to_cupy(bias),
+                                          mask=to_cupy(mask), causal=causal, diagonal=diagonal, dropout=dropout,
+                                          seed=seed, offset=offset, axis=dim)
+
+
+def _fused_dbias(dx: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """dbias: dx / scale summed over bias's broadcast axes."""
+    return (dx.float() / scale).sum_to_size(bias.shape).to(bias.dtype)
+
+
+def _fused_softmax_op() -> CustomOp:
     """cupyops::fused_softmax -> (y, lse: empty unless need_lse), differentiable in x and bias
     through cupyops::fused_softmax_backward. rng: [seed, offset] (int64, on the CPU)."""
     def forward(x, bias, mask, rng, scale, causal, diagonal, dropout, dim, need_lse):
         seed, offset = rng.tolist()
-
-        def compute():
-            result = cupyops.fused_softmax(_to_cupy(x), scale=scale, bias=_to_cupy(bias), mask=_to_cupy(mask),
-                                           causal=causal, diagonal=diagonal, dropout=dropout, seed=seed,
-                                           offset=offset, axis=dim, return_lse=need_lse)
-            return result if need_lse else (result, None)
-
-        y, lse = _run(x.device, compute)
-        return y, _nothing(x) if lse is None else lse
+        result = run(x, lambda: _fused_cupy(x, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim,
+                                             need_lse))
+        return result if need_lse else (result, nothing(x))
 
     def forward_fake(x, bias, mask, rng, scale, causal, diagonal, dropout, dim, need_lse):
         rows = list(x.shape)
         del rows[dim]
-        lse = x.new_empty(rows, dtype=torch.float32) if need_lse else _nothing(x)
+        lse = x.new_empty(rows, dtype=torch.float32) if need_lse else nothing(x)
         return torch.empty_like(x, memory_format=torch.contiguous_format), lse
 
     def backward(grad, x, lse, bias, mask, rng, scale, causal, diagonal, dropout, dim):
         seed, offset = rng.tolist()
-        return _run(x.device, lambda: cupyops.fused_softmax_backward(
-            _to_cupy(grad), _to_cupy(x), _to_cupy(lse), scale=scale, bias=_to_cupy(bias), mask=_to_cupy(mask),
-            causal=causal, diagonal=diagonal, dropout=dropout, seed=seed, offset=offset, axis=dim))
+        return run(x, lambda: _fused_grad_cupy(grad, x, to_cupy(lse), bias, mask, scale, causal, diagonal, dropout,
+                                                seed, offset, dim))
 
-    forward_op = _Op("fused_softmax", f"(Tensor x, Tensor? bias, Tensor? mask, Tensor rng, {_FUSED_SCALARS}, "
-                                      "bool need_lse) -> (Tensor, Tensor)", forward, forward_fake)
-    backward_op = _Op("fused_softmax_backward", "(Tensor grad, Tensor x, Tensor lse, Tensor? bias, Tensor? mask, "
+    backward_op = CustomOp("fused_softmax_backward", "(Tensor grad, Tensor x, Tensor lse, Tensor? bias, Tensor? mask, "
                                                 f"Tensor rng, {_FUSED_SCALARS}) -> Tensor", backward,
                       lambda grad, x, *args: torch.empty_like(x, memory_format=torch.contiguous_format))
 
@@ -541,22 +466,54 @@ def _fused_softmax_op():
         ctx.scalars = scalars[:-1]   # need_lse is the forward's alone
         ctx.save_for_backward(x, output[1], bias, mask, rng)
 
-    def gradient(call, ctx, grad_y, grad_lse):
+    def gradient(ctx, grad_y, grad_lse):
         x, lse, bias, mask, rng = ctx.saved_tensors
-        dx = call(backward_op, _output_grad(grad_y, x), x, lse, bias, mask, rng, *ctx.scalars)
-        dbias = None
-        if bias is not None and ctx.needs_input_grad[1]:   # dx / scale summed over bias's broadcast axes
-            dbias = (dx.float() / ctx.scalars[0]).sum_to_size(bias.shape).to(bias.dtype)
+        dx = backward_op(output_grad(grad_y, x), x, lse, bias, mask, rng, *ctx.scalars)
+        dbias = _fused_dbias(dx, bias, ctx.scalars[0]) if bias is not None and ctx.needs_input_grad[1] else None
         return dx, dbias, *(None for _ in range(8))
 
-    return forward_op.differentiable(setup_context, gradient)
+    return CustomOp("fused_softmax", f"(Tensor x, Tensor? bias, Tensor? mask, Tensor rng, {_FUSED_SCALARS}, "
+                                "bool need_lse) -> (Tensor, Tensor)", forward, forward_fake
+               ).differentiable(setup_context, gradient)
 
 
-def _fused_softmax_call(x, bias, mask, rng, scale, causal, diagonal, dropout, dim) -> torch.Tensor:
-    _check_float(x)
-    need_lse = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
-    return _fused_softmax(x, bias, mask, rng, float(scale), bool(causal), int(diagonal), float(dropout), int(dim),
-                          need_lse)[0]
+class _FusedSoftmax(torch.autograd.Function):
+    """fused_softmax of x (bias, mask and the scalars as cupyops.fused_softmax's, seed and offset
+    ints); the lse stays a CuPy array on ctx, read by the backward."""
+
+    @staticmethod
+    def forward(ctx, x, bias, mask, *scalars):
+        with context(x):
+            y, ctx.lse = _fused_cupy(x, bias, mask, *scalars, True)
+        ctx.scalars = scalars
+        ctx.save_for_backward(x, bias, mask)
+        return to_torch(y)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x, bias, mask = ctx.saved_tensors
+        with context(x):
+            dx = to_torch(_fused_grad_cupy(grad, x, ctx.lse, bias, mask, *ctx.scalars))
+        dbias = _fused_dbias(dx, bias, ctx.scalars[0]) if bias is not None and ctx.needs_input_grad[1] else None
+        return dx, dbias, *(None for _ in range(1 + len(ctx.scalars)))
+
+
+def _fused_softmax_call(x, bias, mask, scale, causal, diagonal, dropout, dim, rng) -> torch.Tensor:
+    """fused_softmax by the custom op, the Function or the bare computation; rng: (seed,
+    offset), or an int64 CPU tensor of the two (the custom op's form)."""
+    check_float(x)
+    scale, causal, diagonal, dropout, dim = float(scale), bool(causal), int(diagonal), float(dropout), int(dim)
+    if torch.compiler.is_compiling():
+        if not isinstance(rng, torch.Tensor):
+            rng = torch.tensor(rng, dtype=torch.int64)
+        need_lse = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
+        return _fused_softmax(x, bias, mask, rng, scale, causal, diagonal, dropout, dim, need_lse)[0]
+    seed, offset = rng.tolist() if isinstance(rng, torch.Tensor) else map(int, rng)
+    if needs_grad(x, bias):
+        return _FusedSoftmax.apply(x, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim)
+    with context(x):
+        return to_torch(_fused_cupy(x, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim, False))
 
 
 if hasattr(cupyops, "fused_softmax") and hasattr(cupyops, "fused_softmax_backward"):
@@ -570,8 +527,7 @@ if hasattr(cupyops, "fused_softmax") and hasattr(cupyops, "fused_softmax_backwar
         (causal: also masked above the `diagonal`-th diagonal), the keep mask a function of
         (x.shape, dropout, seed, offset). Differentiable in x and bias (dbias: dx / scale
         summed over bias's broadcast axes)."""
-        rng = torch.tensor([seed, offset], dtype=torch.int64)
-        return _fused_softmax_call(x, bias, mask, rng, scale, causal, diagonal, dropout, dim)
+        return _fused_softmax_call(x, bias, mask, scale, causal, diagonal, dropout, dim, (seed, offset))
 
     class FusedSoftmax(torch.nn.Module):
         """Attention probabilities: :func:`fused_softmax` of scores with an optional bias and
@@ -586,8 +542,8 @@ if hasattr(cupyops, "fused_softmax") and hasattr(cupyops, "fused_softmax_backwar
         def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None,
                     mask: Optional[torch.Tensor] = None) -> torch.Tensor:
             p = self.dropout if self.training else 0.0
-            rng = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64) if p else torch.zeros(2, dtype=torch.int64)
-            return _fused_softmax_call(x, bias, mask, rng, self.scale, self.causal, self.diagonal, p, self.dim)
+            rng = torch.randint(0, 2**31 - 1, (2,), dtype=torch.int64) if p else (0, 0)
+            return _fused_softmax_call(x, bias, mask, self.scale, self.causal, self.diagonal, p, self.dim, rng)
 
         def extra_repr(self) -> str:
             return (f"dim={self.dim}, scale={self.scale}, causal={self.causal}, diagonal={self.diagonal}, "

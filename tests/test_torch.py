@@ -132,24 +132,47 @@ def test_against_torch(torch, ct, name, dtype):
         torch.testing.assert_close(got / scale, want / scale, **GRAD_TOLERANCES[dtype])
 
 
-@pytest.mark.gpu
-def test_eager_route_matches_the_custom_op(torch, ct):
-    """Eager calls run the implementation through a torch.autograd.Function; the registered
-    custom op (what torch.compile traces) gives the same outputs and gradients, bit for bit."""
-    x, w, r = _inputs(torch, (64, 96), (96,), (64, 96), dtype="float32", seed=3)
-    dy = torch.randn(64, 96, device="cuda")
-    routes = [ct._rms_norm(x, w, r, 1, 1e-6), ct._rms_norm.custom(x, w, r, 1, 1e-6)]
-    assert all(torch.equal(a, b) for a, b in zip(*routes))
-    grads = [torch.autograd.grad(outputs[0], (x, w, r), dy) for outputs in routes]
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+def _routes(torch, ct):
+    """name -> (eager call, the registered custom op's call: its outputs, the first one y,
+    inputs)."""
+    x, w, b, r = _inputs(torch, (64, 96), (96,), (96,), (64, 96), dtype="float32", seed=3)
+    routes = {
+        "softmax": (lambda x: (ct.softmax(x, -1),), lambda x: (torch.ops.cupyops.softmax(x, -1),), [x]),
+        "rms_norm residual": (lambda x, w, r: ct.rms_norm(x, (96,), w, 1e-6, residual=r),
+                              lambda x, w, r: ct._rms_norm.custom(x, w, r, 1, 1e-6), [x, w, r]),
+        "layer_norm": (lambda x, w, b: (ct.layer_norm(x, 96, w, b),),
+                       lambda x, w, b: ct._layer_norm.custom(x, w, b, None, 1, 1e-5), [x, w, b]),
+        "swiglu": (lambda x, r: (ct.swiglu(x, r),), lambda x, r: (ct._swiglu.op.custom(x, r),), [x, r]),
+        "bias_dropout_add": (lambda x, b, r: (ct.bias_dropout_add(x, b, r, 0.3, 9, 2),),
+                             lambda x, b, r: (ct._bias_dropout_add.op.custom(x, b, r, 0.3, 9, 2),), [x, b, r]),
+    }
     if hasattr(ct, "fused_softmax"):
         s, bias = _inputs(torch, (2, 3, 16, 16), (16,), dtype="float32", seed=4)
         rng = torch.tensor([9, 2], dtype=torch.int64)
-        args = (s, bias, None, rng, 0.5, True, 0, 0.2, -1, True)
-        routes = [ct._fused_softmax(*args), ct._fused_softmax.custom(*args)]
-        assert all(torch.equal(a, b) for a, b in zip(*routes))
-        grads = [torch.autograd.grad(outputs[0], (s, bias), torch.ones_like(s)) for outputs in routes]
-        assert all(torch.equal(a, b) for a, b in zip(*grads))
+        routes["fused_softmax"] = (
+            lambda s, bias: (ct.fused_softmax(s, scale=0.5, bias=bias, causal=True, dropout=0.2, seed=9, offset=2),),
+            lambda s, bias: ct._fused_softmax.custom(s, bias, None, rng, 0.5, True, 0, 0.2, -1, True), [s, bias])
+    return routes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["softmax", "rms_norm residual", "layer_norm", "swiglu", "bias_dropout_add",
+                                  "fused_softmax"])
+def test_eager_route_matches_the_custom_op(torch, ct, name):
+    """Eager calls run a torch.autograd.Function of their own (statistics kept as CuPy arrays)
+    or, with no gradient wanted, the bare computation; the registered custom op (what
+    torch.compile traces) gives the same outputs and gradients, bit for bit."""
+    routes = _routes(torch, ct)
+    if name not in routes:
+        _needs_fused_softmax(ct)
+    eager, custom, inputs = routes[name]
+    got, want = eager(*inputs), custom(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(eager(*inputs), want))
+    dy = torch.randn_like(want[0])
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(got[0], inputs, dy),
+                                                 torch.autograd.grad(want[0], inputs, dy)))
 
 
 @pytest.mark.gpu
