@@ -7,6 +7,8 @@ dropped fraction is threshold / 2^16, p rounded to a multiple of 2^-16.
 """
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 _M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
@@ -37,6 +39,17 @@ def round_keys(seed: int) -> np.ndarray:
     low = (np.uint64(seed & 0xFFFFFFFF) + rounds * np.uint64(_W0)) & _LOW
     high = (np.uint64(seed >> 32) + rounds * np.uint64(_W1)) & _LOW
     return np.concatenate([low, high]).astype(np.uint32)
+
+
+_ROUND_KEY_WORDS = struct.Struct("=20I")
+
+
+def round_key_bytes(seed: int) -> bytes:
+    """round_keys(seed).tobytes(), in plain integers: a launch with a fresh seed pays for it."""
+    seed = int(seed) % 2 ** 64
+    low, high = seed & 0xFFFFFFFF, seed >> 32
+    return _ROUND_KEY_WORDS.pack(*[(low + r * 0x9E3779B9) & 0xFFFFFFFF for r in range(10)],
+                                 *[(high + r * 0xBB67AE85) & 0xFFFFFFFF for r in range(10)])
 
 
 def check_dropout(p, name: str = "dropout") -> float:

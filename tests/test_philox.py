@@ -77,3 +77,10 @@ def test_round_keys_are_the_key_schedule(seed):
     low, high = seed & 0xFFFFFFFF, seed >> 32
     assert [int(k) for k in keys[:10]] == [(low + r * 0x9E3779B9) % 2 ** 32 for r in range(10)]
     assert [int(k) for k in keys[10:]] == [(high + r * 0xBB67AE85) % 2 ** 32 for r in range(10)]
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2 ** 31 - 1, 2 ** 32 + 3, 2 ** 64 - 1, 2 ** 64 + 5, -1])
+def test_round_key_bytes_are_round_keys(seed):
+    """What a launch packs: the round keys' bytes, seeds taken mod 2^64 either way."""
+    assert philox.round_key_bytes(seed) == philox.round_keys(seed).tobytes()
+

@@ -295,8 +295,8 @@ ROUND_KEYS = f"{philox.round_keys(0).nbytes}s"   # the RoundKeys argument, packe
 
 
 class _RoundKeys:
-    """The kernels' RoundKeys argument of a seed (philox.round_keys) as bytes. Kept for the
-    last MOST seeds."""
+    """The kernels' RoundKeys argument of a seed (philox.round_key_bytes). Kept for the last
+    MOST seeds."""
     MOST = 64
 
     def __init__(self):
@@ -307,7 +307,7 @@ class _RoundKeys:
         if found is None:
             if len(self.found) >= self.MOST:
                 self.found.clear()
-            found = self.found[seed] = philox.round_keys(seed).tobytes()
+            found = self.found[seed] = philox.round_key_bytes(seed)
         return found
 
 
