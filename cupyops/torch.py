@@ -41,12 +41,12 @@ _SOFTMAX = {False: (cupyops.softmax, cupyops.softmax_backward),
             True: (cupyops.log_softmax, cupyops.log_softmax_backward)}   # log -> (forward, backward)
 
 
-def _softmax_ops(name: str, log: bool) -> CustomOp:
+def _softmax_op(name: str, log: bool) -> CustomOp:
     """cupyops::name, differentiable through cupyops::name_backward."""
-    forward, backward = _SOFTMAX[log]
+    backward = _SOFTMAX[log][1]
     backward_op = CustomOp(f"{name}_backward", "(Tensor grad, Tensor y, int dim) -> Tensor",
-                      lambda grad, y, dim: run(y, lambda: backward(to_cupy(grad), to_cupy(y), axis=dim)),
-                      lambda grad, y, dim: torch.empty_like(y, memory_format=torch.contiguous_format))
+                           lambda grad, y, dim: run(y, lambda: backward(to_cupy(grad), to_cupy(y), axis=dim)),
+                           lambda grad, y, dim: torch.empty_like(y, memory_format=torch.contiguous_format))
 
     def setup_context(ctx, inputs, output):
         ctx.dim = inputs[1]
@@ -57,8 +57,8 @@ def _softmax_ops(name: str, log: bool) -> CustomOp:
         return backward_op(output_grad(grad, y), y, ctx.dim), None
 
     return CustomOp(name, "(Tensor x, int dim) -> Tensor", lambda x, dim: _softmax_plain(x, dim, log),
-               lambda x, dim: torch.empty_like(x, memory_format=torch.contiguous_format)
-               ).differentiable(setup_context, gradient)
+                    lambda x, dim: torch.empty_like(x, memory_format=torch.contiguous_format)
+                    ).differentiable(setup_context, gradient)
 
 
 def _softmax_plain(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
@@ -85,7 +85,7 @@ class _Softmax(torch.autograd.Function):
         return to_torch(dx), None, None
 
 
-_SOFTMAX_OPS = {False: _softmax_ops("softmax", False), True: _softmax_ops("log_softmax", True)}
+_SOFTMAX_OPS = {False: _softmax_op("softmax", False), True: _softmax_op("log_softmax", True)}
 
 
 def _softmax_call(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
@@ -457,9 +457,10 @@ def _fused_softmax_op() -> CustomOp:
         return run(x, lambda: _fused_grad_cupy(grad, x, to_cupy(lse), bias, mask, scale, causal, diagonal, dropout,
                                                 seed, offset, dim))
 
-    backward_op = CustomOp("fused_softmax_backward", "(Tensor grad, Tensor x, Tensor lse, Tensor? bias, Tensor? mask, "
-                                                f"Tensor rng, {_FUSED_SCALARS}) -> Tensor", backward,
-                      lambda grad, x, *args: torch.empty_like(x, memory_format=torch.contiguous_format))
+    backward_op = CustomOp("fused_softmax_backward",
+                           "(Tensor grad, Tensor x, Tensor lse, Tensor? bias, Tensor? mask, "
+                           f"Tensor rng, {_FUSED_SCALARS}) -> Tensor", backward,
+                           lambda grad, x, *args: torch.empty_like(x, memory_format=torch.contiguous_format))
 
     def setup_context(ctx, inputs, output):
         x, bias, mask, rng, *scalars = inputs
@@ -473,8 +474,8 @@ def _fused_softmax_op() -> CustomOp:
         return dx, dbias, *(None for _ in range(8))
 
     return CustomOp("fused_softmax", f"(Tensor x, Tensor? bias, Tensor? mask, Tensor rng, {_FUSED_SCALARS}, "
-                                "bool need_lse) -> (Tensor, Tensor)", forward, forward_fake
-               ).differentiable(setup_context, gradient)
+                                     "bool need_lse) -> (Tensor, Tensor)", forward, forward_fake
+                    ).differentiable(setup_context, gradient)
 
 
 class _FusedSoftmax(torch.autograd.Function):

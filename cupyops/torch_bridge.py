@@ -23,7 +23,7 @@ _INT16 = numpy.dtype(numpy.int16)
 _MAX_VIEWS = 1024
 _views: dict = {}     # (pointer, dtype, shape, strides, GPU) -> a CuPy view of that memory
 _streams: dict = {}   # (GPU, torch's raw stream pointer) -> cupy.cuda.ExternalStream
-LAST_AXES = {ndim: tuple(range(-ndim, 0)) for ndim in range(1, 9)}   # the last ndim axes
+LAST_AXES = {ndim: tuple(range(-ndim, 0)) for ndim in range(1, 65)}   # the last ndim axes (CuPy: at most 64)
 _AS_IS = contextlib.nullcontext()
 
 
