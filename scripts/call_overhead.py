@@ -18,8 +18,9 @@ The torch section (skipped without torch or a GPU torch sees) times each
 cupyops.torch function on the same small shape and on the shapes of
 examples/transformer_block.py (--batch, --seq, --width, --heads): under
 torch.no_grad, with inputs that need gradients (the forward builds the
-graph) and forward + backward, against torch's own op in the same mode and
-the bare launches of the cupyops op it calls. Informational: no limit.
+graph) and forward + backward, against torch's own op in the same mode (their
+rounds in turn) and the bare launches of the cupyops op it calls.
+Informational: no limit.
 
 Usage (repository root): PYTHONPATH=. python scripts/call_overhead.py [--section torch]
 """
@@ -356,7 +357,7 @@ def torch_section(options) -> None:
         modes = {"no_grad": no_grad, "grad": lambda function: lambda: function(*leaves),
                  "fwd+bwd": lambda function: lambda: torch.autograd.grad(function(*leaves), leaves, dy)}
         for mode, timed in modes.items():
-            took, reference = per_call_us(timed(ours), calls), per_call_us(timed(theirs), calls)
+            took, reference = per_call_us_alternating([timed(ours), timed(theirs)], calls)
             print(f"{label:36s} {mode:8s} {took:8.2f} {reference:8.2f} {bare:8.2f} {took / reference:6.2f}")
 
 
