@@ -28,7 +28,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 import cupyops
-from cupyops import fx
+from cupyops import fx, torch_replay
 from cupyops.torch_bridge import (LAST_AXES, CustomOp, ElementwiseOp, check_float, context, elementwise_fake,
                                   needs_grad, nothing, output_grad, run, stats_dtype, to_cupy, to_torch)
 
@@ -109,31 +109,56 @@ def log_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
 # Custom ops: forward (y, h, [mean,] rstd), h = x + residual, empty without a residual;
 # backward (dx, dweight, [dbias]), empty where not wanted.
 
-def _norm_cupy(centered: bool, x, weight, bias, residual, ndim: int, eps: float, stats: bool):
-    """cupyops.layer_norm (centered) / rms_norm of the tensors as CuPy arrays: y, or the tuple
-    (y, [h,] [mean,] rstd) with a residual or stats."""
+def _norm_outputs(centered: bool, x, weight, bias, residual, ndim: int, eps: float, stats: bool) -> tuple:
+    """cupyops.layer_norm (centered) / rms_norm of the tensors, in the current CuPy context:
+    (y, h, mean, rstd) as torch tensors, None where not produced (h without a residual, the
+    statistics unless `stats`, mean for rms_norm). Replayed on the tensors where cupyops
+    remembers the layout (torch_replay), else through CuPy views."""
+    key = torch_replay.norm_forward_key(centered, x, weight, bias, residual, ndim, eps, stats)
+    replayed = torch_replay.norm_forward(key, x, weight, bias, residual)
+    if replayed:
+        return replayed
+    axes = LAST_AXES[ndim]
     if centered:
-        return cupyops.layer_norm(to_cupy(x), to_cupy(weight), to_cupy(bias), axis=LAST_AXES[ndim], eps=eps,
-                                  residual=to_cupy(residual), return_stats=stats)
-    return cupyops.rms_norm(to_cupy(x), to_cupy(weight), axis=LAST_AXES[ndim], eps=eps, residual=to_cupy(residual),
-                            return_stats=stats)
+        result = cupyops.layer_norm(to_cupy(x), to_cupy(weight), to_cupy(bias), axis=axes, eps=eps,
+                                    residual=to_cupy(residual), return_stats=stats)
+    else:
+        result = cupyops.rms_norm(to_cupy(x), to_cupy(weight), axis=axes, eps=eps, residual=to_cupy(residual),
+                                  return_stats=stats)
+    if replayed is None:
+        torch_replay.remember_norm_forward(key, centered, x, weight, bias, residual, ndim, eps, stats)
+    result = tuple(map(to_torch, result)) if isinstance(result, tuple) else (to_torch(result),)
+    h = result[1] if residual is not None else None
+    statistics = result[1 + (residual is not None):]
+    return (result[0], h, *((statistics[0] if centered else None, statistics[-1]) if stats else (None, None)))
 
 
-def _norm_grads_cupy(centered: bool, grad, x, mean, rstd, weight, ndim: int, need_weight_grad: bool,
-                     need_bias_grad: bool):
-    """cupyops' norm backward (dx, dweight, [dbias]) as CuPy arrays, None where not wanted;
-    mean and rstd are CuPy arrays."""
+def _norm_grads(centered: bool, grad, x, mean, rstd, weight, ndim: int, need_weight_grad: bool,
+                need_bias_grad: bool) -> tuple:
+    """cupyops' norm backward of the tensors, in the current CuPy context: (dx, dweight,
+    dbias) as torch tensors, None where not wanted; replayed as _norm_outputs."""
+    key = torch_replay.norm_backward_key(centered, grad, x, mean, rstd, weight, ndim, need_weight_grad,
+                                         need_bias_grad)
+    replayed = torch_replay.norm_backward(key, grad, x, mean, rstd, weight)
+    if replayed:
+        return replayed
     if centered:
-        return cupyops.layer_norm_backward(to_cupy(grad), to_cupy(x), mean, rstd, to_cupy(weight),
-                                           axis=LAST_AXES[ndim], need_weight_grad=need_weight_grad,
-                                           need_bias_grad=need_bias_grad)
-    return cupyops.rms_norm_backward(to_cupy(grad), to_cupy(x), rstd, to_cupy(weight), axis=LAST_AXES[ndim],
-                                     need_weight_grad=need_weight_grad)
+        grads = cupyops.layer_norm_backward(to_cupy(grad), to_cupy(x), to_cupy(mean), to_cupy(rstd), to_cupy(weight),
+                                            axis=LAST_AXES[ndim], need_weight_grad=need_weight_grad,
+                                            need_bias_grad=need_bias_grad)
+    else:
+        grads = (*cupyops.rms_norm_backward(to_cupy(grad), to_cupy(x), to_cupy(rstd), to_cupy(weight),
+                                            axis=LAST_AXES[ndim], need_weight_grad=need_weight_grad), None)
+    if replayed is None:
+        torch_replay.remember_norm_backward(key, centered, grad, x, mean, rstd, weight, ndim, need_weight_grad,
+                                            need_bias_grad)
+    return tuple(map(to_torch, grads))
 
 
 def _norm_forward(centered: bool, x, weight, bias, residual, ndim: int, eps: float):
-    outputs = run(x, lambda: _norm_cupy(centered, x, weight, bias, residual, ndim, eps, True))
-    return (outputs[0], nothing(x), *outputs[1:]) if residual is None else outputs
+    with context(x):
+        y, h, mean, rstd = _norm_outputs(centered, x, weight, bias, residual, ndim, eps, True)
+    return (y, nothing(x) if h is None else h, *((mean, rstd) if centered else (rstd,)))
 
 
 def _norm_forward_fake(centered: bool, x, residual, ndim: int):
@@ -144,8 +169,10 @@ def _norm_forward_fake(centered: bool, x, residual, ndim: int):
 
 def _norm_backward(centered: bool, grad, x, mean, rstd, weight, ndim: int, need_weight_grad: bool,
                    need_bias_grad: bool):
-    grads = run(x, lambda: _norm_grads_cupy(centered, grad, x, to_cupy(mean), to_cupy(rstd), weight, ndim,
-                                             need_weight_grad, need_bias_grad))
+    with context(x):
+        dx, dweight, dbias = _norm_grads(centered, grad, x, mean, rstd, weight, ndim, need_weight_grad,
+                                         need_bias_grad)
+    grads = (dx, dweight, dbias) if centered else (dx, dweight)
     return tuple(nothing(x) if g is None else g for g in grads)
 
 
@@ -213,25 +240,22 @@ _rms_norm = CustomOp(
 
 def _norm_plain(centered: bool, x, weight, bias, residual, ndim: int, eps: float):
     with context(x):
-        result = _norm_cupy(centered, x, weight, bias, residual, ndim, eps, False)
-    return to_torch(result) if residual is None else (to_torch(result[0]), to_torch(result[1]))
+        y, h, _, _ = _norm_outputs(centered, x, weight, bias, residual, ndim, eps, False)
+    return y if residual is None else (y, h)
 
 
 class _Norm(torch.autograd.Function):
     """layer_norm (centered) / rms_norm of x (+ residual) over its last ndim axes: y, or (y, h)
-    with a residual. The statistics stay CuPy arrays on ctx, read by the backward."""
+    with a residual. The statistics stay on ctx for the backward, not outputs."""
 
     @staticmethod
     def forward(ctx, centered, x, weight, bias, residual, ndim, eps):
         with context(x):
-            y, *rest = _norm_cupy(centered, x, weight, bias, residual, ndim, eps, True)
+            y, h, ctx.mean, ctx.rstd = _norm_outputs(centered, x, weight, bias, residual, ndim, eps, True)
         ctx.centered, ctx.ndim, ctx.residual = centered, ndim, residual is not None
-        ctx.mean, ctx.rstd = (rest[-2] if centered else None), rest[-1]
-        y = to_torch(y)
         if residual is None:
             ctx.save_for_backward(x, weight)
             return y
-        h = to_torch(rest[0])
         ctx.save_for_backward(h, weight)
         return y, h
 
@@ -242,13 +266,11 @@ class _Norm(torch.autograd.Function):
         need_weight_grad = weight is not None and ctx.needs_input_grad[2]
         need_bias_grad = ctx.centered and ctx.needs_input_grad[3]
         with context(x):
-            dx, dweight, *dbias = _norm_grads_cupy(ctx.centered, grad_y, x, ctx.mean, ctx.rstd, weight, ctx.ndim,
-                                                   need_weight_grad, need_bias_grad)
-        dx = to_torch(dx)
+            dx, dweight, dbias = _norm_grads(ctx.centered, grad_y, x, ctx.mean, ctx.rstd, weight, ctx.ndim,
+                                             need_weight_grad, need_bias_grad)
         if grad_h is not None:
             dx = dx + grad_h
-        return (None, dx, to_torch(dweight), to_torch(dbias[0]) if dbias else None, dx if ctx.residual else None,
-                None, None)
+        return None, dx, dweight, dbias, dx if ctx.residual else None, None, None
 
 
 def _norm_call(centered: bool, x, weight, bias, residual, ndim: int, eps: float):

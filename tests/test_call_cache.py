@@ -151,6 +151,75 @@ def test_norm_backward_repeats_with_weight_phase_copies(device):
     _call_twice(device, lambda: cupyops.rms_norm_backward(dy, x, rstd, weight), dy=dy, x=x, rstd=rstd, weight=weight)
 
 
+def _replayed(device, replay, names: dict, outputs: list = None) -> list:
+    """The launches of replay(), described with the outputs it writes (`outputs`, or what it
+    returns) named as results."""
+    device.launches.clear()
+    returned = replay()
+    outputs = [a for a in _results(returned) if a is not None] if outputs is None else outputs
+    names = {**names, **{a.data.ptr: f"result {i}" for i, a in enumerate(outputs)}}
+    return _described(device.launches, names)
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_remembered_norm_calls_replay_on_addresses(device, op, residual):
+    """norm.remembered_forward / remembered_backward: nothing before a call, then its ready
+    launch and outputs, which replayed on addresses (norm_launch.run_forward_at /
+    run_backward_at) launch what the memoised call launches. Peeled rows of 1023 float32
+    cols: layer_norm's backward also writes the weight's phase copies."""
+    from cupyops.ops import norm, norm_launch
+
+    rows, cols, centered = 64, 1023, op == "layer_norm"
+    x, dy = device.array((rows, cols), "float32"), device.array((rows, cols), "float32")
+    res = device.array((rows, cols), "float32") if residual else None
+    w, b = device.array((cols,), "float32"), device.array((cols,), "float32") if centered else None
+    inputs = {"x": x, "dy": dy, "residual": res, "weight": w, "bias": b}
+    names = {a.data.ptr: name for name, a in inputs.items() if a is not None}
+    forward = getattr(cupyops, op)
+    affine = (w, b) if centered else (w,)
+
+    def call():
+        return forward(x, *affine, eps=1e-5, residual=res, return_stats=True)
+
+    assert norm.remembered_forward(op, x, w, b, -1, 1e-5, res, True) is None
+    call()
+    launch, outputs = norm.remembered_forward(op, x, w, b, -1, 1e-5, res, True)
+    results = _results(call())
+    expected = _replayed(device, call, names)
+    made = {k: device.empty(shape, dtype) if wanted else None for k, shape, dtype, wanted in (
+        ("y", outputs.shape, outputs.dtype, True), ("h", outputs.shape, outputs.dtype, outputs.residual),
+        ("mean", outputs.stats_shape, outputs.stats_dtype, outputs.mean),
+        ("rstd", outputs.stats_shape, outputs.stats_dtype, outputs.rstd))}
+    order = (x, res, w, b, made["y"], made["h"], made["mean"], made["rstd"])
+    written = [a for a in made.values() if a is not None]
+    assert len(written) == len(results)
+    assert _replayed(device, lambda: norm_launch.run_forward_at(
+        launch, tuple(0 if a is None else a.data.ptr for a in order)), names, written) == expected
+
+    mean, rstd = (results[-2] if centered else None), results[-1]
+    backward_op = f"{op}_backward"
+    stats = (mean, rstd) if centered else (rstd,)
+
+    def backward():
+        return getattr(cupyops, backward_op)(dy, x, *stats, w)
+
+    assert norm.remembered_backward(backward_op, dy, x, mean, rstd, w, -1, True, centered) is None
+    names.update({a.data.ptr: name for name, a in (("mean", mean), ("rstd", rstd)) if a is not None})
+    grads = _results(backward())
+    launch, outputs = norm.remembered_backward(backward_op, dy, x, mean, rstd, w, -1, True, centered)
+    expected = _replayed(device, backward, names)
+    assert len(expected) >= 2 and (expected[0][0].startswith("norm_weight_phases") or not centered)
+    dx, dweight = device.empty(outputs.shape, outputs.dtype), device.empty(outputs.grads_shape, outputs.dtype)
+    dbias = device.empty(outputs.grads_shape, outputs.dtype) if outputs.bias_grad else None
+    written = [a for a in (dx, dweight, dbias) if a is not None]
+    assert len(written) == len(grads) and outputs.weight_grad and outputs.bias_grad == centered
+    assert _replayed(device, lambda: norm_launch.run_backward_at(
+        launch, rstd.itemsize, w.itemsize, dy.data.ptr, x.data.ptr, dx.data.ptr, rstd.data.ptr,
+        0 if mean is None else mean.data.ptr, w.data.ptr, dweight.data.ptr, 0 if dbias is None else dbias.data.ptr),
+        names, written) == expected
+
+
 ROW_CALLS = {   # label -> call(x, dy, weight, stats, out)
     "softmax": lambda x, dy, w, stats, out: cupyops.softmax(x, axis=-1),
     "log_softmax out=": lambda x, dy, w, stats, out: cupyops.log_softmax(x, axis=-1, out=out),

@@ -176,6 +176,44 @@ def test_eager_route_matches_the_custom_op(torch, ct, name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["rms_norm", "layer_norm residual"])
+def test_repeated_norm_calls_are_replayed(torch, ct, monkeypatch, kind):
+    """From the second call of a layout a norm launches cupyops' remembered kernels on the
+    tensors themselves (cupyops.torch_replay): no cupyops function called, the first call's
+    outputs and gradients bit for bit; a tensor of another layout (16-byte phase) is not
+    replayed with them and is still right."""
+    import cupyops
+
+    x, w, b, r = _inputs(torch, (64, 96), (96,), (96,), (64, 96), dtype="float32", seed=5)
+    dy = torch.randn(64, 96, device="cuda")
+
+    def call(x):
+        if kind == "rms_norm":
+            return ct.rms_norm(x, (96,), w, 1e-6), (x, w)
+        y, h = ct.layer_norm(x, 96, w, b, residual=r)
+        return y + h, (x, w, b, r)
+
+    def run(x):
+        y, leaves = call(x)
+        return (y, *torch.autograd.grad(y, leaves, dy))
+
+    first = run(x)
+    with torch.no_grad():
+        plain = call(x)[0]
+    calls = []
+    for name in ("rms_norm", "layer_norm", "rms_norm_backward", "layer_norm_backward"):
+        monkeypatch.setattr(cupyops, name, lambda *a, _f=getattr(cupyops, name), **k: calls.append(1) or _f(*a, **k))
+    again = run(x)
+    with torch.no_grad():
+        assert torch.equal(call(x)[0], plain)
+    assert calls == [] and all(torch.equal(a, b) for a, b in zip(first, again))
+    shifted = torch.empty(64 * 96 + 1, device="cuda")[1:].view(64, 96).copy_(x.detach()).requires_grad_()
+    moved = run(shifted)
+    assert calls, "a tensor at another 16-byte phase took the replay of an aligned one"
+    torch.testing.assert_close(moved[0], first[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
 def test_runs_on_torchs_current_stream(torch, ct):
     x, w = _inputs(torch, (64, 128), (128,), dtype="float32")
     stream = torch.cuda.Stream()

@@ -127,7 +127,7 @@ def _remember(key, launched: list, caller: tuple, result, outputs) -> None:
 
 # -- forward -------------------------------------------------------------------
 
-class _ForwardOutputs(NamedTuple):
+class ForwardOutputs(NamedTuple):
     """What a forward call allocates and returns: y (and h, with a residual)
     of x's shape and dtype; mean (LayerNorm) and rstd of the statistics'
     shape and dtype where return_stats asks for them."""
@@ -190,7 +190,7 @@ def _forward(op, x, weight, bias, axis, eps, residual, return_stats, out, policy
     residual = norm_args.check_like(residual, "residual", x.shape, x.dtype, device_id)
     out = arrays.check_out(out, x.shape, x.dtype, device_id)
     return_stats = bool(return_stats)
-    outputs = _ForwardOutputs(x.shape, x.dtype, residual is not None, x.shape[:x.ndim - num_axes],
+    outputs = ForwardOutputs(x.shape, x.dtype, residual is not None, x.shape[:x.ndim - num_axes],
                               norm_args.stats_dtype(x.dtype), return_stats and op == "layer_norm", return_stats)
     launched = []
 
@@ -252,9 +252,17 @@ def rms_norm(x, weight=None, *, axis=-1, eps=1e-5, residual=None, return_stats=F
     return _forward("rms_norm", x, weight, None, axis, eps, residual, return_stats, out, policy, stream)
 
 
+def remembered_forward(op: str, x, weight, bias, axis, eps, residual, return_stats):
+    """The call of `op` (layer_norm / rms_norm, auto policy, no out) on arrays of these
+    arrays' layout as remembered: (ForwardLaunch, ForwardOutputs), or None. A caller holding
+    arrays of that layout that are not CuPy's (cupyops.torch) replays it on their addresses
+    through norm_launch.run_forward_at, with outputs of ForwardOutputs' shapes and dtypes."""
+    return _calls.find(call_key((op, "auto", axis, eps, return_stats), (x, weight, bias, residual, None)))
+
+
 # -- backward ------------------------------------------------------------------
 
-class _BackwardOutputs(NamedTuple):
+class BackwardOutputs(NamedTuple):
     """What a backward call allocates: dx of x's shape and dtype, dweight
     and dbias (LayerNorm) of the weight's shape where wanted."""
     shape: tuple
@@ -303,7 +311,7 @@ def _backward(op, dy, x, mean, rstd, weight, axis, need_weight_grad, need_bias_g
     cols = math.prod(normalized_shape)
     rows = x.size // cols if cols else 0
     centered = op == "layer_norm_backward"
-    outputs = _BackwardOutputs(x.shape, x.dtype, normalized_shape, bool(need_weight_grad),
+    outputs = BackwardOutputs(x.shape, x.dtype, normalized_shape, bool(need_weight_grad),
                                bool(need_bias_grad) and centered, centered)
     param_grad = outputs.weight_grad or outputs.bias_grad
     launched = []
@@ -366,3 +374,9 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, axis=-1, need_weight_grad=Tru
     dweight as for :func:`layer_norm_backward`."""
     return _backward("rms_norm_backward", dy, x, None, rstd, weight, axis, need_weight_grad, False,
                      policy, stream)
+
+
+def remembered_backward(op: str, dy, x, mean, rstd, weight, axis, need_weight_grad, need_bias_grad):
+    """remembered_forward for layer_norm_backward / rms_norm_backward: (BackwardLaunch,
+    BackwardOutputs) or None, replayed through norm_launch.run_backward_at."""
+    return _calls.find(call_key((op, "auto", axis, need_weight_grad, need_bias_grad), (x, dy, mean, rstd, weight)))

@@ -84,32 +84,42 @@ def backward_launch(chosen, device_id: int, rows: int, cols: int, dy_stride: int
     return BackwardLaunch(weight_phases, pack_size * phase_stride, steps, finish, chosen.num_parts * cols)
 
 
+def run_forward_at(launch: ForwardLaunch, addresses: tuple) -> None:
+    """run_forward on the addresses of x, residual, weight, bias, y, h, mean and rstd (0 for
+    an array not read or not stored), for arrays of the plan's layout that are not CuPy's."""
+    launch.main(addresses)
+
+
 def run_backward(launch: BackwardLaunch, dy, x, dx, rstd, mean, weight, dweight, dbias) -> None:
     """Runs a ready backward plan: dy, x, dx as the kernels read them, rstd /
     mean (None for RMSNorm) [rows] in the compute type, weight contiguous
-    [cols]; dweight / dbias (None unless wanted) [cols]. The weight's phase
-    copies and the partial sums of the gradients wanted take one workspace
-    each: raw blocks of CuPy's pool (no array around them), freed on return
-    once their kernels are queued, as CuPy frees a temporary array."""
+    [cols]; dweight / dbias (None unless wanted) [cols]."""
+    run_backward_at(launch, rstd.itemsize, 0 if weight is None else weight.itemsize, dy.data.ptr, x.data.ptr,
+                    dx.data.ptr, rstd.data.ptr, 0 if mean is None else mean.data.ptr,
+                    0 if weight is None else weight.data.ptr, 0 if dweight is None else dweight.data.ptr,
+                    0 if dbias is None else dbias.data.ptr)
+
+
+def run_backward_at(launch: BackwardLaunch, stats_itemsize: int, weight_itemsize: int, dy: int, x: int, dx: int,
+                    rstd: int, mean: int, weight: int, dweight: int, dbias: int) -> None:
+    """run_backward on addresses (0 for an array absent or not wanted) and the itemsizes of
+    the statistics and the weight. The weight's phase copies and the partial sums of the
+    gradients wanted take one workspace each: raw blocks of CuPy's pool (no array around
+    them), freed on return once their kernels are queued, as CuPy frees a temporary array."""
     alloc = callcache.alloc or callcache.cupy_module().cuda.alloc
     if launch.weight_phases is not None:
-        copies = alloc(launch.phase_copies * weight.itemsize)
-        launch.weight_phases((weight.data.ptr, copies.ptr))
+        copies = alloc(launch.phase_copies * weight_itemsize)
+        launch.weight_phases((weight, copies.ptr))
         weight = copies.ptr
-    else:
-        weight = 0 if weight is None else weight.data.ptr
     weight_parts = bias_parts = 0
-    if dweight is not None or dbias is not None:
-        both = dweight is not None and dbias is not None
-        half = launch.parts_elements * rstd.itemsize
+    if dweight or dbias:
+        both = dweight and dbias
+        half = launch.parts_elements * stats_itemsize
         parts = alloc(2 * half if both else half)
-        weight_parts = parts.ptr if dweight is not None else 0
-        bias_parts = (parts.ptr + half if both else parts.ptr) if dbias is not None else 0
-    mean = 0 if mean is None else mean.data.ptr
+        weight_parts = parts.ptr if dweight else 0
+        bias_parts = (parts.ptr + half if both else parts.ptr) if dbias else 0
     for step, writes_dx, writes_parts in launch.steps:
-        step((dy.data.ptr, x.data.ptr, weight, mean, rstd.data.ptr, dx.data.ptr if writes_dx else 0,
-              weight_parts if writes_parts else 0, bias_parts if writes_parts else 0))
-    finish = launch.finish
-    if finish is not None:
-        finish((weight_parts, bias_parts, 0 if dweight is None else dweight.data.ptr,
-                0 if dbias is None else dbias.data.ptr))
+        step((dy, x, weight, mean, rstd, dx if writes_dx else 0, weight_parts if writes_parts else 0,
+              bias_parts if writes_parts else 0))
+    if launch.finish is not None:
+        launch.finish((weight_parts, bias_parts, dweight, dbias))
