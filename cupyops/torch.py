@@ -440,18 +440,36 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor
 _FUSED_SCALARS = "float scale, bool causal, int diagonal, float dropout, int dim"
 
 
-def _fused_cupy(x, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim, need_lse: bool):
-    """cupyops.fused_softmax of the tensors as CuPy arrays: y, or (y, lse)."""
-    return cupyops.fused_softmax(to_cupy(x), scale=scale, bias=to_cupy(bias), mask=to_cupy(mask), causal=causal,
-                                 diagonal=diagonal, dropout=dropout, seed=seed, offset=offset, axis=dim,
-                                 return_lse=need_lse)
+def _fused_outputs(x, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim, need_lse: bool) -> tuple:
+    """cupyops.fused_softmax of the tensors, in the current CuPy context: (y, lse) as torch
+    tensors, lse None unless need_lse; replayed on the tensors where cupyops remembers the
+    layout (torch_replay), else through CuPy views."""
+    key = torch_replay.fused_key(x, None, None, bias, mask, (scale, causal, diagonal, dropout, dim), need_lse)
+    replayed = torch_replay.fused_forward(key, x, bias, mask, seed, offset)
+    if replayed:
+        return replayed
+    result = cupyops.fused_softmax(to_cupy(x), scale=scale, bias=to_cupy(bias), mask=to_cupy(mask), causal=causal,
+                                   diagonal=diagonal, dropout=dropout, seed=seed, offset=offset, axis=dim,
+                                   return_lse=need_lse)
+    if replayed is None:
+        torch_replay.remember_fused(key, x, None, None, bias, mask, (scale, causal, diagonal, dropout, dim), need_lse)
+    return (to_torch(result[0]), to_torch(result[1])) if need_lse else (to_torch(result), None)
 
 
-def _fused_grad_cupy(grad, x, lse, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim):
-    """cupyops.fused_softmax_backward's dx as a CuPy array; lse is a CuPy array."""
-    return cupyops.fused_softmax_backward(to_cupy(grad), to_cupy(x), lse, scale=scale, bias=to_cupy(bias),
-                                          mask=to_cupy(mask), causal=causal, diagonal=diagonal, dropout=dropout,
-                                          seed=seed, offset=offset, axis=dim)
+def _fused_grad(grad, x, lse, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim) -> torch.Tensor:
+    """cupyops.fused_softmax_backward's dx as a torch tensor, in the current CuPy context;
+    replayed as _fused_outputs."""
+    scalars = (scale, causal, diagonal, dropout, dim)
+    key = torch_replay.fused_key(x, grad, lse, bias, mask, scalars, False)
+    replayed = torch_replay.fused_backward(key, grad, x, lse, bias, mask, seed, offset)
+    if replayed:
+        return replayed[0]
+    dx = cupyops.fused_softmax_backward(to_cupy(grad), to_cupy(x), to_cupy(lse), scale=scale, bias=to_cupy(bias),
+                                        mask=to_cupy(mask), causal=causal, diagonal=diagonal, dropout=dropout,
+                                        seed=seed, offset=offset, axis=dim)
+    if replayed is None:
+        torch_replay.remember_fused(key, x, grad, lse, bias, mask, scalars, False)
+    return to_torch(dx)
 
 
 def _fused_dbias(dx: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
@@ -464,9 +482,9 @@ def _fused_softmax_op() -> CustomOp:
     through cupyops::fused_softmax_backward. rng: [seed, offset] (int64, on the CPU)."""
     def forward(x, bias, mask, rng, scale, causal, diagonal, dropout, dim, need_lse):
         seed, offset = rng.tolist()
-        result = run(x, lambda: _fused_cupy(x, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim,
-                                             need_lse))
-        return result if need_lse else (result, nothing(x))
+        with context(x):
+            y, lse = _fused_outputs(x, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim, need_lse)
+        return y, nothing(x) if lse is None else lse
 
     def forward_fake(x, bias, mask, rng, scale, causal, diagonal, dropout, dim, need_lse):
         rows = list(x.shape)
@@ -476,8 +494,8 @@ def _fused_softmax_op() -> CustomOp:
 
     def backward(grad, x, lse, bias, mask, rng, scale, causal, diagonal, dropout, dim):
         seed, offset = rng.tolist()
-        return run(x, lambda: _fused_grad_cupy(grad, x, to_cupy(lse), bias, mask, scale, causal, diagonal, dropout,
-                                                seed, offset, dim))
+        with context(x):
+            return _fused_grad(grad, x, lse, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim)
 
     backward_op = CustomOp("fused_softmax_backward",
                            "(Tensor grad, Tensor x, Tensor lse, Tensor? bias, Tensor? mask, "
@@ -502,22 +520,22 @@ def _fused_softmax_op() -> CustomOp:
 
 class _FusedSoftmax(torch.autograd.Function):
     """fused_softmax of x (bias, mask and the scalars as cupyops.fused_softmax's, seed and offset
-    ints); the lse stays a CuPy array on ctx, read by the backward."""
+    ints); the lse stays on ctx, not an output, read by the backward."""
 
     @staticmethod
     def forward(ctx, x, bias, mask, *scalars):
         with context(x):
-            y, ctx.lse = _fused_cupy(x, bias, mask, *scalars, True)
+            y, ctx.lse = _fused_outputs(x, bias, mask, *scalars, True)
         ctx.scalars = scalars
         ctx.save_for_backward(x, bias, mask)
-        return to_torch(y)
+        return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         x, bias, mask = ctx.saved_tensors
         with context(x):
-            dx = to_torch(_fused_grad_cupy(grad, x, ctx.lse, bias, mask, *ctx.scalars))
+            dx = _fused_grad(grad, x, ctx.lse, bias, mask, *ctx.scalars)
         dbias = _fused_dbias(dx, bias, ctx.scalars[0]) if bias is not None and ctx.needs_input_grad[1] else None
         return dx, dbias, *(None for _ in range(1 + len(ctx.scalars)))
 
@@ -536,7 +554,7 @@ def _fused_softmax_call(x, bias, mask, scale, causal, diagonal, dropout, dim, rn
     if needs_grad(x, bias):
         return _FusedSoftmax.apply(x, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim)
     with context(x):
-        return to_torch(_fused_cupy(x, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim, False))
+        return _fused_outputs(x, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim, False)[0]
 
 
 if hasattr(cupyops, "fused_softmax") and hasattr(cupyops, "fused_softmax_backward"):

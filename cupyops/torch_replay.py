@@ -4,11 +4,13 @@ A call of a layout (shapes, strides, dtypes, 16-byte phases, GPU) that cupyops r
 from an earlier call of the same layout launches the remembered kernels on the tensors'
 addresses, its outputs allocated by torch: no CuPy views, no CuPy-level key, no DLPack. The
 first call of a layout takes cupyops' own path and looks up what it remembered. The
-norms, forward and backward, are replayed so.
+norms and the fused softmax, forward and backward, are replayed so.
 """
 from __future__ import annotations
 
-from cupyops.ops import norm, norm_launch
+import torch
+
+from cupyops.ops import fused_softmax, norm, norm_launch
 from cupyops.torch_bridge import LAST_AXES, NUMPY_DTYPES, to_cupy
 
 _TORCH_DTYPES = {numpy_dtype: torch_dtype for torch_dtype, numpy_dtype in NUMPY_DTYPES.items()}
@@ -16,6 +18,7 @@ _MAX_REPLAYS = 1024
 # key -> a replay, or False where cupyops remembered no call of that layout
 _forwards: dict = {}
 _backwards: dict = {}
+_fused: dict = {}
 
 
 def layout(tensor) -> tuple:
@@ -116,3 +119,40 @@ def remember_norm_backward(key: tuple, centered: bool, grad, x, mean, rstd, weig
                                      to_cupy(x), to_cupy(mean), to_cupy(rstd), to_cupy(weight), LAST_AXES[ndim],
                                      need_weight_grad, need_bias_grad)
     _keep(_backwards, key, False if found is None else _NormBackward(*found))
+
+
+def fused_key(x, dy, lse, bias, mask, scalars: tuple, need_lse: bool) -> tuple:
+    """The key of a fused softmax forward (dy and lse None) or backward: scalars (scale,
+    causal, diagonal, dropout, dim) and the tensors' layouts."""
+    return scalars, need_lse, layout(x), layout(dy), layout(lse), layout(bias), layout(mask)
+
+
+def fused_forward(key: tuple, x, bias, mask, seed: int, offset: int):
+    """(y, lse) by the replay kept under `key` (fused_key), lse None unless the call returns
+    it; None (or False) where no replay is kept, as norm_forward."""
+    ready = _fused.get(key)
+    if not ready:
+        return ready
+    y = x.new_empty(ready.shape)
+    lse = x.new_empty(ready.shape[:-1], dtype=torch.float32) if ready.return_lse else None
+    ready.run_at((x.data_ptr(), 0, _address(bias), _address(mask)), y.data_ptr(), _address(lse), seed, offset)
+    return y, lse
+
+
+def fused_backward(key: tuple, grad, x, lse, bias, mask, seed: int, offset: int):
+    """(dx,) by the replay kept under `key`; None (or False) where no replay is kept."""
+    ready = _fused.get(key)
+    if not ready:
+        return ready
+    dx = x.new_empty(ready.shape)
+    ready.run_at((x.data_ptr(), grad.data_ptr(), _address(bias), _address(mask)), dx.data_ptr(), lse.data_ptr(),
+                 seed, offset)
+    return (dx,)
+
+
+def remember_fused(key: tuple, x, dy, lse, bias, mask, scalars: tuple, need_lse: bool) -> None:
+    """remember_norm_forward for the fused softmax's forward (dy and lse None) and backward."""
+    found = fused_softmax.remembered_call(to_cupy(x), to_cupy(dy), to_cupy(lse), to_cupy(bias), to_cupy(mask),
+                                          *scalars, need_lse)
+    _keep(_fused, key, False if found is None else found)
+

@@ -417,6 +417,39 @@ def test_repeated_calls_replay_their_stages(monkeypatch):
                 assert before[4][before[4].index("out") + 1] == ("uint64", 0), before[4]
 
 
+def test_remembered_calls_replay_on_addresses(monkeypatch):
+    """fused_softmax.remembered_call: nothing before a call, then the forward's (returning its
+    lse) and the backward's ready calls, which replayed on addresses (run_at) launch what the
+    memoised calls launch, with the seed and offset given."""
+    device = pytest.importorskip("fake_device").FakeDevice(monkeypatch)
+    x, dy = device.array((2, 4, 64, 128), "float16"), device.array((2, 4, 64, 128), "float16")
+    bias = device.array((4, 1, 128), "float32")
+    scalars = (0.125, True, 0, 0.1, -1)
+    options = dict(scale=0.125, causal=True, dropout=0.1, bias=bias)
+    assert fs.remembered_call(x, None, None, bias, None, *scalars, True) is None
+    y, lse = fs.fused_softmax(x, seed=5, offset=8, return_lse=True, **options)
+    ready = fs.remembered_call(x, None, None, bias, None, *scalars, True)
+    named = dict(x=x, dy=dy, bias=bias)
+    device.launches.clear()
+    y, lse = fs.fused_softmax(x, seed=7, offset=16, return_lse=True, **options)
+    expected = _launched(device, {**named, "y": y, "lse": lse})
+    y, lse = device.array(ready.shape, ready.dtype), device.array(ready.shape[:-1], "float32")
+    device.launches.clear()
+    ready.run_at((x.data.ptr, 0, bias.data.ptr, 0), y.data.ptr, lse.data.ptr, 7, 16)
+    assert _launched(device, {**named, "y": y, "lse": lse}) == expected and expected
+
+    assert fs.remembered_call(x, dy, lse, bias, None, *scalars) is None
+    fs.fused_softmax_backward(dy, x, lse, seed=5, offset=8, **options)
+    ready = fs.remembered_call(x, dy, lse, bias, None, *scalars)
+    device.launches.clear()
+    dx = fs.fused_softmax_backward(dy, x, lse, seed=7, offset=16, **options)
+    expected = _launched(device, {**named, "lse": lse, "dx": dx})
+    dx = device.array(ready.shape, ready.dtype)
+    device.launches.clear()
+    ready.run_at((x.data.ptr, dy.data.ptr, bias.data.ptr, 0), dx.data.ptr, lse.data.ptr, 7, 16)
+    assert _launched(device, {**named, "lse": lse, "dx": dx}) == expected and expected
+
+
 def test_interleaved_calls_pass_their_row_order(monkeypatch):
     """A (16, 32, 512, 512) forward and backward with a (32, 512, 512) bias on the H100 profile
     take the interleaved kernels, given RowOrder's (outer, inner, magic) before the dropout's

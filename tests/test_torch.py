@@ -176,20 +176,25 @@ def test_eager_route_matches_the_custom_op(torch, ct, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["rms_norm", "layer_norm residual"])
-def test_repeated_norm_calls_are_replayed(torch, ct, monkeypatch, kind):
-    """From the second call of a layout a norm launches cupyops' remembered kernels on the
-    tensors themselves (cupyops.torch_replay): no cupyops function called, the first call's
-    outputs and gradients bit for bit; a tensor of another layout (16-byte phase) is not
-    replayed with them and is still right."""
+@pytest.mark.parametrize("kind", ["rms_norm", "layer_norm residual", "fused_softmax"])
+def test_repeated_calls_are_replayed(torch, ct, monkeypatch, kind):
+    """From the second call of a layout a norm or the fused softmax launches cupyops'
+    remembered kernels on the tensors themselves (cupyops.torch_replay): no cupyops function
+    called, the first call's outputs and gradients bit for bit; a tensor of another layout
+    (16-byte phase) is not replayed with them and is still right."""
     import cupyops
 
+    if kind == "fused_softmax":
+        _needs_fused_softmax(ct)
     x, w, b, r = _inputs(torch, (64, 96), (96,), (96,), (64, 96), dtype="float32", seed=5)
     dy = torch.randn(64, 96, device="cuda")
 
     def call(x):
         if kind == "rms_norm":
             return ct.rms_norm(x, (96,), w, 1e-6), (x, w)
+        if kind == "fused_softmax":
+            return ct.fused_softmax(x.view(2, 32, 96), scale=0.5, bias=b, causal=True, dropout=0.2, seed=3,
+                                    offset=8).view(64, 96), (x, b)
         y, h = ct.layer_norm(x, 96, w, b, residual=r)
         return y + h, (x, w, b, r)
 
@@ -201,8 +206,11 @@ def test_repeated_norm_calls_are_replayed(torch, ct, monkeypatch, kind):
     with torch.no_grad():
         plain = call(x)[0]
     calls = []
-    for name in ("rms_norm", "layer_norm", "rms_norm_backward", "layer_norm_backward"):
-        monkeypatch.setattr(cupyops, name, lambda *a, _f=getattr(cupyops, name), **k: calls.append(1) or _f(*a, **k))
+    for name in ("rms_norm", "layer_norm", "rms_norm_backward", "layer_norm_backward", "fused_softmax",
+                 "fused_softmax_backward"):
+        if hasattr(cupyops, name):
+            monkeypatch.setattr(cupyops, name,
+                                lambda *a, _f=getattr(cupyops, name), **k: calls.append(1) or _f(*a, **k))
     again = run(x)
     with torch.no_grad():
         assert torch.equal(call(x)[0], plain)

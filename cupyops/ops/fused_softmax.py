@@ -403,6 +403,11 @@ class _ReadyCall:
         self.main.run((*map(address, inputs), y.data.ptr, lse.data.ptr), seed, offset)
         return y, lse
 
+    def run_at(self, read: tuple, y: int, lse: int, seed, offset) -> None:
+        """run on addresses: read = (x, dy, bias, mask) (0 where absent), y's, and lse's (0
+        for a forward not returning it), for arrays of the call's layout not CuPy's."""
+        self.main.run((*self.take(read), y, lse), seed, offset)
+
 
 def _remember(key, operands: Operands, caller: tuple, read: tuple, written, out, main,
               return_lse: bool = False) -> None:
@@ -501,6 +506,16 @@ def fused_softmax(x, *, scale=1.0, bias=None, mask=None, causal=False, diagonal=
             y = _apply_dropout(y, operands.dropout, seed, offset)
         y = _deliver(y, out)
     return (y, lse) if return_lse else y
+
+
+def remembered_call(x, dy, lse, bias, mask, scale, causal, diagonal, dropout, axis, return_lse=False):
+    """The call of fused_softmax (dy None) or fused_softmax_backward on arrays of these
+    arrays' layout (auto policy, no out) as remembered, replayed through its run_at; or None."""
+    if dy is None:
+        return _launches.find(call_key(("forward", "auto", scale, causal, diagonal, dropout, axis, return_lse),
+                                       (x, bias, mask, None)))
+    return _launches.find(call_key(("backward", "auto", scale, causal, diagonal, dropout, axis),
+                                   (x, dy, lse, bias, mask, None)))
 
 
 def fused_softmax_backward(dy, x, lse, *, scale=1.0, bias=None, mask=None, causal=False, diagonal=0,
