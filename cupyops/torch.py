@@ -8,11 +8,13 @@ for the elementwise ops), so `torch.compile(model, fullgraph=True)` captures
 a model using them without a graph break. Eager calls skip torch's
 dispatcher: where an input needs a gradient they run a torch.autograd.Function
 of their own, which keeps what only its backward reads (the norms' mean and
-rstd, the fused softmax's lse) as CuPy arrays on its context instead of
-returning them as tensors; where none does, the bare computation. The same
-kernels, outputs and gradients either way. The ops run on torch's current
-stream of the tensors' GPU, read torch's memory in place and return their
-outputs through DLPack, without copies; outputs are torch tensors. CPU
+rstd, the fused softmax's lse) on its context instead of returning them as
+outputs; where none does, the bare computation. The same kernels, outputs
+and gradients either way. The ops run on torch's current stream of the
+tensors' GPU and read torch's memory in place. From the second call of a
+layout the norms and the fused softmax launch cupyops' remembered kernels
+on the tensors' addresses, their outputs allocated by torch (torch_replay);
+other calls return outputs through DLPack, without copies. CPU
 tensors take torch's own ops (but for the dropout ops, whose keep masks are
 cupyops' own).
 
