@@ -12,9 +12,10 @@ rstd, the fused softmax's lse) on its context instead of returning them as
 outputs; where none does, the bare computation. The same kernels, outputs
 and gradients either way. The ops run on torch's current stream of the
 tensors' GPU and read torch's memory in place. From the second call of a
-layout the norms and the fused softmax launch cupyops' remembered kernels
-on the tensors' addresses, their outputs allocated by torch (torch_replay);
-other calls return outputs through DLPack, without copies. CPU
+layout the norms, the fused softmax and the elementwise ops launch cupyops'
+remembered kernels on the tensors' addresses, their outputs allocated by
+torch (torch_replay); other calls return outputs through DLPack, without
+copies. CPU
 tensors take torch's own ops (but for the dropout ops, whose keep masks are
 cupyops' own).
 
@@ -30,9 +31,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 import cupyops
-from cupyops import fx, torch_replay
-from cupyops.torch_bridge import (LAST_AXES, CustomOp, ElementwiseOp, check_float, context, elementwise_fake,
-                                  needs_grad, nothing, output_grad, run, stats_dtype, to_cupy, to_torch)
+from cupyops import torch_replay
+from cupyops.torch_bridge import (LAST_AXES, CustomOp, check_float, context, needs_grad, nothing, output_grad, run,
+                                  stats_dtype, to_cupy, to_torch)
+from cupyops.torch_elementwise import bias_dropout_add_op, bias_gelu_op, bias_silu_op, geglu_op, swiglu_op
 
 _ShapeLike = Union[int, Sequence[int], torch.Size]
 
@@ -344,97 +346,35 @@ class RMSNorm(torch.nn.RMSNorm):
 
 # -- elementwise ------------------------------------------------------------------------------
 
-def _gelu_gradient(call, grad, x, bias, approximate):
-    dz = torch.ops.aten.gelu_backward(grad, x + bias, approximate=approximate)
-    return dz, dz
-
-
-def _geglu_gradient(call, grad, a, b, approximate):
-    return (torch.ops.aten.gelu_backward(grad * b, a.to(grad.dtype), approximate=approximate),
-            grad * torch.nn.functional.gelu(a.to(grad.dtype), approximate=approximate))
-
-
-def _silu_derivative(a):
-    """d silu(a) / da = sigmoid(a) * (1 + a * (1 - sigmoid(a)))."""
-    s = fx.sigmoid(a)
-    return s * (1 + a * (1 - s))
-
-
-# The silu gradients, each one cupyops kernel: bias_silu's dz (x + bias's), swiglu's (da, db)
-_bias_silu_dz = cupyops.fuse(lambda g, x, bias: g * _silu_derivative(x + bias))
-_swiglu_dadb = cupyops.fuse(lambda g, a, b: (g * b * _silu_derivative(a), g * a * fx.sigmoid(a)))
-_silu_backward = CustomOp(
-    "silu_backward", "(Tensor grad, Tensor x, Tensor bias) -> Tensor",
-    lambda grad, x, bias: run(grad, lambda: _bias_silu_dz(to_cupy(grad), to_cupy(x), to_cupy(bias))),
-    lambda grad, x, bias: elementwise_fake(grad, x, bias))
-_swiglu_backward = CustomOp(
-    "swiglu_backward", "(Tensor grad, Tensor a, Tensor b) -> (Tensor, Tensor)",
-    lambda grad, a, b: run(grad, lambda: _swiglu_dadb(to_cupy(grad), to_cupy(a), to_cupy(b))),
-    lambda grad, a, b: (elementwise_fake(grad, a, b), elementwise_fake(grad, a, b)))
-
-
-def _silu_gradient(call, grad, x, bias):
-    dz = call(_silu_backward, grad, x, bias)
-    return dz, dz
-
-
-def _swiglu_gradient(call, grad, a, b):
-    return call(_swiglu_backward, grad, a, b)
-
-
-# dropout(g) with the mask of g's shape: the gradient of bias_dropout_add's x + bias
-_dropout = cupyops.fuse(lambda g, p, seed, offset: fx.dropout(g, p, seed, offset))
-_dropout_gradient_op = CustomOp(
-    "dropout_gradient", "(Tensor grad, float p, int seed, int offset) -> Tensor",
-    lambda grad, p, seed, offset: run(grad, lambda: _dropout(to_cupy(grad), p, seed, offset)),
-    lambda grad, p, seed, offset: torch.empty_like(grad, memory_format=torch.contiguous_format))
-
-
-def _bias_dropout_add_gradient(call, grad, x, bias, residual, p, seed, offset):
-    dz = call(_dropout_gradient_op, grad, p, seed, offset)
-    return dz, dz, grad
-
-
-_bias_gelu = ElementwiseOp("bias_gelu", "(Tensor x, Tensor bias, str approximate) -> Tensor",
-                          lambda x, bias, approximate: cupyops.bias_gelu(x, bias, approximate), _gelu_gradient, 2)
-_bias_silu = ElementwiseOp("bias_silu", "(Tensor x, Tensor bias) -> Tensor", cupyops.bias_silu, _silu_gradient, 2)
-_swiglu = ElementwiseOp("swiglu", "(Tensor a, Tensor b) -> Tensor", cupyops.swiglu, _swiglu_gradient, 2)
-_geglu = ElementwiseOp("geglu", "(Tensor a, Tensor b, str approximate) -> Tensor",
-                      lambda a, b, approximate: cupyops.geglu(a, b, approximate), _geglu_gradient, 2)
-_bias_dropout_add = ElementwiseOp(
-    "bias_dropout_add", "(Tensor x, Tensor bias, Tensor residual, float p, int seed, int offset) -> Tensor",
-    cupyops.bias_dropout_add, _bias_dropout_add_gradient, 3)
-
-
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """``torch.nn.functional.gelu(x + bias, approximate=approximate)`` in one cupyops kernel."""
     if not x.is_cuda:
         return torch.nn.functional.gelu(x + bias, approximate=approximate)
-    return _bias_gelu(x, bias, approximate)
+    return bias_gelu_op(x, bias, approximate)
 
 
 def bias_silu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``torch.nn.functional.silu(x + bias)`` in one cupyops kernel."""
-    return torch.nn.functional.silu(x + bias) if not x.is_cuda else _bias_silu(x, bias)
+    return torch.nn.functional.silu(x + bias) if not x.is_cuda else bias_silu_op(x, bias)
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.nn.functional.silu(a) * b`` in one cupyops kernel."""
-    return torch.nn.functional.silu(a) * b if not a.is_cuda else _swiglu(a, b)
+    return torch.nn.functional.silu(a) * b if not a.is_cuda else swiglu_op(a, b)
 
 
 def geglu(a: torch.Tensor, b: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """``torch.nn.functional.gelu(a, approximate=approximate) * b`` in one cupyops kernel."""
     if not a.is_cuda:
         return torch.nn.functional.gelu(a, approximate=approximate) * b
-    return _geglu(a, b, approximate)
+    return geglu_op(a, b, approximate)
 
 
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, p: float, seed: int,
                      offset: int = 0) -> torch.Tensor:
     """``residual + torch.nn.functional.dropout(x + bias, p)`` in one cupyops kernel, the keep
     mask a function of (output shape, p, seed, offset) (cupyops.bias_dropout_add)."""
-    return _bias_dropout_add(x, bias, residual, float(p), int(seed), int(offset))
+    return bias_dropout_add_op(x, bias, residual, float(p), int(seed), int(offset))
 
 
 # -- fused softmax ----------------------------------------------------------------------------

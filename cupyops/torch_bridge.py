@@ -1,14 +1,12 @@
 """What cupyops.torch stands on: CuPy views of torch tensors and torch tensors of CuPy
 arrays without copies, the context that runs CuPy on torch's current stream, and the
-registered custom op (what torch.compile traces) of each op, and the named elementwise ops'
-machinery."""
+registered custom op (what torch.compile traces) of each op."""
 import contextlib
 from typing import Optional
 
 import cupy
 import numpy
 import torch
-from torch.autograd.function import once_differentiable
 
 from cupyops.dtypes import BFLOAT16
 
@@ -145,79 +143,3 @@ def check_float(x: torch.Tensor) -> None:
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     """The norms' statistics' dtype for inputs of `dtype`."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-# -- the named elementwise ops ---------------------------------------------------------------
-
-def sum_to(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """grad summed over the axes `like` was broadcast along, in like's dtype."""
-    return grad.sum_to_size(like.shape).to(like.dtype)
-
-
-def elementwise_fake(*operands):
-    """The empty result of an elementwise op: the operands' broadcast shape, promoted dtype."""
-    shape = torch.broadcast_shapes(*(t.shape for t in operands))
-    dtype = operands[0].dtype
-    for t in operands[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return operands[0].new_empty(shape, dtype=dtype)
-
-
-def _call_custom(op: CustomOp, *args):
-    return op.custom(*args)
-
-
-def _call_eager(op: CustomOp, *args):
-    return op.implementation(*args)
-
-
-class ElementwiseOp:
-    """A named elementwise op of `saved` tensor operands (and scalars after them): computed by
-    compute(*cupy operands, *scalars), differentiated by gradient(call, grad, *operands,
-    *scalars) -> a gradient per operand, where call(op, *args) runs a backward CustomOp (its custom
-    op under torch.compile, its implementation eagerly). `op` is the registered custom op."""
-
-    def __init__(self, name: str, schema: str, compute, gradient, saved: int):
-        self.compute, self.gradient, self.saved = compute, gradient, saved
-        self.op = CustomOp(name, schema, self.plain, lambda *args: elementwise_fake(*args[:saved]))
-
-        def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(*inputs[:saved])
-            ctx.scalars = inputs[saved:]
-
-        self.op.differentiable(setup_context, lambda ctx, grad: self.backward(_call_custom, ctx, grad))
-
-    def plain(self, *args) -> torch.Tensor:
-        operands = tuple(map(to_cupy, args[:self.saved]))
-        with context(args[0]):
-            return to_torch(self.compute(*operands, *args[self.saved:]))
-
-    def backward(self, call, ctx, grad) -> tuple:
-        """The gradient of each operand (summed to its shape) and None for each scalar."""
-        operands = ctx.saved_tensors
-        if grad is None:
-            return (None,) * (len(operands) + len(ctx.scalars))
-        grads = self.gradient(call, grad, *operands, *ctx.scalars)
-        return (*(sum_to(g, t) for g, t in zip(grads, operands)), *(None for _ in ctx.scalars))
-
-    def __call__(self, *args) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return self.op(*args)
-        if needs_grad(*args[:self.saved]):
-            return _ElementwiseFunction.apply(self, *args)
-        return self.plain(*args)
-
-
-class _ElementwiseFunction(torch.autograd.Function):
-    """An ElementwiseOp (the first argument) of its operands and scalars, eagerly."""
-
-    @staticmethod
-    def forward(ctx, op, *args):
-        ctx.op, ctx.scalars = op, args[op.saved:]
-        ctx.save_for_backward(*args[:op.saved])
-        return op.plain(*args)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        return None, *ctx.op.backward(_call_eager, ctx, grad)

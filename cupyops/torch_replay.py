@@ -4,14 +4,15 @@ A call of a layout (shapes, strides, dtypes, 16-byte phases, GPU) that cupyops r
 from an earlier call of the same layout launches the remembered kernels on the tensors'
 addresses, its outputs allocated by torch: no CuPy views, no CuPy-level key, no DLPack. The
 first call of a layout takes cupyops' own path and looks up what it remembered. The
-norms and the fused softmax, forward and backward, are replayed so.
+norms, the fused softmax (forward and backward) and the fused elementwise functions are
+replayed so.
 """
 from __future__ import annotations
 
 import torch
 
 from cupyops.ops import fused_softmax, norm, norm_launch
-from cupyops.torch_bridge import LAST_AXES, NUMPY_DTYPES, to_cupy
+from cupyops.torch_bridge import LAST_AXES, NUMPY_DTYPES, to_cupy, to_torch
 
 _TORCH_DTYPES = {numpy_dtype: torch_dtype for torch_dtype, numpy_dtype in NUMPY_DTYPES.items()}
 _MAX_REPLAYS = 1024
@@ -19,6 +20,7 @@ _MAX_REPLAYS = 1024
 _forwards: dict = {}
 _backwards: dict = {}
 _fused: dict = {}
+_elementwise: dict = {}
 
 
 def layout(tensor) -> tuple:
@@ -156,3 +158,22 @@ def remember_fused(key: tuple, x, dy, lse, bias, mask, scalars: tuple, need_lse:
                                           *scalars, need_lse)
     _keep(_fused, key, False if found is None else found)
 
+
+
+def elementwise(function, args: tuple) -> tuple:
+    """The outputs of `function` (a cupyops.fuse function) of args (tensors and numbers) as
+    torch tensors, on CuPy's current stream: replayed on the tensors where the function
+    remembers a launcher of their layouts, else through CuPy views."""
+    key = (function, *(layout(a) if isinstance(a, torch.Tensor) else type(a) for a in args))
+    launcher = _elementwise.get(key)
+    if launcher:
+        like = args[0]
+        outputs = tuple(like.new_empty(shape, dtype=_TORCH_DTYPES[dtype]) for shape, dtype in launcher.outputs)
+        launcher.launch_at(tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args),
+                           tuple(output.data_ptr() for output in outputs))
+        return outputs
+    operands = tuple(to_cupy(a) if isinstance(a, torch.Tensor) else a for a in args)
+    result = function.call(operands)
+    if launcher is None:
+        _keep(_elementwise, key, function.remembered(operands) or False)
+    return tuple(map(to_torch, result)) if isinstance(result, tuple) else (to_torch(result),)

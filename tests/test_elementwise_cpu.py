@@ -438,6 +438,51 @@ def test_repeated_calls_neither_trace_nor_plan(device, monkeypatch, label):
         assert first == second
 
 
+REMEMBERED = {   # label -> (named op, its fused function's operands from x, y, bias)
+    "swiglu": ("swiglu", lambda v: (v["x"], v["y"])),
+    "bias_gelu tanh": ("bias_gelu", lambda v: (v["x"], v["bias"])),
+    "bias_dropout_add": ("bias_dropout_add", lambda v: (v["x"], v["bias"], v["y"], 0.1, 7, 14)),
+    "two outputs": (None, lambda v: (v["x"], v["y"])),
+}
+
+
+@cupyops.fuse
+def FUSED_PAIR(a, b):
+    return a * b, fx.sigmoid(a) - b
+
+
+@pytest.mark.parametrize("label", sorted(REMEMBERED))
+def test_remembered_launchers_replay_on_addresses(device, monkeypatch, label):
+    """FusedFunction.remembered: None before a call, then the launcher the call took, whose
+    launch_at on the operands' addresses and fresh outputs launches what the memoised call
+    launches (a dropout probability still checked); None for another layout."""
+    cupy = pytest.importorskip("cupy")
+    values = {"x": device.array((64, 128), "float32"), "y": device.array((64, 128), "float32"),
+              "bias": device.array((128,), "float32")}
+    op, operands = REMEMBERED[label]
+    function = FUSED_PAIR if op is None else activations.named_function(op, "tanh" if "tanh" in label else "none")
+    args = operands(values)
+    monkeypatch.setattr(function, "_launchers", LaunchCache())
+    assert function.remembered(args) is None
+    function.call(args)
+    launcher = function.remembered(args)
+    device.launches.clear()
+    results = function.call(args)
+    results = results if isinstance(results, tuple) else (results,)
+    expected = described(device.launches, {**values, **{f"result {i}": r for i, r in enumerate(results)}})
+    outputs = [device.empty(shape, dtype) for shape, dtype in launcher.outputs]
+    assert [(o.shape, o.dtype) for o in outputs] == [(r.shape, r.dtype) for r in results]
+    device.launches.clear()
+    launcher.launch_at(tuple(a.data.ptr if isinstance(a, cupy.ndarray) else a for a in args),
+                       tuple(o.data.ptr for o in outputs))
+    assert described(device.launches, {**values, **{f"result {i}": o for i, o in enumerate(outputs)}}) == expected
+    if op == "bias_dropout_add":
+        with pytest.raises(ValueError, match="dropout probability"):
+            launcher.launch_at((*(a.data.ptr for a in args[:3]), 1.5, 7, 14), (outputs[0].data.ptr,))
+    shifted = cupy.ndarray((64, 128), numpy.float32, values["x"].data + 4)
+    assert function.remembered((shifted, *args[1:])) is None
+
+
 def test_memoised_signatures_still_check_their_arguments(device):
     x, bias = device.array((64, 128), "float32"), device.array((128,), "float32")
     cupyops.bias_dropout_add(x, bias, x, 0.1, 1)

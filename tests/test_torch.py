@@ -135,6 +135,8 @@ def test_against_torch(torch, ct, name, dtype):
 def _routes(torch, ct):
     """name -> (eager call, the registered custom op's call: its outputs, the first one y,
     inputs)."""
+    from cupyops import torch_elementwise
+
     x, w, b, r = _inputs(torch, (64, 96), (96,), (96,), (64, 96), dtype="float32", seed=3)
     routes = {
         "softmax": (lambda x: (ct.softmax(x, -1),), lambda x: (torch.ops.cupyops.softmax(x, -1),), [x]),
@@ -142,9 +144,11 @@ def _routes(torch, ct):
                               lambda x, w, r: ct._rms_norm.custom(x, w, r, 1, 1e-6), [x, w, r]),
         "layer_norm": (lambda x, w, b: (ct.layer_norm(x, 96, w, b),),
                        lambda x, w, b: ct._layer_norm.custom(x, w, b, None, 1, 1e-5), [x, w, b]),
-        "swiglu": (lambda x, r: (ct.swiglu(x, r),), lambda x, r: (ct._swiglu.op.custom(x, r),), [x, r]),
+        "swiglu": (lambda x, r: (ct.swiglu(x, r),), lambda x, r: (torch_elementwise.swiglu_op.op.custom(x, r),),
+                   [x, r]),
         "bias_dropout_add": (lambda x, b, r: (ct.bias_dropout_add(x, b, r, 0.3, 9, 2),),
-                             lambda x, b, r: (ct._bias_dropout_add.op.custom(x, b, r, 0.3, 9, 2),), [x, b, r]),
+                             lambda x, b, r: (torch_elementwise.bias_dropout_add_op.op.custom(x, b, r, 0.3, 9, 2),),
+                             [x, b, r]),
     }
     if hasattr(ct, "fused_softmax"):
         s, bias = _inputs(torch, (2, 3, 16, 16), (16,), dtype="float32", seed=4)
@@ -176,13 +180,14 @@ def test_eager_route_matches_the_custom_op(torch, ct, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["rms_norm", "layer_norm residual", "fused_softmax"])
+@pytest.mark.parametrize("kind", ["rms_norm", "layer_norm residual", "fused_softmax", "swiglu", "bias_dropout_add"])
 def test_repeated_calls_are_replayed(torch, ct, monkeypatch, kind):
-    """From the second call of a layout a norm or the fused softmax launches cupyops'
-    remembered kernels on the tensors themselves (cupyops.torch_replay): no cupyops function
-    called, the first call's outputs and gradients bit for bit; a tensor of another layout
-    (16-byte phase) is not replayed with them and is still right."""
+    """From the second call of a layout a norm, the fused softmax or an elementwise op
+    launches cupyops' remembered kernels on the tensors themselves (cupyops.torch_replay): no
+    cupyops function called, the first call's outputs and gradients bit for bit; a tensor of
+    another layout (16-byte phase) is not replayed with them and is still right."""
     import cupyops
+    from cupyops.ops.elementwise import FusedFunction
 
     if kind == "fused_softmax":
         _needs_fused_softmax(ct)
@@ -195,6 +200,10 @@ def test_repeated_calls_are_replayed(torch, ct, monkeypatch, kind):
         if kind == "fused_softmax":
             return ct.fused_softmax(x.view(2, 32, 96), scale=0.5, bias=b, causal=True, dropout=0.2, seed=3,
                                     offset=8).view(64, 96), (x, b)
+        if kind == "swiglu":
+            return ct.swiglu(x, r), (x, r)
+        if kind == "bias_dropout_add":
+            return ct.bias_dropout_add(x, b, r, 0.25, 3, 8), (x, b, r)
         y, h = ct.layer_norm(x, 96, w, b, residual=r)
         return y + h, (x, w, b, r)
 
@@ -211,6 +220,7 @@ def test_repeated_calls_are_replayed(torch, ct, monkeypatch, kind):
         if hasattr(cupyops, name):
             monkeypatch.setattr(cupyops, name,
                                 lambda *a, _f=getattr(cupyops, name), **k: calls.append(1) or _f(*a, **k))
+    monkeypatch.setattr(FusedFunction, "call", lambda *a, _f=FusedFunction.call, **k: calls.append(1) or _f(*a, **k))
     again = run(x)
     with torch.no_grad():
         assert torch.equal(call(x)[0], plain)

@@ -57,6 +57,14 @@ def _gelu_variant(variants: dict, approximate: str):
         raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}") from None
 
 
+def named_function(op: str, approximate: str = "none"):
+    """The fused function (cupyops.fuse) behind the named op `op`, of the approximation for
+    bias_gelu and geglu: its operands the op's, in order (cupyops.torch calls it on tensors)."""
+    if op in ("bias_gelu", "geglu"):
+        return _gelu_variant(_BIAS_GELU if op == "bias_gelu" else _GEGLU, approximate)
+    return {"bias_silu": _bias_silu, "swiglu": _swiglu, "bias_dropout_add": _bias_dropout_add}[op]
+
+
 def bias_gelu(x, bias, approximate: str = "none", *, out=None, policy: str = "auto", stream=None):
     """gelu(x + bias) in one kernel: torch.nn.functional.gelu(x + bias, approximate=approximate)."""
     return _gelu_variant(_BIAS_GELU, approximate).call((x, bias), out, policy, stream)

@@ -287,7 +287,7 @@ def operand_kind(value, name: str):
 
 
 def _array_key(array) -> tuple:
-    """What a launcher depends on of an array (FusedFunction.__call__ inlines it): strides
+    """What a launcher depends on of an array (FusedFunction._key inlines it): strides
     stand as True for a C-contiguous array, which a plan reads like any other of its shape
     (the strides of axes of size 1 it differs in are never read)."""
     memory = array.data
@@ -354,10 +354,20 @@ class _Launcher:
         dropout probabilities among the scalars checked (ValueError)."""
         if self.take_arrays is None:
             return (*map(address, args), *map(address, targets))
+        return self._values_at(args, map(address, self.take_arrays(args)), map(address, targets))
+
+    def _values_at(self, args: tuple, operands, targets) -> tuple:
+        """values() from the array operands' addresses (in the kernel's order) and the outputs'."""
         if self.dropout_p:
             self.check_dropout(args)
-        return (*map(address, self.take_arrays(args)), *[cast(args[p]) for p, cast in self.scalars],
-                *map(address, targets))
+        return (*operands, *[cast(args[p]) for p, cast in self.scalars], *targets)
+
+    def launch_at(self, args: tuple, targets: tuple) -> None:
+        """The kernel on the current stream, on another library's arrays of this launcher's
+        layouts: `args` the call's, each array's address (an int) in its place; `targets` the
+        addresses of C-contiguous, 16-byte aligned outputs of `outputs`' shapes and dtypes."""
+        self.launch((*args, *targets) if self.take_arrays is None else
+                    self._values_at(args, self.take_arrays(args), targets))
 
     def check_dropout(self, args: tuple) -> None:
         """ValueError unless every dropout probability among the scalars is in [0, 1)."""
@@ -469,10 +479,24 @@ class FusedFunction:
     def call(self, args: tuple, out=None, policy: str = "auto", stream=None):
         """self(*args, out=out, policy=policy, stream=stream), its arguments passed as they are
         (the named ops' and cupyops.elementwise's way in)."""
+        key = self._key(args, out, policy)
+        if key is None:     # another library's GPU array among the operands: a CuPy view of it, once
+            ndarray = cupy_module().ndarray
+            return self.call(tuple(b if type(b) is ndarray or isinstance(b, (*_PYTHON_SCALARS, numpy.generic))
+                                   else arrays.as_cupy(b, name) for b, name in zip(args, self._names_for(len(args)))),
+                             out, policy, stream)
+        launcher = self._launchers.peek(key)
+        if launcher is None:
+            launcher = self._prepare(key, args, out, policy)
+        return launcher.run(args, out, stream)
+
+    @staticmethod
+    def _key(args: tuple, out, policy: str) -> Optional[tuple]:
+        """What a launcher depends on of the operands and outputs (_array_key); None for another library's array."""
         cupy = callcache._cupy or cupy_module()
         ndarray = cupy.ndarray
         key = [policy, cupy.cuda.runtime.getDevice()]
-        for a in args:          # what a launcher depends on of each operand, flat (_array_key)
+        for a in args:
             kind = type(a)
             if kind is ndarray:
                 memory = a.data
@@ -481,21 +505,21 @@ class FusedFunction:
                 key.append(kind)
             elif isinstance(a, numpy.generic):
                 key.append(a.dtype)
-            else:   # another GPU array: a CuPy view of it, once
-                names = self._names_for(len(args))
-                return self.call(tuple(b if type(b) is ndarray or isinstance(b, (*_PYTHON_SCALARS, numpy.generic))
-                                       else arrays.as_cupy(b, name) for b, name in zip(args, names)),
-                                 out, policy, stream)
+            else:
+                return None
         if type(out) is ndarray:
             memory = out.data
             key += out.dtype, out.shape, out._c_contiguous or out.strides, memory.ptr & 15, memory.device_id
         elif out is not None:
             key.append(tuple(_array_key(_check_out(o)) for o in (out if isinstance(out, tuple) else (out,))))
-        key = tuple(key)
-        launcher = self._launchers.peek(key)
-        if launcher is None:
-            launcher = self._prepare(key, args, out, policy)
-        return launcher.run(args, out, stream)
+        return tuple(key)
+
+    def remembered(self, args: tuple, policy: str = "auto") -> Optional[_Launcher]:
+        """The launcher a call on these operands (CuPy arrays and numbers, no out) took on the
+        current GPU, or None (no such call, or nothing launched): a caller holding arrays of
+        those layouts that are not CuPy's (cupyops.torch) replays it through its launch_at."""
+        launcher = self._launchers.peek(self._key(args, None, policy))
+        return launcher if launcher and launcher.launch and launcher.device is None else None
 
     def _prepare(self, key: tuple, args: tuple, out, policy: str) -> _Launcher:
         """The launcher of a new signature, on the GPU of the array operands (the current one
