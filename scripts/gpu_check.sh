@@ -34,7 +34,7 @@ fi
 if run sanitize; then
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool" | tee -a "$OUT/sanitize.txt"
-    for script in sanitize_paths sanitize_fused_softmax sanitize_elementwise sanitize_conv; do
+    for script in sanitize_paths sanitize_fused_softmax sanitize_elementwise sanitize_conv sanitize_torch; do
       compute-sanitizer --tool "$tool" --error-exitcode 9 python "scripts/$script.py"
     done > "$OUT/sanitize_$tool.log" 2>&1
     echo "exit $?" | tee -a "$OUT/sanitize.txt"
