@@ -438,6 +438,18 @@ def test_repeated_calls_neither_trace_nor_plan(device, monkeypatch, label):
         assert first == second
 
 
+def test_named_function_is_the_function_each_named_op_calls():
+    assert activations.named_function("swiglu") is activations._swiglu
+    assert activations.named_function("bias_silu") is activations._bias_silu
+    assert activations.named_function("bias_dropout_add") is activations._bias_dropout_add
+    assert activations.named_function("bias_gelu", "tanh") is activations._bias_gelu_tanh
+    assert activations.named_function("geglu") is activations._geglu
+    with pytest.raises(ValueError, match="approximate"):
+        activations.named_function("geglu", "fast")
+    with pytest.raises(ValueError, match="no named elementwise op 'gelu'"):
+        activations.named_function("gelu")
+
+
 REMEMBERED = {   # label -> (named op, its fused function's operands from x, y, bias)
     "swiglu": ("swiglu", lambda v: (v["x"], v["y"])),
     "bias_gelu tanh": ("bias_gelu", lambda v: (v["x"], v["bias"])),

@@ -60,9 +60,15 @@ def _gelu_variant(variants: dict, approximate: str):
 def named_function(op: str, approximate: str = "none"):
     """The fused function (cupyops.fuse) behind the named op `op`, of the approximation for
     bias_gelu and geglu: its operands the op's, in order (cupyops.torch calls it on tensors)."""
-    if op in ("bias_gelu", "geglu"):
+    if op == "bias_gelu" or op == "geglu":
         return _gelu_variant(_BIAS_GELU if op == "bias_gelu" else _GEGLU, approximate)
-    return {"bias_silu": _bias_silu, "swiglu": _swiglu, "bias_dropout_add": _bias_dropout_add}[op]
+    if op == "swiglu":
+        return _swiglu
+    if op == "bias_silu":
+        return _bias_silu
+    if op == "bias_dropout_add":
+        return _bias_dropout_add
+    raise ValueError(f"no named elementwise op {op!r}")
 
 
 def bias_gelu(x, bias, approximate: str = "none", *, out=None, policy: str = "auto", stream=None):
