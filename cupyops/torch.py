@@ -12,9 +12,9 @@ rstd, the fused softmax's lse) on its context instead of returning them as
 outputs; where none does, the bare computation. The same kernels, outputs
 and gradients either way. The ops run on torch's current stream of the
 tensors' GPU and read torch's memory in place. From the second call of a
-layout the norms, the fused softmax and the elementwise ops launch cupyops'
-remembered kernels on the tensors' addresses, their outputs allocated by
-torch (torch_replay); other calls return outputs through DLPack, without
+layout every op launches cupyops' remembered kernels on the tensors'
+addresses (where cupyops remembers one), its outputs allocated by torch
+(torch_replay); other calls return outputs through DLPack, without
 copies. CPU
 tensors take torch's own ops (but for the dropout ops, whose keep masks are
 cupyops' own).
@@ -32,7 +32,7 @@ from torch.autograd.function import once_differentiable
 
 import cupyops
 from cupyops import torch_replay
-from cupyops.torch_bridge import (LAST_AXES, CustomOp, check_float, context, needs_grad, nothing, output_grad, run,
+from cupyops.torch_bridge import (LAST_AXES, CustomOp, check_float, context, needs_grad, nothing, output_grad,
                                   stats_dtype, to_cupy, to_torch)
 from cupyops.torch_elementwise import bias_dropout_add_op, bias_gelu_op, bias_silu_op, geglu_op, swiglu_op
 
@@ -41,15 +41,13 @@ _ShapeLike = Union[int, Sequence[int], torch.Size]
 
 # -- softmax, log_softmax --------------------------------------------------------------------
 
-_SOFTMAX = {False: (cupyops.softmax, cupyops.softmax_backward),
-            True: (cupyops.log_softmax, cupyops.log_softmax_backward)}   # log -> (forward, backward)
+_SOFTMAX = {False: ("softmax", "softmax_backward"), True: ("log_softmax", "log_softmax_backward")}   # log -> ops
 
 
 def _softmax_op(name: str, log: bool) -> CustomOp:
     """cupyops::name, differentiable through cupyops::name_backward."""
-    backward = _SOFTMAX[log][1]
     backward_op = CustomOp(f"{name}_backward", "(Tensor grad, Tensor y, int dim) -> Tensor",
-                           lambda grad, y, dim: run(y, lambda: backward(to_cupy(grad), to_cupy(y), axis=dim)),
+                           lambda grad, y, dim: _softmax_grad(grad, y, dim, log),
                            lambda grad, y, dim: torch.empty_like(y, memory_format=torch.contiguous_format))
 
     def setup_context(ctx, inputs, output):
@@ -67,7 +65,13 @@ def _softmax_op(name: str, log: bool) -> CustomOp:
 
 def _softmax_plain(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     with context(x):
-        return to_torch(_SOFTMAX[log][0](to_cupy(x), axis=dim))
+        return torch_replay.softmax_op(_SOFTMAX[log][0], (x,), dim)
+
+
+def _softmax_grad(grad: torch.Tensor, y: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    """dx of softmax (log: log_softmax) from its output y, by cupyops' backward kernel."""
+    with context(y):
+        return torch_replay.softmax_op(_SOFTMAX[log][1], (grad, y), dim)
 
 
 class _Softmax(torch.autograd.Function):
@@ -84,9 +88,7 @@ class _Softmax(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         y, = ctx.saved_tensors
-        with context(y):
-            dx = _SOFTMAX[ctx.log][1](to_cupy(grad), to_cupy(y), axis=ctx.dim)
-        return to_torch(dx), None, None
+        return _softmax_grad(grad, y, ctx.dim, ctx.log), None, None
 
 
 _SOFTMAX_OPS = {False: _softmax_op("softmax", False), True: _softmax_op("log_softmax", True)}

@@ -87,13 +87,6 @@ def context(tensor: torch.Tensor):
     return _AS_IS if cupy.cuda.get_current_stream().ptr == pointer else _external(index, pointer)
 
 
-def run(tensor: torch.Tensor, compute):
-    """compute() (cupy arrays, None or a tuple of them) in tensor's context, as torch tensors."""
-    with context(tensor):
-        result = compute()
-    return tuple(map(to_torch, result)) if isinstance(result, tuple) else to_torch(result)
-
-
 def needs_grad(*tensors) -> bool:
     """Whether autograd records a call on these tensors (None entries ignored)."""
     if torch.is_grad_enabled():

@@ -3,15 +3,16 @@
 A call of a layout (shapes, strides, dtypes, 16-byte phases, GPU) that cupyops remembers
 from an earlier call of the same layout launches the remembered kernels on the tensors'
 addresses, its outputs allocated by torch: no CuPy views, no CuPy-level key, no DLPack. The
-first call of a layout takes cupyops' own path and looks up what it remembered. The
-norms, the fused softmax (forward and backward) and the fused elementwise functions are
-replayed so.
+first call of a layout takes cupyops' own path and looks up what it remembered. Softmax
+and log_softmax (along the last axis), the norms, the fused softmax (forward and backward)
+and the fused elementwise functions are replayed so.
 """
 from __future__ import annotations
 
 import torch
 
-from cupyops.ops import fused_softmax, norm, norm_launch
+import cupyops
+from cupyops.ops import fused_softmax, norm, norm_launch, softmax
 from cupyops.torch_bridge import LAST_AXES, NUMPY_DTYPES, to_cupy, to_torch
 
 _TORCH_DTYPES = {numpy_dtype: torch_dtype for torch_dtype, numpy_dtype in NUMPY_DTYPES.items()}
@@ -21,6 +22,7 @@ _forwards: dict = {}
 _backwards: dict = {}
 _fused: dict = {}
 _elementwise: dict = {}
+_softmax: dict = {}
 
 
 def layout(tensor) -> tuple:
@@ -177,3 +179,20 @@ def elementwise(function, args: tuple) -> tuple:
     if launcher is None:
         _keep(_elementwise, key, function.remembered(operands) or False)
     return tuple(map(to_torch, result)) if isinstance(result, tuple) else (to_torch(result),)
+
+
+def softmax_op(op: str, tensors: tuple, dim: int):
+    """cupyops' `op` (softmax, log_softmax or their backward) of tensors (x, or dy and y) along
+    dim as a torch tensor, on CuPy's current stream: replayed on the tensors where cupyops
+    remembers a call of their layouts, else through CuPy views."""
+    key = (op, dim, *map(layout, tensors))
+    ready = _softmax.get(key)
+    if ready:
+        result = tensors[0].new_empty(ready.shape, dtype=_TORCH_DTYPES[ready.dtype])
+        ready.run_at(tuple(t.data_ptr() for t in tensors), result.data_ptr())
+        return result
+    operands = tuple(map(to_cupy, tensors))
+    result = getattr(cupyops, op)(*operands, axis=dim)
+    if ready is None:
+        _keep(_softmax, key, softmax.remembered_call(op, operands, dim) or False)
+    return to_torch(result)

@@ -220,6 +220,29 @@ def test_remembered_norm_calls_replay_on_addresses(device, op, residual):
         names, written) == expected
 
 
+@pytest.mark.parametrize("op", ["softmax", "log_softmax_backward"])
+def test_remembered_softmax_calls_replay_on_addresses(device, op):
+    """softmax.remembered_call: nothing before a call, then its ready call, which replayed on
+    addresses (run_at) launches what the memoised call launches."""
+    from cupyops.ops import softmax as softmax_ops
+
+    x, dy = device.array((64, 1000), "float32"), device.array((64, 1000), "float32")
+    inputs = (x,) if op == "softmax" else (dy, x)
+    names = {x.data.ptr: "x", dy.data.ptr: "dy"}
+
+    def call():
+        return getattr(cupyops, op)(*inputs, axis=-1)
+
+    assert softmax_ops.remembered_call(op, inputs, -1) is None
+    call()
+    ready = softmax_ops.remembered_call(op, inputs, -1)
+    expected = _replayed(device, call, names)
+    made = device.empty(ready.shape, ready.dtype)
+    assert _replayed(device, lambda: ready.run_at(tuple(a.data.ptr for a in inputs), made.data.ptr), names,
+                     [made]) == expected
+    assert softmax_ops.remembered_call(op, inputs, 0) is None
+
+
 ROW_CALLS = {   # label -> call(x, dy, weight, stats, out)
     "softmax": lambda x, dy, w, stats, out: cupyops.softmax(x, axis=-1),
     "log_softmax out=": lambda x, dy, w, stats, out: cupyops.log_softmax(x, axis=-1, out=out),

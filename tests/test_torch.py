@@ -180,9 +180,10 @@ def test_eager_route_matches_the_custom_op(torch, ct, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["rms_norm", "layer_norm residual", "fused_softmax", "swiglu", "bias_dropout_add"])
+@pytest.mark.parametrize("kind", ["log_softmax", "rms_norm", "layer_norm residual", "fused_softmax", "swiglu",
+                                  "bias_dropout_add"])
 def test_repeated_calls_are_replayed(torch, ct, monkeypatch, kind):
-    """From the second call of a layout a norm, the fused softmax or an elementwise op
+    """From the second call of a layout a softmax, a norm, the fused softmax or an elementwise op
     launches cupyops' remembered kernels on the tensors themselves (cupyops.torch_replay): no
     cupyops function called, the first call's outputs and gradients bit for bit; a tensor of
     another layout (16-byte phase) is not replayed with them and is still right."""
@@ -200,6 +201,8 @@ def test_repeated_calls_are_replayed(torch, ct, monkeypatch, kind):
         if kind == "fused_softmax":
             return ct.fused_softmax(x.view(2, 32, 96), scale=0.5, bias=b, causal=True, dropout=0.2, seed=3,
                                     offset=8).view(64, 96), (x, b)
+        if kind == "log_softmax":
+            return ct.log_softmax(x, -1), (x,)
         if kind == "swiglu":
             return ct.swiglu(x, r), (x, r)
         if kind == "bias_dropout_add":
@@ -215,8 +218,8 @@ def test_repeated_calls_are_replayed(torch, ct, monkeypatch, kind):
     with torch.no_grad():
         plain = call(x)[0]
     calls = []
-    for name in ("rms_norm", "layer_norm", "rms_norm_backward", "layer_norm_backward", "fused_softmax",
-                 "fused_softmax_backward"):
+    for name in ("log_softmax", "log_softmax_backward", "rms_norm", "layer_norm", "rms_norm_backward",
+                 "layer_norm_backward", "fused_softmax", "fused_softmax_backward"):
         if hasattr(cupyops, name):
             monkeypatch.setattr(cupyops, name,
                                 lambda *a, _f=getattr(cupyops, name), **k: calls.append(1) or _f(*a, **k))

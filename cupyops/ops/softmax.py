@@ -87,6 +87,17 @@ class _ReadyCall:
         self.launch((*map(address, inputs), result.data.ptr))
         return result
 
+    def run_at(self, inputs: tuple, out: int) -> None:
+        """run on addresses (the inputs' and an output's of `shape` and `dtype`), for
+        arrays of the call's layout that are not CuPy's."""
+        self.launch((*inputs, out))
+
+
+def remembered_call(op: str, inputs: tuple, axis):
+    """The call of `op` (auto policy, no out) on arrays of these arrays' layout (x, or dy and
+    y) as remembered, replayed through its run_at; or None."""
+    return _calls.find(call_key((op, "auto", axis), (*inputs, None)))
+
 
 def _run_rows(op, policy, inputs: list, axes, out, result_dtype, key):
     """rowwise.run of op, remembering the call under `key` when it was one
