@@ -32,8 +32,7 @@ from torch.autograd.function import once_differentiable
 
 import cupyops
 from cupyops import torch_replay
-from cupyops.torch_bridge import (LAST_AXES, CustomOp, check_float, context, needs_grad, nothing, output_grad,
-                                  stats_dtype, to_cupy, to_torch)
+from cupyops.torch_bridge import CustomOp, check_float, context, needs_grad, nothing, output_grad, stats_dtype
 from cupyops.torch_elementwise import bias_dropout_add_op, bias_gelu_op, bias_silu_op, geglu_op, swiglu_op
 
 _ShapeLike = Union[int, Sequence[int], torch.Size]
@@ -115,55 +114,9 @@ def log_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
 # Custom ops: forward (y, h, [mean,] rstd), h = x + residual, empty without a residual;
 # backward (dx, dweight, [dbias]), empty where not wanted.
 
-def _norm_outputs(centered: bool, x, weight, bias, residual, ndim: int, eps: float, stats: bool) -> tuple:
-    """cupyops.layer_norm (centered) / rms_norm of the tensors, in the current CuPy context:
-    (y, h, mean, rstd) as torch tensors, None where not produced (h without a residual, the
-    statistics unless `stats`, mean for rms_norm). Replayed on the tensors where cupyops
-    remembers the layout (torch_replay), else through CuPy views."""
-    key = torch_replay.norm_forward_key(centered, x, weight, bias, residual, ndim, eps, stats)
-    replayed = torch_replay.norm_forward(key, x, weight, bias, residual)
-    if replayed:
-        return replayed
-    axes = LAST_AXES[ndim]
-    if centered:
-        result = cupyops.layer_norm(to_cupy(x), to_cupy(weight), to_cupy(bias), axis=axes, eps=eps,
-                                    residual=to_cupy(residual), return_stats=stats)
-    else:
-        result = cupyops.rms_norm(to_cupy(x), to_cupy(weight), axis=axes, eps=eps, residual=to_cupy(residual),
-                                  return_stats=stats)
-    if replayed is None:
-        torch_replay.remember_norm_forward(key, centered, x, weight, bias, residual, ndim, eps, stats)
-    result = tuple(map(to_torch, result)) if isinstance(result, tuple) else (to_torch(result),)
-    h = result[1] if residual is not None else None
-    statistics = result[1 + (residual is not None):]
-    return (result[0], h, *((statistics[0] if centered else None, statistics[-1]) if stats else (None, None)))
-
-
-def _norm_grads(centered: bool, grad, x, mean, rstd, weight, ndim: int, need_weight_grad: bool,
-                need_bias_grad: bool) -> tuple:
-    """cupyops' norm backward of the tensors, in the current CuPy context: (dx, dweight,
-    dbias) as torch tensors, None where not wanted; replayed as _norm_outputs."""
-    key = torch_replay.norm_backward_key(centered, grad, x, mean, rstd, weight, ndim, need_weight_grad,
-                                         need_bias_grad)
-    replayed = torch_replay.norm_backward(key, grad, x, mean, rstd, weight)
-    if replayed:
-        return replayed
-    if centered:
-        grads = cupyops.layer_norm_backward(to_cupy(grad), to_cupy(x), to_cupy(mean), to_cupy(rstd), to_cupy(weight),
-                                            axis=LAST_AXES[ndim], need_weight_grad=need_weight_grad,
-                                            need_bias_grad=need_bias_grad)
-    else:
-        grads = (*cupyops.rms_norm_backward(to_cupy(grad), to_cupy(x), to_cupy(rstd), to_cupy(weight),
-                                            axis=LAST_AXES[ndim], need_weight_grad=need_weight_grad), None)
-    if replayed is None:
-        torch_replay.remember_norm_backward(key, centered, grad, x, mean, rstd, weight, ndim, need_weight_grad,
-                                            need_bias_grad)
-    return tuple(map(to_torch, grads))
-
-
 def _norm_forward(centered: bool, x, weight, bias, residual, ndim: int, eps: float):
     with context(x):
-        y, h, mean, rstd = _norm_outputs(centered, x, weight, bias, residual, ndim, eps, True)
+        y, h, mean, rstd = torch_replay.norm_forward(centered, x, weight, bias, residual, ndim, eps, True)
     return (y, nothing(x) if h is None else h, *((mean, rstd) if centered else (rstd,)))
 
 
@@ -176,8 +129,8 @@ def _norm_forward_fake(centered: bool, x, residual, ndim: int):
 def _norm_backward(centered: bool, grad, x, mean, rstd, weight, ndim: int, need_weight_grad: bool,
                    need_bias_grad: bool):
     with context(x):
-        dx, dweight, dbias = _norm_grads(centered, grad, x, mean, rstd, weight, ndim, need_weight_grad,
-                                         need_bias_grad)
+        dx, dweight, dbias = torch_replay.norm_backward(centered, grad, x, mean, rstd, weight, ndim,
+                                                        need_weight_grad, need_bias_grad)
     grads = (dx, dweight, dbias) if centered else (dx, dweight)
     return tuple(nothing(x) if g is None else g for g in grads)
 
@@ -246,7 +199,7 @@ _rms_norm = CustomOp(
 
 def _norm_plain(centered: bool, x, weight, bias, residual, ndim: int, eps: float):
     with context(x):
-        y, h, _, _ = _norm_outputs(centered, x, weight, bias, residual, ndim, eps, False)
+        y, h, _, _ = torch_replay.norm_forward(centered, x, weight, bias, residual, ndim, eps, False)
     return y if residual is None else (y, h)
 
 
@@ -257,7 +210,7 @@ class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, centered, x, weight, bias, residual, ndim, eps):
         with context(x):
-            y, h, ctx.mean, ctx.rstd = _norm_outputs(centered, x, weight, bias, residual, ndim, eps, True)
+            y, h, ctx.mean, ctx.rstd = torch_replay.norm_forward(centered, x, weight, bias, residual, ndim, eps, True)
         ctx.centered, ctx.ndim, ctx.residual = centered, ndim, residual is not None
         if residual is None:
             ctx.save_for_backward(x, weight)
@@ -272,8 +225,8 @@ class _Norm(torch.autograd.Function):
         need_weight_grad = weight is not None and ctx.needs_input_grad[2]
         need_bias_grad = ctx.centered and ctx.needs_input_grad[3]
         with context(x):
-            dx, dweight, dbias = _norm_grads(ctx.centered, grad_y, x, ctx.mean, ctx.rstd, weight, ctx.ndim,
-                                             need_weight_grad, need_bias_grad)
+            dx, dweight, dbias = torch_replay.norm_backward(ctx.centered, grad_y, x, ctx.mean, ctx.rstd, weight,
+                                                            ctx.ndim, need_weight_grad, need_bias_grad)
         if grad_h is not None:
             dx = dx + grad_h
         return None, dx, dweight, dbias, dx if ctx.residual else None, None, None
@@ -384,38 +337,6 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor
 _FUSED_SCALARS = "float scale, bool causal, int diagonal, float dropout, int dim"
 
 
-def _fused_outputs(x, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim, need_lse: bool) -> tuple:
-    """cupyops.fused_softmax of the tensors, in the current CuPy context: (y, lse) as torch
-    tensors, lse None unless need_lse; replayed on the tensors where cupyops remembers the
-    layout (torch_replay), else through CuPy views."""
-    key = torch_replay.fused_key(x, None, None, bias, mask, (scale, causal, diagonal, dropout, dim), need_lse)
-    replayed = torch_replay.fused_forward(key, x, bias, mask, seed, offset)
-    if replayed:
-        return replayed
-    result = cupyops.fused_softmax(to_cupy(x), scale=scale, bias=to_cupy(bias), mask=to_cupy(mask), causal=causal,
-                                   diagonal=diagonal, dropout=dropout, seed=seed, offset=offset, axis=dim,
-                                   return_lse=need_lse)
-    if replayed is None:
-        torch_replay.remember_fused(key, x, None, None, bias, mask, (scale, causal, diagonal, dropout, dim), need_lse)
-    return (to_torch(result[0]), to_torch(result[1])) if need_lse else (to_torch(result), None)
-
-
-def _fused_grad(grad, x, lse, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim) -> torch.Tensor:
-    """cupyops.fused_softmax_backward's dx as a torch tensor, in the current CuPy context;
-    replayed as _fused_outputs."""
-    scalars = (scale, causal, diagonal, dropout, dim)
-    key = torch_replay.fused_key(x, grad, lse, bias, mask, scalars, False)
-    replayed = torch_replay.fused_backward(key, grad, x, lse, bias, mask, seed, offset)
-    if replayed:
-        return replayed[0]
-    dx = cupyops.fused_softmax_backward(to_cupy(grad), to_cupy(x), to_cupy(lse), scale=scale, bias=to_cupy(bias),
-                                        mask=to_cupy(mask), causal=causal, diagonal=diagonal, dropout=dropout,
-                                        seed=seed, offset=offset, axis=dim)
-    if replayed is None:
-        torch_replay.remember_fused(key, x, grad, lse, bias, mask, scalars, False)
-    return to_torch(dx)
-
-
 def _fused_dbias(dx: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
     """dbias: dx / scale summed over bias's broadcast axes."""
     return (dx.float() / scale).sum_to_size(bias.shape).to(bias.dtype)
@@ -427,7 +348,8 @@ def _fused_softmax_op() -> CustomOp:
     def forward(x, bias, mask, rng, scale, causal, diagonal, dropout, dim, need_lse):
         seed, offset = rng.tolist()
         with context(x):
-            y, lse = _fused_outputs(x, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim, need_lse)
+            y, lse = torch_replay.fused_forward(x, bias, mask, (scale, causal, diagonal, dropout, dim), seed, offset,
+                                                need_lse)
         return y, nothing(x) if lse is None else lse
 
     def forward_fake(x, bias, mask, rng, scale, causal, diagonal, dropout, dim, need_lse):
@@ -439,7 +361,8 @@ def _fused_softmax_op() -> CustomOp:
     def backward(grad, x, lse, bias, mask, rng, scale, causal, diagonal, dropout, dim):
         seed, offset = rng.tolist()
         with context(x):
-            return _fused_grad(grad, x, lse, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim)
+            return torch_replay.fused_backward(grad, x, lse, bias, mask, (scale, causal, diagonal, dropout, dim),
+                                               seed, offset)
 
     backward_op = CustomOp("fused_softmax_backward",
                            "(Tensor grad, Tensor x, Tensor lse, Tensor? bias, Tensor? mask, "
@@ -463,14 +386,15 @@ def _fused_softmax_op() -> CustomOp:
 
 
 class _FusedSoftmax(torch.autograd.Function):
-    """fused_softmax of x (bias, mask and the scalars as cupyops.fused_softmax's, seed and offset
-    ints); the lse stays on ctx, not an output, read by the backward."""
+    """fused_softmax of x (bias, mask, the scalars (scale, causal, diagonal, dropout, dim) and
+    seed and offset ints as cupyops.fused_softmax's); the lse stays on ctx, not an output, read
+    by the backward."""
 
     @staticmethod
-    def forward(ctx, x, bias, mask, *scalars):
+    def forward(ctx, x, bias, mask, scalars, seed, offset):
         with context(x):
-            y, ctx.lse = _fused_outputs(x, bias, mask, *scalars, True)
-        ctx.scalars = scalars
+            y, ctx.lse = torch_replay.fused_forward(x, bias, mask, scalars, seed, offset, True)
+        ctx.scalars, ctx.rng = scalars, (seed, offset)
         ctx.save_for_backward(x, bias, mask)
         return y
 
@@ -479,9 +403,9 @@ class _FusedSoftmax(torch.autograd.Function):
     def backward(ctx, grad):
         x, bias, mask = ctx.saved_tensors
         with context(x):
-            dx = _fused_grad(grad, x, ctx.lse, bias, mask, *ctx.scalars)
+            dx = torch_replay.fused_backward(grad, x, ctx.lse, bias, mask, ctx.scalars, *ctx.rng)
         dbias = _fused_dbias(dx, bias, ctx.scalars[0]) if bias is not None and ctx.needs_input_grad[1] else None
-        return dx, dbias, *(None for _ in range(1 + len(ctx.scalars)))
+        return dx, dbias, None, None, None, None
 
 
 def _fused_softmax_call(x, bias, mask, scale, causal, diagonal, dropout, dim, rng) -> torch.Tensor:
@@ -495,10 +419,11 @@ def _fused_softmax_call(x, bias, mask, scale, causal, diagonal, dropout, dim, rn
         need_lse = torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))
         return _fused_softmax(x, bias, mask, rng, scale, causal, diagonal, dropout, dim, need_lse)[0]
     seed, offset = rng.tolist() if isinstance(rng, torch.Tensor) else map(int, rng)
+    scalars = (scale, causal, diagonal, dropout, dim)
     if needs_grad(x, bias):
-        return _FusedSoftmax.apply(x, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim)
+        return _FusedSoftmax.apply(x, bias, mask, scalars, seed, offset)
     with context(x):
-        return _fused_outputs(x, bias, mask, scale, causal, diagonal, dropout, seed, offset, dim, False)[0]
+        return torch_replay.fused_forward(x, bias, mask, scalars, seed, offset, False)[0]
 
 
 if hasattr(cupyops, "fused_softmax") and hasattr(cupyops, "fused_softmax_backward"):
