@@ -31,12 +31,15 @@ empty = None
 # alloc(nbytes): a raw block of CuPy's pool (cupy.cuda.alloc, a MemoryPointer) for a
 # workspace no array need wrap; bound with cupy (a stand-in may replace it).
 alloc = None
+# may_share_memory(a, b): whether two arrays' extents overlap, CuPy's bounds test
+# called directly (cupy.may_share_memory's Python frame spared); bound with cupy.
+may_share_memory = None
 
 
 def cupy_module():
     """The cupy module, imported on first use (cupyops imports without a GPU
     stack); the hit paths read the global `_cupy` first."""
-    global _cupy, empty, alloc
+    global _cupy, empty, alloc, may_share_memory
     if _cupy is None:
         import cupy
         _cupy = cupy
@@ -44,6 +47,9 @@ def cupy_module():
             empty = cupy.ndarray
         if alloc is None:
             alloc = cupy.cuda.alloc
+        if may_share_memory is None:
+            from cupy._core import _memory_range
+            may_share_memory = getattr(_memory_range, "may_share_bounds", cupy.may_share_memory)
     return _cupy
 
 
@@ -94,7 +100,8 @@ def writable(out, inputs: tuple, in_place: bool = True) -> bool:
     overlaps none of `inputs` (None entries ignored), or, with `in_place`, is one."""
     if out is None:
         return True
-    may_share_memory = (_cupy or cupy_module()).may_share_memory
+    if may_share_memory is None:
+        cupy_module()
     for array in inputs:
         if array is not None and (array is not out or not in_place) and may_share_memory(out, array):
             return False

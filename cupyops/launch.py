@@ -121,6 +121,9 @@ class LaunchCache:
     def __init__(self, max_entries: int = 4096):
         self._entries: dict = {}
         self._max_entries = max_entries
+        # peek(key): the entry for `key`, or None; the dict's own get (put empties the dict
+        # in place, never replaces it), so a hit path's lookup is one C call
+        self.peek = self._entries.get
 
     def get(self, key, make: Callable[[], object]):
         try:
@@ -129,10 +132,6 @@ class LaunchCache:
             found = make()
             self.put(key, found)
             return found
-
-    def peek(self, key):
-        """The entry for `key`, or None."""
-        return self._entries.get(key)
 
     def find(self, key):
         """The entry for `key`, or None, also for a key None or unhashable (a call whose

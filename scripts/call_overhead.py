@@ -10,8 +10,11 @@ recorded launches made directly through their cupy.RawKernel objects (same
 grid, block, shared memory and arguments, arrays passed as arrays, outputs
 included), the two timed in alternating rounds. The backward norms launch two
 kernels (dx with fused dweight / dbias partial sums, and the kernel summing
-the partials): their bare round is those two launches. Exits 1 when an op
-costs more than its limit times its bare launches: MAX_RATIO, or
+the partials): their bare round is those two launches. A call that allocates
+(its outputs, a workspace) is also timed against a second bare round that
+makes the same allocations through cupy before the launches, as a caller of
+the bare kernels returning new arrays would. Exits 1 when an op costs more
+than its limit times its bare launches (the first round): MAX_RATIO, or
 ELEMENTWISE_MAX_RATIO for the fused elementwise calls.
 
 The torch section (skipped without torch or a GPU torch sees) times each
@@ -48,21 +51,22 @@ ELEMENTWISE_MAX_RATIO = 1.5
 SIGMOID_SUM = cupyops.fuse(lambda a, b: cupyops.fx.sigmoid(a + b))
 
 
-def per_call_us(fn, calls: int) -> float:
-    """Best of five rounds of `calls` calls, synchronised at the end of each."""
-    return per_call_us_alternating([fn], calls)[0]
+def per_call_us(fn, calls: int, rounds: int = 5) -> float:
+    """Best of `rounds` rounds of `calls` calls, synchronised at the end of each."""
+    return per_call_us_alternating([fn], calls, rounds)[0]
 
 
-def per_call_us_alternating(functions: list, calls: int) -> list:
-    """Each function's best of five rounds of `calls` calls (synchronised at the end of each),
+def per_call_us_alternating(functions: list, calls: int, rounds: int = 5) -> list:
+    """Each function's best of `rounds` rounds of `calls` calls (synchronised at the end of each),
     the functions' rounds taken in turn: a ratio of two is measured over the same stretch of
-    the host's clock and load, not one function's rounds before the other's."""
+    the host's clock and load, not one function's rounds before the other's, and many short
+    rounds let each function's best come from a quiet stretch of a shared host."""
     for fn in functions:
         for _ in range(100):
             fn()
     cupy.cuda.Device().synchronize()
     best = [float("inf")] * len(functions)
-    for _ in range(5):
+    for _ in range(rounds):
         for k, fn in enumerate(functions):
             began = time.perf_counter()
             for _ in range(calls):
@@ -158,19 +162,27 @@ def _bare_arguments(launch, values: tuple, arrays: dict, kept: list) -> tuple:
     return tuple(found)
 
 
-def recorded_launches(call) -> tuple:
+def recorded_launches(call, allocations: list = None) -> tuple:
     """The launches of call() taken from the call memo (its second run),
     [(cupy.RawKernel or Function, grid, block, args, smem)], and what they need kept
-    alive: the memos of that run, the arrays it made and the records passed by address."""
-    log, made, kept = [], {}, []
-    callcache.cupy_module()     # binds callcache.empty
-    compile_kernel, empty, packed_call = jit.kernel, callcache.empty, packed.PackedLaunch.__call__
+    alive: the memos of that run, the arrays it made and the records passed by address.
+    `allocations`, where given, gets what the second run allocated: (shape, dtype) of
+    each array, (nbytes,) of each bare block."""
+    log, made, kept, allocated = [], {}, [], []
+    callcache.cupy_module()     # binds callcache.empty and .alloc
+    compile_kernel, empty, alloc = jit.kernel, callcache.empty, callcache.alloc
+    packed_call = packed.PackedLaunch.__call__
     jit.kernel = lambda spec, device_id: _RecordingKernel(compile_kernel(spec, device_id), log)
 
     def recording_empty(shape, dtype):
         array = empty(shape, dtype)
         made.setdefault(array.data.ptr, array)
+        allocated.append((shape, dtype))
         return array
+
+    def recording_alloc(nbytes):
+        allocated.append((nbytes,))
+        return alloc(nbytes)
 
     def recording_packed(launch, values, stream=None):
         function = getattr(launch.function, "function", launch.function)   # a _RecordingFunction's
@@ -179,29 +191,44 @@ def recorded_launches(call) -> tuple:
         packed_call(launch, values, stream)
 
     _fresh_memos()
-    callcache.empty = recording_empty   # before the first call: launchers keep the allocator they find
+    # before the first call: launchers keep the allocators they find
+    callcache.empty, callcache.alloc = recording_empty, recording_alloc
     try:
         call()
-        del log[:]
+        del log[:], allocated[:]
         packed.PackedLaunch.__call__ = recording_packed
         call()
     finally:
-        jit.kernel, callcache.empty, packed.PackedLaunch.__call__ = compile_kernel, empty, packed_call
+        jit.kernel, callcache.empty, callcache.alloc, packed.PackedLaunch.__call__ = (compile_kernel, empty, alloc,
+                                                                                     packed_call)
         kept += [_memos(), made]
         _fresh_memos()
+    if allocations is not None:
+        allocations += allocated
     return log, tuple(kept)
 
 
-def bare_round(launches: list, kept: tuple):
+def bare_round(launches: list, kept: tuple, allocations: tuple = ()):
     """The launches made directly: through each cupy.RawKernel, or for an arch-specific
     cubin (jit.CubinKernel, which CuPy does not load) through its cupy Function;
-    `kept`: what their arguments point into, held while the round lives."""
+    `kept`: what their arguments point into, held while the round lives. `allocations`
+    (recorded_launches'): arrays (cupy.ndarray) and bare blocks (cupy.cuda.alloc) made
+    first and dropped after the launches, as a caller of the bare kernels returning new
+    arrays makes them (the launches still write the recorded arrays)."""
     calls = [(raw if callable(raw) else raw.kernel, *launch) for raw, *launch in launches]
+    cupy_alloc = cupy.cuda.alloc
 
     def run(kept=kept):
         for function, grid, block, args, smem in calls:
             function(grid, block, args, shared_mem=smem)
-    return run
+
+    def run_allocating(kept=kept):
+        made = [cupy.ndarray(*allocation) if len(allocation) == 2 else cupy_alloc(*allocation)
+                for allocation in allocations]
+        for function, grid, block, args, smem in calls:
+            function(grid, block, args, shared_mem=smem)
+        return made
+    return run_allocating if allocations else run
 
 
 def cases(rows: int, cols: int, dtype) -> list:
@@ -269,19 +296,28 @@ def cupy_section(options) -> int:
     device_name = live_facts(cupy.cuda.Device().id).name
     print(f"{device_name}, {options.rows} x {options.cols} {options.dtype}, host time per call")
     shape = (options.rows, options.cols)
-    allocation, = per_call_us_alternating([lambda: cupy.ndarray(shape, dtype)], options.calls)
+    allocation, = per_call_us_alternating([lambda: cupy.ndarray(shape, dtype)], options.calls, options.rounds)
     print(f"allocating and freeing one {shape[0]} x {shape[1]} array (cupy.ndarray, the pool's hit path): "
           f"{allocation:.2f} us, a part of every call that returns a new array")
-    print(f"{'op':44s} {'kernels':>7s} {'us/call':>8s} {'bare us':>8s} {'ratio':>6s}")
+    print("bare: the recorded launches alone; bare+alloc: the same with the call's allocations (arrays and "
+          "workspaces) made by cupy first, as a caller of the bare kernels returning new arrays makes them; "
+          "the limits apply to the ratio to bare")
+    print(f"{'op':44s} {'kernels':>7s} {'allocs':>6s} {'us/call':>8s} {'bare us':>8s} {'ratio':>6s} "
+          f"{'bare+alloc':>10s} {'ratio':>6s}")
     worst, over = 0.0, 0
     for label, call, limit in cases(options.rows, options.cols, dtype):
-        launches, kept = recorded_launches(call)
-        bare, took = per_call_us_alternating([bare_round(launches, kept), call], options.calls)
+        allocations = []
+        launches, kept = recorded_launches(call, allocations)
+        rounds = [bare_round(launches, kept), call] + ([bare_round(launches, kept, tuple(allocations))]
+                                                       if allocations else [])
+        bare, took, *allocating = per_call_us_alternating(rounds, options.calls, options.rounds)
         ratio = took / bare
         worst = max(worst, ratio)
         over += ratio > limit
         flag = "" if ratio <= limit else f"  > {limit}x"
-        print(f"{label:44s} {len(launches):7d} {took:8.2f} {bare:8.2f} {ratio:6.2f}{flag}")
+        with_allocations = f"{allocating[0]:10.2f} {took / allocating[0]:6.2f}" if allocating else f"{'':10s} {'':6s}"
+        print(f"{label:44s} {len(launches):7d} {len(allocations):6d} {took:8.2f} {bare:8.2f} {ratio:6.2f} "
+              f"{with_allocations}{flag}")
     print(f"worst ratio {worst:.2f}; {over} over their limit ({MAX_RATIO}, elementwise {ELEMENTWISE_MAX_RATIO})")
     return 0 if not over else 1
 
@@ -367,7 +403,8 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--cols", type=int, default=128)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--calls", type=int, default=4000, help="calls a round (cupy section)")
+    parser.add_argument("--rounds", type=int, default=25, help="rounds of each op and its bare launches, in turn")
     parser.add_argument("--torch-calls", type=int, default=2000, help="calls per round, torch section, rows x cols")
     parser.add_argument("--example-calls", type=int, default=50, help="calls per round, example shapes")
     parser.add_argument("--batch", type=int, default=8)

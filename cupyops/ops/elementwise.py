@@ -328,7 +328,7 @@ class _Launcher:
         # the array operands an output may overlap: (position, read at the very elements written)
         self.reads = tuple((position, operand.access == "linear")
                            for position, operand in zip(plan.arrays, plan.spec.operands))
-        self.may_share_memory = cupy.may_share_memory
+        self.may_share_memory = callcache.may_share_memory
         outs = () if out is None else out if isinstance(out, tuple) else (out,)
         self.out_contiguous = tuple(o.flags.c_contiguous for o in outs)
         single = len(self.outputs) == 1
