@@ -3,8 +3,8 @@ skips them where no GPU is usable): every filter shape, stride, padding,
 dilation, tails, both policies, every kernel configuration (wgmma's on sm_90,
 the warp-specialised ones on every shape),
 every candidate the generator yields for tail shapes with every out_dtype,
-split-K, the epilogue (bias, z, per-channel alpha, ReLU), the int8 peak
-kernels, bad input."""
+split-K, the epilogue (bias, z, per-channel alpha, ReLU), an out overlapping an
+operand, the int8 peak kernels, bad input."""
 from __future__ import annotations
 
 import numpy
@@ -291,6 +291,39 @@ def test_repeated_calls_take_the_memo_and_stay_right(rng, monkeypatch):
         _check_int8(cupyops.conv2d_int8(x5, w5, alpha=alpha, **options), value, f"per-channel alpha x{scale}")
     fresh_x, fresh_w = x5.copy(), w5.copy()   # new addresses: new tensor maps where the plan uses them
     _check_exact(cupyops.conv2d_int8(fresh_x, fresh_w, out_dtype="int32", **options), acc, "fresh arrays")
+
+
+@pytest.mark.parametrize("policy", conv.POLICIES)
+def test_out_overlapping_an_operand(rng, monkeypatch, policy):
+    """out = x (a 3x3 filter at padding 1 keeps the shape) and out = w's memory get the
+    result through a fresh array, on the first call and on the memoised one; out = z updates
+    the residual in place. Each against the reference of the operands' values before the call."""
+    import cupy
+
+    g = _geometry((1, 32, 8, 8, 32, 3, 3, 1, 1, 1))
+    x, w = _inputs(rng, g)
+    acc = ref.accumulators(x, w, g.stride, g.padding, g.dilation)
+    x5, w5 = cupy.asarray(cupyops.to_nchw32(x)), cupy.asarray(cupyops.pack_conv_filter(w))
+    options = dict(stride=g.stride, padding=g.padding, dilation=g.dilation, policy=policy)
+    monkeypatch.setattr(conv, "_calls", CallCache())
+    alpha = _scale(g)
+    value = ref.epilogue(acc, alpha=alpha)
+    for call in range(3):   # the first call plans; the later ones replay the memo
+        fresh = cupyops.conv2d_int8(x5, w5, alpha=alpha, **options)
+        _check_int8(fresh, value, f"{policy} fresh output, call {call}")
+        inputs = x5.copy()
+        assert cupyops.conv2d_int8(inputs, w5, alpha=alpha, out=inputs, **options) is inputs
+        _check_int8(inputs, value, f"{policy} out=x, call {call}")
+        filters = w5.copy()
+        out = filters.reshape(-1)[:x5.size].reshape(x5.shape)   # w's own memory as the output
+        assert cupyops.conv2d_int8(x5, filters, alpha=alpha, out=out, **options) is out
+        _check_int8(out, value, f"{policy} out in w's memory, call {call}")
+    z = rng.integers(-128, 128, (g.n, g.k, g.oh, g.ow), dtype=numpy.int8)
+    with_z = ref.epilogue(acc, alpha=alpha, beta=1.0, gamma=0.5, bias=None, z=z, relu=False)
+    for call in range(2):
+        residual = cupy.asarray(cupyops.to_nchw32(z))
+        assert cupyops.conv2d_int8(x5, w5, z=residual, alpha=alpha, gamma=0.5, out=residual, **options) is residual
+        _check_int8(residual, with_z, f"{policy} out=z, call {call}")
 
 
 def test_first_use_tunes_and_explain_says_so(rng, monkeypatch, tmp_path):

@@ -27,7 +27,7 @@ from typing import ClassVar, Optional
 import numpy
 
 from .. import arrays, callcache, device, jit, tensor_map, tune
-from ..callcache import CallCache, call_key, run_on
+from ..callcache import CallCache, call_key, run_on, writable
 from ..launch import LaunchCache, Target, live_function
 from ..packed import POINTER, PackedLaunch
 from ..profile import profile_for
@@ -500,11 +500,24 @@ def live_plan(geometry: ConvGeometry, policy: str, device_id: int) -> ConvPlan:
 _calls = CallCache()
 
 
+def _writes_directly(out, x, w, bias, z, alpha_vec) -> bool:
+    """Whether the kernel may write `out` itself: it overlaps none of x, w, bias and alpha_vec
+    (other blocks still read them), and z only by being z (each z element is read by the
+    thread that then writes that element)."""
+    return writable(out, (x, w, bias, alpha_vec), in_place=False) and writable(out, (z,))
+
+
 def _replay(ready: tuple, x, w, bias, z, alpha_vec, out):
+    """The ready call's result: into out where the kernel may write it, else computed into a
+    fresh array and copied into out."""
     launch, shape, dtype = ready
-    y = callcache.empty(shape, dtype) if out is None else out
+    direct = out is not None and _writes_directly(out, x, w, bias, z, alpha_vec)
+    y = out if direct else callcache.empty(shape, dtype)
     launch(x, w, y, z, alpha_vec, bias)
-    return y
+    if out is None or direct:
+        return y
+    out[...] = y
+    return out
 
 
 def conv2d_int8(x, w, bias=None, z=None, *, stride=1, padding=0, dilation=1, alpha=1.0, beta=1.0,
@@ -518,7 +531,9 @@ def conv2d_int8(x, w, bias=None, z=None, *, stride=1, padding=0, dilation=1, alp
     even and saturates, "float16" / "float32" keep the epilogue's value,
     "int32" returns the raw accumulators (no epilogue). On dequantised values
     this is ``torch.nn.functional.conv2d(x, w, stride=stride, padding=padding,
-    dilation=dilation)`` scaled by alpha, plus bias and z, then ReLU.
+    dilation=dilation)`` scaled by alpha, plus bias and z, then ReLU. `out` may be z
+    itself (the residual updated in place); an out overlapping x, w, bias or alpha gets
+    the result through a fresh array.
     policy: "auto" (the tuned or default-rule plan: wgmma on sm_90, fed by cp.async
     or, where the tuner finds it faster, by a producer warpgroup and the copy engine,
     for stride 1 also from whole input rows held for a filter's taps; mma.sync
@@ -529,7 +544,7 @@ def conv2d_int8(x, w, bias=None, z=None, *, stride=1, padding=0, dilation=1, alp
                    (x, w, bias, z, out, vector))
     ready = _calls.find(key)
     if ready is not None:
-        if stream is None:
+        if stream is None and (out is None or _writes_directly(out, x, w, bias, z, vector)):
             launch, shape, dtype = ready
             y = callcache.empty(shape, dtype) if out is None else out
             launch(x, w, y, z, vector, bias)
