@@ -32,7 +32,7 @@ from torch.autograd.function import once_differentiable
 
 import cupyops
 from cupyops import torch_replay
-from cupyops.torch_bridge import CustomOp, check_float, context, needs_grad, nothing, output_grad, stats_dtype
+from cupyops.torch_bridge import CustomOp, check_float, needs_grad, nothing, output_grad, stats_dtype
 from cupyops.torch_elementwise import bias_dropout_add_op, bias_gelu_op, bias_silu_op, geglu_op, swiglu_op
 
 _ShapeLike = Union[int, Sequence[int], torch.Size]
@@ -63,14 +63,12 @@ def _softmax_op(name: str, log: bool) -> CustomOp:
 
 
 def _softmax_plain(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
-    with context(x):
-        return torch_replay.softmax_op(_SOFTMAX[log][0], (x,), dim)
+    return torch_replay.softmax_op(_SOFTMAX[log][0], (x,), dim)
 
 
 def _softmax_grad(grad: torch.Tensor, y: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     """dx of softmax (log: log_softmax) from its output y, by cupyops' backward kernel."""
-    with context(y):
-        return torch_replay.softmax_op(_SOFTMAX[log][1], (grad, y), dim)
+    return torch_replay.softmax_op(_SOFTMAX[log][1], (grad, y), dim)
 
 
 class _Softmax(torch.autograd.Function):
@@ -115,8 +113,7 @@ def log_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
 # backward (dx, dweight, [dbias]), empty where not wanted.
 
 def _norm_forward(centered: bool, x, weight, bias, residual, ndim: int, eps: float):
-    with context(x):
-        y, h, mean, rstd = torch_replay.norm_forward(centered, x, weight, bias, residual, ndim, eps, True)
+    y, h, mean, rstd = torch_replay.norm_forward(centered, x, weight, bias, residual, ndim, eps, True)
     return (y, nothing(x) if h is None else h, *((mean, rstd) if centered else (rstd,)))
 
 
@@ -128,9 +125,8 @@ def _norm_forward_fake(centered: bool, x, residual, ndim: int):
 
 def _norm_backward(centered: bool, grad, x, mean, rstd, weight, ndim: int, need_weight_grad: bool,
                    need_bias_grad: bool):
-    with context(x):
-        dx, dweight, dbias = torch_replay.norm_backward(centered, grad, x, mean, rstd, weight, ndim,
-                                                        need_weight_grad, need_bias_grad)
+    dx, dweight, dbias = torch_replay.norm_backward(centered, grad, x, mean, rstd, weight, ndim, need_weight_grad,
+                                                    need_bias_grad)
     grads = (dx, dweight, dbias) if centered else (dx, dweight)
     return tuple(nothing(x) if g is None else g for g in grads)
 
@@ -198,8 +194,7 @@ _rms_norm = CustomOp(
 
 
 def _norm_plain(centered: bool, x, weight, bias, residual, ndim: int, eps: float):
-    with context(x):
-        y, h, _, _ = torch_replay.norm_forward(centered, x, weight, bias, residual, ndim, eps, False)
+    y, h, _, _ = torch_replay.norm_forward(centered, x, weight, bias, residual, ndim, eps, False)
     return y if residual is None else (y, h)
 
 
@@ -209,8 +204,7 @@ class _Norm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, centered, x, weight, bias, residual, ndim, eps):
-        with context(x):
-            y, h, ctx.mean, ctx.rstd = torch_replay.norm_forward(centered, x, weight, bias, residual, ndim, eps, True)
+        y, h, ctx.mean, ctx.rstd = torch_replay.norm_forward(centered, x, weight, bias, residual, ndim, eps, True)
         ctx.centered, ctx.ndim, ctx.residual = centered, ndim, residual is not None
         if residual is None:
             ctx.save_for_backward(x, weight)
@@ -224,9 +218,8 @@ class _Norm(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_weight_grad = weight is not None and ctx.needs_input_grad[2]
         need_bias_grad = ctx.centered and ctx.needs_input_grad[3]
-        with context(x):
-            dx, dweight, dbias = torch_replay.norm_backward(ctx.centered, grad_y, x, ctx.mean, ctx.rstd, weight,
-                                                            ctx.ndim, need_weight_grad, need_bias_grad)
+        dx, dweight, dbias = torch_replay.norm_backward(ctx.centered, grad_y, x, ctx.mean, ctx.rstd, weight, ctx.ndim,
+                                                        need_weight_grad, need_bias_grad)
         if grad_h is not None:
             dx = dx + grad_h
         return None, dx, dweight, dbias, dx if ctx.residual else None, None, None
@@ -347,9 +340,8 @@ def _fused_softmax_op() -> CustomOp:
     through cupyops::fused_softmax_backward. rng: [seed, offset] (int64, on the CPU)."""
     def forward(x, bias, mask, rng, scale, causal, diagonal, dropout, dim, need_lse):
         seed, offset = rng.tolist()
-        with context(x):
-            y, lse = torch_replay.fused_forward(x, bias, mask, (scale, causal, diagonal, dropout, dim), seed, offset,
-                                                need_lse)
+        y, lse = torch_replay.fused_forward(x, bias, mask, (scale, causal, diagonal, dropout, dim), seed, offset,
+                                            need_lse)
         return y, nothing(x) if lse is None else lse
 
     def forward_fake(x, bias, mask, rng, scale, causal, diagonal, dropout, dim, need_lse):
@@ -360,9 +352,8 @@ def _fused_softmax_op() -> CustomOp:
 
     def backward(grad, x, lse, bias, mask, rng, scale, causal, diagonal, dropout, dim):
         seed, offset = rng.tolist()
-        with context(x):
-            return torch_replay.fused_backward(grad, x, lse, bias, mask, (scale, causal, diagonal, dropout, dim),
-                                               seed, offset)
+        return torch_replay.fused_backward(grad, x, lse, bias, mask, (scale, causal, diagonal, dropout, dim), seed,
+                                           offset)
 
     backward_op = CustomOp("fused_softmax_backward",
                            "(Tensor grad, Tensor x, Tensor lse, Tensor? bias, Tensor? mask, "
@@ -392,8 +383,7 @@ class _FusedSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, mask, scalars, seed, offset):
-        with context(x):
-            y, ctx.lse = torch_replay.fused_forward(x, bias, mask, scalars, seed, offset, True)
+        y, ctx.lse = torch_replay.fused_forward(x, bias, mask, scalars, seed, offset, True)
         ctx.scalars, ctx.rng = scalars, (seed, offset)
         ctx.save_for_backward(x, bias, mask)
         return y
@@ -402,8 +392,7 @@ class _FusedSoftmax(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         x, bias, mask = ctx.saved_tensors
-        with context(x):
-            dx = torch_replay.fused_backward(grad, x, ctx.lse, bias, mask, ctx.scalars, *ctx.rng)
+        dx = torch_replay.fused_backward(grad, x, ctx.lse, bias, mask, ctx.scalars, *ctx.rng)
         dbias = _fused_dbias(dx, bias, ctx.scalars[0]) if bias is not None and ctx.needs_input_grad[1] else None
         return dx, dbias, None, None, None, None
 
@@ -422,8 +411,7 @@ def _fused_softmax_call(x, bias, mask, scale, causal, diagonal, dropout, dim, rn
     scalars = (scale, causal, diagonal, dropout, dim)
     if needs_grad(x, bias):
         return _FusedSoftmax.apply(x, bias, mask, scalars, seed, offset)
-    with context(x):
-        return torch_replay.fused_forward(x, bias, mask, scalars, seed, offset, False)[0]
+    return torch_replay.fused_forward(x, bias, mask, scalars, seed, offset, False)[0]
 
 
 if hasattr(cupyops, "fused_softmax") and hasattr(cupyops, "fused_softmax_backward"):

@@ -7,14 +7,13 @@ from torch.autograd.function import once_differentiable
 import cupyops
 from cupyops import fx, torch_replay
 from cupyops.ops.activations import named_function
-from cupyops.torch_bridge import CustomOp, context, needs_grad
+from cupyops.torch_bridge import CustomOp, needs_grad
 
 
 def launch(function, *args):
     """`function` (a cupyops.fuse function) of args (tensors, the first one a tensor, and
     numbers) on torch's current stream: its output, or the tuple of its outputs."""
-    with context(args[0]):
-        outputs = torch_replay.elementwise(function, args)
+    outputs = torch_replay.elementwise(function, args)
     return outputs if len(outputs) > 1 else outputs[0]
 
 

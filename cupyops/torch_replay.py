@@ -6,8 +6,8 @@ cupyops remembered of that call. From the second call of the layout the remember
 run on the tensors' addresses, their outputs allocated by torch: no CuPy views, no CuPy-level
 key, no DLPack. Softmax and log_softmax (along the last axis), the norms, the fused softmax
 (forward and backward) and the fused elementwise functions are replayed so; a layout
-cupyops remembered nothing for keeps the first path. Every function here runs on CuPy's
-current stream (the caller's torch_bridge.context).
+cupyops remembered nothing for keeps the first path. Every function here runs on its
+tensors' GPU and torch's current stream there (torch_bridge.context, entered once a call).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 import cupyops
 from cupyops.ops import fused_softmax, norm, norm_launch, softmax
-from cupyops.torch_bridge import LAST_AXES, NUMPY_DTYPES, to_cupy, to_torch
+from cupyops.torch_bridge import LAST_AXES, NUMPY_DTYPES, context, to_cupy, to_torch
 
 _TORCH_DTYPES = {numpy_dtype: torch_dtype for torch_dtype, numpy_dtype in NUMPY_DTYPES.items()}
 _MAX_REPLAYS = 1024
@@ -28,18 +28,20 @@ class _Replays:
     def __init__(self):
         self._kept: dict = {}
 
-    def run(self, key, args: tuple, first, remembered):
+    def run(self, key, args: tuple, first, remembered, tensor):
         """The kept replay of `key` on args; else first() (cupyops' own path) and, the first
-        time, keeps what remembered() gives (a replay, or None)."""
-        kept = self._kept.get(key)
-        if kept:
-            return kept(*args)
-        result = first()
-        if kept is None:
-            if len(self._kept) >= _MAX_REPLAYS:
-                self._kept.clear()
-            self._kept[key] = remembered() or False
-        return result
+        time, keeps what remembered() gives (a replay, or None). Either runs in `tensor`'s
+        context (its GPU, torch's current stream there)."""
+        with context(tensor):
+            kept = self._kept.get(key)
+            if kept:
+                return kept(*args)
+            result = first()
+            if kept is None:
+                if len(self._kept) >= _MAX_REPLAYS:
+                    self._kept.clear()
+                self._kept[key] = remembered() or False
+            return result
 
 
 _norm_forwards, _norm_backwards, _fused, _elementwise, _softmax = (_Replays() for _ in range(5))
@@ -172,7 +174,7 @@ def norm_forward(centered: bool, x, weight, bias, residual, ndim: int, eps: floa
         return found and _NormForward(*found)
 
     key = (centered, ndim, eps, stats, layout(x), layout(weight), layout(bias), layout(residual))
-    return _norm_forwards.run(key, (x, weight, bias, residual), first, remembered)
+    return _norm_forwards.run(key, (x, weight, bias, residual), first, remembered, x)
 
 
 def norm_backward(centered: bool, grad, x, mean, rstd, weight, ndim: int, need_weight_grad: bool,
@@ -198,7 +200,7 @@ def norm_backward(centered: bool, grad, x, mean, rstd, weight, ndim: int, need_w
 
     key = (centered, ndim, need_weight_grad, need_bias_grad, layout(grad), layout(x), layout(mean), layout(rstd),
            layout(weight))
-    return _norm_backwards.run(key, (grad, x, mean, rstd, weight), first, remembered)
+    return _norm_backwards.run(key, (grad, x, mean, rstd, weight), first, remembered, x)
 
 
 def fused_forward(x, bias, mask, scalars: tuple, seed: int, offset: int, need_lse: bool) -> tuple:
@@ -218,7 +220,7 @@ def fused_forward(x, bias, mask, scalars: tuple, seed: int, offset: int, need_ls
         return found and _FusedForward(found)
 
     key = (scalars, need_lse, layout(x), None, None, layout(bias), layout(mask))
-    return _fused.run(key, (x, bias, mask, seed, offset), first, remembered)
+    return _fused.run(key, (x, bias, mask, seed, offset), first, remembered, x)
 
 
 def fused_backward(grad, x, lse, bias, mask, scalars: tuple, seed: int, offset: int) -> torch.Tensor:
@@ -236,7 +238,7 @@ def fused_backward(grad, x, lse, bias, mask, scalars: tuple, seed: int, offset: 
         return found and _FusedBackward(found)
 
     key = (scalars, False, layout(x), layout(grad), layout(lse), layout(bias), layout(mask))
-    return _fused.run(key, (grad, x, lse, bias, mask, seed, offset), first, remembered)
+    return _fused.run(key, (grad, x, lse, bias, mask, seed, offset), first, remembered, x)
 
 
 def elementwise(function, args: tuple) -> tuple:
@@ -254,7 +256,7 @@ def elementwise(function, args: tuple) -> tuple:
         return found and _ElementwiseReplay(found)
 
     key = (function, *(layout(a) if isinstance(a, torch.Tensor) else type(a) for a in args))
-    return _elementwise.run(key, args, first, remembered)
+    return _elementwise.run(key, args, first, remembered, args[0])
 
 
 def softmax_op(op: str, tensors: tuple, dim: int) -> torch.Tensor:
@@ -267,4 +269,4 @@ def softmax_op(op: str, tensors: tuple, dim: int) -> torch.Tensor:
         found = softmax.remembered_call(op, tuple(map(to_cupy, tensors)), dim)
         return found and _SoftmaxReplay(found)
 
-    return _softmax.run((op, dim, *map(layout, tensors)), tensors, first, remembered)
+    return _softmax.run((op, dim, *map(layout, tensors)), tensors, first, remembered, tensors[-1])
