@@ -295,12 +295,14 @@ def test_repeated_calls_take_the_memo_and_stay_right(rng, monkeypatch):
 
 @pytest.mark.parametrize("policy", conv.POLICIES)
 def test_out_overlapping_an_operand(rng, monkeypatch, policy):
-    """out = x (a 3x3 filter at padding 1 keeps the shape) and out = w's memory get the
-    result through a fresh array, on the first call and on the memoised one; out = z updates
-    the residual in place. Each against the reference of the operands' values before the call."""
+    """out = x (a 3x3 filter at padding 1 keeps the shape) and an out sharing w's memory get
+    the result through a fresh array, on the first call and on the memoised one; out = z
+    updates the residual in place. Each against the reference of the operands' values before
+    the call; the tiles outnumber the SMs, so a kernel writing x or w while later tiles read
+    them would be caught."""
     import cupy
 
-    g = _geometry((1, 32, 8, 8, 32, 3, 3, 1, 1, 1))
+    g = _geometry((8, 64, 48, 48, 64, 3, 3, 1, 1, 1))
     x, w = _inputs(rng, g)
     acc = ref.accumulators(x, w, g.stride, g.padding, g.dilation)
     x5, w5 = cupy.asarray(cupyops.to_nchw32(x)), cupy.asarray(cupyops.pack_conv_filter(w))
@@ -309,15 +311,16 @@ def test_out_overlapping_an_operand(rng, monkeypatch, policy):
     alpha = _scale(g)
     value = ref.epilogue(acc, alpha=alpha)
     for call in range(3):   # the first call plans; the later ones replay the memo
-        fresh = cupyops.conv2d_int8(x5, w5, alpha=alpha, **options)
-        _check_int8(fresh, value, f"{policy} fresh output, call {call}")
+        _check_int8(cupyops.conv2d_int8(x5, w5, alpha=alpha, **options), value, f"{policy} fresh output, call {call}")
         inputs = x5.copy()
         assert cupyops.conv2d_int8(inputs, w5, alpha=alpha, out=inputs, **options) is inputs
         _check_int8(inputs, value, f"{policy} out=x, call {call}")
-        filters = w5.copy()
-        out = filters.reshape(-1)[:x5.size].reshape(x5.shape)   # w's own memory as the output
+        memory = cupy.zeros(x5.size, numpy.int8)    # the filter, then the output over it
+        filters = memory[:w5.size].reshape(w5.shape)
+        filters[...] = w5
+        out = memory.reshape(x5.shape)
         assert cupyops.conv2d_int8(x5, filters, alpha=alpha, out=out, **options) is out
-        _check_int8(out, value, f"{policy} out in w's memory, call {call}")
+        _check_int8(out, value, f"{policy} out over w's memory, call {call}")
     z = rng.integers(-128, 128, (g.n, g.k, g.oh, g.ow), dtype=numpy.int8)
     with_z = ref.epilogue(acc, alpha=alpha, beta=1.0, gamma=0.5, bias=None, z=z, relu=False)
     for call in range(2):
