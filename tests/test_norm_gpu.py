@@ -145,6 +145,32 @@ def test_residual_is_added_stored_and_normalised(rng, dtype, policy):
                      scale=4)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_out_over_weight_and_bias(rng, policy):
+    """An out whose memory holds the weight and bias (its first and last rows) gets the result
+    through a fresh array, on the first call and on the memoised one; out = x stays in place.
+    Against the reference of the values before the call; the rows outnumber a wave."""
+    cupy = _cupy()
+    rows, cols = 8192, 1024
+    x, x64 = _data(rng, (rows, cols), numpy.float32)
+    w, w64 = _data(rng, (cols,), numpy.float32, 1.0, 0.2)
+    b, b64 = _data(rng, (cols,), numpy.float32, 0.0, 0.2)
+    for op, centered in (("layer_norm", True), ("rms_norm", False)):
+        expected = _reference(x64, w64, b64 if centered else None, 1, centered)[0]
+        for call in range(3):   # the first call plans; the later ones replay the memo
+            out = _poisoned((rows, cols), numpy.float32)
+            weight, bias = out[0], out[-1]
+            weight[...], bias[...] = w, b
+            affine = (weight, bias) if centered else (weight,)
+            assert getattr(cupyops, op)(x, *affine, eps=EPS, out=out, policy=policy) is out
+            assert_close(out.get(), expected, numpy.float32, scale=4)
+            inputs = x.copy()
+            assert getattr(cupyops, op)(inputs, w, *((b,) if centered else ()), eps=EPS, out=inputs,
+                                        policy=policy) is inputs
+            assert_close(inputs.get(), expected, numpy.float32, scale=4)
+    assert numpy.array_equal(cupy.asnumpy(x).astype(numpy.float64), x64)   # x itself never written
+
+
 def _check_forward_plan(rng, chosen, op, rows, cols, dtype, residual, label):
     """Runs a hand-built forward plan on random rows (mean 1e3 for LayerNorm:
     the row shift), weight and bias (and a residual), into poisoned outputs,

@@ -170,7 +170,8 @@ def _replay_forward(call, x, weight, bias, residual, out):
 def _forward(op, x, weight, bias, axis, eps, residual, return_stats, out, policy, stream):
     key = call_key((op, policy, axis, eps, return_stats), (x, weight, bias, residual, out))
     call = _calls.find(key)
-    if call is not None and (out is None or writable(out, (x, residual))):
+    if call is not None and (out is None or writable(out, (x, residual)) and
+                             writable(out, (weight, bias), in_place=False)):
         if stream is None:
             return _replay_forward(call, x, weight, bias, residual, out)
         return run_on(stream, _replay_forward, call, x, weight, bias, residual, out)
@@ -223,7 +224,12 @@ def _forward(op, x, weight, bias, axis, eps, residual, return_stats, out, policy
                     stat.fill(numpy.nan)
         else:
             inputs = [x] if residual is None else [x, residual]
-            y = rowwise.run(inputs, tuple(range(x.ndim - num_axes, x.ndim)), out, x.dtype, launch)
+            # an out over weight or bias (read by every row) gets the result through a fresh array
+            direct = out if writable(out, (weight, bias), in_place=False) else None
+            y = rowwise.run(inputs, tuple(range(x.ndim - num_axes, x.ndim)), direct, x.dtype, launch)
+            if y is not out and out is not None:
+                out[...] = y
+                y = out
     _remember(key, launched, caller, y, outputs)
     return outputs.result(y, h, mean, rstd)
 
