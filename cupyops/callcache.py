@@ -11,8 +11,9 @@ cupy.ndarray arguments (or None) with the first on the current GPU take the
 fast path; anything else goes the slow way, which converts, checks and
 explains. Since a ready call is remembered only once the slow path has
 accepted its arguments, a key found implies they pass every check. An output
-that overlaps an input other than by being it goes the slow way too
-(rowwise.run computes into a fresh array and copies).
+that overlaps an input other than by holding its very elements goes the slow
+way too (`writable`; the slow path computes into a fresh array and copies it
+into the output, `delivered`).
 
 The hit path creates no Python object besides the key and the kernel's
 argument tuple: cupy is bound once (`cupy_module`), ready launches are
@@ -96,16 +97,33 @@ def call_key(flags: tuple, arrays: tuple):
 
 
 def writable(out, inputs: tuple, in_place: bool = True) -> bool:
-    """Whether a ready call may write `out` (None: a fresh array) directly: it
-    overlaps none of `inputs` (None entries ignored), or, with `in_place`, is one."""
+    """Whether a call may write `out` (None: a fresh array) directly: it overlaps
+    none of `inputs` (None entries ignored), or, with `in_place`, overlaps one
+    only by holding its very elements (x = f(x): the same array, or one of its
+    shape, dtype and strides at its address)."""
     if out is None:
         return True
     if may_share_memory is None:
         cupy_module()
     for array in inputs:
-        if array is not None and (array is not out or not in_place) and may_share_memory(out, array):
+        if array is not None and (array is not out or not in_place) and may_share_memory(out, array) and \
+                not (in_place and same_elements(out, array)):
             return False
     return True
+
+
+def same_elements(a, b) -> bool:
+    """Whether two arrays are views of the very same elements, in the same order."""
+    return a.data.ptr == b.data.ptr and a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype
+
+
+def delivered(result, out):
+    """`result`, copied into `out` first when one was given and is another array: the
+    end of a call that computed into a fresh array where it could not write `out`."""
+    if out is None or out is result:
+        return result
+    out[...] = result
+    return out
 
 
 def run_on(stream, replay, *args):

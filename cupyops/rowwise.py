@@ -5,12 +5,16 @@ contiguous elements, each operand with its own row stride. When the reduced
 axes are the trailing ones and the arrays already have that layout, the
 kernel reads and writes them in place; otherwise the inputs are copied to a
 contiguous layout with the reduced axes last and the result moved back.
+An output the kernel cannot write in place (another layout, or overlapping
+what the kernel reads other than by holding an input's very elements) gets
+the result through a fresh array.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .arrays import row_layout
+from .callcache import delivered, writable
 
 
 @dataclass(frozen=True)
@@ -27,10 +31,12 @@ class Operand:
         return self.row_stride * self.array.itemsize
 
 
-def run(inputs: list, axes: tuple, out, result_dtype, launch):
+def run(inputs: list, axes: tuple, out, result_dtype, launch, shared: tuple = ()):
     """Calls launch(input_operands, output_operand, rows, cols) once and returns the result.
 
     `out` (already validated for shape, dtype and device) is written when given.
+    `shared`: arrays every row reads besides its own (a weight, a bias; None
+    entries ignored), which an `out` written directly must not overlap.
     """
     import cupy
 
@@ -46,18 +52,14 @@ def run(inputs: list, axes: tuple, out, result_dtype, launch):
         target = out
         if out is not None:
             layout = row_layout(out, num_reduced)
-            overlap_ok = all(out.data.ptr == a.data.ptr and out.strides == a.strides for a in inputs
-                           if cupy.may_share_memory(out, a))
-            if layout is None or layout[2] < cols or not overlap_ok:
+            if layout is None or layout[2] < cols or not writable(out, inputs) or \
+                    not writable(out, shared, in_place=False):
                 target = None   # compute into a fresh array, then copy into out
         if target is None:
             target = cupy.empty(shape, result_dtype)
             layout = (rows, cols, cols)
         launch(operands, Operand(target, layout[2]), rows, cols)
-        if out is not None and target is not out:
-            out[...] = target
-            return out
-        return target
+        return delivered(target, out)
 
     # Reduced axes moved last in a contiguous copy; the result moved back.
     kept = [i for i in range(ndim) if i not in axes]

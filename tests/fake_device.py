@@ -74,9 +74,9 @@ class FakeDevice:
                 monkeypatch.setattr(function, "_launchers", LaunchCache())
         run = rowwise.run
 
-        def counted_run(*args):
+        def counted_run(*args, **options):
             self.slow_calls += 1
-            return run(*args)
+            return run(*args, **options)
 
         monkeypatch.setattr(rowwise, "run", counted_run)
 

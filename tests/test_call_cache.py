@@ -321,6 +321,25 @@ def test_writable(device):
     assert callcache.writable(device.array((8, 8), "float32"), (x,))
     assert not callcache.writable(shifted, (x,))
     assert not callcache.writable(x, (x,), in_place=False)       # fused_softmax: no output in place
+    # another view of x's very elements is in place too; one of another shape, dtype or order is not
+    assert callcache.writable(x.view(), (x,)) and not callcache.writable(x.view(), (x,), in_place=False)
+    assert not callcache.writable(x.reshape(4, 16), (x,))
+    assert not callcache.writable(x.view(numpy.int32), (x,))
+    assert not callcache.writable(x.T, (x,))
+    assert callcache.same_elements(x.view(), x) and not callcache.same_elements(x[:4], x)
+
+
+def test_delivered(device):
+    x, y = device.array((4, 4), "float32"), device.array((4, 4), "float32")
+    assert callcache.delivered(x, None) is x and callcache.delivered(x, x) is x
+    copied = []
+
+    class Out:
+        def __setitem__(self, index, value):
+            copied.append((index, value))
+
+    out = Out()
+    assert callcache.delivered(y, out) is out and copied == [(Ellipsis, y)]
 
 
 def test_unhashable_flags_take_the_slow_path():

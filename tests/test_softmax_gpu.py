@@ -500,6 +500,12 @@ def test_out_variants(policy, dtype, cols, rng):
         x = cupy.asarray(host)
         assert FUNCTIONS[op](x, axis=-1, out=x, policy=policy) is x
         assert_close(to_host(x), expected, dtype)
+        # in place through another view of x's elements (the second call replays the first)
+        for _ in range(2):
+            x = cupy.asarray(host)
+            view = x.view()
+            assert FUNCTIONS[op](x, axis=-1, out=view, policy=policy) is view
+            assert_close(to_host(view), expected, dtype)
         # out overlapping the input one row further on: computed as if apart
         both = cupy.asarray(numpy.concatenate([host, host[:1]]))
         y = FUNCTIONS[op](both[:-1], axis=-1, out=both[1:], policy=policy)

@@ -514,10 +514,7 @@ def _replay(ready: tuple, x, w, bias, z, alpha_vec, out):
     direct = out is not None and _writes_directly(out, x, w, bias, z, alpha_vec)
     y = out if direct else callcache.empty(shape, dtype)
     launch(x, w, y, z, alpha_vec, bias)
-    if out is None or direct:
-        return y
-    out[...] = y
-    return out
+    return callcache.delivered(y, out)
 
 
 def conv2d_int8(x, w, bias=None, z=None, *, stride=1, padding=0, dilation=1, alpha=1.0, beta=1.0,

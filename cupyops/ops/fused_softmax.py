@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy
 
 from .. import arrays, callcache, dtypes, jit, philox
-from ..callcache import call_key, run_on, writable
+from ..callcache import call_key, delivered, run_on, writable
 from ..launch import KernelLaunch, LaunchCache, Target, get_num_blocks, live_function
 from ..packed import POINTER, PackedLaunch, address
 from ..profile import profile_for
@@ -443,7 +443,7 @@ def _apply_dropout(a, p: float, seed: int, offset: int):
 def _writable_out(out, x, operands: Operands, *inputs):
     """`out` checked against the caller's x (TypeError / ValueError), and itself where the
     kernel can write it (reduced axis last, C-contiguous, overlapping no input, dropout in
-    the kernel), else a new array that _deliver copies into `out`."""
+    the kernel), else a new array that callcache.delivered copies into `out`."""
     import cupy
 
     if out is not None:
@@ -451,14 +451,6 @@ def _writable_out(out, x, operands: Operands, *inputs):
     if out is None or operands.axis != x.ndim - 1 or _separate_dropout(operands) or \
             not out.flags.c_contiguous or not writable(out, inputs, in_place=False):
         return cupy.empty(x.shape, x.dtype)
-    return out
-
-
-def _deliver(result, out):
-    """result, copied into `out` (checked by _writable_out) when one was given and is not result."""
-    if out is None or out is result:
-        return result
-    out[...] = result
     return out
 
 
@@ -504,7 +496,7 @@ def fused_softmax(x, *, scale=1.0, bias=None, mask=None, causal=False, diagonal=
         y = _restore_axis(y, operands.axis)
         if _separate_dropout(operands):
             y = _apply_dropout(y, operands.dropout, seed, offset)
-        y = _deliver(y, out)
+        y = delivered(y, out)
     return (y, lse) if return_lse else y
 
 
@@ -558,7 +550,7 @@ def fused_softmax_backward(dy, x, lse, *, scale=1.0, bias=None, mask=None, causa
             main = stage_launch("backward", operands, policy, dx, dy)
             main.run((*map(address, stage_inputs(x, dy, operands)), dx.data.ptr, lse.data.ptr), seed, offset)
             _remember(key, operands, caller, (x, dy, lse, operands.bias, operands.mask), dx, out, main)
-        return _deliver(_restore_axis(dx, operands.axis), out)
+        return delivered(_restore_axis(dx, operands.axis), out)
 
 
 def bias_gradient(dx, bias_shape: tuple, scale=1.0):

@@ -224,12 +224,8 @@ def _forward(op, x, weight, bias, axis, eps, residual, return_stats, out, policy
                     stat.fill(numpy.nan)
         else:
             inputs = [x] if residual is None else [x, residual]
-            # an out over weight or bias (read by every row) gets the result through a fresh array
-            direct = out if writable(out, (weight, bias), in_place=False) else None
-            y = rowwise.run(inputs, tuple(range(x.ndim - num_axes, x.ndim)), direct, x.dtype, launch)
-            if y is not out and out is not None:
-                out[...] = y
-                y = out
+            y = rowwise.run(inputs, tuple(range(x.ndim - num_axes, x.ndim)), out, x.dtype, launch,
+                            shared=(weight, bias))
     _remember(key, launched, caller, y, outputs)
     return outputs.result(y, h, mean, rstd)
 

@@ -24,6 +24,7 @@ from typing import Optional
 import numpy
 
 from .. import arrays, dtypes, jit
+from ..callcache import writable
 from ..device import WARP_SIZE, DeviceFacts, has_clusters
 from ..launch import LaunchCache, Target, get_num_blocks, live_function
 from ..profile import profile_for
@@ -412,13 +413,8 @@ def _run(op: str, inputs: tuple, axis: int, out):
     first = inputs[0]
     if first.size == 0 or axis >= first.ndim - 1 or not all(a.flags.c_contiguous for a in inputs):
         return None
-    if out is not None:
-        if not out.flags.c_contiguous:
-            return None
-        for a in inputs:
-            same = out.data.ptr == a.data.ptr and out.strides == a.strides
-            if not same and cupy.may_share_memory(out, a):
-                return None
+    if out is not None and (not out.flags.c_contiguous or not writable(out, inputs)):
+        return None
     shape = first.shape
     outer, cols, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
     # A fresh output comes from CuPy's allocator, aligned to at least 256 bytes.
