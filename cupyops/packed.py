@@ -118,6 +118,7 @@ class PackedLaunch:
             self.buffer[offsets[k]:offsets[k] + len(constant)] = numpy.frombuffer(constant, dtype=numpy.uint8)
         addresses = numpy.array([base + offsets[k] for k in range(len(args))], dtype=numpy.uint64)
         self.buffer[values_bytes:] = addresses.view(numpy.uint8)
+        self.buffer = memoryview(self.buffer)   # (struct packs into a memoryview a little faster)
         self.params = base + values_bytes
         self.pack = struct.Struct(layout).pack_into
         self.lock = threading.Lock()
@@ -125,17 +126,20 @@ class PackedLaunch:
     def __call__(self, values: tuple, stream=None) -> None:
         """Launches with the changing arguments `values` on `stream` (None: the current one)."""
         stream_ptr = (current_stream() if stream is None else stream).ptr
-        with self.lock:
+        lock = self.lock
+        lock.acquire()      # (acquire and release cost less than a with block)
+        try:
             self.pack(self.buffer, 0, *values)
-            try:
-                launch_kernel(self.function.ptr, *self.dims, self.smem, stream_ptr, self.params, 0)
-            except _driver_error as error:   # a thread with no context yet: make CUDA's current
-                if error.status != CUDA_ERROR_INVALID_CONTEXT:
-                    raise
-                import cupy
+            launch_kernel(self.function.ptr, *self.dims, self.smem, stream_ptr, self.params, 0)
+        except _driver_error as error:   # a thread with no context yet: make CUDA's current
+            if error.status != CUDA_ERROR_INVALID_CONTEXT:
+                raise
+            import cupy
 
-                cupy.cuda.runtime.free(0)
-                launch_kernel(self.function.ptr, *self.dims, self.smem, stream_ptr, self.params, 0)
+            cupy.cuda.runtime.free(0)
+            launch_kernel(self.function.ptr, *self.dims, self.smem, stream_ptr, self.params, 0)
+        finally:
+            lock.release()
 
     def arguments(self, values: tuple) -> tuple:
         """The kernel's arguments of a launch with `values`: `args` with each changing one's value."""
