@@ -502,8 +502,8 @@ _calls = CallCache()
 
 def _writes_directly(out, x, w, bias, z, alpha_vec) -> bool:
     """Whether the kernel may write `out` itself: it overlaps none of x, w, bias and alpha_vec
-    (other blocks still read them), and z only by being z (each z element is read by the
-    thread that then writes that element)."""
+    (other blocks still read them), and z only by holding z's very elements (each z element
+    is read by the thread that then writes that element; callcache.writable)."""
     return writable(out, (x, w, bias, alpha_vec), in_place=False) and writable(out, (z,))
 
 

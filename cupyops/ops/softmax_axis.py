@@ -404,8 +404,9 @@ def _run(op: str, inputs: tuple, axis: int, out):
     non-negative axis other than the last, `out` None or already validated for
     shape, dtype and device. Returns the result (`out` when given) when the
     kernel applies: every input C-contiguous, out C-contiguous and, for each
-    input, either that input itself or not overlapping it, and the planner
-    prefers it; otherwise None, and nothing was written."""
+    input, either holding that input's very elements or not overlapping it
+    (callcache.writable), and the planner prefers it; otherwise None, and
+    nothing was written."""
     import cupy
 
     if len(inputs) != len(INPUTS[op]):
