@@ -529,8 +529,8 @@ def conv2d_int8(x, w, bias=None, z=None, *, stride=1, padding=0, dilation=1, alp
     "int32" returns the raw accumulators (no epilogue). On dequantised values
     this is ``torch.nn.functional.conv2d(x, w, stride=stride, padding=padding,
     dilation=dilation)`` scaled by alpha, plus bias and z, then ReLU. `out` may be z
-    itself (the residual updated in place); an out overlapping x, w, bias or alpha gets
-    the result through a fresh array.
+    itself or a view of its very elements (the residual updated in place); an out
+    overlapping x, w, bias or alpha gets the result through a fresh array.
     policy: "auto" (the tuned or default-rule plan: wgmma on sm_90, fed by cp.async
     or, where the tuner finds it faster, by a producer warpgroup and the copy engine,
     for stride 1 also from whole input rows held for a filter's taps; mma.sync
