@@ -27,6 +27,7 @@ namespace cupyops {
 template <typename B, bool has_bias, bool has_mask, bool causal, bool wide, bool bias_vectors, bool mask_words>
 struct BroadcastRow {
   typedef typename Select<wide, int64, int>::type Offset;
+  static constexpr bool kCausal = causal;
   const B* bias;
   const bool* mask;
   int64 sizes[3];
@@ -60,6 +61,10 @@ struct BroadcastRow {
   // Whether the causal rule masks all of columns col.. of the located row: their x (and dy)
   // need not be read.
   __device__ __forceinline__ bool causal_from(int64 col) const { return causal && col > last_col; }
+  // The end of the located row's columns the causal rule keeps, within [0, cols].
+  __device__ __forceinline__ int64 causal_end(int64 cols) const {
+    return last_col < 0 ? int64(0) : last_col >= cols ? cols : last_col + 1;
+  }
   __device__ __forceinline__ bool masked(int64 col) const {
     bool out = false;
     if (has_mask) out = !mask[mask_base + static_cast<Offset>(col) * static_cast<Offset>(mask_strides[3])];
@@ -154,11 +159,17 @@ struct OrderedRowHead {
 template <typename T, typename C, typename Broadcast, typename Order>
 struct ScoresLoad {
   typedef T Storage;
+  // Under the causal rule a row's passes stop at its last kept column (RowEnd, softmax.cuh).
+  static constexpr bool kRowEnds = Broadcast::kCausal;
   const T* x;
   int64 row_stride;
   C scale;
   Broadcast broadcast;
   Order order;
+  __device__ __forceinline__ int64 live_end(int64 i, int64 cols) const {
+    broadcast.locate(order(i));
+    return broadcast.causal_end(cols);
+  }
   template <int N>
   __device__ __forceinline__ void load(C* dst, int64 i, int64 col) const { load_row<N>(dst, order(i), col); }
   // The same for data row `row`.
@@ -225,6 +236,15 @@ struct DropoutStore {
 #pragma unroll
     for (int i = 0; i < N; ++i) pack.elem[i] = cast<T>(dropout ? (kept[i] ? values[i] * keep_scale : C(0)) : values[i]);
     store_pack(y + row * row_stride + col, pack);
+  }
+  // Zeros at columns col..col + N of row i, which the causal rule masks whole (the paths'
+  // packs past a row's live end, RowEnd in softmax.cuh): no dropout bits are drawn.
+  template <int N>
+  __device__ __forceinline__ void store_zeros(int64 i, int64 col) const {
+    Pack<T, N> pack;
+#pragma unroll
+    for (int k = 0; k < N; ++k) pack.elem[k] = cast<T>(C(0));
+    store_pack(y + order(i) * row_stride + col, pack);
   }
 
  private:

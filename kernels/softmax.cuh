@@ -260,6 +260,36 @@ __device__ __forceinline__ auto finish_row(const Store& store, const Op& op, C s
 template <typename Store, typename Op, typename C>
 __device__ __forceinline__ void finish_row(const Store&, const Op&, C, int64, bool, long) {}
 
+// The columns of a row that may hold a kept value, [0, live_end): a LOAD whose
+// static member kRowEnds is true has a member live_end(row, cols) (the fused
+// forward under the causal rule, where every column from there on is masked and
+// its output is 0), and the block paths leave the rest out of the row's max and
+// sum and store zeros there without computing them (block_smem, block_uncached;
+// the register paths hold the row whole and keep their passes). Other LOADs keep
+// every column, and their kernels are unchanged. Such a LOAD's STORE has a member
+// store_zeros<N>(row, col) for the packs past the live end.
+template <typename Load, typename = void>
+struct RowEnd {
+  static constexpr bool bounded = false;
+  // How many of a row's num_packs packs (from column head on) start before its live end: all.
+  template <int pack_size>
+  static __device__ __forceinline__ int64 packs_before(const Load&, int64, int64, int64, int64 num_packs) {
+    return num_packs;
+  }
+};
+
+template <typename Load>
+struct RowEnd<Load, decltype(void(Load::kRowEnds))> {
+  static constexpr bool bounded = Load::kRowEnds;
+  template <int pack_size>
+  static __device__ __forceinline__ int64 packs_before(const Load& load, int64 row, int64 cols, int64 head,
+                                                       int64 num_packs) {
+    if (!bounded) return num_packs;
+    const int64 live = load.live_end(row, cols) - head;
+    return live <= 0 ? int64(0) : min(num_packs, (live + pack_size - 1) / pack_size);
+  }
+};
+
 // ---------------------------------------------------------------------------
 // Warp path: a group of `width` lanes owns `rows_per_access` rows at a time;
 // each lane holds cols_per_thread values of each input row in registers.
@@ -528,6 +558,9 @@ __device__ __forceinline__ void softmax_block_smem(const Load (&loads)[Op::num_i
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
     const PeeledRow<pack_size, peel> packs(cols, peel ? row_head(row) : 0);
     const int num_packs = static_cast<int>(packs.num_packs);
+    // The packs before the row's live end (RowEnd): those the max and sum read.
+    const int live_packs = static_cast<int>(
+        RowEnd<Load>::template packs_before<pack_size>(loads[0], row, cols, packs.head, packs.num_packs));
     // Where element i of pack p of input j lives.
     auto slot = [&](int j, int p, int i) -> Cache& {
       return packed_cache ? cache[j * cache_cols + p * pack_size + i] : cache[j * cache_cols + i * num_packs + p];
@@ -535,7 +568,7 @@ __device__ __forceinline__ void softmax_block_smem(const Load (&loads)[Op::num_i
     C edge[N][1];
     packs.load_edges(loads, row, Op::pad(), edge);
     C thread_max = edge[0][0];
-    for (int p = threadIdx.x; p < num_packs; p += block_size) {
+    for (int p = threadIdx.x; p < live_packs; p += block_size) {
 #pragma unroll
       for (int j = 0; j < cached; ++j) {
         C values[pack_size];
@@ -562,7 +595,7 @@ __device__ __forceinline__ void softmax_block_smem(const Load (&loads)[Op::num_i
     C v[N];
 #pragma unroll
     for (int j = cached; j < N; ++j) v[j] = Op::pad();   // not read by term()
-    for (int p = threadIdx.x; p < num_packs; p += block_size) {
+    for (int p = threadIdx.x; p < live_packs; p += block_size) {
 #pragma unroll
       for (int i = 0; i < pack_size; ++i) {
 #pragma unroll
@@ -579,6 +612,12 @@ __device__ __forceinline__ void softmax_block_smem(const Load (&loads)[Op::num_i
     finish_row(store, op, sum, row, threadIdx.x == 0, 0);
     if (packs.has_edge()) store_pack_outputs(op, store, edge, row, packs.edge_col);
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
+      if constexpr (RowEnd<Load>::bounded) {
+        if (p >= live_packs) {
+          store.template store_zeros<pack_size>(row, packs.pack_col(p));
+          continue;
+        }
+      }
       C read[N][pack_size];   // the inputs past the cache
 #pragma unroll
       for (int j = cached; j < N; ++j) loads[j].template load<pack_size>(read[j], row, packs.pack_col(p));
@@ -609,6 +648,9 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
     const PeeledRow<pack_size, peel> packs(cols, peel ? row_head(row) : 0);
     const int64 num_packs = packs.num_packs;
+    // The packs before the row's live end (RowEnd): those the max and sum read.
+    const int64 live_packs = RowEnd<Load>::template packs_before<pack_size>(loads[0], row, cols, packs.head,
+                                                                             packs.num_packs);
     // Loads pack p of every input; element i of input j lands in values[j][i].
     auto load_packs = [&](int64 p, C (&values)[N][pack_size]) {
 #pragma unroll
@@ -621,7 +663,7 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
     if constexpr (Op::needs_max && online) {
       OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
       if (packs.has_edge()) state.add_pack(edge[0]);
-      for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
+      for (int64 p = threadIdx.x; p < live_packs; p += block_size) {
         load_packs(p, values);
         state.add_pack(values[0]);
       }
@@ -632,7 +674,7 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
     } else {
       if (Op::needs_max) {
         C thread_max = edge[0][0];
-        for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
+        for (int64 p = threadIdx.x; p < live_packs; p += block_size) {
           loads[0].template load<pack_size>(values[0], row, packs.pack_col(p));
 #pragma unroll
           for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, values[0][i]);
@@ -641,7 +683,7 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
       }
       C thread_sum = 0;
       if (packs.has_edge()) add_pack_terms(op, edge, thread_sum);
-      for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
+      for (int64 p = threadIdx.x; p < live_packs; p += block_size) {
         load_packs(p, values);
         add_pack_terms(op, values, thread_sum);
       }
@@ -651,6 +693,12 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
     }
     if (packs.has_edge()) store_pack_outputs(op, store, edge, row, packs.edge_col);
     for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
+      if constexpr (RowEnd<Load>::bounded) {
+        if (p >= live_packs) {
+          store.template store_zeros<pack_size>(row, packs.pack_col(p));
+          continue;
+        }
+      }
       load_packs(p, values);
       store_pack_outputs(op, store, values, row, packs.pack_col(p));
     }

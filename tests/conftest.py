@@ -49,14 +49,15 @@ def rng():
     return numpy.random.default_rng(seed)
 
 
-def assert_close(actual, expected, dtype, *, scale: float = 1.0):
+def assert_close(actual, expected, dtype, *, scale: float = 1.0, err_msg: str = ""):
     """actual (any array) against a float64 reference with the dtype's tolerance.
 
-    NaN and +-inf must match exactly in position; `scale` loosens the tolerance."""
+    NaN and +-inf must match exactly in position; `scale` loosens the tolerance;
+    `err_msg` names the case in a failure."""
     actual = numpy.asarray(actual, dtype=numpy.float64)
     tol = TOLERANCES[numpy.dtype(dtype)]
     numpy.testing.assert_allclose(actual, expected, rtol=tol["rtol"] * scale,
-                                  atol=tol["atol"] * scale, equal_nan=True)
+                                  atol=tol["atol"] * scale, equal_nan=True, err_msg=err_msg)
 
 
 def peeled_cols(target, inputs, itemsize, kind) -> int:

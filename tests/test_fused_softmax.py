@@ -91,6 +91,38 @@ def test_causal(rng, sq, sk, diagonal):
     check_backward(rng, *found, numpy.float16)
 
 
+@pytest.mark.parametrize("cols", [1001, 4097, 20001])
+@pytest.mark.parametrize("dtype", [numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)], ids=str)
+def test_causal_rows_on_every_forward_plan(rng, cols, dtype):
+    """Every candidate forward plan (the tuner's, so every path that stops a row's passes at its
+    last kept column, and the register paths that do not) under the causal rule, alone and with
+    dropout, against float64: rows ending before, inside and past a pack, none kept (a negative
+    diagonal), peeled rows (odd cols), into a NaN-filled output; y and lse."""
+    import cupy
+
+    from cupyops.launch import Target
+    from cupyops.ops import fused_softmax_tune as tuner
+
+    sq = 9
+    for diagonal, dropout in ((cols - sq, 0.0), (-3, 0.0), (cols // 2, 0.1)):
+        x = rounded(rng.standard_normal((sq, cols)) * 3, dtype)
+        args = dict(scale=0.5, causal=True, diagonal=diagonal, dropout=dropout, seed=5, offset=3)
+        y_ref, lse_ref = ref.forward(x, **args)
+        operands = fs.prepare(to_gpu(x.astype(dtype)), bias=None, mask=None, axis=-1,
+                              **{k: args[k] for k in ("scale", "causal", "diagonal", "dropout")})
+        short = {2: "f16", 4: "f32"}[dtype.itemsize]
+        found = tuner.candidates("forward", short, operands.rows, cols, Target.live(0), operands.fusion)
+        assert any(launch.spec.path.impl == "block_smem" for _, launch in found)
+        for description, launch in found:
+            out = cupy.full((sq, cols), numpy.nan, dtype)
+            lse = cupy.full((sq,), numpy.nan, numpy.float32)
+            main = fs.stage_launch("forward", operands, "auto", out, chosen=launch)
+            main.run(tuple(a.data.ptr for a in (*fs.stage_inputs(operands.x, None, operands), out, lse)), 5, 3)
+            label = f"{description['label']} diagonal {diagonal} dropout {dropout}"
+            assert_close(host(out), y_ref, dtype, scale=2.0, err_msg=label)
+            numpy.testing.assert_allclose(host(lse), lse_ref, rtol=1e-5, atol=1e-5, err_msg=label)
+
+
 def test_fully_masked_rows_give_zeros(rng):
     import cupy
 
