@@ -1,7 +1,8 @@
 """Runs every path of the fused attention softmax once on small shapes, for
 compute-sanitizer (memcheck, racecheck): the warp, register, shared-memory and
 uncached paths (rows of 1 to 2^17 columns, aligned and peeled), bias, mask,
-causal, dropout, the log-sum-exp, the backward, both policies, rows in order and
+causal (rows whose passes stop at their last kept column, rows with none kept),
+dropout, the log-sum-exp, the backward, both policies, rows in order and
 interleaved (forced: at these sizes the L2 would keep them in order), another
 axis, out= and dropout_mask. Prints the plans taken and "all paths ran" at the end."""
 from __future__ import annotations
@@ -57,6 +58,10 @@ def run_paths(target, seen: set, interleaved: bool):
                 cupyops.fused_softmax(x, out=written, **args)
                 cupyops.fused_softmax_backward(cupy.ones_like(y), x, lse, out=written, **args)
                 cupyops.fused_softmax(x, policy=policy)
+                for diagonal in (0, -(cols // 2) - 1):   # rows stopping their passes early (RowEnd), none kept
+                    cupyops.fused_softmax(x, scale=0.5, causal=True, diagonal=diagonal, policy=policy)
+                    cupyops.fused_softmax(x, scale=0.5, causal=True, diagonal=diagonal, dropout=0.1, seed=3,
+                                          policy=policy)
                 call = {key: value for key, value in args.items() if key not in ("seed", "offset", "policy")}
                 fusion = fs.prepare(x, axis=-1, **call).fusion
                 for stage in ("forward", "backward"):
