@@ -221,6 +221,14 @@ struct DropoutStore {
   template <int N>
   __device__ __forceinline__ void store(const C* src, int64 i, int64 col) const {
     const int64 row = order(i);
+    if constexpr (dropout && Broadcast::kCausal) {
+      // a pack the causal rule masks whole is zeros: no dropout bits are drawn for it
+      broadcast.locate(row);
+      if (broadcast.causal_from(col)) {
+        store_zeros<N>(i, col);
+        return;
+      }
+    }
     bool kept[N];
     if (dropout) drop.template keep_pack<N>(static_cast<unsigned long long>(row * row_stride + col), kept);
     C values[N];
