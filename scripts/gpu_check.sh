@@ -113,6 +113,7 @@ if run fused; then
     if [[ "${FUSED_PARTS:-forward backward}" == *forward* ]]; then
       bench fused_softmax "$dtype" sweep_causal "${shapes[@]}" --causal
       bench fused_softmax "$dtype" sweep_dropout "${shapes[@]}" --dropout 0.1
+      bench fused_softmax "$dtype" sweep_causal_dropout "${shapes[@]}" --causal --dropout 0.1
       for s in "${ATTENTION_SWEEP[@]}"; do   # a padding mask (B,1,1,S) and a position bias (H,S,S) of each shape
         IFS=, read -r b h q k <<< "$s"
         bench fused_softmax "$dtype" "sweep_mask_$k" --shape "$s" --mask-shape "$b,1,1,$k"
@@ -122,6 +123,7 @@ if run fused; then
     if [[ "${FUSED_PARTS:-forward backward}" == *backward* ]]; then
       bench fused_softmax_backward "$dtype" sweep_causal "${shapes[@]}" --causal
       bench fused_softmax_backward "$dtype" sweep_dropout "${shapes[@]}" --dropout 0.1
+      bench fused_softmax_backward "$dtype" sweep_causal_dropout "${shapes[@]}" --causal --dropout 0.1
     fi
   done
 fi
@@ -134,14 +136,16 @@ if run small-rows; then   # auto against the oneflow policy at short rows, every
   done
 fi
 if [ "$mode" = tune-table ]; then   # not part of "all": cupyops tune at issue 39's shapes, the table back in $OUT
-  # TUNE_SHAPES (default: S 1024, 4096, 16384 of ATTENTION_SWEEP) x causal, dropout, mask, bias x forward,
-  # backward, in TUNE_DTYPES; then `cupyops tune ship --profile P --table tuning_table.json` here
+  # TUNE_SHAPES (default: S 1024, 4096, 16384 of ATTENTION_SWEEP) x TUNE_FUSIONS (default: causal,
+  # dropout, causal with dropout, mask, bias; ';'-separated) x forward, backward, in TUNE_DTYPES; then
+  # `cupyops tune ship --profile P --table tuning_table.json` here
   export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-$HOME/.cupy/kernel_cache}"
   for dtype in ${TUNE_DTYPES:-float16}; do
     for s in ${TUNE_SHAPES:-8,16,1024,1024 1,8,4096,4096 1,1,16384,16384}; do
       IFS=, read -r b h q k <<< "$s"
-      for fusion in "--causal" "--dropout 0.1" "--mask-shape $b,1,1,$k" "--bias-shape $h,$q,$k"; do
-        python -m cupyops.cli tune fused_softmax --shape "$s" --dtype "$dtype" $fusion 2>&1 | tail -n 4
+      IFS=';' read -r -a fusions <<< "${TUNE_FUSIONS:---causal;--dropout 0.1;--causal --dropout 0.1;--mask-shape $b,1,1,$k;--bias-shape $h,$q,$k}"
+      for fusion in "${fusions[@]}"; do
+        python -m cupyops.cli tune fused_softmax --shape "$s" --dtype "$dtype" $fusion 2>&1 | grep -v "^tuning table"
       done
     done
   done | tee "$OUT/tune_table.txt"
