@@ -20,10 +20,40 @@
 // shared out in shared memory as above. A row longer than the blocks' shared
 // memory is then still read once by them, or a row that fits leaves room for
 // more blocks an SM (the planners keep the tails within the row).
+//
+// What the cache reads of a LOAD (CachedLoad): a DirectLoad's rows at src +
+// row * row_stride, cast to C; a LOAD with a static member kFromPack (the
+// fused forward's scores) names its row's address, row_source(row), and turns
+// a cached pack into its values, from_pack<N>(dst, row, col, pack), applying
+// what it fuses after the pack left shared memory.
 #pragma once
 #include "common.cuh"
 
 namespace cupyops {
+
+template <typename Load, typename = void>
+struct CachedLoad {
+  template <typename T>
+  static __device__ __forceinline__ const T* source(const Load& load, int64 row) {
+    return load.src + row * load.row_stride;
+  }
+  template <typename C, typename T, int N>
+  static __device__ __forceinline__ void convert(const Load&, C (&dst)[N], int64, int64, const Pack<T, N>& pack) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = cast<C>(pack.elem[i]);
+  }
+};
+
+template <typename Load>
+struct CachedLoad<Load, decltype(void(Load::kFromPack))> {
+  template <typename T>
+  static __device__ __forceinline__ const T* source(const Load& load, int64 row) { return load.row_source(row); }
+  template <typename C, typename T, int N>
+  static __device__ __forceinline__ void convert(const Load& load, C (&dst)[N], int64 row, int64 col,
+                                                 const Pack<T, N>& pack) {
+    load.template from_pack<N>(dst, row, col, pack);
+  }
+};
 
 template <typename T, typename C, int N, int pack_size, int block_size, int stages, int cluster_size,
           int tail_packs>
@@ -60,7 +90,8 @@ struct AsyncRowCache {
   __device__ __forceinline__ void fetch(const Load (&loads)[N], int64 row, int stage, Tail& tail) const {
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      const P* source = reinterpret_cast<const P*>(loads[j].src + row * loads[j].row_stride) + first_pack;
+      const T* row_start = CachedLoad<Load>::template source<T>(loads[j], row);
+      const P* source = reinterpret_cast<const P*>(row_start) + first_pack;
       P* buffer = buffers + (stage * N + j) * share_packs;
       for (int p = threadIdx.x; p < num_packs; p += block_size) cp_async_pack<16>(buffer + p, source + p);
     }
@@ -69,34 +100,34 @@ struct AsyncRowCache {
     for (int k = 0; k < tail_packs; ++k) {
 #pragma unroll
       for (int j = 0; j < N; ++j) {
-        tail[k][j] = load_pack<T, pack_size>(loads[j].src + row * loads[j].row_stride +
+        tail[k][j] = load_pack<T, pack_size>(CachedLoad<Load>::template source<T>(loads[j], row) +
                                               static_cast<int64>(tail_pack(k)) * pack_size);
       }
     }
   }
 
-  // Calls use(pack, v) for each pack of the row this thread caches (shared
-  // memory, then the register tail); v[j][i]: element i of input j, in C.
-  template <typename Use>
-  __device__ __forceinline__ void for_each_pack(int stage, const Tail& tail, const Use& use) const {
+  // Calls use(pack, v) for each pack of `row` this thread caches (shared
+  // memory, then the register tail); v[j][i]: element i of input j, in C, as
+  // loads[j] reads it (CachedLoad).
+  template <typename Load, typename Use>
+  __device__ __forceinline__ void for_each_pack(const Load (&loads)[N], int64 row, int stage, const Tail& tail,
+                                                const Use& use) const {
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
       C v[N][pack_size];
+      const int64 col = static_cast<int64>(first_pack + p) * pack_size;
 #pragma unroll
       for (int j = 0; j < N; ++j) {
         const P pack = buffers[(stage * N + j) * share_packs + p];
-#pragma unroll
-        for (int i = 0; i < pack_size; ++i) v[j][i] = cast<C>(pack.elem[i]);
+        CachedLoad<Load>::convert(loads[j], v[j], row, col, pack);
       }
       use(first_pack + p, v);
     }
 #pragma unroll
     for (int k = 0; k < tail_packs; ++k) {
       C v[N][pack_size];
+      const int64 col = static_cast<int64>(tail_pack(k)) * pack_size;
 #pragma unroll
-      for (int j = 0; j < N; ++j) {
-#pragma unroll
-        for (int i = 0; i < pack_size; ++i) v[j][i] = cast<C>(tail[k][j].elem[i]);
-      }
+      for (int j = 0; j < N; ++j) CachedLoad<Load>::convert(loads[j], v[j], row, col, tail[k][j]);
       use(tail_pack(k), v);
     }
   }

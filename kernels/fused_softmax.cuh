@@ -155,12 +155,14 @@ struct OrderedRowHead {
 };
 
 // The scores z of a row, in the compute type C: the LOAD of the forward. Packs the causal
-// rule masks whole are not read.
+// rule masks whole are not read. The asynchronous path caches x's packs as they are and
+// has them turned into scores here (from_pack; CachedLoad in async_row.cuh).
 template <typename T, typename C, typename Broadcast, typename Order>
 struct ScoresLoad {
   typedef T Storage;
   // Under the causal rule a row's passes stop at its last kept column (RowEnd, softmax.cuh).
   static constexpr bool kRowEnds = Broadcast::kCausal;
+  static constexpr bool kFromPack = true;
   const T* x;
   int64 row_stride;
   C scale;
@@ -175,13 +177,29 @@ struct ScoresLoad {
   // The same for data row `row`.
   template <int N>
   __device__ __forceinline__ void load_row(C* dst, int64 row, int64 col) const {
+    if (!masked_whole<N>(dst, row, col)) scores<N>(dst, row, col, load_pack<T, N>(x + row * row_stride + col));
+  }
+  // x's row i, and the scores of its pack at col from the pack itself.
+  __device__ __forceinline__ const T* row_source(int64 i) const { return x + order(i) * row_stride; }
+  template <int N>
+  __device__ __forceinline__ void from_pack(C* dst, int64 i, int64 col, const Pack<T, N>& pack) const {
+    const int64 row = order(i);
+    if (!masked_whole<N>(dst, row, col)) scores<N>(dst, row, col, pack);
+  }
+
+ private:
+  // -inf at columns col..col + N of data row `row` where the causal rule masks them all
+  // (then true); it locates the row for scores().
+  template <int N>
+  __device__ __forceinline__ bool masked_whole(C* dst, int64 row, int64 col) const {
     broadcast.locate(row);
-    if (broadcast.causal_from(col)) {
+    if (!broadcast.causal_from(col)) return false;
 #pragma unroll
-      for (int i = 0; i < N; ++i) dst[i] = -infinity<C>();
-      return;
-    }
-    const Pack<T, N> pack = load_pack<T, N>(x + row * row_stride + col);
+    for (int i = 0; i < N; ++i) dst[i] = -infinity<C>();
+    return true;
+  }
+  template <int N>
+  __device__ __forceinline__ void scores(C* dst, int64 row, int64 col, const Pack<T, N>& pack) const {
     bool dropped[N];
     C bias_values[N];
     broadcast.template pack_at<C, N>(col, dropped, bias_values);

@@ -532,7 +532,7 @@ __device__ __forceinline__ void norm_block_async(const Input& in, const Output& 
     cp_async_wait<0>();
     const auto thread_sum = [&](auto term) {
       C sum = C(0);
-      cache.for_each_pack(0, tail, [&](int, const C (&v)[N][pack_size]) {
+      cache.for_each_pack(loads, row, 0, tail, [&](int, const C (&v)[N][pack_size]) {
 #pragma unroll
         for (int i = 0; i < pack_size; ++i) sum += term(Input::value(v, i) - shift);
       });
@@ -541,7 +541,7 @@ __device__ __forceinline__ void norm_block_async(const Input& in, const Output& 
     const RowMoments<C> m = Stats::of_row(thread_sum, cols, eps, block_sum);
     if (threadIdx.x == 0) moments_out.store(row, m, shift);
     const C offset = m.offset();
-    cache.for_each_pack(0, tail, [&](int pack, const C (&v)[N][pack_size]) {
+    cache.for_each_pack(loads, row, 0, tail, [&](int pack, const C (&v)[N][pack_size]) {
       const int64 col = static_cast<int64>(pack) * pack_size;
       C values[pack_size];
 #pragma unroll

@@ -250,8 +250,7 @@ __device__ __forceinline__ void store_pack_outputs(const Op& op, const Store& st
 // row, leader): the fused forward's log-sum-exp, written by the thread
 // `leader`), once op holds the row's maximum and sum: every thread of the row
 // calls it before the row's stores. Other STOREs have no such member and the
-// call is empty. Every path but block_async makes it (the fused softmax, the
-// one STORE with the member, never takes that path).
+// call is empty. Every path makes it.
 template <typename Store, typename Op, typename C>
 __device__ __forceinline__ auto finish_row(const Store& store, const Op& op, C sum, int64 row, bool leader, int)
     -> decltype(store.finish_row(op, sum, row, leader), void()) {
@@ -461,11 +460,12 @@ __device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_i
 // ---------------------------------------------------------------------------
 // Asynchronous shared-memory path: a block (or with cluster_size > 1 a
 // thread-block cluster) owns a row, cached by cp.async (AsyncRowCache, in
-// async_row.cuh: stages, the cluster's shares, the register tail). Loads are
-// DirectLoads (raw pointers). online (forward): the maximum and the sum in one
-// pass over the cache. A cluster's blocks combine their (max, sum) or sums
-// through distributed shared memory (cluster_all_reduce), so a row longer
-// than one block's shared memory is still read once. Forward needs online.
+// async_row.cuh: stages, the cluster's shares, the register tail; a LOAD may
+// apply more than a cast to the cached packs, CachedLoad). online (forward):
+// the maximum and the sum in one pass over the cache. A cluster's blocks
+// combine their (max, sum) or sums through distributed shared memory
+// (cluster_all_reduce), so a row longer than one block's shared memory is
+// still read once. Forward needs online.
 template <typename Op, typename T, typename Load, typename Store, typename C, int pack_size,
           int block_size, int stages, bool online, int cluster_size, int tail_packs>
 __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_inputs], const Store& store,
@@ -494,30 +494,32 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
     if constexpr (Op::needs_max && online) {
       // One pass over the cache: a running (max, sum) per thread.
       OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
-      cache.for_each_pack(stage, tail, [&](int, const C (&v)[N][pack_size]) { state.add_pack(v[0]); });
+      cache.for_each_pack(loads, row, stage, tail, [&](int, const C (&v)[N][pack_size]) { state.add_pack(v[0]); });
       OnlineSoftmaxState<C> row_state = state.template block_all_reduce<block_size>();
       if constexpr (cluster_size > 1) {
         row_state = cluster_all_reduce<cluster_size>(row_state, parity, OnlineSoftmaxState<C>::combined);
       }
       op.set_max(row_state.max);
       op.set_sum(row_state.sum);
+      finish_row(store, op, row_state.sum, row, threadIdx.x == 0 && rank == 0, 0);
     } else {
       if (Op::needs_max) {
         C thread_max = -infinity<C>();
-        cache.for_each_pack(stage, tail, [&](int, const C (&v)[N][pack_size]) {
+        cache.for_each_pack(loads, row, stage, tail, [&](int, const C (&v)[N][pack_size]) {
 #pragma unroll
           for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, v[0][i]);
         });
         op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
       }
       C thread_sum = 0;
-      cache.for_each_pack(stage, tail,
+      cache.for_each_pack(loads, row, stage, tail,
                           [&](int, const C (&v)[N][pack_size]) { add_pack_terms(op, v, thread_sum); });
       C row_sum = block_all_reduce<SumOp, C, block_size>(thread_sum);
       if constexpr (cluster_size > 1) row_sum = cluster_all_reduce<cluster_size>(row_sum, parity, SumOp<C>());
       op.set_sum(row_sum);
+      finish_row(store, op, row_sum, row, threadIdx.x == 0 && rank == 0, 0);
     }
-    cache.for_each_pack(stage, tail, [&](int pack, const C (&v)[N][pack_size]) {
+    cache.for_each_pack(loads, row, stage, tail, [&](int pack, const C (&v)[N][pack_size]) {
       store_pack_outputs(op, store, v, row, static_cast<int64>(pack) * pack_size);
     });
     if (stages == 2) {

@@ -4,7 +4,9 @@ uncached paths (rows of 1 to 2^17 columns, aligned and peeled), bias, mask,
 causal (rows whose passes stop at their last kept column, rows with none kept),
 dropout, the log-sum-exp, the backward, both policies, rows in order and
 interleaved (forced: at these sizes the L2 would keep them in order), another
-axis, out= and dropout_mask. Prints the plans taken and "all paths ran" at the end."""
+axis, out= and dropout_mask; then every asynchronous candidate of the tuner
+(no planner rule takes that path), with and without the causal rule. Prints the
+plans taken and "all paths ran" at the end."""
 from __future__ import annotations
 
 import cupy
@@ -29,6 +31,7 @@ def main():
     run_paths(target, seen, interleaved=False)
     force_interleaved_rows()
     run_paths(target, seen, interleaved=True)
+    run_async_candidates(target, seen)
     cupyops.fused_softmax(x_view(), axis=1, dropout=0.2, seed=1)     # another axis, a view
     cupyops.dropout_mask((1000, 33), 0.3, seed=5, offset=7)
     cupy.cuda.Device().synchronize()
@@ -69,6 +72,32 @@ def run_paths(target, seen: set, interleaved: bool):
                                      target, fusion)
                     grouped = fs.grouped_variant(chosen.spec, target)
                     seen.add(grouped.name if grouped is not None and args["offset"] % 8 == 0 else chosen.spec.name)
+
+
+def run_async_candidates(target, seen: set):
+    """Each block_async candidate of the forward (in both row orders, as the tuner offers
+    them) on the bias, mask and dropout of run_paths, and with the causal rule too."""
+    from cupyops.ops import fused_softmax_tune as tuner
+
+    rng = cupy.random.default_rng(1)
+    for cols in (2048, 16384):
+        rows = 4 if cols > 8192 else 24
+        for dtype, short in ((cupy.float16, "f16"), (cupy.float32, "f32")):
+            x = rng.standard_normal((2, rows // 2, cols), dtype=cupy.float32).astype(dtype)
+            bias = rng.standard_normal((rows // 2, cols), dtype=cupy.float32).astype(dtype)
+            mask = rng.random((2, 1, cols)) < 0.8
+            for causal in (False, True):
+                operands = fs.prepare(x, bias=bias, mask=mask, axis=-1, scale=0.5, causal=causal, diagonal=0,
+                                      dropout=0.1)
+                for _, launch in tuner.candidates("forward", short, operands.rows, cols, target, operands.fusion):
+                    if launch.spec.path.impl != "block_async":
+                        continue
+                    out, lse = cupy.empty_like(x), cupy.empty(x.shape[:-1], cupy.float32)
+                    stage = fs.stage_launch("forward", operands, "auto", out, chosen=launch)
+                    for offset in (0, 5):     # whole groups of eight, and packs straddling them
+                        stage.run(tuple(a.data.ptr for a in (*fs.stage_inputs(x, None, operands), out, lse)), 3,
+                                  offset)
+                    seen.add(launch.spec.name)
 
 
 if __name__ == "__main__":

@@ -125,6 +125,42 @@ def test_causal_rows_on_every_forward_plan(rng, cols, dtype):
             numpy.testing.assert_allclose(host(lse), lse_ref, rtol=1e-5, atol=1e-5, err_msg=label)
 
 
+@pytest.mark.parametrize("cols", [2048, 4096])
+@pytest.mark.parametrize("dtype", [numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)], ids=str)
+def test_every_forward_plan_with_bias_mask_and_dropout(rng, cols, dtype):
+    """Every candidate forward plan (the tuner's; from 2048 aligned columns the asynchronous
+    path's, whose LOAD fuses after shared memory, among them), in both row orders, with a
+    position bias, a padding mask and dropout, against float64: a -inf and a NaN score, a row
+    with none kept; y and lse into NaN-filled outputs; dropout offsets that do and do not start
+    whole groups of eight."""
+    import cupy
+
+    from cupyops.launch import Target
+    from cupyops.ops import fused_softmax_tune as tuner
+
+    shape = (2, 2, 3, cols)
+    x = rounded(rng.standard_normal(shape) * 3, dtype)
+    x[0, 0, 1, 5], x[1, 1, 2, 7] = -numpy.inf, numpy.nan
+    bias = rng.standard_normal(shape[1:]).astype(numpy.float32)
+    mask = rng.random((2, 1, 3, cols)) < 0.8
+    mask[1, 0, 0] = False
+    short = {2: "f16", 4: "f32"}[dtype.itemsize]
+    operands = fs.prepare(to_gpu(x.astype(dtype)), bias=to_gpu(bias), mask=to_gpu(mask), axis=-1, scale=0.5,
+                          causal=False, diagonal=0, dropout=0.1)
+    found = tuner.candidates("forward", short, operands.rows, cols, Target.live(0), operands.fusion)
+    assert {"block_async", "block_regs"} <= {launch.spec.path.impl for _, launch in found}
+    for offset in (3, 8):
+        y_ref, lse_ref = ref.forward(x, scale=0.5, bias=bias, mask=mask, dropout=0.1, seed=5, offset=offset)
+        for description, launch in found:
+            out = cupy.full(shape, numpy.nan, dtype)
+            lse = cupy.full(shape[:-1], numpy.nan, numpy.float32)
+            main = fs.stage_launch("forward", operands, "auto", out, chosen=launch)
+            main.run(tuple(a.data.ptr for a in (*fs.stage_inputs(operands.x, None, operands), out, lse)), 5, offset)
+            label = f"{description['label']} offset {offset}"
+            assert_close(host(out), y_ref, dtype, scale=2.0, err_msg=label)
+            numpy.testing.assert_allclose(host(lse), lse_ref, rtol=1e-5, atol=1e-5, err_msg=label)
+
+
 def test_fully_masked_rows_give_zeros(rng):
     import cupy
 
