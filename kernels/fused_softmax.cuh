@@ -291,6 +291,7 @@ struct DropoutStore {
 template <typename T, typename C, typename Scores, typename Mask, bool dropout>
 struct FusedGradLoad {
   typedef T Storage;
+  static constexpr bool kFromPack = true;   // the asynchronous path's packs (CachedLoad)
   bool probability;
   const T* src;              // dy or x
   int64 row_stride;
@@ -303,26 +304,51 @@ struct FusedGradLoad {
     const int64 row = scores.order(i);
     if (probability) {
       scores.template load_row<N>(dst, row, col);
-      const C row_lse = static_cast<C>(lse[row]);
+      probabilities<N>(dst, row);
+    } else if (!zero_gradient<N>(dst, row, col)) {
+      gradient<N>(dst, row, col, load_pack<T, N>(src + row * row_stride + col));
+    }
+  }
+  // The row i of src, and the values of its pack at col from the pack itself.
+  __device__ __forceinline__ const T* row_source(int64 i) const { return src + scores.order(i) * row_stride; }
+  template <int N>
+  __device__ __forceinline__ void from_pack(C* dst, int64 i, int64 col, const Pack<T, N>& pack) const {
+    const int64 row = scores.order(i);
+    if (probability) {
+      scores.template from_pack<N>(dst, i, col, pack);
+      probabilities<N>(dst, row);
+    } else if (!zero_gradient<N>(dst, row, col)) {
+      gradient<N>(dst, row, col, pack);
+    }
+  }
+
+ private:
+  // The scores z in dst made exp(z - lse).
+  template <int N>
+  __device__ __forceinline__ void probabilities(C* dst, int64 row) const {
+    const C row_lse = static_cast<C>(lse[row]);
 #pragma unroll
-      for (int i = 0; i < N; ++i) {
-        dst[i] = dst[i] == -infinity<C>() || row_lse == -infinity<C>() ? C(0) : exp_(dst[i] - row_lse);
-      }
-    } else {
-      scores.broadcast.locate(row);
-      if (scores.broadcast.causal_from(col)) {   // y = 0 there: dy does not matter
+    for (int i = 0; i < N; ++i) {
+      dst[i] = dst[i] == -infinity<C>() || row_lse == -infinity<C>() ? C(0) : exp_(dst[i] - row_lse);
+    }
+  }
+  // Zeros where the causal rule masks the whole pack (then true): y = 0 there, dy does not matter.
+  template <int N>
+  __device__ __forceinline__ bool zero_gradient(C* dst, int64 row, int64 col) const {
+    scores.broadcast.locate(row);
+    if (!scores.broadcast.causal_from(col)) return false;
 #pragma unroll
-        for (int i = 0; i < N; ++i) dst[i] = C(0);
-        return;
-      }
-      const Pack<T, N> pack = load_pack<T, N>(src + row * row_stride + col);
-      bool kept[N];
-      if (dropout) drop.template keep_pack<N>(static_cast<unsigned long long>(row * row_stride + col), kept);
+    for (int i = 0; i < N; ++i) dst[i] = C(0);
+    return true;
+  }
+  template <int N>
+  __device__ __forceinline__ void gradient(C* dst, int64 row, int64 col, const Pack<T, N>& pack) const {
+    bool kept[N];
+    if (dropout) drop.template keep_pack<N>(static_cast<unsigned long long>(row * row_stride + col), kept);
 #pragma unroll
-      for (int i = 0; i < N; ++i) {
-        const C g = cast<C>(pack.elem[i]);
-        dst[i] = dropout ? (kept[i] ? g * keep_scale : C(0)) : g;
-      }
+    for (int i = 0; i < N; ++i) {
+      const C g = cast<C>(pack.elem[i]);
+      dst[i] = dropout ? (kept[i] ? g * keep_scale : C(0)) : g;
     }
   }
 };

@@ -5,8 +5,8 @@ causal (rows whose passes stop at their last kept column, rows with none kept),
 dropout, the log-sum-exp, the backward, both policies, rows in order and
 interleaved (forced: at these sizes the L2 would keep them in order), another
 axis, out= and dropout_mask; then every asynchronous candidate of the tuner
-(no planner rule takes that path), with and without the causal rule. Prints the
-plans taken and "all paths ran" at the end."""
+for both stages (no planner rule takes that path), with and without the
+causal rule. Prints the plans taken and "all paths ran" at the end."""
 from __future__ import annotations
 
 import cupy
@@ -75,7 +75,7 @@ def run_paths(target, seen: set, interleaved: bool):
 
 
 def run_async_candidates(target, seen: set):
-    """Each block_async candidate of the forward (in both row orders, as the tuner offers
+    """Each block_async candidate of both stages (in both row orders, as the tuner offers
     them) on the bias, mask and dropout of run_paths, and with the causal rule too."""
     from cupyops.ops import fused_softmax_tune as tuner
 
@@ -87,17 +87,19 @@ def run_async_candidates(target, seen: set):
             bias = rng.standard_normal((rows // 2, cols), dtype=cupy.float32).astype(dtype)
             mask = rng.random((2, 1, cols)) < 0.8
             for causal in (False, True):
-                operands = fs.prepare(x, bias=bias, mask=mask, axis=-1, scale=0.5, causal=causal, diagonal=0,
-                                      dropout=0.1)
-                for _, launch in tuner.candidates("forward", short, operands.rows, cols, target, operands.fusion):
-                    if launch.spec.path.impl != "block_async":
-                        continue
-                    out, lse = cupy.empty_like(x), cupy.empty(x.shape[:-1], cupy.float32)
-                    stage = fs.stage_launch("forward", operands, "auto", out, chosen=launch)
-                    for offset in (0, 5):     # whole groups of eight, and packs straddling them
-                        stage.run(tuple(a.data.ptr for a in (*fs.stage_inputs(x, None, operands), out, lse)), 3,
-                                  offset)
-                    seen.add(launch.spec.name)
+                call = dict(bias=bias, mask=mask, scale=0.5, causal=causal, diagonal=0, dropout=0.1)
+                operands = fs.prepare(x, axis=-1, **call)
+                _, lse = cupyops.fused_softmax(x, return_lse=True, seed=3, **call)
+                for stage, dy in (("forward", None), ("backward", cupy.ones_like(x))):
+                    for _, launch in tuner.candidates(stage, short, operands.rows, cols, target, operands.fusion):
+                        if launch.spec.path.impl != "block_async":
+                            continue
+                        out = cupy.empty_like(x)
+                        main = fs.stage_launch(stage, operands, "auto", out, dy=dy, chosen=launch)
+                        for offset in (0, 5):     # whole groups of eight, and packs straddling them
+                            main.run(tuple(a.data.ptr for a in (*fs.stage_inputs(x, dy, operands), out, lse)), 3,
+                                     offset)
+                        seen.add(launch.spec.name)
 
 
 if __name__ == "__main__":

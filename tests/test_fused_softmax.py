@@ -54,11 +54,15 @@ def check_backward(rng, x, bias, mask, args, lse, dtype, policy="auto"):
     dy = rounded(rng.standard_normal(x.shape), dtype)
     dx = fs.fused_softmax_backward(to_gpu(dy.astype(dtype)), to_gpu(x.astype(dtype)), lse, bias=to_gpu(bias),
                                    mask=to_gpu(mask), policy=policy, **args)
-    expected = ref.backward(dy, x, bias=bias, mask=mask, **args)
-    # The probabilities come back through the float32 lse: float64 is as close as float32.
+    assert_gradient_close(host(dx), ref.backward(dy, x, bias=bias, mask=mask, **args), dtype)
+
+
+def assert_gradient_close(actual, expected, dtype, err_msg=""):
+    """dx against float64, relative to its largest magnitude: the probabilities come back
+    through the float32 lse, so float64 is as close as float32."""
     rtol = max(4 * TOLERANCES[numpy.dtype(dtype)]["rtol"], 4e-5)
     big = max(1.0, float(numpy.nanmax(numpy.abs(expected), initial=0)))
-    numpy.testing.assert_allclose(host(dx), expected, rtol=rtol, atol=rtol * big, equal_nan=True)
+    numpy.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * big, equal_nan=True, err_msg=err_msg)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -125,14 +129,15 @@ def test_causal_rows_on_every_forward_plan(rng, cols, dtype):
             numpy.testing.assert_allclose(host(lse), lse_ref, rtol=1e-5, atol=1e-5, err_msg=label)
 
 
+@pytest.mark.parametrize("stage", ["forward", "backward"])
 @pytest.mark.parametrize("cols", [2048, 4096])
 @pytest.mark.parametrize("dtype", [numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)], ids=str)
-def test_every_forward_plan_with_bias_mask_and_dropout(rng, cols, dtype):
-    """Every candidate forward plan (the tuner's; from 2048 aligned columns the asynchronous
-    path's, whose LOAD fuses after shared memory, among them), in both row orders, with a
+def test_every_plan_with_bias_mask_and_dropout(rng, stage, cols, dtype):
+    """Every candidate plan of a stage (the tuner's; from 2048 aligned columns the asynchronous
+    path's, whose LOADs fuse after shared memory, among them), in both row orders, with a
     position bias, a padding mask and dropout, against float64: a -inf and a NaN score, a row
-    with none kept; y and lse into NaN-filled outputs; dropout offsets that do and do not start
-    whole groups of eight."""
+    with none kept; outputs (y and lse, dx) NaN-filled first; dropout offsets that do and do
+    not start whole groups of eight."""
     import cupy
 
     from cupyops.launch import Target
@@ -141,24 +146,33 @@ def test_every_forward_plan_with_bias_mask_and_dropout(rng, cols, dtype):
     shape = (2, 2, 3, cols)
     x = rounded(rng.standard_normal(shape) * 3, dtype)
     x[0, 0, 1, 5], x[1, 1, 2, 7] = -numpy.inf, numpy.nan
+    dy = rounded(rng.standard_normal(shape), dtype)
     bias = rng.standard_normal(shape[1:]).astype(numpy.float32)
     mask = rng.random((2, 1, 3, cols)) < 0.8
     mask[1, 0, 0] = False
     short = {2: "f16", 4: "f32"}[dtype.itemsize]
     operands = fs.prepare(to_gpu(x.astype(dtype)), bias=to_gpu(bias), mask=to_gpu(mask), axis=-1, scale=0.5,
                           causal=False, diagonal=0, dropout=0.1)
-    found = tuner.candidates("forward", short, operands.rows, cols, Target.live(0), operands.fusion)
+    found = tuner.candidates(stage, short, operands.rows, cols, Target.live(0), operands.fusion)
     assert {"block_async", "block_regs"} <= {launch.spec.path.impl for _, launch in found}
+    dy_gpu = to_gpu(dy.astype(dtype)) if stage == "backward" else None
     for offset in (3, 8):
-        y_ref, lse_ref = ref.forward(x, scale=0.5, bias=bias, mask=mask, dropout=0.1, seed=5, offset=offset)
+        args = dict(scale=0.5, bias=bias, mask=mask, dropout=0.1, seed=5, offset=offset)
+        y_ref, lse_ref = ref.forward(x, **args)
+        lse = to_gpu(lse_ref.astype(numpy.float32))
         for description, launch in found:
             out = cupy.full(shape, numpy.nan, dtype)
-            lse = cupy.full(shape[:-1], numpy.nan, numpy.float32)
-            main = fs.stage_launch("forward", operands, "auto", out, chosen=launch)
-            main.run(tuple(a.data.ptr for a in (*fs.stage_inputs(operands.x, None, operands), out, lse)), 5, offset)
+            if stage == "forward":
+                lse = cupy.full(shape[:-1], numpy.nan, numpy.float32)
+            main = fs.stage_launch(stage, operands, "auto", out, dy=dy_gpu, chosen=launch)
+            main.run(tuple(a.data.ptr for a in (*fs.stage_inputs(operands.x, dy_gpu, operands), out, lse)), 5,
+                     offset)
             label = f"{description['label']} offset {offset}"
-            assert_close(host(out), y_ref, dtype, scale=2.0, err_msg=label)
-            numpy.testing.assert_allclose(host(lse), lse_ref, rtol=1e-5, atol=1e-5, err_msg=label)
+            if stage == "forward":
+                assert_close(host(out), y_ref, dtype, scale=2.0, err_msg=label)
+                numpy.testing.assert_allclose(host(lse), lse_ref, rtol=1e-5, atol=1e-5, err_msg=label)
+            else:
+                assert_gradient_close(host(out), ref.backward(dy, x, **args), dtype, err_msg=label)
 
 
 def test_fully_masked_rows_give_zeros(rng):

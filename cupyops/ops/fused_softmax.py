@@ -7,9 +7,9 @@ STORE functors of kernels/fused_softmax.cuh; the rules' plan is softmax's
 leads to) swapped for registers, shared memory filled through the LOAD, or
 re-reading the row, and caches of the storage type for caches of the compute
 type (a score x * scale + bias, rounded back to 16 bits, would lose what the
-fusion keeps). The tuner also offers the forward the cp.async path, which
-caches x's packs as they are and applies the fusion as it reads them back
-(its winners ship in the tuned tables). The dropout mask is
+fusion keeps). The tuner also offers the cp.async path, which caches the
+inputs' packs as they are and applies the fusion as it reads them back (its
+winners ship in the tuned tables). The dropout mask is
 Philox4x32-10 of each element's linear index (kernels/philox.cuh): the
 backward regenerates it from (seed, offset) and recomputes the
 probabilities from x and the row's log-sum-exp, which the forward's STORE

@@ -25,8 +25,7 @@ from .row_candidates import TIMER_BUDGET_S, Tuned, recording_errors
 from .softmax_candidates import candidates as row_plans
 
 # softmax's paths that read a row through a LOAD functor (the fused kernels' inputs); the
-# asynchronous one caches x's packs as they are and fuses when it reads them back (forward
-# only: the backward's LOADs read two arrays per row and recompute from the lse)
+# asynchronous one caches the inputs' packs as they are and fuses as it reads them back
 FUSED_IMPLS = ("warp", "block_regs", "block_smem", "block_uncached", "block_async")
 CHECKED_ROWS = 64
 # the largest difference from the oneflow policy's result a candidate may show
@@ -42,7 +41,7 @@ def candidates(stage: str, dtype: str, rows: int, cols: int, target: Target, fus
         spec = candidate.launch.spec
         if candidate.label in ("auto", "oneflow") or spec.impl not in FUSED_IMPLS or \
                 (spec.impl == "block_regs" and spec.storage_cache) or \
-                (spec.impl == "block_async" and (stage != "forward" or spec.cluster_size > 1)):
+                (spec.impl == "block_async" and spec.cluster_size > 1):
             continue
         orders = [candidate.describe()]
         if fusion.entries > 1:
