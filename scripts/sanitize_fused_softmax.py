@@ -6,8 +6,13 @@ dropout, the log-sum-exp, the backward, both policies, rows in order and
 interleaved (forced: at these sizes the L2 would keep them in order), another
 axis, out= and dropout_mask; then every asynchronous candidate of the tuner
 for both stages (no planner rule takes that path), with and without the
-causal rule. Prints the plans taken and "all paths ran" at the end."""
+causal rule. Prints the plans taken and "all paths ran" at the end.
+
+Usage: sanitize_fused_softmax.py [all|paths|async]: the planner's paths, the
+asynchronous candidates, or both (the default)."""
 from __future__ import annotations
+
+import sys
 
 import cupy
 
@@ -25,13 +30,17 @@ def force_interleaved_rows():
     fs._launches = LaunchCache()
 
 
-def main():
+def main(part: str):
+    if part not in ("all", "paths", "async"):
+        raise SystemExit(f"usage: sanitize_fused_softmax.py [all|paths|async], not {part!r}")
     target = Target.live(cupy.cuda.runtime.getDevice())
     seen = set()
-    run_paths(target, seen, interleaved=False)
-    force_interleaved_rows()
-    run_paths(target, seen, interleaved=True)
-    run_async_candidates(target, seen)
+    if part in ("all", "paths"):
+        run_paths(target, seen, interleaved=False)
+        force_interleaved_rows()
+        run_paths(target, seen, interleaved=True)
+    if part in ("all", "async"):
+        run_async_candidates(target, seen)
     cupyops.fused_softmax(x_view(), axis=1, dropout=0.2, seed=1)     # another axis, a view
     cupyops.dropout_mask((1000, 33), 0.3, seed=5, offset=7)
     cupy.cuda.Device().synchronize()
@@ -103,4 +112,4 @@ def run_async_candidates(target, seen: set):
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "all")

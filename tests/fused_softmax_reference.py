@@ -43,7 +43,8 @@ def forward(x, scale=1.0, bias=None, mask=None, causal=False, diagonal=0, dropou
         s = e.sum(axis=-1, keepdims=True)
         y = numpy.where(dropped, 0.0, e / s)
         lse = numpy.where(m == -numpy.inf, -numpy.inf, m + numpy.log(s))[..., 0]
-    return y * keep_scale(y.shape, dropout, seed, offset), lse
+    kept = keep_scale(y.shape, dropout, seed, offset)
+    return numpy.where(kept == 0, 0.0, y * kept), lse       # a dropped element is 0, NaN rows too
 
 
 def backward(dy, x, scale=1.0, bias=None, mask=None, causal=False, diagonal=0, dropout=0.0, seed=0, offset=0):
