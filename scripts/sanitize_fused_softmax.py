@@ -4,9 +4,9 @@ uncached paths (rows of 1 to 2^17 columns, aligned and peeled), bias, mask,
 causal (rows whose passes stop at their last kept column, rows with none kept),
 dropout, the log-sum-exp, the backward, both policies, rows in order and
 interleaved (forced: at these sizes the L2 would keep them in order), another
-axis, out= and dropout_mask; then every asynchronous candidate of the tuner
-for both stages (no planner rule takes that path), with and without the
-causal rule. Prints the plans taken and "all paths ran" at the end.
+axis, out= and dropout_mask; then one asynchronous candidate of each variant
+the tuner offers for both stages (the shipped tables, not the rules, take that
+path), with and without the causal rule. Prints the plans taken and "all paths ran" at the end.
 
 Usage: sanitize_fused_softmax.py [all|paths|async]: the planner's paths, the
 asynchronous candidates, or both (the default)."""
@@ -84,32 +84,34 @@ def run_paths(target, seen: set, interleaved: bool):
 
 
 def run_async_candidates(target, seen: set):
-    """Each block_async candidate of both stages (in both row orders, as the tuner offers
-    them) on the bias, mask and dropout of run_paths, and with the causal rule too."""
+    """One block_async candidate of each variant the tuner offers for both stages (stages of
+    the pipeline, online or not, per-row or interleaved rows: its label less the block size)
+    on the bias, mask and dropout of run_paths, with and without the causal rule."""
     from cupyops.ops import fused_softmax_tune as tuner
 
     rng = cupy.random.default_rng(1)
-    for cols in (2048, 16384):
+    for cols, dtype, short in ((2048, cupy.float32, "f32"), (16384, cupy.float16, "f16")):
         rows = 4 if cols > 8192 else 24
-        for dtype, short in ((cupy.float16, "f16"), (cupy.float32, "f32")):
-            x = rng.standard_normal((2, rows // 2, cols), dtype=cupy.float32).astype(dtype)
-            bias = rng.standard_normal((rows // 2, cols), dtype=cupy.float32).astype(dtype)
-            mask = rng.random((2, 1, cols)) < 0.8
-            for causal in (False, True):
-                call = dict(bias=bias, mask=mask, scale=0.5, causal=causal, diagonal=0, dropout=0.1)
-                operands = fs.prepare(x, axis=-1, **call)
-                _, lse = cupyops.fused_softmax(x, return_lse=True, seed=3, **call)
-                for stage, dy in (("forward", None), ("backward", cupy.ones_like(x))):
-                    for _, launch in tuner.candidates(stage, short, operands.rows, cols, target, operands.fusion):
-                        if launch.spec.path.impl != "block_async":
-                            continue
-                        out = cupy.empty_like(x)
-                        main = fs.stage_launch(stage, operands, "auto", out, dy=dy, chosen=launch)
-                        for offset in (0, 5):     # whole groups of eight, and packs straddling them
-                            main.run(tuple(a.data.ptr for a in (*fs.stage_inputs(x, dy, operands), out, lse)), 3,
-                                     offset)
-                        seen.add(launch.spec.name)
-
+        x = rng.standard_normal((2, rows // 2, cols), dtype=cupy.float32).astype(dtype)
+        bias = rng.standard_normal((rows // 2, cols), dtype=cupy.float32).astype(dtype)
+        mask = rng.random((2, 1, cols)) < 0.8
+        for causal in (False, True):
+            call = dict(bias=bias, mask=mask, scale=0.5, causal=causal, diagonal=0, dropout=0.1)
+            operands = fs.prepare(x, axis=-1, **call)
+            _, lse = cupyops.fused_softmax(x, return_lse=True, seed=3, **call)
+            for stage, dy in (("forward", None), ("backward", cupy.ones_like(x))):
+                variants = set()
+                for description, launch in tuner.candidates(stage, short, operands.rows, cols, target,
+                                                            operands.fusion):
+                    variant = [w for w in description["label"].split() if not (w[0] == "b" and w[1:].isdigit())]
+                    if launch.spec.path.impl != "block_async" or tuple(variant) in variants:
+                        continue
+                    variants.add(tuple(variant))
+                    out = cupy.empty_like(x)
+                    main = fs.stage_launch(stage, operands, "auto", out, dy=dy, chosen=launch)
+                    for offset in (0, 5):     # whole groups of eight, and packs straddling them
+                        main.run(tuple(a.data.ptr for a in (*fs.stage_inputs(x, dy, operands), out, lse)), 3, offset)
+                    seen.add(launch.spec.name)
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else "all")
