@@ -470,8 +470,9 @@ def fused_softmax(x, *, scale=1.0, bias=None, mask=None, causal=False, diagonal=
     mask (bool) broadcast to x NumPy-style and are read in their own shape. Every masked
     position gives 0, so a row with no kept position gives zeros (torch: NaN). Dropout keeps
     an element iff dropout_mask(x.shape, dropout, seed, offset) does, scaling it by
-    1 / (1 - dropout); a dropped element is 0, in a row of NaN too (torch: NaN). return_lse: also the float32 log-sum-exp of each row (-inf where no
-    position is kept), what fused_softmax_backward needs, written by the same kernel.
+    1 / (1 - dropout); a dropped element is 0, in a row of NaN too (torch: NaN).
+    return_lse: also the float32 log-sum-exp of each row (-inf where no position is kept),
+    what fused_softmax_backward needs, written by the same kernel.
     """
     key = call_key(("forward", policy, scale, causal, diagonal, dropout, axis, return_lse), (x, bias, mask, out))
     call = _launches.find(key)
