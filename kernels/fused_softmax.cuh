@@ -61,6 +61,16 @@ struct BroadcastRow {
   // Whether the causal rule masks all of columns col.. of the located row: their x (and dy)
   // need not be read.
   __device__ __forceinline__ bool causal_from(int64 col) const { return causal && col > last_col; }
+  // Whether the causal rule masks all of columns col..col + N of row `at` (then located):
+  // dst then holds `value` there, and x (and dy) need not be read.
+  template <int N, typename C>
+  __device__ __forceinline__ bool fill_if_masked_whole(C* dst, int64 at, int64 col, C value) const {
+    locate(at);
+    if (!causal_from(col)) return false;
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = value;
+    return true;
+  }
   // The end of the located row's columns the causal rule keeps, within [0, cols].
   __device__ __forceinline__ int64 causal_end(int64 cols) const {
     return last_col < 0 ? int64(0) : last_col >= cols ? cols : last_col + 1;
@@ -177,27 +187,20 @@ struct ScoresLoad {
   // The same for data row `row`.
   template <int N>
   __device__ __forceinline__ void load_row(C* dst, int64 row, int64 col) const {
-    if (!masked_whole<N>(dst, row, col)) scores<N>(dst, row, col, load_pack<T, N>(x + row * row_stride + col));
+    if (!broadcast.template fill_if_masked_whole<N>(dst, row, col, -infinity<C>())) {
+      scores<N>(dst, row, col, load_pack<T, N>(x + row * row_stride + col));
+    }
   }
   // x's row i, and the scores of its pack at col from the pack itself.
   __device__ __forceinline__ const T* row_source(int64 i) const { return x + order(i) * row_stride; }
   template <int N>
   __device__ __forceinline__ void from_pack(C* dst, int64 i, int64 col, const Pack<T, N>& pack) const {
     const int64 row = order(i);
-    if (!masked_whole<N>(dst, row, col)) scores<N>(dst, row, col, pack);
+    if (!broadcast.template fill_if_masked_whole<N>(dst, row, col, -infinity<C>())) scores<N>(dst, row, col, pack);
   }
 
  private:
-  // -inf at columns col..col + N of data row `row` where the causal rule masks them all
-  // (then true); it locates the row for scores().
-  template <int N>
-  __device__ __forceinline__ bool masked_whole(C* dst, int64 row, int64 col) const {
-    broadcast.locate(row);
-    if (!broadcast.causal_from(col)) return false;
-#pragma unroll
-    for (int i = 0; i < N; ++i) dst[i] = -infinity<C>();
-    return true;
-  }
+  // The scores of a pack of data row `row`, located by fill_if_masked_whole.
   template <int N>
   __device__ __forceinline__ void scores(C* dst, int64 row, int64 col, const Pack<T, N>& pack) const {
     bool dropped[N];
@@ -305,7 +308,7 @@ struct FusedGradLoad {
     if (probability) {
       scores.template load_row<N>(dst, row, col);
       probabilities<N>(dst, row);
-    } else if (!zero_gradient<N>(dst, row, col)) {
+    } else if (!scores.broadcast.template fill_if_masked_whole<N>(dst, row, col, C(0))) {   // y = 0 there
       gradient<N>(dst, row, col, load_pack<T, N>(src + row * row_stride + col));
     }
   }
@@ -317,7 +320,7 @@ struct FusedGradLoad {
     if (probability) {
       scores.template from_pack<N>(dst, i, col, pack);
       probabilities<N>(dst, row);
-    } else if (!zero_gradient<N>(dst, row, col)) {
+    } else if (!scores.broadcast.template fill_if_masked_whole<N>(dst, row, col, C(0))) {
       gradient<N>(dst, row, col, pack);
     }
   }
@@ -331,15 +334,6 @@ struct FusedGradLoad {
     for (int i = 0; i < N; ++i) {
       dst[i] = dst[i] == -infinity<C>() || row_lse == -infinity<C>() ? C(0) : exp_(dst[i] - row_lse);
     }
-  }
-  // Zeros where the causal rule masks the whole pack (then true): y = 0 there, dy does not matter.
-  template <int N>
-  __device__ __forceinline__ bool zero_gradient(C* dst, int64 row, int64 col) const {
-    scores.broadcast.locate(row);
-    if (!scores.broadcast.causal_from(col)) return false;
-#pragma unroll
-    for (int i = 0; i < N; ++i) dst[i] = C(0);
-    return true;
   }
   template <int N>
   __device__ __forceinline__ void gradient(C* dst, int64 row, int64 col, const Pack<T, N>& pack) const {
