@@ -85,7 +85,7 @@ def run_paths(target, seen: set, interleaved: bool):
 
 def run_async_candidates(target, seen: set):
     """One block_async candidate of each variant the tuner offers for both stages (stages of
-    the pipeline, online or not, per-row or interleaved rows: its label less the block size)
+    the pipeline, online or not, its grid, rows in order or interleaved; any block size)
     on the bias, mask and dropout of run_paths, with and without the causal rule."""
     from cupyops.ops import fused_softmax_tune as tuner
 
@@ -103,10 +103,11 @@ def run_async_candidates(target, seen: set):
                 variants = set()
                 for description, launch in tuner.candidates(stage, short, operands.rows, cols, target,
                                                             operands.fusion):
-                    variant = [w for w in description["label"].split() if not (w[0] == "b" and w[1:].isdigit())]
-                    if launch.spec.path.impl != "block_async" or tuple(variant) in variants:
+                    path = launch.spec.path
+                    variant = (path.stages, path.online, description["grid"], launch.spec.interleaved)
+                    if path.impl != "block_async" or variant in variants:
                         continue
-                    variants.add(tuple(variant))
+                    variants.add(variant)
                     out = cupy.empty_like(x)
                     main = fs.stage_launch(stage, operands, "auto", out, dy=dy, chosen=launch)
                     for offset in (0, 5):     # whole groups of eight, and packs straddling them
