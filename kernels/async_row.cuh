@@ -21,6 +21,10 @@
 // memory is then still read once by them, or a row that fits leaves room for
 // more blocks an SM (the planners keep the tails within the row).
 //
+// bounded (softmax_block_async under a LOAD that declares RowEnd, softmax.cuh):
+// only the packs before pack `live` of the row are copied, held and visited;
+// for_each_pack_from(live, ...) names the rest.
+//
 // What the cache reads of a LOAD (CachedLoad): a DirectLoad's rows at src +
 // row * row_stride, cast to C; a LOAD with a static member kFromPack (the
 // fused forward's scores) names its row's address, row_source(row), and turns
@@ -84,20 +88,29 @@ struct AsyncRowCache {
 
   __device__ __forceinline__ int tail_pack(int k) const { return first_tail_pack + k * block_size; }
 
+  // This block's packs in shared memory that start before pack `live` of the row (bounded), or all.
+  template <bool bounded>
+  __device__ __forceinline__ int shared_packs(int live) const {
+    return bounded ? max(0, min(num_packs, live - first_pack)) : num_packs;
+  }
+
   // Starts the copy of `row` into `stage` (committed as one cp.async group)
   // and loads the register tail. loads[j]: input j (src, row_stride).
-  template <typename Load>
-  __device__ __forceinline__ void fetch(const Load (&loads)[N], int64 row, int stage, Tail& tail) const {
+  template <bool bounded = false, typename Load>
+  __device__ __forceinline__ void fetch(const Load (&loads)[N], int64 row, int stage, Tail& tail,
+                                        int live = 0) const {
+    const int packs = shared_packs<bounded>(live);
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       const T* row_start = CachedLoad<Load>::template source<T>(loads[j], row);
       const P* source = reinterpret_cast<const P*>(row_start) + first_pack;
       P* buffer = buffers + (stage * N + j) * share_packs;
-      for (int p = threadIdx.x; p < num_packs; p += block_size) cp_async_pack<16>(buffer + p, source + p);
+      for (int p = threadIdx.x; p < packs; p += block_size) cp_async_pack<16>(buffer + p, source + p);
     }
     cp_async_commit();
 #pragma unroll
     for (int k = 0; k < tail_packs; ++k) {
+      if (bounded && tail_pack(k) >= live) continue;
 #pragma unroll
       for (int j = 0; j < N; ++j) {
         tail[k][j] = load_pack<T, pack_size>(CachedLoad<Load>::template source<T>(loads[j], row) +
@@ -109,10 +122,11 @@ struct AsyncRowCache {
   // Calls use(pack, v) for each pack of `row` this thread caches (shared
   // memory, then the register tail); v[j][i]: element i of input j, in C, as
   // loads[j] reads it (CachedLoad).
-  template <typename Load, typename Use>
+  template <bool bounded = false, typename Load, typename Use>
   __device__ __forceinline__ void for_each_pack(const Load (&loads)[N], int64 row, int stage, const Tail& tail,
-                                                const Use& use) const {
-    for (int p = threadIdx.x; p < num_packs; p += block_size) {
+                                                const Use& use, int live = 0) const {
+    const int packs = shared_packs<bounded>(live);
+    for (int p = threadIdx.x; p < packs; p += block_size) {
       C v[N][pack_size];
       const int64 col = static_cast<int64>(first_pack + p) * pack_size;
 #pragma unroll
@@ -124,11 +138,25 @@ struct AsyncRowCache {
     }
 #pragma unroll
     for (int k = 0; k < tail_packs; ++k) {
+      if (bounded && tail_pack(k) >= live) continue;
       C v[N][pack_size];
       const int64 col = static_cast<int64>(tail_pack(k)) * pack_size;
 #pragma unroll
       for (int j = 0; j < N; ++j) CachedLoad<Load>::convert(loads[j], v[j], row, col, tail[k][j]);
       use(tail_pack(k), v);
+    }
+  }
+
+  // Calls past(pack) for each pack of this thread's (shared memory, then the
+  // register tail) from pack `live` of the row on: those a bounded fetch left out.
+  template <typename Past>
+  __device__ __forceinline__ void for_each_pack_from(int live, const Past& past) const {
+    for (int p = threadIdx.x; p < num_packs; p += block_size) {
+      if (first_pack + p >= live) past(first_pack + p);
+    }
+#pragma unroll
+    for (int k = 0; k < tail_packs; ++k) {
+      if (tail_pack(k) >= live) past(tail_pack(k));
     }
   }
 };

@@ -263,8 +263,9 @@ __device__ __forceinline__ void finish_row(const Store&, const Op&, C, int64, bo
 // static member kRowEnds is true has a member live_end(row, cols) (the fused
 // forward under the causal rule, where every column from there on is masked and
 // its output is 0), and the block paths leave the rest out of the row's max and
-// sum and store zeros there without computing them (block_smem, block_uncached;
-// the register paths hold the row whole and keep their passes). Other LOADs keep
+// sum and store zeros there without computing them (block_smem, block_uncached,
+// block_async, which copies none of them; the register paths hold the row whole
+// and keep their passes). Other LOADs keep
 // every column, and their kernels are unchanged. Such a LOAD's STORE has a member
 // store_zeros<N>(row, col) for the packs past the live end.
 template <typename Load, typename = void>
@@ -479,13 +480,20 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
   typedef AsyncRowCache<T, C, N, pack_size, block_size, stages, cluster_size, tail_packs> Cache;
   const Cache cache(shared_buf, cols, rank);
   typename Cache::Tail tail;
+  // Under a LOAD with row ends (RowEnd) only the packs before a row's live end are copied and
+  // read; the packs past it are stored as zeros.
+  constexpr bool bounded = RowEnd<Load>::bounded;
+  auto live_packs = [&](int64 row) {
+    return static_cast<int>(RowEnd<Load>::template packs_before<pack_size>(loads[0], row, cols, 0, cols / pack_size));
+  };
   int stage = 0;
   unsigned parity = 0;   // the cluster's published partials alternate by row
-  if (first_row < rows) cache.fetch(loads, first_row, 0, tail);
+  if (first_row < rows) cache.template fetch<bounded>(loads, first_row, 0, tail, live_packs(first_row));
   for (int64 row = first_row; row < rows; row += row_step, parity ^= 1) {
     const int64 next = row + row_step;
+    const int live = live_packs(row);
     if (stages == 2 && next < rows) {
-      cache.fetch(loads, next, stage ^ 1, tail);
+      cache.template fetch<bounded>(loads, next, stage ^ 1, tail, live_packs(next));
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
@@ -494,7 +502,8 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
     if constexpr (Op::needs_max && online) {
       // One pass over the cache: a running (max, sum) per thread.
       OnlineSoftmaxState<C> state{-infinity<C>(), C(0)};
-      cache.for_each_pack(loads, row, stage, tail, [&](int, const C (&v)[N][pack_size]) { state.add_pack(v[0]); });
+      cache.template for_each_pack<bounded>(
+          loads, row, stage, tail, [&](int, const C (&v)[N][pack_size]) { state.add_pack(v[0]); }, live);
       OnlineSoftmaxState<C> row_state = state.template block_all_reduce<block_size>();
       if constexpr (cluster_size > 1) {
         row_state = cluster_all_reduce<cluster_size>(row_state, parity, OnlineSoftmaxState<C>::combined);
@@ -505,27 +514,32 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
     } else {
       if (Op::needs_max) {
         C thread_max = -infinity<C>();
-        cache.for_each_pack(loads, row, stage, tail, [&](int, const C (&v)[N][pack_size]) {
+        cache.template for_each_pack<bounded>(loads, row, stage, tail, [&](int, const C (&v)[N][pack_size]) {
 #pragma unroll
           for (int i = 0; i < pack_size; ++i) thread_max = MaxOp<C>()(thread_max, v[0][i]);
-        });
+        }, live);
         op.set_max(block_all_reduce<MaxOp, C, block_size>(thread_max));
       }
       C thread_sum = 0;
-      cache.for_each_pack(loads, row, stage, tail,
-                          [&](int, const C (&v)[N][pack_size]) { add_pack_terms(op, v, thread_sum); });
+      cache.template for_each_pack<bounded>(
+          loads, row, stage, tail, [&](int, const C (&v)[N][pack_size]) { add_pack_terms(op, v, thread_sum); }, live);
       C row_sum = block_all_reduce<SumOp, C, block_size>(thread_sum);
       if constexpr (cluster_size > 1) row_sum = cluster_all_reduce<cluster_size>(row_sum, parity, SumOp<C>());
       op.set_sum(row_sum);
       finish_row(store, op, row_sum, row, threadIdx.x == 0 && rank == 0, 0);
     }
-    cache.for_each_pack(loads, row, stage, tail, [&](int pack, const C (&v)[N][pack_size]) {
+    cache.template for_each_pack<bounded>(loads, row, stage, tail, [&](int pack, const C (&v)[N][pack_size]) {
       store_pack_outputs(op, store, v, row, static_cast<int64>(pack) * pack_size);
-    });
+    }, live);
+    if constexpr (bounded) {
+      cache.for_each_pack_from(live, [&](int pack) {
+        store.template store_zeros<pack_size>(row, static_cast<int64>(pack) * pack_size);
+      });
+    }
     if (stages == 2) {
       stage ^= 1;
     } else if (next < rows) {
-      cache.fetch(loads, next, 0, tail);
+      cache.template fetch<bounded>(loads, next, 0, tail, live_packs(next));
     }
   }
   // No block leaves while another of its cluster may still read its published partials.

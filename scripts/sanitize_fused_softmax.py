@@ -95,8 +95,8 @@ def run_async_candidates(target, seen: set):
         x = rng.standard_normal((2, rows // 2, cols), dtype=cupy.float32).astype(dtype)
         bias = rng.standard_normal((rows // 2, cols), dtype=cupy.float32).astype(dtype)
         mask = rng.random((2, 1, cols)) < 0.8
-        for causal in (False, True):
-            call = dict(bias=bias, mask=mask, scale=0.5, causal=causal, diagonal=0, dropout=0.1)
+        for causal, diagonal in ((False, 0), (True, 0), (True, -1)):   # causal: rows ending early, one with none kept
+            call = dict(bias=bias, mask=mask, scale=0.5, causal=causal, diagonal=diagonal, dropout=0.1)
             operands = fs.prepare(x, axis=-1, **call)
             _, lse = cupyops.fused_softmax(x, return_lse=True, seed=3, **call)
             for stage, dy in (("forward", None), ("backward", cupy.ones_like(x))):

@@ -95,36 +95,46 @@ def test_causal(rng, sq, sk, diagonal):
     check_backward(rng, *found, numpy.float16)
 
 
-@pytest.mark.parametrize("cols", [1001, 4097, 20001])
-@pytest.mark.parametrize("dtype", [numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)], ids=str)
-def test_causal_rows_on_every_forward_plan(rng, cols, dtype):
-    """Every candidate forward plan (the tuner's, so every path that stops a row's passes at its
-    last kept column, and the register paths that do not) under the causal rule, alone and with
-    dropout, against float64: rows ending before, inside and past a pack, none kept (a negative
-    diagonal), peeled rows (odd cols), into a NaN-filled output; y and lse."""
+def every_candidate(stage, operands, shape, dtype, dy=None, lse=None, *, seed, offset, impls=()):
+    """Runs each candidate plan the tuner offers for `stage` of `operands` (the `impls` paths
+    among them) into a NaN-filled output and, forward, a NaN-filled lse (backward: reads `lse`);
+    yields (label, out, lse)."""
     import cupy
 
     from cupyops.launch import Target
     from cupyops.ops import fused_softmax_tune as tuner
 
+    short = {2: "f16", 4: "f32"}[numpy.dtype(dtype).itemsize]
+    found = tuner.candidates(stage, short, operands.rows, shape[-1], Target.live(0), operands.fusion)
+    assert set(impls) <= {launch.spec.path.impl for _, launch in found}
+    for description, launch in found:
+        out = cupy.full(shape, numpy.nan, dtype)
+        if stage == "forward":
+            lse = cupy.full(shape[:-1], numpy.nan, numpy.float32)
+        main = fs.stage_launch(stage, operands, "auto", out, dy=dy, chosen=launch)
+        main.run(tuple(a.data.ptr for a in (*fs.stage_inputs(operands.x, dy, operands), out, lse)), seed, offset)
+        yield description["label"], out, lse
+
+
+@pytest.mark.parametrize("cols", [1001, 4096, 4097, 20001])
+@pytest.mark.parametrize("dtype", [numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)], ids=str)
+def test_causal_rows_on_every_forward_plan(rng, cols, dtype):
+    """Every candidate forward plan (the tuner's, so every path that stops a row's passes at its
+    last kept column, and the register paths that do not) under the causal rule, alone and with
+    dropout, against float64: rows ending before, inside and past a pack, none kept (a negative
+    diagonal), peeled rows (odd cols), rows cached by cp.async (4096), into a NaN-filled output;
+    y and lse."""
     sq = 9
+    impls = {"block_regs"} | ({"block_smem"} if cols >= 4096 else set()) | \
+        ({"block_uncached"} if cols >= 16384 else set()) | ({"block_async"} if cols % 8 == 0 else set())
     for diagonal, dropout in ((cols - sq, 0.0), (-3, 0.0), (cols // 2, 0.1)):
         x = rounded(rng.standard_normal((sq, cols)) * 3, dtype)
         args = dict(scale=0.5, causal=True, diagonal=diagonal, dropout=dropout, seed=5, offset=3)
         y_ref, lse_ref = ref.forward(x, **args)
         operands = fs.prepare(to_gpu(x.astype(dtype)), bias=None, mask=None, axis=-1,
                               **{k: args[k] for k in ("scale", "causal", "diagonal", "dropout")})
-        short = {2: "f16", 4: "f32"}[dtype.itemsize]
-        found = tuner.candidates("forward", short, operands.rows, cols, Target.live(0), operands.fusion)
-        impls = {launch.spec.path.impl for _, launch in found}
-        assert cols < 4096 or "block_smem" in impls, impls
-        assert cols < 16384 or "block_uncached" in impls, impls
-        for description, launch in found:
-            out = cupy.full((sq, cols), numpy.nan, dtype)
-            lse = cupy.full((sq,), numpy.nan, numpy.float32)
-            main = fs.stage_launch("forward", operands, "auto", out, chosen=launch)
-            main.run(tuple(a.data.ptr for a in (*fs.stage_inputs(operands.x, None, operands), out, lse)), 5, 3)
-            label = f"{description['label']} diagonal {diagonal} dropout {dropout}"
+        for label, out, lse in every_candidate("forward", operands, (sq, cols), dtype, seed=5, offset=3, impls=impls):
+            label = f"{label} diagonal {diagonal} dropout {dropout}"
             assert_close(host(out), y_ref, dtype, scale=2.0, err_msg=label)
             numpy.testing.assert_allclose(host(lse), lse_ref, rtol=1e-5, atol=1e-5, err_msg=label)
 
@@ -138,11 +148,6 @@ def test_every_plan_with_bias_mask_and_dropout(rng, stage, cols, dtype):
     position bias, a padding mask and dropout, against float64: a -inf and a NaN score, a row
     with none kept; outputs (y and lse, dx) NaN-filled first; dropout offsets that do and do
     not start whole groups of eight."""
-    import cupy
-
-    from cupyops.launch import Target
-    from cupyops.ops import fused_softmax_tune as tuner
-
     shape = (2, 2, 3, cols)
     x = rounded(rng.standard_normal(shape) * 3, dtype)
     x[0, 0, 1, 5], x[1, 1, 2, 7] = -numpy.inf, numpy.nan
@@ -150,29 +155,22 @@ def test_every_plan_with_bias_mask_and_dropout(rng, stage, cols, dtype):
     bias = rng.standard_normal(shape[1:]).astype(numpy.float32)
     mask = rng.random((2, 1, 3, cols)) < 0.8
     mask[1, 0, 0] = False
-    short = {2: "f16", 4: "f32"}[dtype.itemsize]
     operands = fs.prepare(to_gpu(x.astype(dtype)), bias=to_gpu(bias), mask=to_gpu(mask), axis=-1, scale=0.5,
                           causal=False, diagonal=0, dropout=0.1)
-    found = tuner.candidates(stage, short, operands.rows, cols, Target.live(0), operands.fusion)
-    assert {"block_async", "block_regs"} <= {launch.spec.path.impl for _, launch in found}
     dy_gpu = to_gpu(dy.astype(dtype)) if stage == "backward" else None
     for offset in (3, 8):
         args = dict(scale=0.5, bias=bias, mask=mask, dropout=0.1, seed=5, offset=offset)
         y_ref, lse_ref = ref.forward(x, **args)
-        lse = to_gpu(lse_ref.astype(numpy.float32))
-        for description, launch in found:
-            out = cupy.full(shape, numpy.nan, dtype)
-            if stage == "forward":
-                lse = cupy.full(shape[:-1], numpy.nan, numpy.float32)
-            main = fs.stage_launch(stage, operands, "auto", out, dy=dy_gpu, chosen=launch)
-            main.run(tuple(a.data.ptr for a in (*fs.stage_inputs(operands.x, dy_gpu, operands), out, lse)), 5,
-                     offset)
-            label = f"{description['label']} offset {offset}"
+        dx_ref = ref.backward(dy, x, **args) if stage == "backward" else None
+        lse_gpu = to_gpu(lse_ref.astype(numpy.float32))
+        for label, out, lse in every_candidate(stage, operands, shape, dtype, dy_gpu, lse_gpu, seed=5, offset=offset,
+                                               impls={"block_async", "block_regs"}):
+            label = f"{label} offset {offset}"
             if stage == "forward":
                 assert_close(host(out), y_ref, dtype, scale=2.0, err_msg=label)
                 numpy.testing.assert_allclose(host(lse), lse_ref, rtol=1e-5, atol=1e-5, err_msg=label)
             else:
-                assert_gradient_close(host(out), ref.backward(dy, x, **args), dtype, err_msg=label)
+                assert_gradient_close(host(out), dx_ref, dtype, err_msg=label)
 
 
 def test_fully_masked_rows_give_zeros(rng):
