@@ -104,8 +104,10 @@ def run_async_candidates(target, seen: set):
                 for description, launch in tuner.candidates(stage, short, operands.rows, cols, target,
                                                             operands.fusion):
                     path = launch.spec.path
+                    if path.impl != "block_async":
+                        continue
                     variant = (path.stages, path.online, description["grid"], launch.spec.interleaved)
-                    if path.impl != "block_async" or variant in variants:
+                    if variant in variants:
                         continue
                     variants.add(variant)
                     out = cupy.empty_like(x)
