@@ -182,6 +182,9 @@ struct ScoresLoad {
     broadcast.locate(order(i));
     return broadcast.causal_end(cols);
   }
+  // A score past the live end.
+  template <typename V>
+  static __device__ __forceinline__ V past_value() { return -infinity<V>(); }
   template <int N>
   __device__ __forceinline__ void load(C* dst, int64 i, int64 col) const { load_row<N>(dst, order(i), col); }
   // The same for data row `row`.
@@ -239,6 +242,11 @@ struct DropoutStore {
     unsettled = !(max > -infinity<C>() && sum > C(0));
     if (leader && lse != nullptr) lse[order(i)] = static_cast<float>(max == -infinity<C>() ? max : max + log(sum));
   }
+  // Past a row's live end (RowEnd, softmax.cuh) every position is masked: zeros.
+  template <int N, typename Output>
+  __device__ __forceinline__ void store_past(int64 i, int64 col, const Output&) const {
+    store_zeros<N>(i, col);
+  }
   template <int N>
   __device__ __forceinline__ void store(const C* src, int64 i, int64 col) const {
     const int64 row = order(i);
@@ -266,8 +274,10 @@ struct DropoutStore {
     for (int i = 0; i < N; ++i) pack.elem[i] = cast<T>(dropout ? (kept[i] ? values[i] * keep_scale : C(0)) : values[i]);
     store_pack(y + row * row_stride + col, pack);
   }
-  // Zeros at columns col..col + N of row i, which the causal rule masks whole (the paths'
-  // packs past a row's live end, RowEnd in softmax.cuh): no dropout bits are drawn.
+
+ private:
+  // Zeros at columns col..col + N of row i, which the causal rule masks whole: no dropout
+  // bits are drawn.
   template <int N>
   __device__ __forceinline__ void store_zeros(int64 i, int64 col) const {
     Pack<T, N> pack;
@@ -275,8 +285,6 @@ struct DropoutStore {
     for (int k = 0; k < N; ++k) pack.elem[k] = cast<T>(C(0));
     store_pack(y + order(i) * row_stride + col, pack);
   }
-
- private:
   // A NaN output: 0 where the position is masked (a row with no kept position gives
   // exp(-inf - -inf)); a NaN of the input elsewhere stays.
   __device__ __forceinline__ void zero_if_masked(C& value, int64 row, int64 col) const {
@@ -295,6 +303,9 @@ template <typename T, typename C, typename Scores, typename Mask, bool dropout>
 struct FusedGradLoad {
   typedef T Storage;
   static constexpr bool kFromPack = true;   // the asynchronous path's packs (CachedLoad)
+  // Under the causal rule the block paths stop reading a row at its last kept column (RowEnd,
+  // softmax.cuh): y and dy read as 0 past it, as in a pack the rule masks whole.
+  static constexpr bool kRowEnds = Scores::kRowEnds;
   bool probability;
   const T* src;              // dy or x
   int64 row_stride;
@@ -312,6 +323,9 @@ struct FusedGradLoad {
       gradient<N>(dst, row, col, load_pack<T, N>(src + row * row_stride + col));
     }
   }
+  __device__ __forceinline__ int64 live_end(int64 i, int64 cols) const { return scores.live_end(i, cols); }
+  template <typename V>
+  static __device__ __forceinline__ V past_value() { return V(0); }
   // The row i of src, and the values of its pack at col from the pack itself.
   __device__ __forceinline__ const T* row_source(int64 i) const { return src + scores.order(i) * row_stride; }
   template <int N>
@@ -354,6 +368,16 @@ struct ScaledStore {
   int64 row_stride;
   C scale;
   Order order;
+  // Past a row's live end (RowEnd, softmax.cuh) dz is the one value output(): y = 0 there, so
+  // 0 but in a row whose sum is not finite.
+  template <int N, typename Output>
+  __device__ __forceinline__ void store_past(int64 i, int64 col, const Output& output) const {
+    const C value = output();
+    C values[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) values[k] = value;
+    store<N>(values, i, col);
+  }
   template <int N>
   __device__ __forceinline__ void store(const C* src, int64 i, int64 col) const {
     Pack<T, N> pack;

@@ -260,14 +260,15 @@ template <typename Store, typename Op, typename C>
 __device__ __forceinline__ void finish_row(const Store&, const Op&, C, int64, bool, long) {}
 
 // The columns of a row that may hold a kept value, [0, live_end): a LOAD whose
-// static member kRowEnds is true has a member live_end(row, cols) (the fused
-// forward under the causal rule, where every column from there on is masked and
-// its output is 0), and the block paths leave the rest out of the row's max and
-// sum and store zeros there without computing them (block_smem, block_uncached,
-// block_async, which copies none of them; the register paths hold the row whole
-// and keep their passes). Other LOADs keep
-// every column, and their kernels are unchanged. Such a LOAD's STORE has a member
-// store_zeros<N>(row, col) for the packs past the live end.
+// static member kRowEnds is true has members live_end(row, cols) and
+// past_value() (the fused softmax under the causal rule, where every column from
+// there on is masked: its input reads as past_value()), and the block paths leave
+// the rest out of the row's max and sum and do not read it (block_smem,
+// block_uncached, block_async, which copies none of it; the register paths hold
+// the row whole and keep their passes). Other LOADs keep every column, and their
+// kernels are unchanged. Such a LOAD's STORE has a member store_past<N>(row, col,
+// output) for the packs past the live end; output() gives the Op's output where
+// every input is past_value() (the same at all of them), should the STORE need it.
 template <typename Load, typename = void>
 struct RowEnd {
   static constexpr bool bounded = false;
@@ -281,6 +282,17 @@ struct RowEnd {
 template <typename Load>
 struct RowEnd<Load, decltype(void(Load::kRowEnds))> {
   static constexpr bool bounded = Load::kRowEnds;
+  // A function giving the row's output at every position past its live end, for store_past
+  // (once op holds the row's sum).
+  template <typename C, typename Op>
+  static __device__ __forceinline__ auto past_output(const Op& op) {
+    return [&op]() {
+      C v[Op::num_inputs];
+#pragma unroll
+      for (int j = 0; j < Op::num_inputs; ++j) v[j] = Load::template past_value<C>();
+      return op.template out<false>(v);
+    };
+  }
   template <int pack_size>
   static __device__ __forceinline__ int64 packs_before(const Load& load, int64 row, int64 cols, int64 head,
                                                        int64 num_packs) {
@@ -481,7 +493,7 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
   const Cache cache(shared_buf, cols, rank);
   typename Cache::Tail tail;
   // Under a LOAD with row ends (RowEnd) only the packs before a row's live end are copied and
-  // read; the packs past it are stored as zeros.
+  // read; the packs past it store the row's past_output.
   constexpr bool bounded = RowEnd<Load>::bounded;
   auto live_packs = [&](int64 row) {
     return static_cast<int>(RowEnd<Load>::template packs_before<pack_size>(loads[0], row, cols, 0, cols / pack_size));
@@ -532,8 +544,9 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
       store_pack_outputs(op, store, v, row, static_cast<int64>(pack) * pack_size);
     }, live);
     if constexpr (bounded) {
+      const auto past = RowEnd<Load>::template past_output<C>(op);
       cache.for_each_pack_from(live, [&](int pack) {
-        store.template store_zeros<pack_size>(row, static_cast<int64>(pack) * pack_size);
+        store.template store_past<pack_size>(row, static_cast<int64>(pack) * pack_size, past);
       });
     }
     if (stages == 2) {
@@ -630,7 +643,8 @@ __device__ __forceinline__ void softmax_block_smem(const Load (&loads)[Op::num_i
     for (int p = threadIdx.x; p < num_packs; p += block_size) {
       if constexpr (RowEnd<Load>::bounded) {
         if (p >= live_packs) {
-          store.template store_zeros<pack_size>(row, packs.pack_col(p));
+          store.template store_past<pack_size>(row, packs.pack_col(p),
+                                               RowEnd<Load>::template past_output<C>(op));
           continue;
         }
       }
@@ -711,7 +725,8 @@ __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::n
     for (int64 p = threadIdx.x; p < num_packs; p += block_size) {
       if constexpr (RowEnd<Load>::bounded) {
         if (p >= live_packs) {
-          store.template store_zeros<pack_size>(row, packs.pack_col(p));
+          store.template store_past<pack_size>(row, packs.pack_col(p),
+                                               RowEnd<Load>::template past_output<C>(op));
           continue;
         }
       }

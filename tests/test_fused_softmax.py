@@ -116,25 +116,38 @@ def every_candidate(stage, operands, shape, dtype, dy=None, lse=None, *, seed, o
         yield description["label"], out, lse
 
 
+@pytest.mark.parametrize("stage", ["forward", "backward"])
 @pytest.mark.parametrize("cols", [1001, 4096, 4097, 20001])
 @pytest.mark.parametrize("dtype", [numpy.dtype(numpy.float16), numpy.dtype(numpy.float32)], ids=str)
-def test_causal_rows_on_every_forward_plan(rng, cols, dtype):
-    """Every candidate forward plan (the tuner's, so every path that stops a row's passes at its
-    last kept column, and the register paths that do not) under the causal rule, alone and with
+def test_causal_rows_on_every_plan(rng, stage, cols, dtype):
+    """Every candidate plan of a stage (the tuner's, so every path that stops a row at its last
+    kept column, and the register paths that do not) under the causal rule, alone and with
     dropout, against float64: rows ending before, inside and past a pack, none kept (a negative
-    diagonal), peeled rows (odd cols), rows cached by cp.async (4096), into a NaN-filled output;
-    y and lse."""
+    diagonal), peeled rows (odd cols), rows cached by cp.async (4096), a row whose backward sum
+    is NaN (a NaN score: NaN past its end too), into a NaN-filled output; y and lse, or dx."""
     sq = 9
     impls = {"block_regs"} | ({"block_smem"} if cols >= 4096 else set()) | \
         ({"block_uncached"} if cols >= 16384 else set()) | ({"block_async"} if cols % 8 == 0 else set())
     for diagonal, dropout in ((cols - sq, 0.0), (-3, 0.0), (cols // 2, 0.1)):
         x = rounded(rng.standard_normal((sq, cols)) * 3, dtype)
+        if stage == "backward":
+            x[4, 0] = numpy.nan
+        dy = rounded(rng.standard_normal((sq, cols)), dtype)
         args = dict(scale=0.5, causal=True, diagonal=diagonal, dropout=dropout, seed=5, offset=3)
         y_ref, lse_ref = ref.forward(x, **args)
         operands = fs.prepare(to_gpu(x.astype(dtype)), bias=None, mask=None, axis=-1,
                               **{k: args[k] for k in ("scale", "causal", "diagonal", "dropout")})
-        for label, out, lse in every_candidate("forward", operands, (sq, cols), dtype, seed=5, offset=3, impls=impls):
+        if stage == "backward":
+            dx_ref = ref.backward(dy, x, **args)
+            dy_gpu, lse_gpu = to_gpu(dy.astype(dtype)), to_gpu(lse_ref.astype(numpy.float32))
+        else:
+            dy_gpu = lse_gpu = None
+        for label, out, lse in every_candidate(stage, operands, (sq, cols), dtype, dy_gpu, lse_gpu, seed=5, offset=3,
+                                               impls=impls):
             label = f"{label} diagonal {diagonal} dropout {dropout}"
+            if stage == "backward":
+                assert_gradient_close(host(out), dx_ref, dtype, err_msg=label)
+                continue
             assert_close(host(out), y_ref, dtype, scale=2.0, err_msg=label)
             numpy.testing.assert_allclose(host(lse), lse_ref, rtol=1e-5, atol=1e-5, err_msg=label)
 
