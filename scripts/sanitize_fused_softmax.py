@@ -1,12 +1,13 @@
 """Runs every path of the fused attention softmax once on small shapes, for
 compute-sanitizer (memcheck, racecheck): the warp, register, shared-memory and
 uncached paths (rows of 1 to 2^17 columns, aligned and peeled), bias, mask,
-causal (rows whose passes stop at their last kept column, rows with none kept),
-dropout, the log-sum-exp, the backward, both policies, rows in order and
-interleaved (forced: at these sizes the L2 would keep them in order), another
-axis, out= and dropout_mask; then one asynchronous candidate of each variant
-the tuner offers for both stages (the shipped tables, not the rules, take that
-path), with and without the causal rule. Prints the plans taken and "all paths ran" at the end.
+causal (rows whose passes stop at their last kept column, rows with none kept;
+both stages), dropout, the log-sum-exp, the backward, both policies, rows in
+order and interleaved (forced: at these sizes the L2 would keep them in order),
+another axis, out= and dropout_mask; then one asynchronous candidate of each
+variant the tuner offers for both stages (the shipped tables, not the rules,
+take that path), with and without the causal rule. Prints the plans taken and
+"all paths ran" at the end.
 
 Usage: sanitize_fused_softmax.py [all|paths|async]: the planner's paths, the
 asynchronous candidates, or both (the default)."""
@@ -71,9 +72,11 @@ def run_paths(target, seen: set, interleaved: bool):
                 cupyops.fused_softmax_backward(cupy.ones_like(y), x, lse, out=written, **args)
                 cupyops.fused_softmax(x, policy=policy)
                 for diagonal in (0, -(cols // 2) - 1):   # rows stopping their passes early (RowEnd), none kept
-                    cupyops.fused_softmax(x, scale=0.5, causal=True, diagonal=diagonal, policy=policy)
-                    cupyops.fused_softmax(x, scale=0.5, causal=True, diagonal=diagonal, dropout=0.1, seed=3,
-                                          policy=policy)
+                    for dropout in (0.0, 0.1):
+                        causal = dict(scale=0.5, causal=True, diagonal=diagonal, dropout=dropout, seed=3,
+                                      policy=policy)
+                        y, lse = cupyops.fused_softmax(x, return_lse=True, **causal)
+                        cupyops.fused_softmax_backward(cupy.ones_like(y), x, lse, **causal)
                 call = {key: value for key, value in args.items() if key not in ("seed", "offset", "policy")}
                 fusion = fs.prepare(x, axis=-1, **call).fusion
                 for stage in ("forward", "backward"):
