@@ -369,7 +369,7 @@ struct ScaledStore {
   C scale;
   Order order;
   // Past a row's live end (RowEnd, softmax.cuh) dz is the one value output(): y = 0 there, so
-  // 0 but in a row whose sum is not finite.
+  // 0 except in a row whose sum is not finite.
   template <int N, typename Output>
   __device__ __forceinline__ void store_past(int64 i, int64 col, const Output& output) const {
     const C value = output();
