@@ -162,6 +162,30 @@ def test_user_table_then_shipped_then_rule(tables, monkeypatch, tmp_path):
     assert "source" not in other.explain()
 
 
+def test_rows_past_the_most_measured_take_that_winner(tables):
+    """A shape with more rows than either table measured takes the winner at the most rows
+    measured, if those fill a wave; fewer rows, rows between two measured and rows measured
+    below a wave take the rules."""
+    user, live = tables
+    winner = _winner(user, DEVICE, "softmax", SOFTMAX_KEY, "regs b256 k1 packed")    # rows bucket 65536
+    _ship(user)
+    for rows in (65537, 1 << 20):
+        chosen = softmax.plan("softmax", rows, 1024, "f16", "auto", H100)
+        assert _launch(chosen) == _launch(softmax_candidates.Candidate.from_description(winner, rows, H100).launch)
+        assert chosen.explain()["source"] == "shipped (rows 65536)"
+    for rows in (32768, 1000):
+        assert "source" not in softmax.plan("softmax", rows, 1024, "f16", "auto", H100).explain()
+    # the user's table measured more rows, the rules winning there: they serve past it too
+    _winner(user, DEVICE, "softmax", softmax_candidates.shape_key("f16", 1 << 18, 1024), "auto")
+    found = row_candidates.stored_winner("softmax", softmax_candidates.shape_key("f16", 1 << 20, 1024), live)
+    assert found["label"] == "auto" and found["source"] == "tuned (rows 262144)"
+    assert row_candidates.stored_winner("softmax", softmax_candidates.shape_key("f16", 1 << 17, 1024), live) is None
+    # a winner at fewer rows than fill a wave (a row a warp on each of 132 SMs: 8448) serves only its own
+    _winner(user, DEVICE, "softmax", softmax_candidates.shape_key("f16", 4096, 2048), "regs b128 k1")
+    assert row_candidates.stored_winner("softmax", softmax_candidates.shape_key("f16", 4096, 2048), live)
+    assert row_candidates.stored_winner("softmax", softmax_candidates.shape_key("f16", 1 << 16, 2048), live) is None
+
+
 def test_oneflow_and_other_profiles_ignore_the_shipped_table(tables):
     user, live = tables
     _winner(user, DEVICE, "softmax", SOFTMAX_KEY, "regs b256 k1 packed")

@@ -7,6 +7,7 @@ GPU, then the table shipped for the target's profile) and what a tuner
 reports (Tuned)."""
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -103,8 +104,22 @@ def stored_winner(op: str, shape_key: str, target: Target) -> Optional[dict]:
     from the user's tuning table for the live GPU (its name and CUDA version),
     with "source": "tuned", else from the table shipped for the target's
     profile (a live GPU or a profile target whose name names one), with
-    "source": "shipped"; None where neither has it. Planners ask under
-    policy="auto" only."""
+    "source": "shipped"; None where neither has it. Where neither has the key's
+    rows but the tables measured the same shape at fewer rows and never at more,
+    the winner at the most rows they measured serves it, if those fill a wave
+    (past one, rows change the grid, not the best plan): its source then says
+    those rows, e.g. "shipped (rows 16384)". Planners ask under policy="auto" only."""
+    found = _stored_at(op, shape_key, target)
+    if found is None:
+        measured = _most_rows_measured(op, shape_key, target)
+        found = None if measured is None else _stored_at(op, measured, target)
+        if found is not None:
+            found["source"] += f" (rows {_rows_of(measured)})"
+    return found
+
+
+def _stored_at(op: str, shape_key: str, target: Target) -> Optional[dict]:
+    """The winner stored for exactly this key: the user's table, then the shipped one."""
     if target.device_id is not None:
         found = tune.default_table().lookup(tune.DeviceKey.live(target.device_id), op, shape_key)
         if found is not None:
@@ -112,6 +127,30 @@ def stored_winner(op: str, shape_key: str, target: Target) -> Optional[dict]:
     name = profile.matching_profile(target.facts.name)
     found = None if name is None else tune.shipped_winner(name, op, shape_key)
     return None if found is None else {**found, "source": "shipped"}
+
+
+def _rows_of(shape_key: str) -> int:
+    return int(re.search(r"\|rows=(\d+)(?=\||$)", shape_key).group(1))
+
+
+def _most_rows_measured(op: str, shape_key: str, target: Target) -> Optional[str]:
+    """The key of this shape at the most rows either table measured, where those
+    are fewer than the key's and fill a wave (a row a warp on every SM); else None."""
+    keys = []
+    if target.device_id is not None:
+        device = tune.DeviceKey.live(target.device_id)
+        keys += [key.split("|", 2)[2] for key in tune.default_table().entries()
+                 if key.startswith(f"{device.name}|cuda{device.cuda_version}|")]
+    name = profile.matching_profile(target.facts.name)
+    if name is not None:
+        keys += list(tune.shipped(name))
+    same_shape = re.compile(re.escape(f"{op}|") + re.escape(shape_key).replace(
+        re.escape(f"|rows={_rows_of(shape_key)}"), r"\|rows=(\d+)", 1))
+    rows = [int(match.group(1)) for match in map(same_shape.fullmatch, keys) if match]
+    wave_rows = target.facts.sm_count * target.facts.max_threads_per_sm // 32
+    if not rows or max(rows) >= _rows_of(shape_key) or max(rows) < wave_rows:
+        return None
+    return shape_key.replace(f"|rows={_rows_of(shape_key)}", f"|rows={max(rows)}", 1)
 
 
 def recording_errors(errors: dict, time_us):
