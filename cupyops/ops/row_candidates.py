@@ -111,10 +111,13 @@ def stored_winner(op: str, shape_key: str, target: Target) -> Optional[dict]:
     those rows, e.g. "shipped (rows 16384)". Planners ask under policy="auto" only."""
     found = _stored_at(op, shape_key, target)
     if found is None:
-        measured = _most_rows_measured(op, shape_key, target)
-        found = None if measured is None else _stored_at(op, measured, target)
-        if found is not None:
-            found["source"] += f" (rows {_rows_of(measured)})"
+        shape, rows = _split_rows(shape_key)
+        most = _most_rows_measured(op, shape, target)
+        # a row a warp on every SM: a wave
+        if most is not None and rows > most >= target.facts.sm_count * target.facts.max_threads_per_sm // 32:
+            found = _stored_at(op, shape.replace("|rows=*", f"|rows={most}"), target)
+            if found is not None:
+                found["source"] += f" (rows {most})"
     return found
 
 
@@ -129,13 +132,14 @@ def _stored_at(op: str, shape_key: str, target: Target) -> Optional[dict]:
     return None if found is None else {**found, "source": "shipped"}
 
 
-def _rows_of(shape_key: str) -> int:
-    return int(re.search(r"\|rows=(\d+)(?=\||$)", shape_key).group(1))
+def _split_rows(key: str) -> tuple:
+    """key -> (key with its rows field as "|rows=*", the rows; None where it has none)."""
+    match = re.search(r"\|rows=(\d+)(?=\||$)", key)
+    return (key, None) if match is None else (f"{key[:match.start()]}|rows=*{key[match.end():]}", int(match.group(1)))
 
 
-def _most_rows_measured(op: str, shape_key: str, target: Target) -> Optional[str]:
-    """The key of this shape at the most rows either table measured, where those
-    are fewer than the key's and fill a wave (a row a warp on every SM); else None."""
+def _most_rows_measured(op: str, shape: str, target: Target) -> Optional[int]:
+    """The most rows either table measured `shape` (a key with "|rows=*") at, or None."""
     keys = []
     if target.device_id is not None:
         device = tune.DeviceKey.live(target.device_id)
@@ -144,13 +148,7 @@ def _most_rows_measured(op: str, shape_key: str, target: Target) -> Optional[str
     name = profile.matching_profile(target.facts.name)
     if name is not None:
         keys += list(tune.shipped(name))
-    same_shape = re.compile(re.escape(f"{op}|") + re.escape(shape_key).replace(
-        re.escape(f"|rows={_rows_of(shape_key)}"), r"\|rows=(\d+)", 1))
-    rows = [int(match.group(1)) for match in map(same_shape.fullmatch, keys) if match]
-    wave_rows = target.facts.sm_count * target.facts.max_threads_per_sm // 32
-    if not rows or max(rows) >= _rows_of(shape_key) or max(rows) < wave_rows:
-        return None
-    return shape_key.replace(f"|rows={_rows_of(shape_key)}", f"|rows={max(rows)}", 1)
+    return max((rows for other, rows in map(_split_rows, keys) if other == f"{op}|{shape}"), default=None)
 
 
 def recording_errors(errors: dict, time_us):
