@@ -217,7 +217,8 @@ struct ScoresLoad {
   }
 };
 
-// The forward's STORE: y = softmax * keep / (1 - p). A masked position gives
+// The forward's STORE: y = softmax * keep / (1 - p), the Op's outputs (which
+// finish_row scales by 1 / (1 - p)) where kept. A masked position gives
 // 0, also in a row with no kept position (whose softmax is NaN). Where lse is
 // given, each row's float32 log-sum-exp of z goes there too (finish_row).
 template <typename C, typename T, typename Broadcast, typename Order, typename Mask, bool dropout>
@@ -235,12 +236,14 @@ struct DropoutStore {
   mutable bool unsettled = true;
   // Every thread, once its row's max and sum are known and before the row's stores; the
   // leader writes lse[row] = max + log(sum exp(z - max)), -inf for a row with no kept position.
+  // With dropout, op's outputs take the 1 / (1 - p) of the kept ones.
   template <typename Op>
-  __device__ __forceinline__ void finish_row(const Op& op, C sum, int64 i, bool leader) const {
+  __device__ __forceinline__ void finish_row(Op& op, C sum, int64 i, bool leader) const {
     static_assert(Op::Exp::natural, "sum is of exp(z - max)");
     const C max = op.finish.max;
     unsettled = !(max > -infinity<C>() && sum > C(0));
     if (leader && lse != nullptr) lse[order(i)] = static_cast<float>(max == -infinity<C>() ? max : max + log(sum));
+    if (dropout) op.scale_outputs(keep_scale);
   }
   // Past a row's live end (RowEnd, softmax.cuh) every position is masked: zeros.
   template <int N, typename Output>
@@ -271,7 +274,7 @@ struct DropoutStore {
     }
     Pack<T, N> pack;
 #pragma unroll
-    for (int i = 0; i < N; ++i) pack.elem[i] = cast<T>(dropout ? (kept[i] ? values[i] * keep_scale : C(0)) : values[i]);
+    for (int i = 0; i < N; ++i) pack.elem[i] = cast<T>(dropout && !kept[i] ? C(0) : values[i]);
     store_pack(y + row * row_stride + col, pack);
   }
 

@@ -30,20 +30,40 @@ enum class Algorithm { kSoftmax, kLogSoftmax };
 //     division by the sum cancels: softmax only (log_softmax subtracts the
 //     natural sum's log). shift overflows for |m| > 2.3e38: for float16 input.
 //     NaN and +-inf give what the natural form gives.
+//   FoldedNaturalExp (float): NaturalExp's terms and sums (a row's log-sum-exp
+//     stays natural), with outputs that fold (RowSoftmax): for 16-bit outputs.
+// A form that folds (foldable) also has fold(m, shift, s), the folded shift of
+// a row whose sum is s, and folded_term(x, folded_shift) = exp(x - m) / s.
 template <typename T>
 struct NaturalExp {
   static constexpr bool natural = true;
+  static constexpr bool foldable = false;
   static __device__ __forceinline__ T shift(T m) { return m; }
   static __device__ __forceinline__ T term(T x, T shift) { return exp_(x - shift); }
   static __device__ __forceinline__ T between(T shift_a, T shift_b) { return exp_(shift_a - shift_b); }
 };
 
+constexpr float kLog2e = 1.4426950408889634f;
+
 struct Base2Exp {
   static constexpr bool natural = false;
-  static constexpr float kLog2e = 1.4426950408889634f;
+  static constexpr bool foldable = true;
   static __device__ __forceinline__ float shift(float m) { return __fmul_rn(m, kLog2e); }
   static __device__ __forceinline__ float term(float x, float shift) { return exp2_(fmaf(x, kLog2e, -shift)); }
   static __device__ __forceinline__ float between(float shift_a, float shift_b) { return exp2_(shift_a - shift_b); }
+  static __device__ __forceinline__ float fold(float, float shift, float sum) { return shift + __log2f(sum); }
+  static __device__ __forceinline__ float folded_term(float x, float folded_shift) { return term(x, folded_shift); }
+};
+
+// y = 2^(x * log2(e) - folded_shift), folded_shift = m * log2(e) + log2(s)
+// rounded once: an FFMA and an EX2 where the natural output is an FADD, two
+// FMULs and an EX2.
+struct FoldedNaturalExp : NaturalExp<float> {
+  static constexpr bool foldable = true;
+  static __device__ __forceinline__ float fold(float m, float, float sum) { return fmaf(m, kLog2e, __log2f(sum)); }
+  static __device__ __forceinline__ float folded_term(float x, float folded_shift) {
+    return exp2_(fmaf(x, kLog2e, -folded_shift));
+  }
 };
 
 // Finishes one row from its maximum m and s = sum(exp(x - m)).
@@ -51,11 +71,12 @@ struct Base2Exp {
 // log-softmax: y = (x - m) - log(s), as SciPy computes it (x - m is exact where
 //              m + log(s) would round away a small log(s)); when m is +inf SciPy
 //              shifts by 0, so finite x give -inf and x = +inf gives NaN.
-// Exp is the form of exp(x - m) (NaturalExp, or Base2Exp for softmax).
+// Exp is the form of exp(x - m) (NaturalExp, or a form that folds for softmax).
 //
-// Base-2 softmax can fold 1 / s into the exponent (folded_out): y = 2^(x *
-// log2(e) - folded_shift), folded_shift = shift + log2(s) rounded once, one
-// multiply an element fewer. That rounding is not shared by the sum, so a row
+// Softmax in a form that folds can fold 1 / s into the exponent (folded_out):
+// y = 2^(x * log2(e) - folded_shift), folded_shift = Exp::fold(m, shift, s)
+// rounded once, one multiply an element fewer (Base2Exp: shift + log2(s)). That
+// rounding is not shared by the sum, so a row
 // folds only while |folded_shift| < kFoldedShiftLimit: it then moves y by
 // under 1e-5 of itself (2^-17 ln 2 from the rounding, 3e-6 from __log2f), 2 %
 // of a float16 ulp. folds() is false past the limit and for rows whose
@@ -63,7 +84,7 @@ struct Base2Exp {
 template <Algorithm algorithm, typename T, typename Exp = NaturalExp<T>>
 struct RowSoftmax {
   static_assert(algorithm == Algorithm::kSoftmax || Exp::natural, "log-softmax needs the natural sum");
-  static constexpr bool can_fold = algorithm == Algorithm::kSoftmax && !Exp::natural;
+  static constexpr bool can_fold = algorithm == Algorithm::kSoftmax && Exp::foldable;
   static constexpr float kFoldedShiftLimit = 256.0f;
   T max, shift, scale;   // shift: Exp::shift(max); scale: softmax 1 / s (can_fold: once unfolded), log-softmax log(s)
   T sum, folded_shift;   // can_fold: s, and shift + log2(s)
@@ -76,12 +97,22 @@ struct RowSoftmax {
     if (algorithm == Algorithm::kSoftmax) {
       if constexpr (can_fold) {
         sum = row_sum;
-        folded_shift = shift + __log2f(row_sum);
+        folded_shift = Exp::fold(max, shift, row_sum);
       } else {
         scale = T(1) / row_sum;
       }
     } else {
       scale = max == infinity<T>() ? T(0) : log(row_sum);
+    }
+  }
+  // Every output of the row multiplied by factor > 0 (softmax, once set_sum has run).
+  __device__ __forceinline__ void scale_outputs(T factor) {
+    static_assert(algorithm == Algorithm::kSoftmax, "log-softmax outputs are logs");
+    if constexpr (can_fold) {
+      sum /= factor;
+      folded_shift -= __log2f(factor);
+    } else {
+      scale *= factor;
     }
   }
   // can_fold: 1 / s, for from_input, only where a row is written unfolded (a
@@ -99,7 +130,7 @@ struct RowSoftmax {
   }
   __device__ __forceinline__ T from_cached_exp(T e) const { return e * scale; }
   __device__ __forceinline__ bool folds() const { return can_fold && fabsf(folded_shift) < kFoldedShiftLimit; }
-  __device__ __forceinline__ T folded_out(T x) const { return Exp::term(x, folded_shift); }
+  __device__ __forceinline__ T folded_out(T x) const { return Exp::folded_term(x, folded_shift); }
 };
 
 // Running (max, sum of exp(x - max)) of the online softmax, exp in the form Exp.
@@ -175,6 +206,7 @@ struct SoftmaxForward {
     return e;
   }
   __device__ __forceinline__ void set_sum(C row_sum) { finish.set_sum(row_sum); }
+  __device__ __forceinline__ void scale_outputs(C factor) { finish.scale_outputs(factor); }
   template <bool cache>
   __device__ __forceinline__ C out(const C (&v)[1]) const {
     return cache && algorithm == Algorithm::kSoftmax ? finish.from_cached_exp(v[0]) : finish.from_input(v[0]);
@@ -232,7 +264,7 @@ __device__ __forceinline__ void add_pack_terms(const Op& op, const C (&values)[N
 }
 
 // Writes the outputs of one pack at (row, col).
-template <typename Op, typename Store, typename C, int N, int pack_size>
+template <bool folded = false, typename Op, typename Store, typename C, int N, int pack_size>
 __device__ __forceinline__ void store_pack_outputs(const Op& op, const Store& store,
                                                    const C (&values)[N][pack_size], int64 row, int64 col) {
   C result[pack_size];
@@ -241,23 +273,38 @@ __device__ __forceinline__ void store_pack_outputs(const Op& op, const Store& st
     C v[N];
 #pragma unroll
     for (int j = 0; j < N; ++j) v[j] = values[j][i];
-    result[i] = op.template out<false>(v);
+    result[i] = uncached_out<folded>(op, v);
   }
   store.template store<pack_size>(result, row, col);
 }
 
+// A row's output pass, write(Constant<folded>()): folded where the row folds
+// (Op::can_fold, op.folds()), else after op.unfold().
+template <typename Op, typename Write>
+__device__ __forceinline__ void write_row(Op& op, const Write& write) {
+  if constexpr (Op::can_fold) {
+    if (op.folds()) {
+      write(Constant<true>());
+      return;
+    }
+    op.unfold();
+  }
+  write(Constant<false>());
+}
+
 // A row's statistics, to a STORE that keeps them (a member finish_row(op, sum,
 // row, leader): the fused forward's log-sum-exp, written by the thread
-// `leader`), once op holds the row's maximum and sum: every thread of the row
-// calls it before the row's stores. Other STOREs have no such member and the
-// call is empty. Every path makes it.
+// `leader`, and its dropout's 1 / (1 - p) moved into op's outputs), once op
+// holds the row's maximum and sum: every thread of the row calls it before the
+// row's stores. Other STOREs have no such member and the call is empty. Every
+// path makes it.
 template <typename Store, typename Op, typename C>
-__device__ __forceinline__ auto finish_row(const Store& store, const Op& op, C sum, int64 row, bool leader, int)
+__device__ __forceinline__ auto finish_row(const Store& store, Op& op, C sum, int64 row, bool leader, int)
     -> decltype(store.finish_row(op, sum, row, leader), void()) {
   store.finish_row(op, sum, row, leader);
 }
 template <typename Store, typename Op, typename C>
-__device__ __forceinline__ void finish_row(const Store&, const Op&, C, int64, bool, long) {}
+__device__ __forceinline__ void finish_row(const Store&, Op&, C, int64, bool, long) {}
 
 // The columns of a row that may hold a kept value, [0, live_end): a LOAD whose
 // static member kRowEnds is true has members live_end(row, cols) and
@@ -283,14 +330,14 @@ template <typename Load>
 struct RowEnd<Load, decltype(void(Load::kRowEnds))> {
   static constexpr bool bounded = Load::kRowEnds;
   // A function giving the row's output at every position past its live end, for store_past
-  // (once op holds the row's sum).
-  template <typename C, typename Op>
+  // (once op holds the row's sum; folded as uncached_out).
+  template <typename C, bool folded = false, typename Op>
   static __device__ __forceinline__ auto past_output(const Op& op) {
     return [&op]() {
       C v[Op::num_inputs];
 #pragma unroll
       for (int j = 0; j < Op::num_inputs; ++j) v[j] = Load::template past_value<C>();
-      return op.template out<false>(v);
+      return uncached_out<folded>(op, v);
     };
   }
   template <int pack_size>
@@ -540,15 +587,18 @@ __device__ __forceinline__ void softmax_block_async(const Load (&loads)[Op::num_
       op.set_sum(row_sum);
       finish_row(store, op, row_sum, row, threadIdx.x == 0 && rank == 0, 0);
     }
-    cache.template for_each_pack<bounded>(loads, row, stage, tail, [&](int pack, const C (&v)[N][pack_size]) {
-      store_pack_outputs(op, store, v, row, static_cast<int64>(pack) * pack_size);
-    }, live);
-    if constexpr (bounded) {
-      const auto past = RowEnd<Load>::template past_output<C>(op);
-      cache.for_each_pack_from(live, [&](int pack) {
-        store.template store_past<pack_size>(row, static_cast<int64>(pack) * pack_size, past);
-      });
-    }
+    write_row(op, [&](auto folded) {
+      constexpr bool fold = decltype(folded)::get;
+      cache.template for_each_pack<bounded>(loads, row, stage, tail, [&](int pack, const C (&v)[N][pack_size]) {
+        store_pack_outputs<fold>(op, store, v, row, static_cast<int64>(pack) * pack_size);
+      }, live);
+      if constexpr (bounded) {
+        const auto past = RowEnd<Load>::template past_output<C, fold>(op);
+        cache.for_each_pack_from(live, [&](int pack) {
+          store.template store_past<pack_size>(row, static_cast<int64>(pack) * pack_size, past);
+        });
+      }
+    });
     if (stages == 2) {
       stage ^= 1;
     } else if (next < rows) {

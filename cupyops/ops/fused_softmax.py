@@ -81,6 +81,13 @@ class FusedSoftmaxSpec(jit.KernelSpec):
     def threads_per_block(self) -> int:
         return self.path.threads_per_block
 
+    @property
+    def folded_outputs(self) -> bool:
+        """Whether the forward writes its rows' outputs folded (kernels/softmax.cuh's
+        FoldedNaturalExp: an FFMA and an EX2 an element): the cp.async rows, 16-bit outputs
+        (the fold moves an output by under 1e-5 of itself)."""
+        return self.stage == "forward" and self.path.impl == "block_async" and self.dtype in ("f16", "bf16")
+
     def __getattr__(self, field):   # the path's fields (explain's op, impl, pack_size, ...)
         if field.startswith("__"):
             raise AttributeError(field)
@@ -97,6 +104,7 @@ class FusedSoftmaxSpec(jit.KernelSpec):
 
     def explain_extra(self) -> dict:
         return {**self.path.explain_extra(), "stage": self.stage, "fusion": self.fusion,
+                "folded_outputs": self.folded_outputs,
                 "storage_cache": self.path.storage_cache, "interleaved": self.interleaved}
 
     def template_args(self) -> dict:
@@ -105,7 +113,7 @@ class FusedSoftmaxSpec(jit.KernelSpec):
                 "compute_type": ftype.compute_c_type, "mask": self.mask, "causal": self.causal,
                 "dropout": self.dropout, "wide": self.wide, "interleaved": self.interleaved,
                 "bias_vectors": self.bias_vectors, "mask_words": self.mask_words,
-                "grouped_dropout": self.grouped_dropout,
+                "grouped_dropout": self.grouped_dropout, "folded_outputs": self.folded_outputs,
                 "bias_type": dtypes.BY_SHORT[self.bias_dtype].c_type if self.bias_dtype else ""}
 
 
