@@ -89,13 +89,15 @@ class PackedLaunch:
     "80s", ...) for each argument that changes from launch to launch, the value
     itself for each constant one. Calling it with the changing values, in order,
     launches on the current stream."""
-    __slots__ = ("function", "grid", "block", "smem", "args", "dims", "buffer", "params", "pack", "lock")
+    __slots__ = ("function", "grid", "block", "smem", "args", "head", "buffer", "params", "pack", "lock")
 
     def __init__(self, function, grid: tuple, block: tuple, smem: int, args: tuple):
         if launch_kernel is None or current_stream is None or _driver_error is None:
             _bind()
         self.function, self.grid, self.block, self.smem, self.args = function, grid, block, smem, args
-        self.dims = tuple(max(1, d) for d in (*(tuple(grid) + (1, 1))[:3], *(tuple(block) + (1, 1))[:3]))
+        dims = tuple(max(1, d) for d in (*(tuple(grid) + (1, 1))[:3], *(tuple(block) + (1, 1))[:3]))
+        # launch_kernel's arguments before the stream: the function, grid, block, shared memory
+        self.head = (function.ptr, *dims, smem)
         data = {k: constant_bytes(arg) for k, arg in enumerate(args) if not isinstance(arg, str)}
         sizes = [struct.calcsize("=" + arg) if isinstance(arg, str) else len(data[k]) for k, arg in enumerate(args)]
         # the changing values first (one struct format, padded to each one's place), then the
@@ -130,14 +132,14 @@ class PackedLaunch:
         lock.acquire()      # (acquire and release cost less than a with block)
         try:
             self.pack(self.buffer, 0, *values)
-            launch_kernel(self.function.ptr, *self.dims, self.smem, stream_ptr, self.params, 0)
+            launch_kernel(*self.head, stream_ptr, self.params, 0)
         except _driver_error as error:   # a thread with no context yet: make CUDA's current
             if error.status != CUDA_ERROR_INVALID_CONTEXT:
                 raise
             import cupy
 
             cupy.cuda.runtime.free(0)
-            launch_kernel(self.function.ptr, *self.dims, self.smem, stream_ptr, self.params, 0)
+            launch_kernel(*self.head, stream_ptr, self.params, 0)
         finally:
             lock.release()
 

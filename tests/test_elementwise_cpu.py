@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import math
 import re
+import types
 
 import numpy
 import pytest
@@ -18,6 +19,7 @@ from cupyops.dtypes import BFLOAT16
 from cupyops.launch import LaunchCache, Target
 from cupyops.ops import activations
 from cupyops.ops import elementwise as ew
+from cupyops.ops.elementwise_launch import Launcher
 
 F16, F32, F64 = numpy.dtype(numpy.float16), numpy.dtype(numpy.float32), numpy.dtype(numpy.float64)
 H100 = Target.profile("h100")
@@ -526,5 +528,5 @@ def test_out_is_the_kernels_own_unless_it_overlaps_an_operand_elsewhere(device):
              ((x, y), device.array((64, 128), "float32", strides=(1024, 4)), False)]   # not contiguous
     for args, out, direct in cases:
         plan = FUSED_SIGMOID.plan(args, out, "auto", H100)
-        launcher = ew._Launcher(plan, None, args, out)
+        launcher = Launcher(plan, types.SimpleNamespace(ptr=0), args, out)    # a kernel never launched
         assert launcher._direct(0, out, args) == direct

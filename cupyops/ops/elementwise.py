@@ -19,25 +19,22 @@ operand a thread has in flight and waves).
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import operator
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy
 
-from .. import arrays, callcache, fx
+from .. import arrays, fx
 from ..callcache import cupy_module
 from ..launch import MAX_GRID_X, LaunchCache, Target, fast_divisor, get_num_blocks, live_function
-from ..packed import POINTER, PackedLaunch, address, format_of
 from ..profile import profile_for
 from .elementwise_kernel import C_TYPES, ElementwiseSpec, OperandSpec, fast_math, generate
+from .elementwise_launch import MAX_PACK_BYTES, PYTHON_SCALARS, Launcher, getter, signature
 
 ONEFLOW_BLOCK = 256
 ONEFLOW_MAX_PACK = 8            # OneFlow's kMaxPackSize
-MAX_PACK_BYTES = 16
 # Estimated float32 instructions per element of each op (others: 1); double costs twice.
 OP_COST = {"exp": 8, "log": 10, "tanh": 14, "sigmoid": 16, "erf": 24, "rsqrt": 4, "gelu": 28,
            "gelu_tanh": 20, "silu": 17, "power": 20, "divide": 8, "dropout": 30}
@@ -264,9 +261,6 @@ def broadcast_strides_of(info: ArrayInfo, ndim: int) -> list:
 
 # -- launch and public functions ----------------------------------------------------------------
 
-_PYTHON_SCALARS = (bool, int, float)
-
-
 def operand_kind(value, name: str):
     """ArrayInfo of a GPU array, the type of a Python number, the dtype of a NumPy scalar;
     TypeError for anything else."""
@@ -277,147 +271,13 @@ def operand_kind(value, name: str):
             raise TypeError(f"{name} has dtype {value.dtype}; elementwise kernels take bool, integer "
                             "and float16 / bfloat16 / float32 / float64 arrays")
         return ArrayInfo.of(value)
-    if type(value) in _PYTHON_SCALARS:
+    if type(value) in PYTHON_SCALARS:
         return type(value)
     if isinstance(value, numpy.generic) and fx.supported(value.dtype):
         return value.dtype
     if isinstance(value, (complex, numpy.generic)):
         raise TypeError(f"{name} ({type(value).__name__}) is complex or of an unsupported dtype")
     raise TypeError(f"{name} ({type(value).__name__}) is neither a GPU array nor a Python number")
-
-
-def _array_key(array) -> tuple:
-    """What a launcher depends on of an array (FusedFunction._key inlines it): strides
-    stand as True for a C-contiguous array, which a plan reads like any other of its shape
-    (the strides of axes of size 1 it differs in are never read)."""
-    memory = array.data
-    return (array.dtype, array.shape, array._c_contiguous or array.strides, memory.ptr & (MAX_PACK_BYTES - 1),
-            memory.device_id)
-
-
-def _getter(positions: tuple) -> Callable:
-    """args -> the tuple of args at positions (indices, or keys of a dict), in one C call where
-    there are several."""
-    if len(positions) > 1:
-        return operator.itemgetter(*positions)
-    return (lambda args: (args[positions[0]],)) if positions else (lambda args: ())
-
-
-class _Launcher:
-    """A plan bound to its compiled function for one signature (operand layouts, out given
-    or not): all a repeated call does, `run(args, out, stream)`, chosen once for the signature."""
-
-    def __init__(self, plan: ElementwisePlan, function, args: tuple, out, device: Optional[int] = None):
-        cupy = cupy_module()
-        self.plan = plan
-        self.device = device          # the operands' GPU where it is not the current one
-        self.on_device = cupy.cuda.Device
-        # operands passed as given (every argument an array, in order) or picked and cast
-        in_order = not plan.scalars and plan.arrays == tuple(range(len(args)))
-        self.take_arrays = None if in_order else _getter(plan.arrays)
-        self.scalars, self.dropout_p = plan.scalars, plan.dropout_p
-        # the kernel (None for an empty result): operand addresses, scalars, output addresses, size,
-        # layout parameters
-        self.launch = None if not plan.size else PackedLaunch(
-            function, (plan.grid,), (plan.block,), 0,
-            (POINTER,) * len(plan.arrays) + tuple(format_of(cast) for _, cast in plan.scalars) +
-            (POINTER,) * len(plan.out_dtypes) + (numpy.int64(plan.size), *plan.params))
-        self.empty = callcache.empty
-        self.outputs = tuple((plan.shape, dtype) for dtype in plan.out_dtypes)
-        self.shape, self.dtype = self.outputs[0]
-        # the array operands an output may overlap: (position, read at the very elements written)
-        self.reads = tuple((position, operand.access == "linear")
-                           for position, operand in zip(plan.arrays, plan.spec.operands))
-        self.may_share_memory = callcache.may_share_memory
-        outs = () if out is None else out if isinstance(out, tuple) else (out,)
-        self.out_contiguous = tuple(o.flags.c_contiguous for o in outs)
-        single = len(self.outputs) == 1
-        launch = (self._fresh if out is None else self._into) if single else self._several
-        # run(args, out, stream): the launch, under the operands' GPU where it is not the current
-        self.run = launch if device is None else functools.partial(self._on_device, launch)
-
-    def _direct(self, k: int, out, args) -> bool:
-        """Whether out (the k-th output) can be written by the kernel itself: C-contiguous, and
-        every operand it overlaps read at the very elements written (x = f(x))."""
-        if not self.out_contiguous[k]:
-            return False
-        may_share_memory = self.may_share_memory
-        for position, same_elements in self.reads:
-            operand = args[position]
-            if may_share_memory(out, operand) and not (
-                    same_elements and operand.data.ptr == out.data.ptr and operand.dtype == out.dtype):
-                return False
-        return True
-
-    def values(self, args: tuple, targets: tuple) -> tuple:
-        """The kernel's changing arguments: operand addresses, scalars, output addresses;
-        dropout probabilities among the scalars checked (ValueError)."""
-        if self.take_arrays is None:
-            return (*map(address, args), *map(address, targets))
-        return self._values_at(args, map(address, self.take_arrays(args)), map(address, targets))
-
-    def _values_at(self, args: tuple, operands, targets) -> tuple:
-        """values() from the array operands' addresses (in the kernel's order) and the outputs'."""
-        if self.dropout_p:
-            self.check_dropout(args)
-        return (*operands, *[cast(args[p]) for p, cast in self.scalars], *targets)
-
-    def launch_at(self, args: tuple, targets: tuple) -> None:
-        """The kernel on the current stream, on another library's arrays of this launcher's
-        layouts: `args` the call's, each array's address (an int) in its place; `targets` the
-        addresses of C-contiguous, 16-byte aligned outputs of `outputs`' shapes and dtypes."""
-        self.launch((*args, *targets) if self.take_arrays is None else
-                    self._values_at(args, self.take_arrays(args), targets))
-
-    def check_dropout(self, args: tuple) -> None:
-        """ValueError unless every dropout probability among the scalars is in [0, 1)."""
-        for position in self.dropout_p:
-            fx.check_dropout_p(args[position])
-
-    def _on_device(self, launch, args: tuple, out, stream):
-        with self.on_device(self.device):      # its current stream too
-            return launch(args, out, stream)
-
-    def _fresh(self, args: tuple, out, stream):
-        """One output, allocated."""
-        target = self.empty(self.shape, self.dtype)
-        if self.launch is None:
-            self.check_dropout(args)           # where nothing is launched
-        elif self.take_arrays is None:
-            self.launch((*map(address, args), target.data.ptr), stream)
-        else:
-            self.launch(self.values(args, (target,)), stream)
-        return target
-
-    def _into(self, args: tuple, out, stream):
-        """One output, into out (an array or a tuple of one): directly where it can be, else
-        through a fresh array copied in."""
-        if type(out) is tuple:
-            (out,) = out
-        target = out if self._direct(0, out, args) else self.empty(self.shape, self.dtype)
-        if self.launch is None:
-            self.check_dropout(args)
-        elif self.take_arrays is None:
-            self.launch((*map(address, args), target.data.ptr), stream)
-        else:
-            self.launch(self.values(args, (target,)), stream)
-        if target is not out:
-            out[...] = target
-        return out
-
-    def _several(self, args: tuple, out, stream):
-        """Several outputs, allocated or into the arrays of out."""
-        outs = tuple(self.empty(shape, dtype) for shape, dtype in self.outputs) if out is None else out
-        targets = tuple(o if out is None or self._direct(k, o, args) else self.empty(*self.outputs[k])
-                        for k, o in enumerate(outs))
-        if self.launch is not None:
-            self.launch(self.values(args, targets), stream)
-        else:
-            self.check_dropout(args)
-        for o, t in zip(outs, targets):
-            if o is not t:
-                o[...] = t
-        return outs
 
 
 class FusedFunction:
@@ -428,7 +288,7 @@ class FusedFunction:
     def __init__(self, trace: Callable, names: Optional[tuple] = None, label: str = "function"):
         self._trace_fn, self._names, self._label = trace, names, label
         # {name: value} -> the operands in order (KeyError for a missing one), where named
-        self.named_operands = None if names is None else _getter(names)
+        self.named_operands = None if names is None else getter(names)
         self._traces: dict = {}
         self._launchers = LaunchCache()
         self._lock = threading.Lock()
@@ -456,7 +316,7 @@ class FusedFunction:
         """The launch plan for these operands (arrays or ArrayInfo, numbers): no kernel runs.
         launch: (block, packs_per_thread, waves) in place of auto's rule."""
         names = self._names_for(len(args))
-        kinds = tuple(a if isinstance(a, (ArrayInfo, numpy.dtype)) or (isinstance(a, type) and a in _PYTHON_SCALARS)
+        kinds = tuple(a if isinstance(a, (ArrayInfo, numpy.dtype)) or (isinstance(a, type) and a in PYTHON_SCALARS)
                       else operand_kind(a, name) for a, name in zip(args, names))
         roots = self.trace(kinds)
         outs = self._out_infos(out, len(roots))
@@ -474,54 +334,38 @@ class FusedFunction:
         return tuple(o if isinstance(o, ArrayInfo) else ArrayInfo.of(o) for o in outs)
 
     def __call__(self, *args, out=None, policy: str = "auto", stream=None):
-        return self.call(args, out, policy, stream)
+        launcher = self._launchers.peek(signature(args, out, policy))
+        if launcher is None:
+            return self._call_new(args, out, policy, stream)
+        return launcher.run(args, out, stream)
 
     def call(self, args: tuple, out=None, policy: str = "auto", stream=None):
         """self(*args, out=out, policy=policy, stream=stream), its arguments passed as they are
         (the named ops' and cupyops.elementwise's way in)."""
-        key = self._key(args, out, policy)
-        if key is None:     # another library's GPU array among the operands: a CuPy view of it, once
-            ndarray = cupy_module().ndarray
-            return self.call(tuple(b if type(b) is ndarray or isinstance(b, (*_PYTHON_SCALARS, numpy.generic))
-                                   else arrays.as_cupy(b, name) for b, name in zip(args, self._names_for(len(args)))),
-                             out, policy, stream)
-        launcher = self._launchers.peek(key)
+        launcher = self._launchers.peek(signature(args, out, policy))
         if launcher is None:
-            launcher = self._prepare(key, args, out, policy)
+            return self._call_new(args, out, policy, stream)
         return launcher.run(args, out, stream)
 
-    @staticmethod
-    def _key(args: tuple, out, policy: str) -> Optional[tuple]:
-        """What a launcher depends on of the operands and outputs (_array_key); None for another library's array."""
-        cupy = callcache._cupy or cupy_module()
-        ndarray = cupy.ndarray
-        key = [policy, cupy.cuda.runtime.getDevice()]
-        for a in args:
-            kind = type(a)
-            if kind is ndarray:
-                memory = a.data
-                key += a.dtype, a.shape, a._c_contiguous or a.strides, memory.ptr & 15, memory.device_id
-            elif kind is float or kind is int or kind is bool:
-                key.append(kind)
-            elif isinstance(a, numpy.generic):
-                key.append(a.dtype)
-            else:
-                return None
-        if type(out) is ndarray:
-            memory = out.data
-            key += out.dtype, out.shape, out._c_contiguous or out.strides, memory.ptr & 15, memory.device_id
-        elif out is not None:
-            key.append(tuple(_array_key(_check_out(o)) for o in (out if isinstance(out, tuple) else (out,))))
-        return tuple(key)
+    def _call_new(self, args: tuple, out, policy: str, stream):
+        """A call no launcher serves yet: another library's GPU arrays among the operands (a CuPy
+        view of each, then the call), or a new signature (its launcher prepared, then run)."""
+        key = signature(args, out, policy)
+        if key is None:
+            ndarray = cupy_module().ndarray
+            return self.call(tuple(b if type(b) is ndarray or isinstance(b, (*PYTHON_SCALARS, numpy.generic))
+                                   else arrays.as_cupy(b, name) for b, name in zip(args, self._names_for(len(args)))),
+                             out, policy, stream)
+        return self._prepare(key, args, out, policy).run(args, out, stream)
 
-    def remembered(self, args: tuple, policy: str = "auto") -> Optional[_Launcher]:
+    def remembered(self, args: tuple, policy: str = "auto") -> Optional[Launcher]:
         """The launcher a call on these operands (CuPy arrays and numbers, no out) took on the
         current GPU, or None (no such call, or nothing launched): a caller holding arrays of
         those layouts that are not CuPy's (cupyops.torch) replays it through its launch_at."""
-        launcher = self._launchers.peek(self._key(args, None, policy))
+        launcher = self._launchers.peek(signature(args, None, policy))
         return launcher if launcher and launcher.launch and launcher.device is None else None
 
-    def _prepare(self, key: tuple, args: tuple, out, policy: str) -> _Launcher:
+    def _prepare(self, key: tuple, args: tuple, out, policy: str) -> Launcher:
         """The launcher of a new signature, on the GPU of the array operands (the current one
         where there are none): ValueError naming an operand or output on another GPU."""
         cupy = cupy_module()
@@ -536,16 +380,10 @@ class FusedFunction:
         current = device_id == key[1]
         with self._lock, contextlib.nullcontext() if current else cupy.cuda.Device(device_id):
             plan = self.plan(args, out, policy, Target.live(device_id))
-            launcher = _Launcher(plan, live_function(plan.spec, device_id), args, out,
+            launcher = Launcher(plan, live_function(plan.spec, device_id), args, out,
                                  None if current else device_id)
             self._launchers.put(key, launcher)
         return launcher
-
-
-def _check_out(out):
-    if not isinstance(out, cupy_module().ndarray):
-        raise TypeError(f"out must be a cupy.ndarray, got {type(out).__name__}")
-    return out
 
 
 def fuse(fn: Callable = None):
