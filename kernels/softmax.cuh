@@ -79,7 +79,8 @@ struct FoldedNaturalExp : NaturalExp<float> {
 // rounding is not shared by the sum, so a row
 // folds only while |folded_shift| < kFoldedShiftLimit: it then moves y by
 // under 1e-5 of itself (2^-17 ln 2 from the rounding, 3e-6 from __log2f), 2 %
-// of a float16 ulp. folds() is false past the limit and for rows whose
+// of a float16 ulp; scale_outputs's factor, another rounding and __log2f, makes
+// it under 2e-5 (4 %). folds() is false past the limit and for rows whose
 // maximum is NaN or +-inf; those call unfold(), then from_input.
 template <Algorithm algorithm, typename T, typename Exp = NaturalExp<T>>
 struct RowSoftmax {
@@ -87,7 +88,7 @@ struct RowSoftmax {
   static constexpr bool can_fold = algorithm == Algorithm::kSoftmax && Exp::foldable;
   static constexpr float kFoldedShiftLimit = 256.0f;
   T max, shift, scale;   // shift: Exp::shift(max); scale: softmax 1 / s (can_fold: once unfolded), log-softmax log(s)
-  T sum, folded_shift;   // can_fold: s, and shift + log2(s)
+  T sum, folded_shift;   // can_fold: s, and Exp::fold(m, shift, s) (both over scale_outputs's factor)
   RowSoftmax() = default;
   __device__ __forceinline__ void set_max(T row_max) {
     max = row_max;
