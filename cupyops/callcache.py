@@ -26,6 +26,10 @@ from __future__ import annotations
 from .launch import LaunchCache
 
 _cupy = None
+# cupy.ndarray and the cupy.cuda.runtime module (its getDevice read at each call, so a
+# stand-in's patch of it holds), bound with cupy for the hit paths' keys.
+ndarray = None
+runtime = None
 # empty(shape, dtype): a new array as cupy.empty makes it, called as cupy.ndarray
 # (cupy.empty's own Python frame spared); bound with cupy (a stand-in may replace it).
 empty = None
@@ -40,10 +44,11 @@ may_share_memory = None
 def cupy_module():
     """The cupy module, imported on first use (cupyops imports without a GPU
     stack); the hit paths read the global `_cupy` first."""
-    global _cupy, empty, alloc, may_share_memory
+    global _cupy, ndarray, runtime, empty, alloc, may_share_memory
     if _cupy is None:
         import cupy
         _cupy = cupy
+        ndarray, runtime = cupy.ndarray, cupy.cuda.runtime
         if empty is None:
             empty = cupy.ndarray
         if alloc is None:
@@ -79,10 +84,10 @@ def call_key(flags: tuple, arrays: tuple):
     strides of its axes of size 1), dtype, address % 16 and GPU of each
     cupy.ndarray, None for None. None when an array is neither, or the first
     is not a cupy.ndarray on the current GPU."""
-    cupy = _cupy or cupy_module()
-    ndarray = cupy.ndarray
+    if _cupy is None:
+        cupy_module()
     first = arrays[0]
-    if type(first) is not ndarray or first.data.device_id != cupy.cuda.runtime.getDevice():
+    if type(first) is not ndarray or first.data.device_id != runtime.getDevice():
         return None
     key = [flags]
     for array in arrays:

@@ -357,6 +357,7 @@ template <typename Op, typename Load, typename Store, typename C, int pack_size,
           int width, int rows_per_access, bool padding>
 __device__ __forceinline__ void softmax_warp(const Load (&loads)[Op::num_inputs], const Store& store,
                                              int64 rows, int64 cols) {
+  static_assert(!Op::can_fold, "outputs written unfolded: a folding Op needs write_row");
   static_assert(cols_per_thread % pack_size == 0, "cols_per_thread must be a multiple of pack_size");
   static_assert(width <= 32 && 32 % width == 0, "width must divide the warp size");
   constexpr int N = Op::num_inputs;
@@ -445,6 +446,7 @@ template <typename Op, typename Load, typename Store, typename C, int pack_size,
           int block_size, int rows_per_block, bool peel, bool storage_cache, typename RowHead>
 __device__ __forceinline__ void softmax_block_regs(const Load (&loads)[Op::num_inputs], const Store& store,
                                                    int64 rows, int64 cols, const RowHead& row_head) {
+  static_assert(!Op::can_fold, "outputs written unfolded: a folding Op needs write_row");
   constexpr int N = Op::num_inputs;
   // The storage cache keeps no exp(x - m) between passes: out<false> recomputes it.
   constexpr bool reuse = !storage_cache;
@@ -629,6 +631,7 @@ template <typename Op, typename Load, typename Store, typename C, typename Cache
           int pack_size, int block_size, int cached, bool peel, typename RowHead>
 __device__ __forceinline__ void softmax_block_smem(const Load (&loads)[Op::num_inputs], const Store& store,
                                                    int64 rows, int64 cols, const RowHead& row_head) {
+  static_assert(!Op::can_fold, "outputs written unfolded: a folding Op needs write_row");
   constexpr int N = Op::num_inputs;
   static_assert(Op::sum_inputs <= cached && cached <= N, "the sum reads cached inputs only");
   extern __shared__ __align__(16) unsigned char shared_buf[];
@@ -725,6 +728,7 @@ template <typename Op, typename Load, typename Store, typename C, int pack_size,
 __device__ __forceinline__ void softmax_block_uncached(const Load (&loads)[Op::num_inputs],
                                                        const Store& store, int64 rows, int64 cols,
                                                        const RowHead& row_head) {
+  static_assert(!Op::can_fold, "outputs written unfolded: a folding Op needs write_row");
   constexpr int N = Op::num_inputs;
   for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
     const PeeledRow<pack_size, peel> packs(cols, peel ? row_head(row) : 0);

@@ -179,6 +179,7 @@ template <typename Op, typename T, typename Load, typename Store, typename C, in
 __device__ __forceinline__ void softmax_split_finish(const Load (&loads)[Op::num_inputs], const Store& store,
                                                      const C* partials, int64 cols, int64 splits,
                                                      int64 chunk_cols, const RowHead& row_head) {
+  static_assert(!Op::can_fold, "outputs written unfolded: a folding Op needs write_row");
   constexpr int N = Op::num_inputs;
   constexpr int size = split_partial_size<Op>();
   const int64 chunk_id = static_cast<int64>(gridDim.x) - 1 - blockIdx.x;   // reverse order: see above

@@ -157,19 +157,12 @@ class Launcher:
         return outs
 
 
-# cupy.ndarray and cupy.cuda.runtime, bound by the first signature (cupyops imports without a GPU stack)
-_ndarray = _runtime = None
-
-
 def signature(args: tuple, out, policy: str) -> Optional[tuple]:
     """What a launcher depends on of the operands and outputs (array_key's fields, inlined), on
     the current GPU; None for another library's array."""
-    global _ndarray, _runtime
-    if _runtime is None:
-        cupy = cupy_module()
-        _ndarray, _runtime = cupy.ndarray, cupy.cuda.runtime
-    ndarray = _ndarray
-    key = [policy, _runtime.getDevice()]
+    runtime = callcache.runtime or cupy_module().cuda.runtime
+    ndarray = callcache.ndarray
+    key = [policy, runtime.getDevice()]
     for a in args:
         kind = type(a)
         if kind is ndarray:
