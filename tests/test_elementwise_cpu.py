@@ -5,6 +5,7 @@ calls on a GPU stand-in (fake_device.py) taking the memoised launcher."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import re
 import types
@@ -200,6 +201,34 @@ def test_auto_covers_the_array_in_one_pass():
     chosen = plan("a * b", info(F16, (16384, 8192)), info(F16, (16384, 8192)))
     per_block = chosen.block * chosen.spec.packs_per_thread * chosen.spec.pack_size
     assert chosen.grid == -(-16384 * 8192 // per_block)
+
+
+def test_a_grid_covering_every_pack_runs_no_loop_at_full_occupancy():
+    # one pass: no grid-stride loop, and __launch_bounds__ asking for every thread an SM holds
+    once = plan("residual + dropout(x + bias, p, seed, offset)", info(F16, (4096, 4096)), info(F16, (4096,)),
+                info(F16, (4096, 4096)), float, int, int)
+    assert once.spec.one_pass and once.spec.name.endswith("_1p_mb8")
+    assert once.grid * once.block * once.spec.packs_per_thread * once.spec.pack_size >= 4096 * 4096
+    source = jit.render(once.spec)
+    assert "first += step" not in source and f"__launch_bounds__({once.block}, 8)" in source
+    report = jit.compile_cubin(once.spec, "sm_90")
+    assert report.registers <= 32 and report.spill_bytes == 0
+    # a grid capped at its waves walks the array: the loop, no bounds on blocks
+    walked = plan("gelu(x + bias)", info(F16, (16384, 8192)), info(F16, (8192,)))
+    assert walked.grid * walked.block * walked.spec.packs_per_thread * walked.spec.pack_size < 16384 * 8192
+    assert not walked.spec.one_pass and walked.spec.min_blocks == 0
+    assert "first += step" in jit.render(walked.spec)
+    # OneFlow's launch keeps its loop
+    assert not plan("a * b", info(F16, (64, 64)), info(F16, (64, 64)), policy="oneflow").spec.one_pass
+
+
+def test_full_occupancy_is_not_bought_with_a_spill():
+    names = "abcdefgh"
+    heavy = plan("a * b + c * d - e / f + exp(g) * log(h)", *(info(F64, (4096, 4096)) for _ in names))
+    assert heavy.spec.one_pass and heavy.spec.min_blocks == 0
+    bounded = dataclasses.replace(heavy.spec, min_blocks=H100.facts.max_threads_per_sm // heavy.block)
+    assert jit.compile_cubin(bounded, "sm_90").spill_bytes > 0
+    assert jit.compile_cubin(heavy.spec, "sm_90").spill_bytes == 0
 
 
 def test_per_column_operand_is_read_in_packs_when_cols_divide():

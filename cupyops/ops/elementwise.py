@@ -14,14 +14,15 @@ policy="auto" reads misaligned operands element by element without narrowing the
 and launches as measured fastest for its estimated arithmetic per byte (`launch_candidates`
 lists what it chooses among; the device profile's `ELEMENTWISE_AUTO_LAUNCH` the winners: for
 rows of least estimated instructions per byte moved (OP_COST), a launch of block, bytes of each
-operand a thread has in flight and waves).
+operand a thread has in flight and waves). A grid that covers every pack runs no loop and asks
+for every thread an SM holds (`__launch_bounds__`), unless that would spill.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import numpy
@@ -233,6 +234,8 @@ def make_plan(roots: tuple, args: tuple, outs: tuple, names: tuple, policy: str,
             tuned = profile_for(target.facts)
             launch = [row_launch for least, row_launch in tuned.ELEMENTWISE_AUTO_LAUNCH if intensity >= least][-1]
         block, per_thread, grid = launch_geometry(launch, packs, pack_size * max(itemsizes), target.facts)
+    # auto: a grid that covers every pack runs no loop and asks for every thread an SM holds
+    one_pass = policy != "oneflow" and grid * block * per_thread >= packs
     # 32-bit indices where every element offset, and the loop's last pack index plus its step, fit
     extents = [sum(abs(s) * (n - 1) for n, s in zip(sizes, st)) + 1 for st in strides]
     index_type = "int" if max([size, *extents, packs + grid * block * per_thread]) < 2**31 else "long long"
@@ -240,7 +243,10 @@ def make_plan(roots: tuple, args: tuple, outs: tuple, names: tuple, policy: str,
         expression=", ".join(root.canonical() for root in roots), body=body, operands=operands,
         scalars=tuple(c for c, _ in scalar_types), outputs=tuple(zip((d.name for d in out_dtypes), out_vectors)),
         dropouts=dropouts, pack_size=pack_size, packs_per_thread=per_thread, block_size=block,
-        index_type=index_type, fast_math=fast_math(out_dtypes))
+        index_type=index_type, fast_math=fast_math(out_dtypes), one_pass=one_pass,
+        min_blocks=target.facts.max_threads_per_sm // block if one_pass else 0)
+    if spec.min_blocks and target.resources(spec)["local_bytes"]:   # not at the cost of a spill
+        spec = replace(spec, min_blocks=0)
     params = []
     for (access, inner, axes), st in zip(layouts, strides):
         if access == "strided":

@@ -80,6 +80,8 @@ class ElementwiseSpec(jit.KernelSpec):
     block_size: int
     index_type: str          # "int" or "long long"
     fast_math: bool = False  # the fast forms of FAST_FORMS (every float output 16-bit)
+    one_pass: bool = False   # the grid covers every pack: no grid-stride loop (name suffix _1p)
+    min_blocks: int = 0      # __launch_bounds__' blocks an SM where set (name suffix _mb<n>)
 
     @property
     def name(self) -> str:
@@ -89,7 +91,8 @@ class ElementwiseSpec(jit.KernelSpec):
         outs = _runs(_c(dtype)[0] + ("" if vector else "e") for dtype, vector in self.outputs)
         index = "i32" if self.index_type == "int" else "i64"
         return (f"elementwise_{label}_{digest.hexdigest()[:10]}_{ins}_to_{outs}_p{self.pack_size}"
-                f"_u{self.packs_per_thread}_t{self.block_size}_{index}")
+                f"_u{self.packs_per_thread}_t{self.block_size}_{index}{'_1p' if self.one_pass else ''}"
+                f"{f'_mb{self.min_blocks}' if self.min_blocks else ''}")
 
     @property
     def threads_per_block(self) -> int:
@@ -123,7 +126,8 @@ class ElementwiseSpec(jit.KernelSpec):
                 "scalars": self.scalars, "outputs": outputs, "dropouts": dropouts,
                 "pack_size": self.pack_size, "packs_per_thread": self.packs_per_thread,
                 "block_size": self.block_size, "index_type": self.index_type,
-                "fast_math": "true" if self.fast_math else "false"}
+                "fast_math": "true" if self.fast_math else "false", "one_pass": self.one_pass,
+                "min_blocks": self.min_blocks}
 
 
 def _runs(codes) -> str:
