@@ -7,6 +7,7 @@ Bytes counted: each operand read once at its own size, each output written once.
 candidate is run once into a NaN-filled output and checked against the default plan's
 result before it is timed. Usage (repository root):
 PYTHONPATH=. python scripts/tune_elementwise.py [--budget 0.1] [--first-call-only] [--expr TEXT] [--dtype NAME]
+[--shape ROWS,COLS]; same: a device copy of the same bytes (half read, half written) over the candidate's time.
 """
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ import cupy
 import numpy
 
 import cupyops
-from cupyops import jit
+from cupyops import bench, jit
 from cupyops.device import live_facts
 from cupyops.dtypes import BFLOAT16
 from cupyops.ops import elementwise as ew
+from cupyops.ops.elementwise_launch import Launcher
 from tuning import Tuning
 
 CASES = [   # expression, operand shapes as fractions of (rows, cols)
@@ -44,14 +46,14 @@ def operands(expr, kinds, shape, dtype):
             for name, kind in zip(names, kinds)]
 
 
-def throughput(tuning: Tuning, only: list, dtypes: list):
-    print(f"{'expression':<40} {'dtype':<9} {'shape':<11} {'launch':<16} {'us':>8} {'GB/s':>7} {'copy':>6}")
+def throughput(tuning: Tuning, only: list, dtypes: list, shapes: list):
+    print(f"{'expression':<40} {'dtype':<9} {'shape':<11} {'launch':<16} {'us':>8} {'GB/s':>7} {'copy':>6} {'same':>6}")
     for expr, kinds in CASES:
         if only and not any(word in expr for word in only):
             continue
         function = ew.compiled_expression(expr)
         for dtype in dtypes:
-            for shape in SHAPES:
+            for shape in shapes:
                 args = operands(expr, kinds, shape, dtype)
                 try:
                     reference = function(*args)
@@ -59,13 +61,14 @@ def throughput(tuning: Tuning, only: list, dtypes: list):
                     print(f"{expr:<40} skipped: {str(error).splitlines()[0]}")
                     break
                 num_bytes = sum(a.nbytes for a in args) + math.prod(shape) * dtype.itemsize
+                copy_us = tuning.timer.time(bench.device_copy(num_bytes // 2)).median_us
                 launches = [("oneflow", None), ("auto", None)] + [(f"b{b} f{f} w{w}", (b, f, w))
                                                                   for b, f, w in ew.launch_candidates()]
                 for label, launch in launches:
                     plan = function.plan(tuple(args), None, "oneflow" if label == "oneflow" else "auto",
                                          tuning.target, launch)
                     out = cupy.empty(shape, dtype)
-                    launcher = ew._Launcher(plan, jit.kernel(plan.spec, tuning.device_id).kernel, tuple(args), out)
+                    launcher = Launcher(plan, jit.kernel(plan.spec, tuning.device_id).kernel, tuple(args), out)
 
                     def run(launcher=launcher, out=out):
                         launcher.run(tuple(args), out, None)
@@ -75,16 +78,19 @@ def throughput(tuning: Tuning, only: list, dtypes: list):
                     us, gbs, of_copy, error = tuning.measure(run, out, error_of, num_bytes)
                     assert error == 0.0, (expr, label, error)
                     print(f"{expr:<40} {dtype.name:<9} {'x'.join(map(str, shape)):<11} {label:<16} {us:>8.1f} "
-                          f"{gbs:>7.0f} {of_copy:>6.1%}", flush=True)
+                          f"{gbs:>7.0f} {of_copy:>6.1%} {copy_us / us:>6.2f}", flush=True)
 
 
 def first_call_cost() -> None:
-    """The first call of a new expression: rendered and compiled, then from CuPy's disk cache."""
+    """The first call of a new expression: rendered and compiled (the process's first compile,
+    which also loads NVRTC, then another), then from CuPy's disk cache."""
     rng = cupy.random.default_rng()
     a, b = (rng.standard_normal((64, 128), dtype=cupy.float32) for _ in range(2))
     print(f"# {live_facts(cupy.cuda.runtime.getDevice()).name}")
-    expr = f"tanh(a * {time.time()!r}) + b"          # a new expression: render + NVRTC
-    for label in ("first call of a new expression", "first call, kernel in CuPy's disk cache"):
+    stamp = repr(time.time())
+    for label, expr in (("first call of a new expression, first compile", f"tanh(a * {stamp}) + b"),
+                        ("first call of another new expression", f"exp(a * {stamp}) - b"),
+                        ("first call, kernel in CuPy's disk cache", f"exp(a * {stamp}) - b")):
         ew._expressions.clear()
         jit._kernels.clear()
         began = time.perf_counter()
@@ -99,11 +105,13 @@ def main():
     parser.add_argument("--first-call-only", action="store_true")
     parser.add_argument("--expr", action="append", default=[], help="only the cases containing this text")
     parser.add_argument("--dtype", action="append", default=[], help="only these dtypes")
+    parser.add_argument("--shape", action="append", default=[], help="ROWS,COLS in place of the default shapes")
     options = parser.parse_args()
     first_call_cost()
     if not options.first_call_only:
         dtypes = [d for d in DTYPES if not options.dtype or d.name in options.dtype]
-        throughput(Tuning(options.budget), options.expr, dtypes)
+        shapes = [tuple(int(n) for n in text.split(",")) for text in options.shape] or SHAPES
+        throughput(Tuning(options.budget), options.expr, dtypes, shapes)
 
 
 if __name__ == "__main__":
