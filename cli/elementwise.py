@@ -18,18 +18,32 @@ from cupyops.ops import elementwise as ew
 from .common import (bench, compile_, compile_and_report, device_option, dtype_option, explain, json_flag,
                      live_device, plot_option, policy_option, positive_shape, show_plan, source_flag, target)
 
-# Named ops as expressions, the shape of each operand ("x": the whole shape, "cols": the last
-# axis), and the cupyops function of them.
+# Named ops: the expression they compute (its operand names), the shape of each operand ("x":
+# the whole shape, "cols": the last axis), the named function's arguments in its order (operand
+# names, then the numbers the CLI passes) and its approximation.
 NAMED = {
-    "bias_gelu": ("gelu(x + bias)", {"bias": "cols"}, lambda ops: ops.bias_gelu),
-    "bias_gelu_tanh": ("gelu_tanh(x + bias)", {"bias": "cols"},
-                       lambda ops: lambda x, bias: ops.bias_gelu(x, bias, approximate="tanh")),
-    "bias_silu": ("silu(x + bias)", {"bias": "cols"}, lambda ops: ops.bias_silu),
-    "swiglu": ("silu(a) * b", {}, lambda ops: ops.swiglu),
-    "geglu": ("gelu(a) * b", {}, lambda ops: ops.geglu),
-    "bias_dropout_add": ("residual + dropout(x + bias, 0.1, 1234)", {"bias": "cols"},
-                         lambda ops: lambda x, bias, residual: ops.bias_dropout_add(x, bias, residual, 0.1, 1234)),
+    "bias_gelu": ("gelu(x + bias)", {"bias": "cols"}, ("x", "bias"), "none"),
+    "bias_gelu_tanh": ("gelu_tanh(x + bias)", {"bias": "cols"}, ("x", "bias"), "tanh"),
+    "bias_silu": ("silu(x + bias)", {"bias": "cols"}, ("x", "bias"), "none"),
+    "swiglu": ("silu(a) * b", {}, ("a", "b"), "none"),
+    "geglu": ("gelu(a) * b", {}, ("a", "b"), "none"),
+    "bias_dropout_add": ("residual + dropout(x + bias, p, seed, offset)", {"bias": "cols"},
+                         ("x", "bias", "residual", 0.1, 1234, 0), "none"),
 }
+# The numbers among a named op's operands: not arrays.
+NAMED_NUMBERS = ("p", "seed", "offset")
+
+
+def named_call(named: str):
+    """(the named op's fused function, its arguments from {operand name: value}): the function
+    each named op calls, as cupyops.torch does."""
+    from cupyops.ops import activations
+
+    _, _, arguments, approximate = NAMED[named]
+    function = activations.named_function(named.removesuffix("_tanh"), approximate)
+    return function, lambda values: tuple(values[a] if isinstance(a, str) else a for a in arguments)
+
+
 BASELINES = ("torch", "torch_compile", "cupy_kernel", "cupy_fuse", "oneflow", "copy")
 
 expr_option = click.option("--expr", required=True,
@@ -46,6 +60,7 @@ def _operands(expr: str, shape: str, operand_specs: tuple, dtype: str) -> tuple:
         _, names = fx.parse(text)
     except (ValueError, TypeError) as error:
         raise click.BadParameter(str(error), param_hint="--expr") from None
+    names = [n for n in names if not (named and n in NAMED_NUMBERS)]     # the arrays
     dims = positive_shape(shape)
     given = {}
     for spec in operand_specs:
@@ -69,11 +84,15 @@ def _operands(expr: str, shape: str, operand_specs: tuple, dtype: str) -> tuple:
     return text, expr if named else None, operands
 
 
-def _plan(text, operands, policy, plan_target):
-    function = ew.compiled_expression(text)
-    infos = tuple(ew.ArrayInfo.contiguous(dt, shape) for shape, dt in operands.values())
+def _plan(text, named, operands, policy, plan_target):
+    infos = {name: ew.ArrayInfo.contiguous(dt, shape) for name, (shape, dt) in operands.items()}
+    if named:
+        function, arguments = named_call(named)
+        args = tuple(a if isinstance(a, ew.ArrayInfo) else type(a) for a in arguments(infos))
+    else:
+        function, args = ew.compiled_expression(text), tuple(infos.values())
     try:
-        return function.plan(infos, None, policy, plan_target)
+        return function.plan(args, None, policy, plan_target)
     except (ValueError, TypeError) as error:
         raise click.UsageError(str(error)) from None
 
@@ -89,9 +108,9 @@ def _plan(text, operands, policy, plan_target):
 @source_flag
 def explain_elementwise(expr, shape, operand_specs, dtype, policy, device_name, as_json, source):
     """Show the kernel and launch cupyops picks for an elementwise expression."""
-    text, _, operands = _operands(expr, shape, operand_specs, dtype)
+    text, named, operands = _operands(expr, shape, operand_specs, dtype)
     plan_target = target(device_name)
-    chosen = _plan(text, operands, policy, plan_target)
+    chosen = _plan(text, named, operands, policy, plan_target)
     show_plan(chosen.explain(), f"{text} on {plan_target.facts.name}, policy={policy}: "
               + ", ".join(f"{n} {s} {d.name}" for n, (s, d) in operands.items()),
               as_json, jit.render(chosen.spec) if source else None, width=18)
@@ -109,8 +128,8 @@ def compile_elementwise(exprs, shape, dtype, arch, policy):
     plan_target = Target.profile(ARCH_PROFILES[arch])
 
     def spec_of(expr):
-        text, _, operands = _operands(expr, shape, (), dtype)
-        return _plan(text, operands, policy, plan_target).spec
+        text, named, operands = _operands(expr, shape, (), dtype)
+        return _plan(text, named, operands, policy, plan_target).spec
     compile_and_report((expr, arch, lambda expr=expr: spec_of(expr)) for expr in exprs or tuple(NAMED))
 
 
@@ -137,7 +156,7 @@ def bench_elementwise(expr, shapes, operand_specs, dtype, baseline, csv_path, js
     points = []
     for shape in shapes:
         text, named, operands = _operands(expr, shape, operand_specs, dtype)
-        chosen = _plan(text, operands, "auto", Target.profile("h100"))   # usage errors before GPU work
+        chosen = _plan(text, named, operands, "auto", Target.profile("h100"))   # usage errors before GPU work
         point = elementwise_providers.Point(text, named, operands, chosen.shape)
         points.append((list(chosen.shape), chosen.shape[-1] if chosen.shape else 1,
                        point.bytes_moved(chosen.out_dtypes), point.providers))

@@ -93,24 +93,22 @@ class Point:
     def providers(self) -> dict:
         import cupy
 
-        import cupyops
-        from .elementwise import NAMED
+        from .elementwise import named_call
 
         arrays = self.inputs()
-        values = list(arrays.values())
-        function = ew.compiled_expression(self.text)
-        roots = function.trace(tuple(ew.ArrayInfo.of(a) for a in values))
-        if self.named:
-            named = NAMED[self.named][2](cupyops)
-            found = {"cupyops": lambda: named(*values)}
+        if self.named:      # the function the named op calls, on its arguments in its order
+            function, arguments = named_call(self.named)
+            values = list(arguments(arrays))
         else:
-            found = {"cupyops": lambda: function(*values),
-                     "oneflow": lambda: function(*values, policy="oneflow")}
+            function, values = ew.compiled_expression(self.text), list(arrays.values())
+        roots = function.trace(tuple(ew.ArrayInfo.of(a) if isinstance(a, cupy.ndarray) else type(a) for a in values))
+        found = {"cupyops": lambda: function.call(tuple(values)),
+                 "oneflow": lambda: function.call(tuple(values), None, "oneflow")}
         candidates = {}
         try:
             import torch
 
-            tensors = [torch.from_dlpack(a) for a in values]
+            tensors = [torch.from_dlpack(a) if isinstance(a, cupy.ndarray) else a for a in values]
             torch_fns = _torch_functions(torch)
 
             def eager(*xs):

@@ -208,6 +208,7 @@ def test_a_grid_covering_every_pack_runs_no_loop_at_full_occupancy():
     once = plan("residual + dropout(x + bias, p, seed, offset)", info(F16, (4096, 4096)), info(F16, (4096,)),
                 info(F16, (4096, 4096)), float, int, int)
     assert once.spec.one_pass and once.spec.name.endswith("_1p_mb8")
+    assert (once.explain()["loop"], once.explain()["min_blocks_per_sm"]) == ("none (one pass)", 8)
     assert once.grid * once.block * once.spec.packs_per_thread * once.spec.pack_size >= 4096 * 4096
     source = jit.render(once.spec)
     assert "first += step" not in source and f"__launch_bounds__({once.block}, 8)" in source
@@ -218,8 +219,39 @@ def test_a_grid_covering_every_pack_runs_no_loop_at_full_occupancy():
     assert walked.grid * walked.block * walked.spec.packs_per_thread * walked.spec.pack_size < 16384 * 8192
     assert not walked.spec.one_pass and walked.spec.min_blocks == 0
     assert "first += step" in jit.render(walked.spec)
+    assert (walked.explain()["loop"], walked.explain()["min_blocks_per_sm"]) == ("grid-stride", None)
     # OneFlow's launch keeps its loop
     assert not plan("a * b", info(F16, (64, 64)), info(F16, (64, 64)), policy="oneflow").spec.one_pass
+
+
+def test_cli_explains_and_compiles_the_kernel_each_named_op_runs():
+    """explain / compile plan the function a named op calls, with its arguments in its order
+    (bias_dropout_add: p, seed and offset are kernel arguments, not constants)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from cli.elementwise import named_call
+    from cupyops.cli.main import main
+
+    run = CliRunner().invoke
+    result = run(main, ["explain", "elementwise", "--expr", "bias_dropout_add", "--shape", "64,1024",
+                        "--device", "h100", "--json"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.stdout)
+    runs = activations._bias_dropout_add.plan(
+        (info(F16, (64, 1024)), info(F16, (1024,)), info(F16, (64, 1024)), float, int, int), None, "auto", H100)
+    assert shown["kernel"] == runs.spec.name and len(runs.spec.scalars) == 3
+    refused = run(main, ["explain", "elementwise", "--expr", "bias_dropout_add", "--shape", "64,64",
+                         "--operand", "p=4", "--device", "h100"])
+    assert refused.exit_code != 0 and "'p' is not an operand" in refused.output
+    function, arguments = named_call("bias_dropout_add")
+    assert function is activations.named_function("bias_dropout_add")
+    assert arguments({"residual": "R", "x": "X", "bias": "B"}) == ("X", "B", "R", 0.1, 1234, 0)
+    assert named_call("bias_gelu_tanh")[0] is activations.named_function("bias_gelu", "tanh")
+    compiled = run(main, ["compile", "elementwise", "--arch", "sm_90", "--dtype", "bfloat16"])
+    assert compiled.exit_code == 0, compiled.output
+    assert "6 kernels compiled for sm_90, 0 failed" in compiled.output
 
 
 def test_full_occupancy_is_not_bought_with_a_spill():

@@ -145,6 +145,8 @@ class ElementwisePlan:
                              for o in spec.operands],
                 "outputs": [dtype for dtype, _ in spec.outputs], "pack_size": spec.pack_size,
                 "packs_per_thread": spec.packs_per_thread, "index_type": spec.index_type,
+                "loop": "none (one pass)" if spec.one_pass else "grid-stride",
+                "min_blocks_per_sm": spec.min_blocks or None,
                 "math": "fast (16-bit outputs)" if spec.fast_math else "exact",
                 "block": [self.block, 1, 1], "grid": [self.grid, 1, 1], "smem_bytes": 0,
                 "kernel": spec.name}
