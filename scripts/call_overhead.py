@@ -167,21 +167,26 @@ def recorded_launches(call, allocations: list = None) -> tuple:
     [(cupy.RawKernel or Function, grid, block, args, smem)], and what they need kept
     alive: the memos of that run, the arrays it made and the records passed by address.
     `allocations`, where given, gets what the second run allocated: (shape, dtype) of
-    each array, (nbytes,) of each bare block."""
+    each array, (nbytes,) of each bare block. A fused function outside _memo_slots keeps
+    the launcher its first call made here, allocating through a frame that no longer records."""
     log, made, kept, allocated = [], {}, [], []
     callcache.cupy_module()     # binds callcache.empty and .alloc
     compile_kernel, empty, alloc = jit.kernel, callcache.empty, callcache.alloc
     packed_call = packed.PackedLaunch.__call__
     jit.kernel = lambda spec, device_id: _RecordingKernel(compile_kernel(spec, device_id), log)
 
+    recording = [True]      # emptied when done: a launcher made meanwhile keeps these allocators
+
     def recording_empty(shape, dtype):
         array = empty(shape, dtype)
-        made.setdefault(array.data.ptr, array)
-        allocated.append((shape, dtype))
+        if recording:
+            made.setdefault(array.data.ptr, array)
+            allocated.append((shape, dtype))
         return array
 
     def recording_alloc(nbytes):
-        allocated.append((nbytes,))
+        if recording:
+            allocated.append((nbytes,))
         return alloc(nbytes)
 
     def recording_packed(launch, values, stream=None):
@@ -201,6 +206,7 @@ def recorded_launches(call, allocations: list = None) -> tuple:
     finally:
         jit.kernel, callcache.empty, callcache.alloc, packed.PackedLaunch.__call__ = (compile_kernel, empty, alloc,
                                                                                      packed_call)
+        recording.clear()
         kept += [_memos(), made]
         _fresh_memos()
     if allocations is not None:
