@@ -26,16 +26,16 @@ from cupyops.ops import elementwise as ew
 from cupyops.ops.elementwise_launch import Launcher
 from tuning import Tuning
 
-CASES = [   # expression, operand shapes as fractions of (rows, cols)
+CASES = [   # expression, operand shapes as fractions of (rows, cols), or the number an operand is
     ("sigmoid(a + b)", ("full", "full")),
     ("relu(a + b) * 0.5", ("full", "full")),
     ("gelu(x + bias)", ("full", "cols")),
     ("gelu_tanh(x + bias)", ("full", "cols")),
     ("silu(x + bias)", ("full", "cols")),
     ("silu(a) * b", ("full", "full")),
-    ("residual + dropout(x + bias, 0.1, 7)", ("full", "cols", "full")),
+    ("residual + dropout(x + bias, p, seed, offset)", ("full", "full", "cols", 0.1, 7, 0)),   # as bias_dropout_add
 ]
-SHAPES = [(16384, 8192), (2048, 2048)]
+SHAPES = [(16384, 8192), (4096, 4096)]
 DTYPES = [numpy.dtype(numpy.float16), BFLOAT16, numpy.dtype(numpy.float32)]
 
 
@@ -43,7 +43,7 @@ def operands(expr, kinds, shape, dtype):
     _, names = cupyops.fx.parse(expr)
     rng = cupy.random.default_rng()
     return [rng.standard_normal(shape if kind == "full" else shape[-1:], dtype=cupy.float32).astype(dtype)
-            for name, kind in zip(names, kinds)]
+            if isinstance(kind, str) else kind for name, kind in zip(names, kinds)]
 
 
 def throughput(tuning: Tuning, only: list, dtypes: list, shapes: list):
@@ -60,7 +60,8 @@ def throughput(tuning: Tuning, only: list, dtypes: list, shapes: list):
                 except jit.CompileError as error:      # e.g. a header this checkout lacks
                     print(f"{expr:<40} skipped: {str(error).splitlines()[0]}")
                     break
-                num_bytes = sum(a.nbytes for a in args) + math.prod(shape) * dtype.itemsize
+                num_bytes = (sum(a.nbytes for a in args if isinstance(a, cupy.ndarray)) +
+                             math.prod(shape) * dtype.itemsize)
                 copy_us = tuning.timer.time(bench.device_copy(num_bytes // 2)).median_us
                 launches = [("oneflow", None), ("auto", None)] + [(f"b{b} f{f} w{w}", (b, f, w))
                                                                   for b, f, w in ew.launch_candidates()]
