@@ -88,7 +88,7 @@ def _plan(text, named, operands, policy, plan_target):
     infos = {name: ew.ArrayInfo.contiguous(dt, shape) for name, (shape, dt) in operands.items()}
     if named:
         function, arguments = named_call(named)
-        args = tuple(a if isinstance(a, ew.ArrayInfo) else type(a) for a in arguments(infos))
+        args = arguments(infos)         # plan takes the numbers as they are
     else:
         function, args = ew.compiled_expression(text), tuple(infos.values())
     try:

@@ -101,7 +101,7 @@ class Point:
             values = list(arguments(arrays))
         else:
             function, values = ew.compiled_expression(self.text), list(arrays.values())
-        roots = function.trace(tuple(ew.ArrayInfo.of(a) if isinstance(a, cupy.ndarray) else type(a) for a in values))
+        roots = function.trace(tuple(ew.operand_kind(a, f"argument {k}") for k, a in enumerate(values)))
         found = {"cupyops": lambda: function.call(tuple(values)),
                  "oneflow": lambda: function.call(tuple(values), None, "oneflow")}
         candidates = {}
