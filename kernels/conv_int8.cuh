@@ -48,6 +48,8 @@ struct ConvParams {
   int stride_h, stride_w, pad_h, pad_w;
   int gemm_m, gemm_n, taps, k_steps, steps_per_split, splits;
   int out_kind, bias_kind, relu, has_z, alpha_per_channel;
+  unsigned ohw_multiplier;         // OH * OW's divisor for fast_quotient (common.cuh); 0 where it is 1
+  int ohw_shift;
   float alpha, beta, gamma;
   int tap_offset[CONV_MAX_TAPS];   // (fh * dilation_h * W + fw * dilation_w) * 32
   int tap_dh[CONV_MAX_TAPS];       // fh * dilation_h
@@ -66,15 +68,17 @@ __device__ __forceinline__ int conv_exchange_swizzle(int pixel) {
   return ((pixel >> 1) & 3) * 8 + (pixel & 1) * 4;
 }
 
-__device__ __forceinline__ unsigned pack_s8x4(const int* values) {
-  unsigned word = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) word |= (static_cast<unsigned>(values[i]) & 0xffu) << (8 * i);
-  return word;
+__device__ __forceinline__ unsigned pack_s8x4(const int* values) {   // the low bytes of 4 ints
+  return __byte_perm(__byte_perm(values[0], values[1], 0x0040), __byte_perm(values[2], values[3], 0x0040), 0x5410);
 }
 
 // The epilogue of 8 consecutive output channels oc .. oc + 7 of one pixel at
-// element `offset` of y (and z): raw accumulators for CONV_OUT_S32.
+// element `offset` of y (and z): raw accumulators for CONV_OUT_S32, else
+// y = alpha * acc + beta * bias + gamma * z, ReLU, converted. The call's flags
+// branch once per 8 outputs (warp-uniform): a scale alone costs a multiply an
+// output, with no per-element selects of per-channel terms (a vector form of
+// those takes more registers than the widest tiles have); int8's ReLU and
+// saturation are one integer clamp.
 __device__ __forceinline__ void conv_epilogue_store(const int (&acc)[8], int oc, int64 offset,
                                                     const ConvParams& p, void* y, const signed char* z,
                                                     const float* alpha_vec, const void* bias) {
@@ -84,28 +88,38 @@ __device__ __forceinline__ void conv_epilogue_store(const int (&acc)[8], int oc,
     dst[1] = make_int4(acc[4], acc[5], acc[6], acc[7]);
     return;
   }
-  int2 z_bytes = make_int2(0, 0);
-  if (p.has_z) z_bytes = *reinterpret_cast<const int2*>(z + offset);
   float value[8];
+  if (!p.alpha_per_channel && p.bias_kind == CONV_BIAS_NONE && !p.has_z) {   // a scale alone
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const unsigned word = static_cast<unsigned>(i < 4 ? z_bytes.x : z_bytes.y);
-    const float z_i = static_cast<float>(static_cast<signed char>(word >> (8 * (i & 3))));
-    const float alpha = p.alpha_per_channel ? alpha_vec[oc + i] : p.alpha;
-    float bias_i = 0.f;
-    if (p.bias_kind == CONV_BIAS_F32) bias_i = static_cast<const float*>(bias)[oc + i];
-    if (p.bias_kind == CONV_BIAS_S32) bias_i = static_cast<float>(static_cast<const int*>(bias)[oc + i]);
-    float v = fmaf(alpha, static_cast<float>(acc[i]), fmaf(p.beta, bias_i, p.gamma * z_i));
-    if (p.relu) v = fmaxf(v, 0.f);
-    value[i] = v;
+    for (int i = 0; i < 8; ++i) value[i] = p.alpha * static_cast<float>(acc[i]);
+  } else {
+    int2 z_bytes = make_int2(0, 0);
+    if (p.has_z) z_bytes = *reinterpret_cast<const int2*>(z + offset);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const unsigned word = static_cast<unsigned>(i < 4 ? z_bytes.x : z_bytes.y);
+      const float z_i = static_cast<float>(static_cast<signed char>(word >> (8 * (i & 3))));
+      const float alpha = p.alpha_per_channel ? alpha_vec[oc + i] : p.alpha;
+      float bias_i = 0.f;
+      if (p.bias_kind == CONV_BIAS_F32) bias_i = static_cast<const float*>(bias)[oc + i];
+      if (p.bias_kind == CONV_BIAS_S32) bias_i = static_cast<float>(static_cast<const int*>(bias)[oc + i]);
+      value[i] = fmaf(alpha, static_cast<float>(acc[i]), fmaf(p.beta, bias_i, p.gamma * z_i));
+    }
   }
-  if (p.out_kind == CONV_OUT_S8) {
+  if (p.out_kind == CONV_OUT_S8) {   // ReLU's floor and the saturation in one clamp (NaN: 0)
+    const int low = p.relu ? 0 : -128;
     int q[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) q[i] = min(127, max(-128, __float2int_rn(value[i])));
+    for (int i = 0; i < 8; ++i) q[i] = min(127, max(low, __float2int_rn(value[i])));
     *reinterpret_cast<int2*>(static_cast<signed char*>(y) + offset) =
         make_int2(static_cast<int>(pack_s8x4(q)), static_cast<int>(pack_s8x4(q + 4)));
-  } else if (p.out_kind == CONV_OUT_F16) {
+    return;
+  }
+  if (p.relu) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) value[i] = fmaxf(value[i], 0.f);
+  }
+  if (p.out_kind == CONV_OUT_F16) {
     unsigned halves[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -327,11 +341,12 @@ struct ConvTileLoader {
 // Column j of GEMM_N as an output pixel: image, and rest = oh * OW + ow within it;
 // false past GEMM_N.
 struct GemmPixels {
-  int ohw, gemm_n;
+  const ConvParams& p;
   __device__ __forceinline__ bool locate(int j, int& image, int& rest) const {
-    if (j >= gemm_n) return false;
-    image = j / ohw;
-    rest = j - image * ohw;
+    if (j >= p.gemm_n) return false;
+    image = p.ohw_multiplier ? static_cast<int>(fast_quotient(static_cast<unsigned>(j), p.ohw_multiplier, p.ohw_shift))
+                             : j;
+    rest = j - image * p.oh * p.ow;
     return true;
   }
 };
@@ -488,7 +503,7 @@ __device__ __forceinline__ void conv2d_int8_fprop(const signed char* __restrict_
   }
   __syncthreads();   // every warp is done with the pipeline's shared memory
   conv_warp_epilogue(acc, reinterpret_cast<int*>(shared) + warp * 256, tile.m0 + warp_m, tile.n0 + warp_n, tile.split,
-                     p, y, z, alpha_vec, bias, GemmPixels{p.oh * p.ow, p.gemm_n});
+                     p, y, z, alpha_vec, bias, GemmPixels{p});
 }
 
 // One block's TM x TN tile by wgmma (sm_90a): warpgroups of 64 x WN (TM / 64 of
@@ -578,7 +593,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_wgmma(const signed char* __res
   cp_async_wait<0>();
   __syncthreads();   // every warpgroup is done with the pipeline's shared memory
   conv_warp_epilogue(acc, exchange_base + warp * 256, tile.m0 + wg_m + (warp & 3) * 16, tile.n0 + wg_n, tile.split,
-                     p, y, z, alpha_vec, bias, GemmPixels{p.oh * p.ow, p.gemm_n});
+                     p, y, z, alpha_vec, bias, GemmPixels{p});
 }
 
 // A consumer warp of a warp-specialised kernel: its warp index, its warpgroup's origin
@@ -768,7 +783,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
     }
     ws_tile_done<stages>(acc, empty, round);
     conv_warp_epilogue(acc, exchange, tile.m0 + wg_m + (warp & 3) * 16, tile.n0 + wg_n, tile.split, p, y, z,
-                       alpha_vec, bias, GemmPixels{p.oh * p.ow, p.gemm_n});
+                       alpha_vec, bias, GemmPixels{p});
   }
 }
 

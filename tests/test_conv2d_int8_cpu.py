@@ -153,6 +153,22 @@ def test_params_block_matches_the_c_struct():
     assert params["alpha"] == 0.5 and params["tap_dw"][2] == 4 and params["tap_offset"][3] == 2 * 10 * 32
 
 
+
+@pytest.mark.parametrize("geometry", [ConvGeometry(64, 256, 56, 56, 64, 1, 1), ConvGeometry(3, 32, 7, 7, 32, 3, 3),
+                                      ConvGeometry(5, 32, 1, 1, 32, 1, 1), ConvGeometry(2, 32, 9, 13, 32, 3, 3,
+                                                                                         (2, 2), (1, 1))])
+def test_params_carry_the_epilogue_pixel_divisor(geometry):
+    """The epilogue finds a GEMM_N column's image as (j * multiplier >> 32) >> shift
+    (GemmPixels), or j itself where an image has one output pixel (multiplier 0)."""
+    params = conv_layout.kernel_params(geometry)[0]
+    multiplier, shift = int(params["ohw_multiplier"]), int(params["ohw_shift"])
+    ohw, gemm_n = geometry.oh * geometry.ow, geometry.gemm[1]
+    columns = numpy.unique(numpy.r_[numpy.arange(min(gemm_n, 5000)), numpy.arange(max(0, gemm_n - 5000), gemm_n),
+                                    numpy.random.default_rng(0).integers(0, gemm_n, 5000)])
+    images = columns if multiplier == 0 else ((columns * multiplier) >> 32) >> shift
+    assert (multiplier == 0) == (ohw == 1)
+    numpy.testing.assert_array_equal(images, columns // ohw)
+
 def _auto(tile_m, tile_n):
     return next(c for c in conv.AUTO_CONFIGS if (c.tile_m, c.tile_n) == (tile_m, tile_n))
 

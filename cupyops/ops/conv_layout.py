@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy
 
 from .. import arrays
+from ..launch import fast_divisor
 
 INTERLEAVE = 32          # channels a group of NCHW32 holds
 STEP_CHUNKS = 2          # 32-channel chunks of GEMM_K a pipeline stage holds (64 bytes)
@@ -21,7 +22,8 @@ _INT_FIELDS = ("n", "c32", "h", "w", "k32", "oh", "ow", "stride_h", "stride_w", 
                "out_kind", "bias_kind", "relu", "has_z", "alpha_per_channel")
 _FLOAT_FIELDS = ("alpha", "beta", "gamma")
 PARAMS_DTYPE = numpy.dtype(
-    [(name, "<i4") for name in _INT_FIELDS] + [(name, "<f4") for name in _FLOAT_FIELDS]
+    [(name, "<i4") for name in _INT_FIELDS] + [("ohw_multiplier", "<u4"), ("ohw_shift", "<i4")]
+    + [(name, "<f4") for name in _FLOAT_FIELDS]
     + [(name, "<i4", (MAX_TAPS,)) for name in ("tap_offset", "tap_dh", "tap_dw")])
 OUT_KINDS = {"int8": 0, "float16": 1, "float32": 2, "int32": 3}
 BIAS_KINDS = {None: 0, "float32": 1, "int32": 2}
@@ -187,6 +189,9 @@ def kernel_params(geometry: ConvGeometry, *, splits: int = 1, steps_per_split: i
                   out_kind=OUT_KINDS[out_dtype], bias_kind=BIAS_KINDS[bias_kind], relu=int(relu),
                   has_z=int(has_z), alpha_per_channel=int(alpha_per_channel),
                   alpha=alpha, beta=beta, gamma=gamma)
+    ohw = g.oh * g.ow
+    if ohw > 1:   # the epilogue's pixel -> (image, rest) by a multiply (kernels/common.cuh, fast_quotient)
+        values["ohw_multiplier"], values["ohw_shift"] = fast_divisor(ohw)
     for name, value in values.items():
         record[name] = value
     offsets, rows, cols = tap_table(g)
