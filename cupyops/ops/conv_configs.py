@@ -56,11 +56,14 @@ WGMMA_CONFIGS = tuple(TileConfig(tm, tn, 64, wn, stages, True, step)
                       for tm, tn, wn, stages in table)
 # Warp-specialised wgmma (tile_m, tile_n, warp_n, stages, step bytes): the consumers
 # issue MMAs alone, so the tiles are the largest the accumulators allow. With the
-# pixels copied by the copy engine too, its 32-byte rows bound the loads: fewer tiles.
+# pixels copied by the copy engine too, its 32-byte rows bound the loads: fewer tiles,
+# and one 64 x 256 tile in four warpgroups of 64 x 64 (more warps to store the outputs
+# where GEMM_K is short and the epilogue takes most of a tile's time).
 _TMA_FILTER = ((128, 256, 256, 4, 128), (128, 256, 256, 7, 64), (256, 128, 128, 4, 128), (128, 128, 128, 6, 128),
                (128, 128, 128, 3, 128), (64, 256, 256, 5, 128), (64, 256, 256, 3, 128), (64, 256, 128, 5, 128),
                (64, 128, 128, 8, 128), (64, 128, 128, 4, 128))
-_TMA_IM2COL = ((128, 256, 256, 7, 64), (256, 128, 128, 4, 128), (64, 256, 256, 5, 128), (64, 128, 128, 4, 128))
+_TMA_IM2COL = ((128, 256, 256, 7, 64), (256, 128, 128, 4, 128), (64, 256, 256, 5, 128), (64, 256, 64, 5, 128),
+               (64, 128, 128, 4, 128))
 TMA_CONFIGS = tuple(TileConfig(tm, tn, 64, wn, stages, True, step, tma)
                     for tma, table in (("filter", _TMA_FILTER), ("im2col", _TMA_IM2COL))
                     for tm, tn, wn, stages, step in table)
