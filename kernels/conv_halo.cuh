@@ -133,8 +133,14 @@ __device__ __forceinline__ void conv2d_int8_fprop_halo(const TensorMap& filter_m
       ws_round_issued<stages>(acc, empty, round, u);
     }
     ws_tile_done<stages>(acc, empty, round);
-    conv_warp_epilogue(acc, exchange, tile.m0 + wg_m + (warp & 3) * 16, wg_n, tile.split, p, y, z, alpha_vec, bias,
-                       HaloPixels<PITCH>{tile.image, tile.oh0, p.oh, p.ow});
+    if (warpgroup_epilogue_fits<WN, CONSUMERS * 128 + PRODUCERS>() && tile_epilogue_s8(p)) {   // its 4 KB of exchanges
+      conv_warpgroup_epilogue_s8<WN>(acc, reinterpret_cast<signed char*>(exchange - (warp & 3) * 256), tile.m0 + wg_m,
+                                     wg_n, p, static_cast<signed char*>(y), alpha_vec, bias,
+                                     HaloPixels<PITCH>{tile.image, tile.oh0, p.oh, p.ow}, 1 + warpgroup);
+    } else {
+      conv_warp_epilogue(acc, exchange, tile.m0 + wg_m + (warp & 3) * 16, wg_n, tile.split, p, y, z, alpha_vec, bias,
+                         HaloPixels<PITCH>{tile.image, tile.oh0, p.oh, p.ow});
+    }
   }
 }
 

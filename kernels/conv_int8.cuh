@@ -28,10 +28,10 @@
 // rows), so that a lane ends with 8 consecutive channels of one pixel:
 // y = alpha * acc + beta * bias + gamma * z, ReLU, stored as 8 contiguous
 // outputs (a warp writes 8 whole NCHW32 pixels, or 16 halves). Int (i, pixel c)
-// sits at c * 32 + (i ^ swizzle(c)), conflict-free both ways. The cp.async wgmma
-// kernel writes an int8 output with no z and no split through its spent stages
-// instead: each byte converted where its accumulator lies, the block's tile laid
-// out as the output's rows and copied out in 16-byte vectors (conv_tile_epilogue_s8).
+// sits at c * 32 + (i ^ swizzle(c)), conflict-free both ways. The wgmma kernels
+// write an int8 output with no z and no split by warpgroup instead: each byte
+// converted where its accumulator lies, into 4 KB laid out as the output's rows,
+// copied out in 16-byte vectors (conv_warpgroup_epilogue_s8).
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
@@ -509,54 +509,82 @@ __device__ __forceinline__ void conv2d_int8_fprop(const signed char* __restrict_
                      p, y, z, alpha_vec, bias, GemmPixels{p});
 }
 
-// The int8 epilogue of a whole block tile through shared memory, for a call with no z
-// and no split (tile_epilogue_s8): each thread turns its wgmma accumulators into int8
-// where they lie -- its two channels' alpha and beta * bias read once -- and stores each
-// byte at its place in a tile laid out as the output's NCHW32 rows ([channel group]
-// [pixel][32 channels], `tile_bytes`); then the block copies the tile out in 16-byte
-// vectors, consecutive threads consecutive vectors of a pixel run. A byte costs the
-// conversion and one shared store, against the exchange's int store, read and per-pixel
-// addressing (conv_warp_epilogue).
+// Whether a call's epilogue may take conv_warpgroup_epilogue_s8: int8 out, no z, no split.
 __device__ __forceinline__ bool tile_epilogue_s8(const ConvParams& p) {
   return p.out_kind == CONV_OUT_S8 && !p.has_z && p.splits == 1;
 }
-template <int TM, int TN, int WN, int THREADS>
-__device__ __forceinline__ void conv_tile_epilogue_s8(const int (&acc)[2][WN / 8][2], signed char* tile_bytes,
-                                                      const ConvTile& tile, int wg_m, int wg_n, const ConvParams& p,
-                                                      signed char* y, const float* alpha_vec, const void* bias) {
-  const int lane = threadIdx.x & 31, warp_row = 16 * ((threadIdx.x >> 5) & 3);
+
+// Whether a kernel of THREADS threads, whose warpgroups hold WN / 2 accumulators a thread,
+// has the registers for conv_warpgroup_epilogue_s8 beside conv_warp_epilogue: about 48
+// past the accumulators within 65536 / THREADS (ptxas: 64 x 512 halo tiles of two consumer
+// warpgroups, 40 to spare, spill with both; 64 x 448 ones, 56 to spare, do not). The other
+// kernels keep the exchange alone.
+template <int WN, int THREADS>
+__device__ __forceinline__ constexpr bool warpgroup_epilogue_fits() {
+  return (WN / 2 + 48) * THREADS <= 65536;
+}
+
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// The int8 epilogue of a wgmma warpgroup's 64 x WN accumulators, CHUNK pixels at a time
+// through its (at most) 4 KB of shared memory `buffer`, laid out as the output's NCHW32 rows
+// ([channel group][pixel][32 channels]): each thread converts its accumulators where they
+// lie (its two channels' alpha and beta * bias read once) and stores each byte at its
+// place; then the warpgroup's 128 threads copy the chunk out in 16-byte vectors,
+// consecutive threads consecutive vectors of a pixel run. A byte costs the conversion
+// and one shared store, against the exchange's int store, read and per-pixel addressing
+// (conv_warp_epilogue). Channels from channel0 (a multiple of 64), GEMM_N columns from
+// pixel0 (Pixels: GemmPixels, HaloPixels); `barrier`: the warpgroup's named barrier.
+template <int WN, typename Pixels>
+__device__ __forceinline__ void conv_warpgroup_epilogue_s8(const int (&acc)[2][WN / 8][2], signed char* buffer,
+                                                           int channel0, int pixel0, const ConvParams& p,
+                                                           signed char* y, const float* alpha_vec, const void* bias,
+                                                           const Pixels& pixels, int barrier) {
+  // 64 rows x CHUNK pixels (at most 4 KB): the most of 64, 32, 16, 8 that divides WN
+  constexpr int CHUNK = WN % 64 == 0 ? 64 : WN % 32 == 0 ? 32 : WN % 16 == 0 ? 16 : 8;
+  static_assert(WN % CHUNK == 0, "whole chunks");
+  const int thread = threadIdx.x & 127, lane = threadIdx.x & 31, warp_row = 16 * ((threadIdx.x >> 5) & 3);
   const int low = p.relu ? 0 : -128;
-  signed char* base = tile_bytes + ((wg_m + warp_row) >> 5) * TN * 32 + (wg_n + 2 * (lane & 3)) * 32 +
-                      (warp_row & 31) + (lane >> 2);
+  float alpha[2], shift[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {   // rows lane / 4 and lane / 4 + 8 of the warp's 16
-    const int channel = tile.m0 + wg_m + warp_row + (lane >> 2) + 8 * h;
-    float alpha = 0.f, shift = 0.f;   // rows past GEMM_M: stored, never copied out
+    const int channel = channel0 + warp_row + (lane >> 2) + 8 * h;
+    alpha[h] = shift[h] = 0.f;   // rows past GEMM_M: stored, never copied out
     if (channel < p.gemm_m) {
-      alpha = p.alpha_per_channel ? alpha_vec[channel] : p.alpha;
-      if (p.bias_kind == CONV_BIAS_F32) shift = p.beta * static_cast<const float*>(bias)[channel];
-      if (p.bias_kind == CONV_BIAS_S32) shift = p.beta * static_cast<float>(static_cast<const int*>(bias)[channel]);
-    }
-#pragma unroll
-    for (int j = 0; j < WN / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {   // pixels 8 j + 2 (lane & 3) + e of the warpgroup's WN
-        const float value = fmaf(alpha, static_cast<float>(acc[h][j][e]), shift);
-        base[8 * h + 256 * j + 32 * e] = static_cast<signed char>(min(127, max(low, __float2int_rn(value))));
-      }
+      alpha[h] = p.alpha_per_channel ? alpha_vec[channel] : p.alpha;
+      if (p.bias_kind == CONV_BIAS_F32) shift[h] = p.beta * static_cast<const float*>(bias)[channel];
+      if (p.bias_kind == CONV_BIAS_S32) shift[h] = p.beta * static_cast<float>(static_cast<const int*>(bias)[channel]);
     }
   }
-  __syncthreads();
+  signed char* base = buffer + (warp_row >> 5) * CHUNK * 32 + 2 * (lane & 3) * 32 + (warp_row & 31) + (lane >> 2);
   const int ohw = p.oh * p.ow;
-  const int4* source = reinterpret_cast<const int4*>(tile_bytes);
-#pragma unroll 4
-  for (int v = threadIdx.x; v < TM / 32 * TN * 2; v += THREADS) {   // 16-byte vectors, two a pixel
-    const int group = v / (TN * 2), pixel = (v >> 1) % TN;
-    const int j = tile.n0 + pixel, group_out = (tile.m0 >> 5) + group;
-    int image, rest;
-    if (group_out < p.k32 && GemmPixels{p}.locate(j, image, rest)) {
-      const int64 offset = (static_cast<int64>(image * p.k32 + group_out) * ohw + rest) * 32 + (v & 1) * 16;
-      *reinterpret_cast<int4*>(y + offset) = source[v];
+#pragma unroll
+  for (int chunk = 0; chunk < WN / CHUNK; ++chunk) {
+    named_barrier_sync(barrier, 128);   // the chunk before is copied out (or the tile before's)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int b = 0; b < CHUNK / 8; ++b) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {   // pixel 8 b + 2 (lane & 3) + e of the chunk
+          const float value = fmaf(alpha[h], static_cast<float>(acc[h][chunk * CHUNK / 8 + b][e]), shift[h]);
+          base[8 * h + 256 * b + 32 * e] = static_cast<signed char>(min(127, max(low, __float2int_rn(value))));
+        }
+      }
+    }
+    named_barrier_sync(barrier, 128);
+    const int4* source = reinterpret_cast<const int4*>(buffer);
+#pragma unroll
+    for (int v = thread; v < 2 * CHUNK * 2; v += 128) {   // 16-byte vectors, two a pixel
+      const int group = v / (CHUNK * 2), pixel = (v >> 1) % CHUNK;
+      const int group_out = (channel0 >> 5) + group;
+      int image, rest;
+      if (group_out < p.k32 && pixels.locate(pixel0 + chunk * CHUNK + pixel, image, rest)) {
+        const int64 offset = (static_cast<int64>(image * p.k32 + group_out) * ohw + rest) * 32 + (v & 1) * 16;
+        *reinterpret_cast<int4*>(y + offset) = source[v];
+      }
     }
   }
 }
@@ -647,10 +675,11 @@ __device__ __forceinline__ void conv2d_int8_fprop_wgmma(const signed char* __res
   wgmma_fence_operands(acc);
   cp_async_wait<0>();
   __syncthreads();   // every warpgroup is done with the pipeline's shared memory
-  static_assert(TM * TN <= stages * STAGE_BYTES, "the int8 tile fits in the stages");
-  if (tile_epilogue_s8(p)) {
-    conv_tile_epilogue_s8<TM, TN, WN, THREADS>(acc, reinterpret_cast<signed char*>(exchange_base), tile, wg_m, wg_n, p,
-                                               static_cast<signed char*>(y), alpha_vec, bias);
+  static_assert(THREADS * 32 <= stages * STAGE_BYTES, "4 KB a warpgroup in the stages");
+  if (warpgroup_epilogue_fits<WN, THREADS>() && tile_epilogue_s8(p)) {
+    conv_warpgroup_epilogue_s8<WN>(acc, reinterpret_cast<signed char*>(exchange_base) + warpgroup * 4096,
+                                   tile.m0 + wg_m, tile.n0 + wg_n, p, static_cast<signed char*>(y), alpha_vec, bias,
+                                   GemmPixels{p}, 1 + warpgroup);
   } else {
     conv_warp_epilogue(acc, exchange_base + warp * 256, tile.m0 + wg_m + (warp & 3) * 16, tile.n0 + wg_n, tile.split,
                        p, y, z, alpha_vec, bias, GemmPixels{p});
@@ -843,8 +872,14 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
       ws_round_issued<stages>(acc, empty, round, t);
     }
     ws_tile_done<stages>(acc, empty, round);
-    conv_warp_epilogue(acc, exchange, tile.m0 + wg_m + (warp & 3) * 16, tile.n0 + wg_n, tile.split, p, y, z,
-                       alpha_vec, bias, GemmPixels{p});
+    if (warpgroup_epilogue_fits<WN, CONSUMERS * 128 + PRODUCERS>() && tile_epilogue_s8(p)) {   // its 4 KB of exchanges
+      conv_warpgroup_epilogue_s8<WN>(acc, reinterpret_cast<signed char*>(exchange - (warp & 3) * 256), tile.m0 + wg_m,
+                                     tile.n0 + wg_n, p, static_cast<signed char*>(y), alpha_vec, bias, GemmPixels{p},
+                                     1 + warpgroup);
+    } else {
+      conv_warp_epilogue(acc, exchange, tile.m0 + wg_m + (warp & 3) * 16, tile.n0 + wg_n, tile.split, p, y, z,
+                         alpha_vec, bias, GemmPixels{p});
+    }
   }
 }
 
