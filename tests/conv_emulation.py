@@ -4,7 +4,7 @@ mma.sync as the PTX ISA defines their fragments, wgmma reading the tiles
 through its shared-memory descriptors (decoded as the PTX ISA's canonical
 K-major 64B- or 128B-swizzle layouts) into its accumulator fragment, stages of
 64- or 128-byte GEMM_K steps, split-K, the
-epilogue's shared-memory exchange, and the copy engine's im2col copies. It runs the kernel's index arithmetic on the
+epilogue's shared-memory exchange and the int8 epilogue by warpgroup, and the copy engine's im2col copies. It runs the kernel's index arithmetic on the
 CPU (raw int32 outputs), so a wrong address, descriptor or fragment shows up
 without a GPU."""
 from __future__ import annotations
@@ -96,8 +96,10 @@ def mma(d, a_regs, b_regs, k32: bool):
         d[:, 3] += product[g + 8, 2 * t + 1]
 
 
-def run(spec: ConvInt8Spec, geometry, x5, w5, splits=1, steps_per_split=None):
-    """The int32 NCHW32 output (and how often each element was written) of `spec`."""
+def run(spec: ConvInt8Spec, geometry, x5, w5, splits=1, steps_per_split=None, epilogue="exchange"):
+    """The int32 NCHW32 output (and how often each element was written) of `spec`; a wgmma
+    spec's epilogue: "exchange" (conv_warp_epilogue) or "warpgroup" (its int8 path,
+    conv_warpgroup_epilogue_s8, here moving the raw values)."""
     g = geometry
     m_total, n_total, _ = g.gemm
     steps_per_split = steps_per_split or g.k_steps
@@ -117,7 +119,14 @@ def run(spec: ConvInt8Spec, geometry, x5, w5, splits=1, steps_per_split=None):
                 acc = compute(spec, _load_stage(spec, g, x, w, m0, n0, step, step_begin + steps), acc)
             if acc is None:   # no steps: zeros
                 acc = compute(spec, numpy.zeros((tm + tn) * spec.step_bytes, numpy.int64), None)
-            for warp, (channel0, pixel0) in enumerate(_warp_origins(spec)):
+            origins = _warp_origins(spec)
+            if epilogue == "warpgroup":
+                for first in range(0, len(origins), 4):
+                    channel0, pixel0 = origins[first]
+                    warpgroup_epilogue(acc[first:first + 4], g, m0 + channel0, n0 + pixel0, out[bz], writes[bz],
+                                       lambda j: divmod(j, g.oh * g.ow) if j < n_total else None)
+                continue
+            for warp, (channel0, pixel0) in enumerate(origins):
                 _epilogue(acc[warp], g, m0 + channel0, n0 + pixel0, out[bz], writes[bz])
     return out.sum(0).astype(numpy.int32).reshape(g.output_shape), writes.reshape(splits, *g.output_shape)
 
@@ -292,6 +301,49 @@ def _epilogue(acc, g, channel0, pixel0, out, writes):
                     writes[offset: offset + 8] += 1
 
 
+def wgmma_fragments(block: numpy.ndarray) -> numpy.ndarray:
+    """A warpgroup's 64 x WN accumulators as its four warps hold them: (warp, h, j, lane, e),
+    row 16 warp + lane / 4 + 8 h, column 8 j + 2 (lane & 3) + e."""
+    lanes = numpy.arange(32)
+    warps, h, j, e = numpy.meshgrid(numpy.arange(4), numpy.arange(2), numpy.arange(block.shape[1] // 8),
+                                    numpy.arange(2), indexing="ij")
+    rows = 16 * warps[..., None] + (lanes >> 2) + 8 * h[..., None]
+    cols = 8 * j[..., None] + 2 * (lanes & 3) + e[..., None]
+    return block[rows, cols].transpose(0, 1, 2, 4, 3)
+
+
+def warpgroup_epilogue(accs, g, channel0, pixel0, out, writes, locate):
+    """conv_warpgroup_epilogue_s8 on raw values: each thread's accumulators into the chunk's
+    bytes at the kernel's offsets (each written once), then the 16-byte vectors copied to
+    the NCHW32 output where locate(j) gives (image, rest). accs: the four warps' fragments
+    (h, j, lane, e); channel0 a multiple of 64."""
+    wn = accs[0].shape[1] * 8
+    chunk = next(c for c in (64, 32, 16, 8) if wn % c == 0)
+    k32, ohw = g.k // INTERLEAVE, g.oh * g.ow
+    lanes = numpy.arange(32)
+    for c in range(wn // chunk):
+        buffer = numpy.full(64 * chunk, -(1 << 40), numpy.int64)
+        stored = numpy.zeros(64 * chunk, numpy.int64)
+        for warp in range(4):
+            warp_row = 16 * warp
+            base = (warp_row >> 5) * chunk * 32 + 2 * (lanes & 3) * 32 + (warp_row & 31) + (lanes >> 2)
+            for h in range(2):
+                for b in range(chunk // 8):
+                    for e in range(2):
+                        where = base + 8 * h + 256 * b + 32 * e
+                        buffer[where] = accs[warp][h, c * chunk // 8 + b, :, e]
+                        stored[where] += 1
+        assert (stored == 1).all(), "the chunk's byte stores overlap or leave gaps"
+        for v in range(4 * chunk):   # the warpgroup's 16-byte vectors, two a pixel
+            group, pixel = v // (chunk * 2), (v >> 1) % chunk
+            group_out, place = (channel0 >> 5) + group, locate(pixel0 + c * chunk + pixel)
+            if group_out < k32 and place is not None:
+                image, rest = place
+                offset = ((image * k32 + group_out) * ohw + rest) * 32 + (v & 1) * 16
+                out[offset:offset + 16] = buffer[16 * v:16 * v + 16]
+                writes[offset:offset + 16] += 1
+
+
 def im2col_copy(x5: numpy.ndarray, layout, start: tuple, offsets: tuple) -> numpy.ndarray:
     """(pixels, channels) rows of one im2col copy of a 5-D map `layout` (dims c, w, h, d, n)
     over the NCHW32 array x5 (N, C/32, H, W, 32), indexed [d, n, h, w, c]: from base
@@ -319,13 +371,13 @@ def im2col_copy(x5: numpy.ndarray, layout, start: tuple, offsets: tuple) -> nump
 
 
 def halo_run(spec: ConvInt8Spec, g, x5: numpy.ndarray, w5: numpy.ndarray, splits: int = 1,
-             units_per_split: int = 0) -> numpy.ndarray:
+             units_per_split: int = 0, epilogue: str = "exchange") -> numpy.ndarray:
     """conv2d_int8_fprop_halo on the CPU, stage by stage: the copy engine's filter taps
     (32-byte swizzle), the producer's copies of the input rows into two planes of
     16-byte halves (its copy-to-slot map, zeros outside the image), each tap's wgmma
     reading them through the descriptors the kernel builds (the B start moved by the
-    tap's shift), split-K partials summed, and the slots HaloPixels keeps. Raw int32
-    accumulators, NCHW32."""
+    tap's shift), split-K partials summed, and the slots HaloPixels keeps (epilogue
+    "warpgroup": through warpgroup_epilogue). Raw int32 accumulators, NCHW32."""
     tm, tn, wn, pitch = spec.tile_m, spec.tile_n, spec.warp_n, spec.halo_pitch
     rows_out, rb, s, dh, dw = tn // pitch, spec.halo_filter_rows, spec.filter_width, spec.dilation_h, spec.dilation_w
     taps = rb * s
@@ -370,6 +422,18 @@ def halo_run(spec: ConvInt8Spec, g, x5: numpy.ndarray, w5: numpy.ndarray, splits
                                     b = wgmma_operand(shared, wgmma_descriptor_moved(
                                         b_descriptor, i * dh * pitch + col * dw), wn)
                                     acc[wg_m:wg_m + 64, wg_n:wg_n + wn] += a.astype(numpy.int64) @ b.T.astype(numpy.int64)
+                    if epilogue == "warpgroup":
+                        def locate(j, image=image, oh0=oh0):   # HaloPixels
+                            oh, ow = oh0 + j // pitch, j % pitch
+                            return (image, oh * g.ow + ow) if ow < g.ow and oh < g.oh else None
+                        flat, writes = numpy.zeros(out.size, numpy.int64), numpy.zeros(out.size, numpy.int64)
+                        for wg_m in range(0, tm, 64):
+                            for wg_n in range(0, tn, wn):
+                                warpgroup_epilogue(wgmma_fragments(acc[wg_m:wg_m + 64, wg_n:wg_n + wn]), g,
+                                                   m0 + wg_m, wg_n, flat, writes, locate)
+                        assert writes.max() <= 1, "an output written twice"
+                        out += flat.reshape(out.shape)
+                        continue
                     for j in range(tn):   # HaloPixels: the slots inside the output
                         oh, ow = oh0 + j // pitch, j % pitch
                         if ow < g.ow and oh < g.oh:

@@ -153,7 +153,6 @@ def test_params_block_matches_the_c_struct():
     assert params["alpha"] == 0.5 and params["tap_dw"][2] == 4 and params["tap_offset"][3] == 2 * 10 * 32
 
 
-
 @pytest.mark.parametrize("geometry", [ConvGeometry(64, 256, 56, 56, 64, 1, 1), ConvGeometry(3, 32, 7, 7, 32, 3, 3),
                                       ConvGeometry(5, 32, 1, 1, 32, 1, 1), ConvGeometry(2, 32, 9, 13, 32, 3, 3,
                                                                                          (2, 2), (1, 1))])
@@ -168,6 +167,7 @@ def test_params_carry_the_epilogue_pixel_divisor(geometry):
     images = columns if multiplier == 0 else ((columns * multiplier) >> 32) >> shift
     assert (multiplier == 0) == (ohw == 1)
     numpy.testing.assert_array_equal(images, columns // ohw)
+
 
 def _auto(tile_m, tile_n):
     return next(c for c in conv.AUTO_CONFIGS if (c.tile_m, c.tile_n) == (tile_m, tile_n))
@@ -207,6 +207,7 @@ EMULATED_WGMMA = [  # every warpgroup layout and step; tails in GEMM_M, GEMM_N a
     (ConvGeometry(1, 64, 12, 12, 128, 3, 3, (1, 1), (1, 1)), _wgmma(128, 256, 256)),
     (ConvGeometry(1, 32, 8, 9, 64, 5, 5, (1, 1), (2, 2)), _wgmma(64, 256, 128)),     # split along N
     (ConvGeometry(1, 32, 8, 8, 32, 3, 3, (1, 1), (1, 1)), _wgmma(64, 256, 256)),     # C = K = 32
+    (ConvGeometry(3, 64, 1, 1, 64, 1, 1), _wgmma(64, 128, 128)),                     # one pixel an image
     # 128-byte steps: 9, 3, 27 and 1 chunks (GEMM_K tails of 1 and 3 chunks, a step within one tap)
     (ConvGeometry(2, 32, 7, 5, 64, 3, 3, (1, 1), (1, 1)), _wgmma(64, 128, 128, 128)),  # C = 32, K tail
     (ConvGeometry(1, 96, 9, 9, 96, 1, 1, (2, 2)), _wgmma(128, 128, 128, 128)),         # M tail, 3 chunks
@@ -217,9 +218,10 @@ EMULATED_WGMMA = [  # every warpgroup layout and step; tails in GEMM_M, GEMM_N a
 ]
 
 
-def _check_model(rng, g, spec, splits=1, per_split=None):
+def _check_model(rng, g, spec, splits=1, per_split=None, epilogue="exchange"):
     x, w = _random(rng, (g.n, g.c, g.h, g.w)), _random(rng, (g.k, g.c, g.r, g.s))
-    y, writes = conv_emulation.run(spec, g, cupyops.to_nchw32(x), cupyops.pack_conv_filter(w), splits, per_split)
+    y, writes = conv_emulation.run(spec, g, cupyops.to_nchw32(x), cupyops.pack_conv_filter(w), splits, per_split,
+                                   epilogue)
     assert (writes == 1).all(), f"{spec.name}: outputs not written exactly once"
     expected = ref.accumulators(x, w, g.stride, g.padding, g.dilation)
     bad = numpy.argwhere(cupyops.from_nchw32(y) != expected)
@@ -232,9 +234,10 @@ def test_kernel_model_matches_the_reference(rng, geometry, config, policy):
     _check_model(rng, geometry, conv.spec_for(config, policy, "sm_80"))
 
 
+@pytest.mark.parametrize("epilogue", ["exchange", "warpgroup"])
 @pytest.mark.parametrize("geometry,config", EMULATED_WGMMA)
-def test_wgmma_kernel_model_matches_the_reference(rng, geometry, config):
-    _check_model(rng, geometry, conv.spec_for(config, "auto", "sm_90"))
+def test_wgmma_kernel_model_matches_the_reference(rng, geometry, config, epilogue):
+    _check_model(rng, geometry, conv.spec_for(config, "auto", "sm_90"), epilogue=epilogue)
 
 
 @pytest.mark.parametrize("config", [_auto(32, 128), _wgmma(64, 128, 128), _wgmma(64, 128, 128, 128)])
@@ -412,7 +415,8 @@ HALO_GEOMETRIES = [ConvGeometry(1, 64, 6, 7, 64, 3, 3, (1, 1), (1, 1)),
 @pytest.mark.parametrize("geometry", HALO_GEOMETRIES)
 def test_halo_model_matches_the_reference(rng, geometry):
     """Every halo tile of the geometry, whole and split in three, through the NumPy model
-    of its copies, descriptors and pixels (tests/conv_emulation.py, halo_run)."""
+    of its copies, descriptors and pixels (tests/conv_emulation.py, halo_run), and whole
+    through the int8 epilogue by warpgroup."""
     g = geometry
     x, w = _random(rng, (g.n, g.c, g.h, g.w)), _random(rng, (g.k, g.c, g.r, g.s))
     x5, w5 = cupyops.to_nchw32(x), cupyops.pack_conv_filter(w)
@@ -422,11 +426,12 @@ def test_halo_model_matches_the_reference(rng, geometry):
     for config in configs:
         spec = conv.spec_for(config, "auto", "sm_90")
         units = conv.split_steps(g, spec)
-        for splits in (1, 3):
+        for splits, epilogue in ((1, "exchange"), (3, "exchange"), (1, "warpgroup")):   # int8's: no split
             per_split = -(-units // splits)
-            got = cupyops.from_nchw32(conv_emulation.halo_run(spec, g, x5, w5, -(-units // per_split), per_split))
+            got = cupyops.from_nchw32(conv_emulation.halo_run(spec, g, x5, w5, -(-units // per_split), per_split,
+                                                              epilogue))
             bad = numpy.argwhere(got != expected)
-            assert not len(bad), f"{spec.name} splits {splits}: first mismatch at {bad[0].tolist()}"
+            assert not len(bad), f"{spec.name} splits {splits} {epilogue}: first mismatch at {bad[0].tolist()}"
 
 
 def test_halo_tiles_only_where_rows_are_shared():

@@ -34,6 +34,7 @@ SHAPES = [
     (1, 32, 5, 5, 32, 3, 3, 1, 3, 1),            # padding 3: rows and columns of padding only
     (4, 128, 20, 20, 256, 3, 3, 1, 0, 1),        # several tiles each way
     (1, 256, 7, 7, 256, 3, 3, 1, 1, 1),          # a small grid: split-K under auto
+    (3, 64, 1, 1, 64, 1, 1, 1, 0, 1),            # one output pixel an image (OH * OW = 1)
 ]
 
 
