@@ -15,6 +15,7 @@ import click
 from cupyops import jit
 from cupyops.device import ARCH_PROFILES
 from cupyops.ops import conv2d_int8 as conv
+from cupyops.ops import conv_plan
 from cupyops.ops import mma_peak
 from cupyops.ops.conv_layout import ConvGeometry, pair
 
@@ -129,7 +130,7 @@ def explain_conv(input_shape, filter_shape, stride, padding, dilation, policy, d
     tuned = None
     if plan_target.device_id is not None and policy == "auto":
         tuned = tune.default_table().lookup(tune.DeviceKey.live(plan_target.device_id), OP, geometry.key())
-    chosen = conv.plan(geometry, policy, plan_target, tuned)
+    chosen = conv_plan.plan(geometry, policy, plan_target, tuned)
     info = {"output": list(geometry.output_shape), **chosen.explain()}
     show_plan(info, f"{OP} input {input_shape} filter {filter_shape} stride {geometry.stride} padding "
                     f"{geometry.padding} dilation {geometry.dilation} on {plan_target.facts.name}",
@@ -150,7 +151,7 @@ def compile_conv(archs):
 def compiled_specs(arch: str) -> list:
     """What `compile conv2d_int8` compiles for `arch` (the halo tiles of the "all" layers)."""
     geometries = tuple(layer["geometry"] for layer in load_layers("all"))
-    return conv.all_specs(arch, geometries) + [conv.SplitReduceSpec()] + mma_peak.peak_specs(arch)
+    return conv_plan.all_specs(arch, geometries) + [conv_plan.SplitReduceSpec()] + mma_peak.peak_specs(arch)
 
 
 @bench.command(name=OP)

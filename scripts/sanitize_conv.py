@@ -21,6 +21,7 @@ os.environ.setdefault("CUPYOPS_AUTOTUNE", "0")
 import cupyops  # noqa: E402
 from cupyops.launch import Target  # noqa: E402
 from cupyops.ops import conv2d_int8 as conv  # noqa: E402
+from cupyops.ops import conv_plan  # noqa: E402
 from cupyops.ops.conv_layout import ConvGeometry  # noqa: E402
 
 
@@ -32,14 +33,14 @@ def main() -> None:
     w = rng.integers(-128, 128, (g.k, g.c // 32, g.r, g.s, 32), dtype=numpy.int8)
     resident = conv._resident_blocks
     part = sys.argv[1] if len(sys.argv) > 1 else ""
-    for spec in [s for s in conv.all_specs(arch, (g,)) if part in s.name]:   # with g's halo tiles on sm_90
+    for spec in [s for s in conv_plan.all_specs(arch, (g,)) if part in s.name]:   # with g's halo tiles on sm_90
         # the persistent kernels also on two blocks: each walks many tiles, reusing its stages
         for blocks in (None, 2) if spec.tma else (None,):
             conv._resident_blocks = resident if blocks is None else lambda spec, device_id: blocks
             for splits in (1, 2):
-                steps = conv.split_steps(g, spec)
+                steps = conv_plan.split_steps(g, spec)
                 per_split = -(-steps // splits)
-                chosen = conv.ConvPlan(spec, g, -(-steps // per_split), per_split, "sanitize", "auto")
+                chosen = conv_plan.ConvPlan(spec, g, -(-steps // per_split), per_split, "sanitize", "auto")
                 y = cupy.empty(g.output_shape, numpy.int8)
                 conv.launch(chosen, x, w, y, None, None, None, conv.Epilogue(alpha=1e-4))
                 cupy.cuda.Device().synchronize()

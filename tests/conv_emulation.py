@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy
 
 from cupyops.ops import conv_layout
-from cupyops.ops.conv2d_int8 import STEP_BYTES, ConvInt8Spec
+from cupyops.ops.conv_plan import STEP_BYTES, ConvInt8Spec
 
 INTERLEAVE = 32
 

@@ -17,7 +17,7 @@ import pytest
 import cupyops
 from cupyops import jit, tensor_map, tune
 from cupyops.launch import Target
-from cupyops.ops import conv2d_int8 as conv
+from cupyops.ops import conv_plan
 from cupyops.ops import conv_halo, conv_layout, conv_tma
 from cupyops.ops import conv_reference as ref
 from cupyops.ops import mma_peak
@@ -170,11 +170,11 @@ def test_params_carry_the_epilogue_pixel_divisor(geometry):
 
 
 def _auto(tile_m, tile_n):
-    return next(c for c in conv.AUTO_CONFIGS if (c.tile_m, c.tile_n) == (tile_m, tile_n))
+    return next(c for c in conv_plan.AUTO_CONFIGS if (c.tile_m, c.tile_n) == (tile_m, tile_n))
 
 
 def _megengine(tile_m, tile_n):
-    return next(c for c in conv.MEGENGINE_LADDER if (c.tile_m, c.tile_n) == (tile_m, tile_n))
+    return next(c for c in conv_plan.MEGENGINE_LADDER if (c.tile_m, c.tile_n) == (tile_m, tile_n))
 
 
 EMULATED = [  # (geometry, tile config): every filter shape, tails in N * OH * OW and GEMM_K
@@ -191,13 +191,13 @@ EMULATED = [  # (geometry, tile config): every filter shape, tails in N * OH * O
 
 
 def _wgmma(tile_m, tile_n, warp_n, step_bytes=64):
-    return next(c for c in conv.WGMMA_CONFIGS
+    return next(c for c in conv_plan.WGMMA_CONFIGS
                 if (c.tile_m, c.tile_n, c.warp_n, c.step_bytes) == (tile_m, tile_n, warp_n, step_bytes))
 
 
 def test_every_wgmma_layout_is_emulated():
     layout = lambda c: (c.tile_m, c.tile_n, c.warp_n, c.step_bytes)  # noqa: E731
-    assert {layout(c) for c in conv.WGMMA_CONFIGS} == {layout(c) for _, c in EMULATED_WGMMA}
+    assert {layout(c) for c in conv_plan.WGMMA_CONFIGS} == {layout(c) for _, c in EMULATED_WGMMA}
 
 
 EMULATED_WGMMA = [  # every warpgroup layout and step; tails in GEMM_M, GEMM_N and GEMM_K
@@ -231,20 +231,20 @@ def _check_model(rng, g, spec, splits=1, per_split=None, epilogue="exchange"):
 @pytest.mark.parametrize("policy", ["megengine", "auto"])
 @pytest.mark.parametrize("geometry,config", EMULATED)
 def test_kernel_model_matches_the_reference(rng, geometry, config, policy):
-    _check_model(rng, geometry, conv.spec_for(config, policy, "sm_80"))
+    _check_model(rng, geometry, conv_plan.spec_for(config, policy, "sm_80"))
 
 
 @pytest.mark.parametrize("epilogue", ["exchange", "warpgroup"])
 @pytest.mark.parametrize("geometry,config", EMULATED_WGMMA)
 def test_wgmma_kernel_model_matches_the_reference(rng, geometry, config, epilogue):
-    _check_model(rng, geometry, conv.spec_for(config, "auto", "sm_90"), epilogue=epilogue)
+    _check_model(rng, geometry, conv_plan.spec_for(config, "auto", "sm_90"), epilogue=epilogue)
 
 
 @pytest.mark.parametrize("config", [_auto(32, 128), _wgmma(64, 128, 128), _wgmma(64, 128, 128, 128)])
 def test_kernel_model_split_k(rng, config):
     g = ConvGeometry(1, 96, 4, 4, 32, 3, 3, (1, 1), (1, 1))   # 27 chunks, 14 steps
-    spec = conv.spec_for(config, "auto", "sm_90")
-    splits, per_split = conv.split_k(g, 1, 132, spec.steps_per_stage)
+    spec = conv_plan.spec_for(config, "auto", "sm_90")
+    splits, per_split = conv_plan.split_k(g, 1, 132, spec.steps_per_stage)
     assert splits > 1 and (splits - 1) * per_split < g.k_steps <= splits * per_split
     assert per_split % spec.steps_per_stage == 0
     _check_model(rng, g, spec, splits, per_split)
@@ -325,16 +325,16 @@ RESNET_3X3 = ConvGeometry(64, 64, 56, 56, 64, 3, 3, (1, 1), (1, 1))
 
 
 def test_megengine_plan_is_the_articles_kernel():
-    chosen = conv.plan(ConvGeometry(64, 256, 14, 14, 256, 3, 3, padding=(1, 1)), "megengine", H100)
+    chosen = conv_plan.plan(ConvGeometry(64, 256, 14, 14, 256, 3, 3, padding=(1, 1)), "megengine", H100)
     assert chosen.spec.name == ("conv2d_int8_fprop_sm75_m8n8k16_s8_tb128x128x64_w64x64x64_st2_ldg_align16"
                                 "_nchw32_lincomb")
     assert chosen.splits == 1 and chosen.source == "megengine ladder"
-    assert conv.plan(RESNET_3X3, "megengine", H100).spec.tile_m == 64
-    assert conv.plan(ConvGeometry(1, 32, 8, 8, 32, 1, 1), "megengine", H100).spec.tile_m == 32
+    assert conv_plan.plan(RESNET_3X3, "megengine", H100).spec.tile_m == 64
+    assert conv_plan.plan(ConvGeometry(1, 32, 8, 8, 32, 1, 1), "megengine", H100).spec.tile_m == 32
 
 
 def test_auto_plan_default_rule_and_explain():
-    chosen = conv.plan(RESNET_3X3, "auto", H100)
+    chosen = conv_plan.plan(RESNET_3X3, "auto", H100)
     info = chosen.explain()
     assert info["source"] == "default rule" and info["instruction"].startswith("wgmma.mma_async.m64n")
     assert chosen.spec.async_copy and 3 <= chosen.spec.stages <= 6 and chosen.spec.tile_m <= 64
@@ -342,9 +342,9 @@ def test_auto_plan_default_rule_and_explain():
     m, n, _ = RESNET_3X3.gemm
     assert info["grid"] == [-(-n // chosen.spec.tile_n) * -(-m // chosen.spec.tile_m), 1, 1]
     assert info["kernel"].startswith(f"conv2d_int8_fprop_sm90a_wgmma_m64n{chosen.spec.warp_n}k32_s8_tb")
-    a100 = conv.plan(ConvGeometry(64, 256, 14, 14, 256, 3, 3), "auto", Target.profile("a100"))
+    a100 = conv_plan.plan(ConvGeometry(64, 256, 14, 14, 256, 3, 3), "auto", Target.profile("a100"))
     assert a100.spec.instruction == "m16n8k32" and a100.explain()["instruction"] == "mma.sync.m16n8k32.s8"
-    vgg = conv.plan(ConvGeometry(32, 256, 56, 56, 256, 3, 3, padding=(1, 1)), "auto", H100).spec
+    vgg = conv_plan.plan(ConvGeometry(32, 256, 56, 56, 256, 3, 3, padding=(1, 1)), "auto", H100).spec
     assert (vgg.instruction, vgg.tile_m, vgg.tile_n) == ("wgmma", 128, 256)
     assert vgg.name == ("conv2d_int8_fprop_sm90a_wgmma_m64n256k32_s8_tb128x256x64_wg2x1_st6_cpasync_sw64_align16_"
                         "nchw32_lincomb")
@@ -360,10 +360,10 @@ def test_candidates_are_structurally_valid(profile, geometry):
     """wgmma on sm_90 only; every candidate launchable: threads, shared memory, whole
     rows per loading thread, wgmma's N, warps covering the tile, split-K covering GEMM_K."""
     facts = Target.profile(profile).facts
-    found = conv.candidates(geometry, facts.sm_count, facts.smem_per_block_optin, facts.arch)
+    found = conv_plan.candidates(geometry, facts.sm_count, facts.smem_per_block_optin, facts.arch)
     assert found and any(c["wgmma"] for c in found) == (facts.arch == "sm_90")
     for candidate in found:
-        chosen = conv.plan_from(geometry, candidate, facts.arch, "test")
+        chosen = conv_plan.plan_from(geometry, candidate, facts.arch, "test")
         spec = chosen.spec
         threads = spec.threads_per_block
         assert threads <= 1024 and spec.smem_bytes <= facts.smem_per_block_optin
@@ -384,7 +384,7 @@ def test_candidates_are_structurally_valid(profile, geometry):
             assert candidate["steps_per_split"] % spec.steps_per_stage == 0 or chosen.splits == 1 or spec.tma
         assert (chosen.splits - 1) * chosen.steps_per_split < geometry.k_steps <= chosen.splits * chosen.steps_per_split
     assert any(c["tma"] for c in found) == (facts.arch == "sm_90")
-    rule = conv.default_candidate(geometry, facts.sm_count, facts.smem_per_block_optin, facts.arch)
+    rule = conv_plan.default_candidate(geometry, facts.sm_count, facts.smem_per_block_optin, facts.arch)
     assert rule in found and rule["wgmma"] == (facts.arch == "sm_90") and not rule["tma"]
 
 
@@ -403,7 +403,7 @@ def _check_halo(g, chosen):
     stage = -(-(spec.halo_filter_rows * g.s * spec.tile_m * 32 + 2 * slots * 16) // 1024) * 1024
     assert spec.smem_bytes == spec.stages * stage + spec.consumer_warps * 1024 + 1024
     units = g.c // 32 * g.r // spec.halo_filter_rows
-    assert conv.split_steps(g, spec) == units
+    assert conv_plan.split_steps(g, spec) == units
     assert (chosen.splits - 1) * chosen.steps_per_split < units <= chosen.splits * chosen.steps_per_split
 
 
@@ -421,11 +421,11 @@ def test_halo_model_matches_the_reference(rng, geometry):
     x, w = _random(rng, (g.n, g.c, g.h, g.w)), _random(rng, (g.k, g.c, g.r, g.s))
     x5, w5 = cupyops.to_nchw32(x), cupyops.pack_conv_filter(w)
     expected = ref.accumulators(x, w, g.stride, g.padding, g.dilation)
-    configs = conv.halo_configs(g, Target.profile("h100").facts.smem_per_block_optin)
+    configs = conv_plan.halo_configs(g, Target.profile("h100").facts.smem_per_block_optin)
     assert {c.halo_filter_rows for c in configs} == {1, g.r}
     for config in configs:
-        spec = conv.spec_for(config, "auto", "sm_90")
-        units = conv.split_steps(g, spec)
+        spec = conv_plan.spec_for(config, "auto", "sm_90")
+        units = conv_plan.split_steps(g, spec)
         for splits, epilogue in ((1, "exchange"), (3, "exchange"), (1, "warpgroup")):   # int8's: no split
             per_split = -(-units // splits)
             got = cupyops.from_nchw32(conv_emulation.halo_run(spec, g, x5, w5, -(-units // per_split), per_split,
@@ -441,16 +441,16 @@ def test_halo_tiles_only_where_rows_are_shared():
     assert conv_halo.fits(RESNET_3X3) and conv_halo.fits(ConvGeometry(1, 32, 8, 8, 32, 1, 7, padding=(0, 3)))
     for g in (ConvGeometry(64, 128, 56, 56, 128, 3, 3, (2, 2), (1, 1)), ConvGeometry(64, 256, 56, 56, 64, 1, 1),
               ConvGeometry(1, 32, 8, 8, 32, 7, 1, padding=(3, 0)), ConvGeometry(1, 32, 8, 300, 32, 3, 3)):
-        assert not conv_halo.fits(g) and not conv.halo_configs(g, facts.smem_per_block_optin)
-        found = conv.candidates(g, facts.sm_count, facts.smem_per_block_optin, facts.arch)
+        assert not conv_halo.fits(g) and not conv_plan.halo_configs(g, facts.smem_per_block_optin)
+        found = conv_plan.candidates(g, facts.sm_count, facts.smem_per_block_optin, facts.arch)
         assert found and not any(c["tma"] == "halo" for c in found)
-    found = conv.candidates(RESNET_3X3, facts.sm_count, facts.smem_per_block_optin, facts.arch)
+    found = conv_plan.candidates(RESNET_3X3, facts.sm_count, facts.smem_per_block_optin, facts.arch)
     assert any(c["tma"] == "halo" for c in found)
-    assert not conv.candidates(RESNET_3X3, 108, 166912, "sm_80") or not any(
-        c["tma"] for c in conv.candidates(RESNET_3X3, 108, 166912, "sm_80"))
-    assert conv.default_candidate(RESNET_3X3, facts.sm_count, facts.smem_per_block_optin, facts.arch)["tma"] == ""
+    assert not conv_plan.candidates(RESNET_3X3, 108, 166912, "sm_80") or not any(
+        c["tma"] for c in conv_plan.candidates(RESNET_3X3, 108, 166912, "sm_80"))
+    assert conv_plan.default_candidate(RESNET_3X3, facts.sm_count, facts.smem_per_block_optin, facts.arch)["tma"] == ""
     halo = next(c for c in found if c["tma"] == "halo")
-    explained = conv.plan_from(RESNET_3X3, halo, "sm_90", "tuned").explain()
+    explained = conv_plan.plan_from(RESNET_3X3, halo, "sm_90", "tuned").explain()
     assert explained["persistent"] and "once for" in explained["copy"] and "_ws_halo_p64_r" in explained["kernel"]
     assert explained["grid"][0] == conv_halo.tiles(RESNET_3X3, halo["tile_m"], halo["tile_n"] // halo["halo_pitch"])
 
@@ -460,8 +460,8 @@ def test_halo_row_counts_fill_the_sms():
     most) whose tiles fill whole waves and OH best: at 3x3 64ch@56 on 132 SMs, 7 rows of
     64 slots (512 tiles, 3.9 waves) beside 8 (448 tiles, 3.4 waves)."""
     smem = Target.profile("h100").facts.smem_per_block_optin
-    most = {(c.tile_m, c.tile_n, c.warp_n) for c in conv.halo_configs(RESNET_3X3, smem)}
-    balanced = {(c.tile_m, c.tile_n, c.warp_n) for c in conv.halo_configs(RESNET_3X3, smem, 132)}
+    most = {(c.tile_m, c.tile_n, c.warp_n) for c in conv_plan.halo_configs(RESNET_3X3, smem)}
+    balanced = {(c.tile_m, c.tile_n, c.warp_n) for c in conv_plan.halo_configs(RESNET_3X3, smem, 132)}
     assert (64, 512, 256) in most and most < balanced and (64, 448, 224) in balanced
     assert conv_halo.tiles(RESNET_3X3, 64, 7) == 512 and conv_halo.tiles(RESNET_3X3, 64, 8) == 448
     assert conv_halo._balance(RESNET_3X3, 64, 7, 132) > conv_halo._balance(RESNET_3X3, 64, 8, 132)
@@ -471,30 +471,30 @@ def test_halo_row_counts_fill_the_sms():
 
 
 def test_wgmma_runs_on_sm_90_alone():
-    assert not any(spec.wgmma for spec in conv.all_specs("sm_80"))
-    assert {spec.name for spec in conv.all_specs("sm_90") if spec.wgmma} == \
-        {conv.spec_for(c, "auto", "sm_90").name for c in conv.WGMMA_CONFIGS + conv.TMA_CONFIGS}
+    assert not any(spec.wgmma for spec in conv_plan.all_specs("sm_80"))
+    assert {spec.name for spec in conv_plan.all_specs("sm_90") if spec.wgmma} == \
+        {conv_plan.spec_for(c, "auto", "sm_90").name for c in conv_plan.WGMMA_CONFIGS + conv_plan.TMA_CONFIGS}
     with pytest.raises(ValueError, match="sm_90"):
-        conv.spec_for(conv.WGMMA_CONFIGS[0], "auto", "sm_80")
+        conv_plan.spec_for(conv_plan.WGMMA_CONFIGS[0], "auto", "sm_80")
     with pytest.raises(ValueError, match="auto"):
-        conv.spec_for(conv.WGMMA_CONFIGS[0], "megengine", "sm_90")
-    legacy = {k: v for k, v in conv.candidates(RESNET_3X3, 132, 232448, "sm_80")[0].items() if k != "wgmma"}
-    assert not conv.plan(RESNET_3X3, "auto", H100, tuned=legacy).spec.wgmma   # tables from before wgmma
+        conv_plan.spec_for(conv_plan.WGMMA_CONFIGS[0], "megengine", "sm_90")
+    legacy = {k: v for k, v in conv_plan.candidates(RESNET_3X3, 132, 232448, "sm_80")[0].items() if k != "wgmma"}
+    assert not conv_plan.plan(RESNET_3X3, "auto", H100, tuned=legacy).spec.wgmma   # tables from before wgmma
 
 
 def test_auto_plan_splits_k_where_the_grid_is_small():
     small = ConvGeometry(1, 512, 7, 7, 512, 3, 3, (1, 1), (1, 1))
-    chosen = conv.plan(small, "auto", H100)
+    chosen = conv_plan.plan(small, "auto", H100)
     assert chosen.splits > 1 and chosen.grid[2] == chosen.splits
     assert (chosen.splits - 1) * chosen.steps_per_split < small.k_steps
 
 
 def test_candidates_fit_shared_memory_and_tuned_plans_are_used():
-    found = conv.candidates(RESNET_3X3, 132, 232448, "sm_90")
+    found = conv_plan.candidates(RESNET_3X3, 132, 232448, "sm_90")
     assert found and all(c["tile_m"] <= 64 for c in found)
     assert all(c["stages"] * (c["tile_m"] + c["tile_n"]) * c["step_bytes"] <= 232448 for c in found)
     assert json.loads(json.dumps(found)) == found
-    chosen = conv.plan(RESNET_3X3, "auto", H100, tuned=found[-1])
+    chosen = conv_plan.plan(RESNET_3X3, "auto", H100, tuned=found[-1])
     assert chosen.source == "tuned" and chosen.spec.tile_n == found[-1]["tile_n"]
 
 
@@ -559,8 +559,8 @@ def test_every_configuration_compiles_without_spills(arch):
     from cli.conv import compiled_specs
 
     specs = compiled_specs(arch)   # on sm_90 with the halo tiles of the bench's layers
-    assert any(s.tma == "halo" for s in specs if isinstance(s, conv.ConvInt8Spec)) == (arch == "sm_90")
-    assert {s.instruction for s in specs if isinstance(s, conv.ConvInt8Spec)} == \
+    assert any(s.tma == "halo" for s in specs if isinstance(s, conv_plan.ConvInt8Spec)) == (arch == "sm_90")
+    assert {s.instruction for s in specs if isinstance(s, conv_plan.ConvInt8Spec)} == \
         {"m8n8k16", "m16n8k32"} | ({"wgmma"} if arch == "sm_90" else set())
     failures = []
     for spec in specs:
@@ -624,7 +624,7 @@ def test_cli_layers_tables_and_files(tmp_path):
 def test_wgmma_kernel_fences_its_pipeline(step_bytes):
     """The PTX of a wgmma kernel: the proxy fence, wgmma.fence, commit, wait 1 in the
     loop and wait 0 after it, and a k32 MMA per 32 bytes of the stage's rows."""
-    spec = conv.spec_for(_wgmma(128, 256, 256, step_bytes), "auto", "sm_90")
+    spec = conv_plan.spec_for(_wgmma(128, 256, 256, step_bytes), "auto", "sm_90")
     ptx = jit.compile_ptx(spec, "sm_90")
     assert ".target sm_90a" in ptx
     for text in ("fence.proxy.async.shared::cta", "wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned",
@@ -640,8 +640,8 @@ def test_warp_specialised_kernel_synchronises_by_barriers(tma):
     copy engine's copies (the filter tiled; the pixels by im2col or by cp.async
     arriving on the barrier), the persistent walk over tiles (the grid's size read),
     and k32 MMAs for the chunks of a stage (a full stage's four, and the tail's)."""
-    config = next(c for c in conv.TMA_CONFIGS if c.tma == tma and c.step_bytes == 128)
-    spec = conv.spec_for(config, "auto", "sm_90")
+    config = next(c for c in conv_plan.TMA_CONFIGS if c.tma == tma and c.step_bytes == 128)
+    spec = conv_plan.spec_for(config, "auto", "sm_90")
     assert f"_ws_tma_{'im2col_sw32' if tma == 'im2col' else 'cpasync_sw128'}_" in spec.name
     ptx = jit.compile_ptx(spec, "sm_90")
     for text in ("mbarrier.try_wait.parity.shared::cta.b64", "mbarrier.arrive.expect_tx.shared::cta.b64",
@@ -655,9 +655,9 @@ def test_warp_specialised_kernel_synchronises_by_barriers(tma):
         assert "fence.proxy.async.shared::cta" in ptx
     assert ptx.count("wgmma.mma_async") >= 4
     candidate = {**asdict(config), "splits": 1, "steps_per_split": RESNET_3X3.k_steps}
-    info = conv.plan_from(RESNET_3X3, candidate, "sm_90", "tuned").explain()
+    info = conv_plan.plan_from(RESNET_3X3, candidate, "sm_90", "tuned").explain()
     assert info["persistent"] and info["kernel"] == spec.name and info["copy"].startswith("copy engine (filter")
-    assert not conv.plan(RESNET_3X3, "auto", H100).explain()["persistent"]
+    assert not conv_plan.plan(RESNET_3X3, "auto", H100).explain()["persistent"]
 
 
 def test_copy_engine_maps_describe_the_convolution():
@@ -717,8 +717,8 @@ def test_copy_engine_refuses_what_its_maps_cannot_describe():
     assert not conv_tma.fits(ConvGeometry(1, 32, 80, 80, 32, 3, 3, (1, 1), (1, 1), (16, 16)))  # offsets past 31
     assert not conv_tma.fits(ConvGeometry(1, 32, 64, 64, 32, 1, 1, (9, 9), (0, 0)))         # stride past 8
     big_pad = ConvGeometry(1, 32, 64, 64, 32, 3, 3, (1, 1), (17, 17))
-    assert not any(c["tma"] == "im2col" for c in conv.candidates(big_pad, 132, 232448, "sm_90"))
-    assert any(c["tma"] == "filter" for c in conv.candidates(big_pad, 132, 232448, "sm_90"))
+    assert not any(c["tma"] == "im2col" for c in conv_plan.candidates(big_pad, 132, 232448, "sm_90"))
+    assert any(c["tma"] == "filter" for c in conv_plan.candidates(big_pad, 132, 232448, "sm_90"))
 
 
 @pytest.mark.parametrize("version, tensor_bytes, cleared", [(13000, 4096, True), (13010, (1 << 17) - 1, True),
@@ -754,7 +754,7 @@ def test_precompile_fills_the_cubin_cache_for_arch_specific_kernels(monkeypatch,
     """The tuner's precompile leaves one cubin per arch-specific kernel (repeats compiled
     once, the others left to their first launch), which later loads read without NVRTC."""
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
-    specific = [conv.spec_for(c, "auto", "sm_90") for c in conv.WGMMA_CONFIGS[:2]]
+    specific = [conv_plan.spec_for(c, "auto", "sm_90") for c in conv_plan.WGMMA_CONFIGS[:2]]
     generic = mma_peak.MmaPeakSpec("m16n8k32")
     jit.precompile([*specific, generic, specific[0]], "sm_90")
     folder = tmp_path / jit.CubinKernel.CACHE_FOLDER

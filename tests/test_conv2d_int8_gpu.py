@@ -15,6 +15,7 @@ from cupyops import tune
 from cupyops.callcache import CallCache
 from cupyops.launch import Target
 from cupyops.ops import conv2d_int8 as conv
+from cupyops.ops import conv_plan
 from cupyops.ops import conv_reference as ref
 from cupyops.ops import mma_peak
 from cupyops.ops.conv_layout import ConvGeometry
@@ -140,7 +141,7 @@ def test_full_epilogue(rng, shape, policy, out_dtype, bias_dtype):
     _check_output(y, value, f"{shape} {policy} {out_dtype} bias {numpy.dtype(bias_dtype)}")
 
 
-@pytest.mark.parametrize("spec_index", range(len(conv.all_specs("sm_90"))))
+@pytest.mark.parametrize("spec_index", range(len(conv_plan.all_specs("sm_90"))))
 @pytest.mark.parametrize("splits", [1, 3])
 def test_every_configuration(rng, spec_index, splits):
     """Each kernel the generator can produce, launched directly, with and without split-K."""
@@ -149,9 +150,9 @@ def test_every_configuration(rng, spec_index, splits):
     g = _geometry((2, 96, 19, 17, 160, 3, 3, 1, 1, 1))
     x, w = _inputs(rng, g)
     target_arch = Target.live(cupy.cuda.runtime.getDevice()).facts.arch
-    spec = conv.all_specs(target_arch)[spec_index]
+    spec = conv_plan.all_specs(target_arch)[spec_index]
     per_split = -(-g.k_steps // splits)
-    chosen = conv.ConvPlan(spec, g, -(-g.k_steps // per_split), per_split, "test", "auto")
+    chosen = conv_plan.ConvPlan(spec, g, -(-g.k_steps // per_split), per_split, "test", "auto")
     x5, w5 = cupy.asarray(cupyops.to_nchw32(x)), cupy.asarray(cupyops.pack_conv_filter(w))
     y = cupy.full(g.output_shape, -7, dtype=numpy.int32)
     conv.launch(chosen, x5, w5, y, None, None, None, conv.Epilogue(out_dtype="int32"))
@@ -174,11 +175,11 @@ def _check_persistent(rng, monkeypatch, shape, configs_of) -> None:
     for blocks in (None, 2):
         monkeypatch.setattr(conv, "_resident_blocks", resident if blocks is None else lambda spec, device_id: blocks)
         for config in configs:
-            spec = conv.spec_for(config, "auto", conv.WGMMA_ARCH)
-            steps = conv.split_steps(g, spec)
+            spec = conv_plan.spec_for(config, "auto", conv_plan.WGMMA_ARCH)
+            steps = conv_plan.split_steps(g, spec)
             for splits in (1, 3):
                 per_split = -(-steps // splits)
-                chosen = conv.ConvPlan(spec, g, -(-steps // per_split), per_split, "test", "auto")
+                chosen = conv_plan.ConvPlan(spec, g, -(-steps // per_split), per_split, "test", "auto")
                 y = cupy.full(g.output_shape, -7, dtype=numpy.int32)
                 conv.launch(chosen, x5, w5, y, None, None, None, conv.Epilogue(out_dtype="int32"))
                 _check_exact(y, acc, f"{spec.name} splits {chosen.splits} blocks {blocks or 'resident'}")
@@ -196,9 +197,9 @@ def test_warp_specialised_kernels_every_shape(rng, monkeypatch, shape, tma):
     """The warp-specialised kernels (the copy engine bringing the filter, or the
     filter and the pixels), the first and last configuration of each, on every filter
     shape, stride, padding and dilation above (_check_persistent)."""
-    if _live_arch() != conv.WGMMA_ARCH:
+    if _live_arch() != conv_plan.WGMMA_ARCH:
         pytest.skip("the copy engine's kernels are sm_90a code")
-    configs = [c for c in conv.TMA_CONFIGS if c.tma == tma]
+    configs = [c for c in conv_plan.TMA_CONFIGS if c.tma == tma]
     _check_persistent(rng, monkeypatch, shape, lambda g: (configs[0], configs[-1]))
 
 
@@ -209,10 +210,10 @@ def test_halo_kernels_every_shape(rng, monkeypatch, shape):
     (_check_persistent)."""
     import cupy
 
-    if _live_arch() != conv.WGMMA_ARCH:
+    if _live_arch() != conv_plan.WGMMA_ARCH:
         pytest.skip("halo tiles are sm_90a code")
     smem = Target.live(cupy.cuda.runtime.getDevice()).facts.smem_per_block_optin
-    _check_persistent(rng, monkeypatch, shape, lambda g: conv.halo_configs(g, smem))
+    _check_persistent(rng, monkeypatch, shape, lambda g: conv_plan.halo_configs(g, smem))
 
 
 GENERATOR_SHAPES = [SHAPES[2], SHAPES[7], (2, 96, 19, 17, 160, 3, 3, 1, 1, 1), SHAPES[10]]
@@ -240,12 +241,13 @@ def test_every_candidate_of_the_generator(rng, shape, out_dtype):
         epilogue = conv.Epilogue(out_dtype, "float32", True, True, True, 1.0, 0.75, 0.125)
         value = ref.epilogue(acc, alpha=alpha, beta=0.75, gamma=0.125, bias=bias, z=z, relu=True)
     facts = Target.live(cupy.cuda.runtime.getDevice()).facts
-    found = conv.candidates(g, facts.sm_count, facts.smem_per_block_optin, facts.arch)
-    assert any(c["wgmma"] for c in found) == (facts.arch == conv.WGMMA_ARCH)
-    split = [{**c, "splits": 3, "steps_per_split": -(-conv.split_steps(g, conv._config(c)) // 3)} for c in found]
+    found = conv_plan.candidates(g, facts.sm_count, facts.smem_per_block_optin, facts.arch)
+    assert any(c["wgmma"] for c in found) == (facts.arch == conv_plan.WGMMA_ARCH)
+    split = [{**c, "splits": 3, "steps_per_split": -(-conv_plan.split_steps(g, conv_plan.config_of(c)) // 3)}
+             for c in found]
     for candidate in found + split:
-        chosen = conv.plan_from(g, candidate, facts.arch, "test")
-        if (chosen.splits - 1) * chosen.steps_per_split >= conv.split_steps(g, chosen.spec):
+        chosen = conv_plan.plan_from(g, candidate, facts.arch, "test")
+        if (chosen.splits - 1) * chosen.steps_per_split >= conv_plan.split_steps(g, chosen.spec):
             continue   # a split would be empty
         y = cupy.full(g.output_shape, -7 if out_dtype == "int32" else 77, dtype=out_dtype)   # poisoned
         conv.launch(chosen, x5, w5, y, *arrays, epilogue)
@@ -340,7 +342,7 @@ def test_first_use_tunes_and_explain_says_so(rng, monkeypatch, tmp_path):
     x, w = _inputs(rng, g)
     _check_exact(_run(x, w, g, out_dtype="int32"), ref.accumulators(x, w, g.stride, g.padding), "tuned plan")
     device = tune.DeviceKey.live(cupy.cuda.runtime.getDevice())
-    assert table.lookup(device, conv.OP, g.key()) is not None
+    assert table.lookup(device, conv_plan.OP, g.key()) is not None
     assert conv.live_plan(g, "auto", cupy.cuda.runtime.getDevice()).source == "tuned"
 
 
