@@ -108,7 +108,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_halo(const TensorMap& filter_m
     return;
   }
 
-  const auto [warp, wg_m, wg_n, exchange] =
+  const auto [wg_m, wg_n, exchange] =
       ws_consumer<TM, WN>(conv_shared, skip, stages * STAGE_BYTES, warpgroup);
   const unsigned long long a_descriptor = wgmma_descriptor<32>(shared_base + wg_m * 32);
   const unsigned long long b_descriptor =
@@ -133,14 +133,9 @@ __device__ __forceinline__ void conv2d_int8_fprop_halo(const TensorMap& filter_m
       ws_round_issued<stages>(acc, empty, round, u);
     }
     ws_tile_done<stages>(acc, empty, round);
-    if (warpgroup_epilogue_fits<WN, CONSUMERS * 128 + PRODUCERS>() && tile_epilogue_s8(p)) {   // its 4 KB of exchanges
-      conv_warpgroup_epilogue_s8<WN>(acc, reinterpret_cast<signed char*>(exchange - (warp & 3) * 256), tile.m0 + wg_m,
-                                     wg_n, p, static_cast<signed char*>(y), alpha_vec, bias,
-                                     HaloPixels<PITCH>{tile.image, tile.oh0, p.oh, p.ow}, 1 + warpgroup);
-    } else {
-      conv_warp_epilogue(acc, exchange, tile.m0 + wg_m + (warp & 3) * 16, wg_n, tile.split, p, y, z, alpha_vec, bias,
-                         HaloPixels<PITCH>{tile.image, tile.oh0, p.oh, p.ow});
-    }
+    const HaloPixels<PITCH> pixels{tile.image, tile.oh0, p.oh, p.ow};
+    conv_wgmma_epilogue<WN, CONSUMERS * 128 + PRODUCERS>(acc, exchange, tile.m0 + wg_m, wg_n, tile.split, p, y, z,
+                                                         alpha_vec, bias, pixels, warpgroup);
   }
 }
 

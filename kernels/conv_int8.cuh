@@ -75,6 +75,17 @@ __device__ __forceinline__ unsigned pack_s8x4(const int* values) {   // the low 
   return __byte_perm(__byte_perm(values[0], values[1], 0x0040), __byte_perm(values[2], values[3], 0x0040), 0x5410);
 }
 
+// Output channel oc's alpha (per channel or the call's) and bias (0 without one).
+__device__ __forceinline__ float conv_alpha(const ConvParams& p, const float* alpha_vec, int oc) {
+  return p.alpha_per_channel ? alpha_vec[oc] : p.alpha;
+}
+__device__ __forceinline__ float conv_bias(const ConvParams& p, const void* bias, int oc) {
+  float value = 0.f;
+  if (p.bias_kind == CONV_BIAS_F32) value = static_cast<const float*>(bias)[oc];
+  if (p.bias_kind == CONV_BIAS_S32) value = static_cast<float>(static_cast<const int*>(bias)[oc]);
+  return value;
+}
+
 // The epilogue of 8 consecutive output channels oc .. oc + 7 of one pixel at
 // element `offset` of y (and z): raw accumulators for CONV_OUT_S32, else
 // y = alpha * acc + beta * bias + gamma * z, ReLU, converted. The call's flags
@@ -102,11 +113,8 @@ __device__ __forceinline__ void conv_epilogue_store(const int (&acc)[8], int oc,
     for (int i = 0; i < 8; ++i) {
       const unsigned word = static_cast<unsigned>(i < 4 ? z_bytes.x : z_bytes.y);
       const float z_i = static_cast<float>(static_cast<signed char>(word >> (8 * (i & 3))));
-      const float alpha = p.alpha_per_channel ? alpha_vec[oc + i] : p.alpha;
-      float bias_i = 0.f;
-      if (p.bias_kind == CONV_BIAS_F32) bias_i = static_cast<const float*>(bias)[oc + i];
-      if (p.bias_kind == CONV_BIAS_S32) bias_i = static_cast<float>(static_cast<const int*>(bias)[oc + i]);
-      value[i] = fmaf(alpha, static_cast<float>(acc[i]), fmaf(p.beta, bias_i, p.gamma * z_i));
+      value[i] = fmaf(conv_alpha(p, alpha_vec, oc + i), static_cast<float>(acc[i]),
+                      fmaf(p.beta, conv_bias(p, bias, oc + i), p.gamma * z_i));
     }
   }
   if (p.out_kind == CONV_OUT_S8) {   // ReLU's floor and the saturation in one clamp (NaN: 0)
@@ -553,9 +561,8 @@ __device__ __forceinline__ void conv_warpgroup_epilogue_s8(const int (&acc)[2][W
     const int channel = channel0 + warp_row + (lane >> 2) + 8 * h;
     alpha[h] = shift[h] = 0.f;   // rows past GEMM_M: stored, never copied out
     if (channel < p.gemm_m) {
-      alpha[h] = p.alpha_per_channel ? alpha_vec[channel] : p.alpha;
-      if (p.bias_kind == CONV_BIAS_F32) shift[h] = p.beta * static_cast<const float*>(bias)[channel];
-      if (p.bias_kind == CONV_BIAS_S32) shift[h] = p.beta * static_cast<float>(static_cast<const int*>(bias)[channel]);
+      alpha[h] = conv_alpha(p, alpha_vec, channel);
+      shift[h] = p.beta * conv_bias(p, bias, channel);
     }
   }
   signed char* base = buffer + (warp_row >> 5) * CHUNK * 32 + 2 * (lane & 3) * 32 + (warp_row & 31) + (lane >> 2);
@@ -586,6 +593,24 @@ __device__ __forceinline__ void conv_warpgroup_epilogue_s8(const int (&acc)[2][W
         *reinterpret_cast<int4*>(y + offset) = source[v];
       }
     }
+  }
+}
+
+// A wgmma warpgroup's epilogue: by warpgroup (conv_warpgroup_epilogue_s8) where the call
+// and the kernel's registers (THREADS threads) allow it, else through each warp's 1 KB
+// exchange (conv_warp_epilogue). buffer: the warpgroup's 4 KB, its four warps' exchanges.
+template <int WN, int THREADS, typename Pixels>
+__device__ __forceinline__ void conv_wgmma_epilogue(const int (&acc)[2][WN / 8][2], signed char* buffer,
+                                                    int channel0, int pixel0, int split, const ConvParams& p,
+                                                    void* y, const signed char* z, const float* alpha_vec,
+                                                    const void* bias, const Pixels& pixels, int warpgroup) {
+  if (warpgroup_epilogue_fits<WN, THREADS>() && tile_epilogue_s8(p)) {
+    conv_warpgroup_epilogue_s8<WN>(acc, buffer, channel0, pixel0, p, static_cast<signed char*>(y), alpha_vec, bias,
+                                   pixels, 1 + warpgroup);
+  } else {
+    const int warp = (threadIdx.x >> 5) & 3;   // the warp's 16 rows of the warpgroup's 64
+    conv_warp_epilogue(acc, reinterpret_cast<int*>(buffer) + warp * 256, channel0 + warp * 16, pixel0, split, p, y, z,
+                       alpha_vec, bias, pixels);
   }
 }
 
@@ -627,11 +652,11 @@ __device__ __forceinline__ void conv2d_int8_fprop_wgmma(const signed char* __res
   // start on a 1024-byte boundary (the host adds 1024 bytes of slack).
   const unsigned raw_base = shared_address(conv_shared);
   const unsigned shared_base = (raw_base + 1023u) & ~1023u;
-  int* exchange_base = reinterpret_cast<int*>(reinterpret_cast<char*>(conv_shared) + (shared_base - raw_base));
+  signed char* exchange_base = reinterpret_cast<signed char*>(conv_shared) + (shared_base - raw_base);
 
   // The warpgroup from lane 0: the compiler then knows it (and the descriptors) warp-uniform
   // and builds the descriptors in uniform registers, which wgmma reads.
-  const int warp = threadIdx.x >> 5, warpgroup = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x >> 7, 0);
   const int wg_m = (warpgroup % WARPGROUPS_M) * 64, wg_n = (warpgroup / WARPGROUPS_M) * WN;
   const ConvTile tile = conv_tile<TM, TN>(p);
   const int steps = (tile.steps + Loader::HALVES - 1) / Loader::HALVES;   // stages of this split
@@ -676,29 +701,22 @@ __device__ __forceinline__ void conv2d_int8_fprop_wgmma(const signed char* __res
   cp_async_wait<0>();
   __syncthreads();   // every warpgroup is done with the pipeline's shared memory
   static_assert(THREADS * 32 <= stages * STAGE_BYTES, "4 KB a warpgroup in the stages");
-  if (warpgroup_epilogue_fits<WN, THREADS>() && tile_epilogue_s8(p)) {
-    conv_warpgroup_epilogue_s8<WN>(acc, reinterpret_cast<signed char*>(exchange_base) + warpgroup * 4096,
-                                   tile.m0 + wg_m, tile.n0 + wg_n, p, static_cast<signed char*>(y), alpha_vec, bias,
-                                   GemmPixels{p}, 1 + warpgroup);
-  } else {
-    conv_warp_epilogue(acc, exchange_base + warp * 256, tile.m0 + wg_m + (warp & 3) * 16, tile.n0 + wg_n, tile.split,
-                       p, y, z, alpha_vec, bias, GemmPixels{p});
-  }
+  conv_wgmma_epilogue<WN, THREADS>(acc, exchange_base + warpgroup * 4096, tile.m0 + wg_m, tile.n0 + wg_n, tile.split,
+                                   p, y, z, alpha_vec, bias, GemmPixels{p}, warpgroup);
 }
 
-// A consumer warp of a warp-specialised kernel: its warp index, its warpgroup's origin
-// in the block's tile (warpgroups TM / 64 along GEMM_M, then along GEMM_N) and its 256-int
-// epilogue exchange, `offset` bytes past the stages' start, `skip` bytes into the dynamic
-// shared memory.
+// A consumer warpgroup of a warp-specialised kernel: its origin in the block's tile
+// (warpgroups TM / 64 along GEMM_M, then along GEMM_N) and its 4 KB for the epilogue
+// (its warps' exchanges), `offset` bytes past the stages' start, `skip` bytes into the
+// dynamic shared memory.
 struct WsConsumer {
-  int warp, wg_m, wg_n;
-  int* exchange;
+  int wg_m, wg_n;
+  signed char* exchange;
 };
 template <int TM, int WN>
 __device__ __forceinline__ WsConsumer ws_consumer(int4* dynamic, unsigned skip, int offset, int warpgroup) {
-  const int warp = threadIdx.x >> 5;
-  return WsConsumer{warp, (warpgroup % (TM / 64)) * 64, (warpgroup / (TM / 64)) * WN,
-                    reinterpret_cast<int*>(reinterpret_cast<char*>(dynamic) + skip + offset) + warp * 256};
+  return WsConsumer{(warpgroup % (TM / 64)) * 64, (warpgroup / (TM / 64)) * WN,
+                    reinterpret_cast<signed char*>(dynamic) + skip + offset + warpgroup * 4096};
 }
 
 // A warp-specialised kernel's barriers: full[s] (full_arrivals a phase) then empty[s]
@@ -843,7 +861,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
     return;
   }
 
-  const auto [warp, wg_m, wg_n, exchange] =
+  const auto [wg_m, wg_n, exchange] =
       ws_consumer<TM, WN>(conv_shared, skip, stages * STAGE_BYTES, warpgroup);
   const unsigned long long a_descriptor = wgmma_descriptor<DESCRIPTOR_ROW>(shared_base + wg_m * DESCRIPTOR_ROW);
   const unsigned long long b_descriptor =
@@ -872,14 +890,8 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
       ws_round_issued<stages>(acc, empty, round, t);
     }
     ws_tile_done<stages>(acc, empty, round);
-    if (warpgroup_epilogue_fits<WN, CONSUMERS * 128 + PRODUCERS>() && tile_epilogue_s8(p)) {   // its 4 KB of exchanges
-      conv_warpgroup_epilogue_s8<WN>(acc, reinterpret_cast<signed char*>(exchange - (warp & 3) * 256), tile.m0 + wg_m,
-                                     tile.n0 + wg_n, p, static_cast<signed char*>(y), alpha_vec, bias, GemmPixels{p},
-                                     1 + warpgroup);
-    } else {
-      conv_warp_epilogue(acc, exchange, tile.m0 + wg_m + (warp & 3) * 16, tile.n0 + wg_n, tile.split, p, y, z,
-                         alpha_vec, bias, GemmPixels{p});
-    }
+    conv_wgmma_epilogue<WN, CONSUMERS * 128 + PRODUCERS>(acc, exchange, tile.m0 + wg_m, tile.n0 + wg_n, tile.split, p,
+                                                         y, z, alpha_vec, bias, GemmPixels{p}, warpgroup);
   }
 }
 
