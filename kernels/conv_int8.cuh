@@ -35,6 +35,7 @@
 #pragma once
 #include "common.cuh"
 #include "mma.cuh"
+#include "cluster.cuh"
 #include "tma.cuh"
 
 namespace cupyops {
@@ -157,12 +158,15 @@ struct ConvTile {
   }
 };
 
-template <int TM, int TN>
-__device__ __forceinline__ ConvTile conv_tile_of(const ConvParams& p, int index, int split) {
+// Tile `index` of a split: GEMM_M tiles fastest. A cluster of CLUSTER blocks (one
+// GEMM_M tile, CLUSTER GEMM_N tiles side by side) counts as one tile; `rank` picks the
+// block's (its GEMM_N tile may lie past GEMM_N: nothing of it is stored).
+template <int TM, int TN, int CLUSTER = 1>
+__device__ __forceinline__ ConvTile conv_tile_of(const ConvParams& p, int index, int split, int rank = 0) {
   const int m_tiles = (p.gemm_m + TM - 1) / TM;
-  const int n_tile = index / m_tiles;
+  const int n_group = index / m_tiles;
   const int step_begin = split * p.steps_per_split;
-  return ConvTile{(index - n_tile * m_tiles) * TM, n_tile * TN, step_begin,
+  return ConvTile{(index - n_group * m_tiles) * TM, (n_group * CLUSTER + rank) * TN, step_begin,
                   min(p.k_steps, step_begin + p.steps_per_split) - step_begin, split};
 }
 // The tile of this block: blockIdx.x its tile, blockIdx.z its split.
@@ -721,17 +725,34 @@ __device__ __forceinline__ WsConsumer ws_consumer(int4* dynamic, unsigned skip, 
 
 // A warp-specialised kernel's barriers: full[s] (full_arrivals a phase) then empty[s]
 // (one arrival a consumer warpgroup), initialised by thread 0 before the block syncs.
-template <int stages>
+// In a cluster of CLUSTER blocks sharing the stages' filter rows (multicast), empty[s]
+// counts the consumer warpgroups of every block, and every block of the cluster has
+// initialised its barriers before any block's copies or arrivals reach them.
+template <int stages, int CLUSTER = 1>
 __device__ __forceinline__ void ws_barriers_init(unsigned full, unsigned full_arrivals, unsigned consumers) {
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < stages; ++s) {
       mbarrier_init(full + 8 * s, full_arrivals);
-      mbarrier_init(full + 8 * (stages + s), consumers);
+      mbarrier_init(full + 8 * (stages + s), consumers * CLUSTER);
     }
     mbarrier_init_fence();
   }
   __syncthreads();
+  if constexpr (CLUSTER > 1) cluster_sync();
+}
+
+// A consumer warpgroup's release of a stage, by its threads 0 .. CLUSTER - 1 at once:
+// thread r's arrival on the stage's empty barrier in block r of the cluster (each
+// block's producer may refill it, its copies multicast).
+template <int CLUSTER>
+__device__ __forceinline__ void ws_release(unsigned empty_stage) {
+  const int thread = threadIdx.x & 127;
+  if constexpr (CLUSTER == 1) {
+    if (thread == 0) mbarrier_arrive(empty_stage);
+  } else {
+    if (thread < CLUSTER) mbarrier_arrive_cluster(empty_stage, thread);
+  }
 }
 
 // What a warp-specialised kernel sets up first: the dynamic shared memory, its stages'
@@ -756,7 +777,7 @@ __device__ __forceinline__ WsBlock ws_block() {
 
 // A consumer warpgroup's end of round `round` (the `index`-th of its tile): its wgmma
 // group committed, the group before complete, whose stage is then released.
-template <int stages, int ROWS, int COLS>
+template <int stages, int CLUSTER = 1, int ROWS, int COLS>
 __device__ __forceinline__ void ws_round_issued(int (&acc)[ROWS][COLS][2], unsigned empty, unsigned round,
                                                 int index) {
   wgmma_commit();
@@ -764,15 +785,15 @@ __device__ __forceinline__ void ws_round_issued(int (&acc)[ROWS][COLS][2], unsig
   wgmma_wait<1>();
   wgmma_fence_operands(acc);
   // The group of the round before is complete in this warpgroup: its stage may be loaded again.
-  if (index > 0 && (threadIdx.x & 127) == 0) mbarrier_arrive(empty + 8 * ((round - 1) % stages));
+  if (index > 0) ws_release<CLUSTER>(empty + 8 * ((round - 1) % stages));
 }
 
 // A consumer warpgroup's end of a tile: every group complete, the last stage released.
-template <int stages, int ROWS, int COLS>
+template <int stages, int CLUSTER = 1, int ROWS, int COLS>
 __device__ __forceinline__ void ws_tile_done(int (&acc)[ROWS][COLS][2], unsigned empty, unsigned round) {
   wgmma_wait<0>();
   wgmma_fence_operands(acc);
-  if ((threadIdx.x & 127) == 0) mbarrier_arrive(empty + 8 * ((round - 1) % stages));
+  ws_release<CLUSTER>(empty + 8 * ((round - 1) % stages));
 }
 
 // One block's TM x TN tile by wgmma (sm_90a), warp-specialised: TM / 64 x TN / WN
@@ -792,11 +813,12 @@ __device__ __forceinline__ void ws_tile_done(int (&acc)[ROWS][COLS][2], unsigned
 // copies: cp.async.mbarrier.arrive.noinc); empty[s] completes when every consumer
 // warpgroup has finished its wgmma on the stage. A consumer keeps one stage's wgmma
 // group in flight and releases the stage before it.
-template <int TM, int TN, int WN, int stages, int ROW_BYTES, bool IM2COL>
+template <int TM, int TN, int WN, int stages, int ROW_BYTES, bool IM2COL, int CLUSTER>
 __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_map, const TensorMap& input_map,
                                                       const signed char* x, void* y, const signed char* z,
                                                       const float* alpha_vec, const void* bias, const ConvParams& p) {
   constexpr int CONSUMERS = (TM / 64) * (TN / WN), PRODUCERS = 128;
+  constexpr int A_SHARE_ROWS = TM / CLUSTER;   // filter rows a block of the cluster copies for all of them
   constexpr int CHUNKS = ROW_BYTES / 32;
   constexpr int DESCRIPTOR_ROW = IM2COL ? 32 : ROW_BYTES;          // bytes a row of a descriptor's tile
   constexpr int SLICE_STRIDE = IM2COL ? (TM + TN) * 32 : 32;       // from one k32 slice to the next
@@ -806,19 +828,26 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
   static_assert(TM % 64 == 0 && TN % WN == 0 && WN % 8 == 0 && WN <= 256 && TN <= 256, "warpgroup tile");
   static_assert(ROW_BYTES == 64 || ROW_BYTES == 128, "stages of 64 or 128 GEMM_K bytes");
   static_assert(TN % 8 == 0 && STAGE_BYTES % 1024 == 0, "stages keep the 1024-byte alignment of the first");
+  static_assert(CLUSTER == 1 || (CLUSTER == 2 && !IM2COL && A_SHARE_ROWS * ROW_BYTES % 1024 == 0),
+                "pairs share the filter's copies (copied by the engine alone), in whole swizzle patterns");
   const auto [conv_shared, shared_base, skip, full, empty, warpgroup] = ws_block<stages>();
-  const int tiles = (p.gemm_m + TM - 1) / TM * ((p.gemm_n + TN - 1) / TN);
-  ws_barriers_init<stages>(full, IM2COL ? 1 : 1 + PRODUCERS, CONSUMERS);
+  // tiles of a split: a cluster's CLUSTER GEMM_N tiles side by side count as one
+  const int tiles = (p.gemm_m + TM - 1) / TM * ((p.gemm_n + TN * CLUSTER - 1) / (TN * CLUSTER));
+  const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
+  ws_barriers_init<stages, CLUSTER>(full, IM2COL ? 1 : 1 + PRODUCERS, CONSUMERS);
 
-  // Persistent: block b takes tiles b, b + gridDim.x, ... of every split, and the
-  // rounds (stages' uses) run on across them, so the producer fills the next tile's
-  // stages while the consumers store the last one's.
+  // Persistent: block (cluster) b takes tiles b, b + gridDim.x, ... of every split, and
+  // the rounds (stages' uses) run on across them, so the producer fills the next tile's
+  // stages while the consumers store the last one's. A cluster's blocks walk the same
+  // tiles' GEMM_K in step: each copies its share of the filter rows into every block's
+  // stage (multicast), which each block's empty barrier lets it refill only once the
+  // consumers of every block have released it.
   if (warpgroup == CONSUMERS) {   // the producer
     const int thread = threadIdx.x - CONSUMERS * 128;
     if (IM2COL && thread != 0) return;
     unsigned round = 0;
-    for (int job = blockIdx.x; job < tiles * p.splits; job += gridDim.x) {
-      const ConvTile tile = conv_tile_of<TM, TN>(p, job % tiles, job / tiles);
+    for (int job = blockIdx.x / CLUSTER; job < tiles * p.splits; job += gridDim.x / CLUSTER) {
+      const ConvTile tile = conv_tile_of<TM, TN, CLUSTER>(p, job % tiles, job / tiles, rank);
       const int chunk_begin = 2 * tile.step_begin, chunks = tile.chunks(p);
       const int ohw = p.oh * p.ow;
       const int image = tile.n0 / ohw, rest = tile.n0 - image * ohw;
@@ -849,15 +878,22 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
           }
         } else {
           // Filter bytes past GEMM_K (or GEMM_M) are zeros; past the split, B's rows are.
-          if (thread == 0) {
+          if (thread == 0) {   // the whole filter tile lands in every block of the cluster
             mbarrier_arrive_expect_tx(full + 8 * s, A_COPY_BYTES);
-            tma_load_2d(stage, filter_map, (chunk_begin + t * CHUNKS) * 32, tile.m0, full + 8 * s);
+            if constexpr (CLUSTER == 1) {
+              tma_load_2d(stage, filter_map, (chunk_begin + t * CHUNKS) * 32, tile.m0, full + 8 * s);
+            } else {
+              tma_load_2d_multicast(stage + rank * A_SHARE_ROWS * ROW_BYTES, filter_map,
+                                    (chunk_begin + t * CHUNKS) * 32, tile.m0 + rank * A_SHARE_ROWS, full + 8 * s,
+                                    (1u << CLUSTER) - 1);
+            }
           }
           loader.issue_async(stage);
           cp_async_mbarrier_arrive_noinc(full + 8 * s);
         }
       }
     }
+    if constexpr (CLUSTER > 1) cluster_sync_before_exit();   // no block leaves while copies or arrivals may reach it
     return;
   }
 
@@ -867,8 +903,8 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
   const unsigned long long b_descriptor =
       wgmma_descriptor<DESCRIPTOR_ROW>(shared_base + (TM + wg_n) * DESCRIPTOR_ROW);
   unsigned round = 0;
-  for (int job = blockIdx.x; job < tiles * p.splits; job += gridDim.x) {
-    const ConvTile tile = conv_tile_of<TM, TN>(p, job % tiles, job / tiles);
+  for (int job = blockIdx.x / CLUSTER; job < tiles * p.splits; job += gridDim.x / CLUSTER) {
+    const ConvTile tile = conv_tile_of<TM, TN, CLUSTER>(p, job % tiles, job / tiles, rank);
     const int chunks = tile.chunks(p);
     int acc[2][WN / 8][2];
     zero_accumulators(acc);
@@ -887,12 +923,13 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
                            wgmma_descriptor_moved(b_descriptor, units));
         }
       }
-      ws_round_issued<stages>(acc, empty, round, t);
+      ws_round_issued<stages, CLUSTER>(acc, empty, round, t);
     }
-    ws_tile_done<stages>(acc, empty, round);
+    ws_tile_done<stages, CLUSTER>(acc, empty, round);
     conv_wgmma_epilogue<WN, CONSUMERS * 128 + PRODUCERS>(acc, exchange, tile.m0 + wg_m, tile.n0 + wg_n, tile.split, p,
                                                          y, z, alpha_vec, bias, GemmPixels{p}, warpgroup);
   }
+  if constexpr (CLUSTER > 1) cluster_sync_before_exit();
 }
 
 // Sums the p.splits int32 partials of split-K and applies the epilogue: each

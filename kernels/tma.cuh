@@ -64,6 +64,24 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap& map, 
       : "memory");
 }
 
+// tma_load_2d into every block of the cluster in `mask` (bit r: rank r), at `dst`'s
+// offset in each, completing on the barrier at `barrier`'s offset in each.
+__device__ __forceinline__ void tma_load_2d_multicast(unsigned dst, const TensorMap& map, int c0, int c1,
+                                                      unsigned barrier, unsigned short mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster "
+      "[%0], [%1, {%3, %4}], [%2], %5;\n"
+      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(barrier), "r"(c0), "r"(c1), "h"(mask)
+      : "memory");
+}
+
+// One arrival on the barrier at `barrier`'s offset in block `rank` of the cluster.
+__device__ __forceinline__ void mbarrier_arrive_cluster(unsigned barrier, unsigned rank) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(barrier), "r"(rank));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+
 // The im2col copy of a 5-D im2col tensor map (dims C, W, H, D, N): the map's
 // pixels-per-column pixels from (w, h, d, n), each at the filter offsets
 // (ow, oh, od), channels c .. c + channels-per-pixel, into `dst`.

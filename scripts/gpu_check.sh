@@ -180,7 +180,7 @@ if [ "$mode" = conv ]; then   # not part of "all": the families mode benches it 
     echo "== compute-sanitizer --tool $tool scripts/sanitize_conv.py" | tee -a "$OUT/conv_sanitize.txt"
     compute-sanitizer --tool "$tool" --error-exitcode 9 python scripts/sanitize_conv.py > "$OUT/conv_$tool.log" 2>&1
     echo "exit $?" | tee -a "$OUT/conv_sanitize.txt"
-    grep -E "ERROR SUMMARY|all paths ran" "$OUT/conv_$tool.log" | tail -n 3 | tee -a "$OUT/conv_sanitize.txt"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|all paths ran" "$OUT/conv_$tool.log" | tail -n 3 | tee -a "$OUT/conv_sanitize.txt"
     grep -B2 -A12 -m 3 "^========= [A-Z]" "$OUT/conv_$tool.log" >> "$OUT/conv_sanitize.txt"; rm -f "$OUT/conv_$tool.log"
   done
   python -m cupyops.cli bench conv2d_int8 --layers all --json "$OUT/json/bench_conv2d_int8.json" | tee "$OUT/conv_bench.txt"

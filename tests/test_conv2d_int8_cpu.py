@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import json
 import re
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy
 import pytest
@@ -658,6 +658,34 @@ def test_warp_specialised_kernel_synchronises_by_barriers(tma):
     info = conv_plan.plan_from(RESNET_3X3, candidate, "sm_90", "tuned").explain()
     assert info["persistent"] and info["kernel"] == spec.name and info["copy"].startswith("copy engine (filter")
     assert not conv_plan.plan(RESNET_3X3, "auto", H100).explain()["persistent"]
+
+
+def test_filter_pairs_multicast_their_copies(monkeypatch):
+    """Pairs of blocks (a cluster of two) on one GEMM_M tile: the kernel is declared a
+    cluster, copies its share of the filter rows into both blocks (multicast) through a
+    map whose boxes are half a tile's rows, releases a stage in both blocks and waits
+    for the pair before exiting; the grid counts whole pairs, the odd GEMM_N tile's
+    partner included."""
+    pairs = [c for c in conv_plan.TMA_CONFIGS if c.cluster > 1]
+    assert pairs and all(c.tma == "filter" and c.cluster == conv_plan.PAIR for c in pairs)
+    spec = conv_plan.spec_for(pairs[0], "auto", "sm_90")
+    assert "_ws_tma_cpasync_sw128_mc2_" in spec.name
+    assert "__cluster_dims__(2, 1, 1)" in jit.render(spec)
+    ptx = jit.compile_ptx(spec, "sm_90")
+    for text in (".multicast::cluster", "mapa.shared::cluster", "mbarrier.arrive.shared::cluster.b64",
+                 "barrier.cluster.wait", "%cluster_ctarank"):
+        assert text in ptx, text
+    single = conv_plan.spec_for(replace(pairs[0], cluster=1), "auto", "sm_90")
+    assert ".multicast::cluster" not in jit.compile_ptx(single, "sm_90")
+    late = ConvGeometry(64, 512, 7, 7, 512, 3, 3, (1, 1), (1, 1))   # 25 GEMM_N tiles of 128
+    assert conv_plan.grid_tiles(late, spec) == 2 * 13 * 2 and conv_plan.grid_tiles(late, single) == 2 * 25
+    boxes = []
+    monkeypatch.setattr(conv_tma.tensor_map, "encode_tiled", lambda address, layout: boxes.append(layout.box))
+    conv_tma.maps(late, spec, 0, 0)
+    conv_tma.maps(late, single, 0, 0)
+    assert boxes == [(128, spec.tile_m // 2), (128, spec.tile_m)]
+    candidate = {**asdict(pairs[0]), "splits": 1, "steps_per_split": late.k_steps}
+    assert "shared by a cluster of 2" in conv_plan.plan_from(late, candidate, "sm_90", "tuned").explain()["copy"]
 
 
 def test_copy_engine_maps_describe_the_convolution():

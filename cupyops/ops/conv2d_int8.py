@@ -80,7 +80,7 @@ class ReadyConv:
         # persistent kernels: as many blocks as the GPU holds at once, each walking tiles and splits
         self.maps = {} if spec.tma else None
         if spec.tma:
-            grid = (min(grid[0] * grid[2], _resident_blocks(spec, device_id)), 1, 1)
+            grid = (min(grid[0] * grid[2], _resident_blocks(spec, device_id) // spec.cluster * spec.cluster), 1, 1)
         params = _params(g, chosen.splits, 0, epilogue)   # the reduction's, where GEMM_K is split
         self.reduce = None
         main_params = params

@@ -22,6 +22,7 @@ REDUCE_THREADS = 256
 MAX_SPLITS = 16
 MIN_STEPS_PER_SPLIT = 4
 HALO_FIELDS = ("halo_pitch", "halo_filter_rows", "filter_width", "dilation_h", "dilation_w")
+PAIR = 2                     # blocks of a cluster sharing the filter's copies (multicast)
 
 STEP_BYTES = 64              # a GEMM_K step; ConvParams.k_steps and split-K count them
 
@@ -42,6 +43,7 @@ class TileConfig:
     filter_width: int = 0
     dilation_h: int = 0
     dilation_w: int = 0
+    cluster: int = 1
 
     @property
     def area(self) -> int:
@@ -81,8 +83,13 @@ _TMA_FILTER = ((128, 256, 256, 4, 128), (128, 256, 256, 7, 64), (256, 128, 128, 
                (64, 128, 128, 8, 128), (64, 128, 128, 4, 128))
 _TMA_IM2COL = ((128, 256, 256, 7, 64), (256, 128, 128, 4, 128), (64, 256, 256, 5, 128), (64, 256, 64, 5, 128),
                (64, 128, 128, 4, 128))
-TMA_CONFIGS = tuple(TileConfig(tm, tn, 64, wn, stages, True, step, tma)
-                    for tma, table in (("filter", _TMA_FILTER), ("im2col", _TMA_IM2COL))
+# Pairs of blocks (a cluster) on one GEMM_M tile and two GEMM_N tiles, each copying half
+# the filter rows of a stage into both: a block then reads a third less from L2 a step
+# (a quarter less for 128 x 128 tiles). 64-byte stages: more of them loading at once.
+_TMA_FILTER_PAIRS = ((256, 128, 128, 4, 128), (128, 128, 128, 6, 128), (128, 128, 128, 12, 64))
+TMA_CONFIGS = tuple(TileConfig(tm, tn, 64, wn, stages, True, step, tma, cluster=cluster)
+                    for tma, table, cluster in (("filter", _TMA_FILTER, 1), ("im2col", _TMA_IM2COL, 1),
+                                                ("filter", _TMA_FILTER_PAIRS, PAIR))
                     for tm, tn, wn, stages, step in table)
 
 
@@ -108,6 +115,7 @@ class ConvInt8Spec(jit.KernelSpec):
     filter_width: int = 0    # halo: S (a stage's MMAs: halo_filter_rows x S)
     dilation_h: int = 0      # halo: the shift from one filter row to the next, in rows
     dilation_w: int = 0      # halo: the shift from one filter column to the next, in slots
+    cluster: int = 1         # warp-specialised, filter by the copy engine: blocks sharing its copies
 
     @property
     def wgmma(self) -> bool:
@@ -131,7 +139,8 @@ class ConvInt8Spec(jit.KernelSpec):
         copy = "cpasync" if self.async_copy else "ldg"
         if self.wgmma:   # the descriptors' swizzle is the stage's row (a chunk's, for the copy engine)
             groups = f"wg{self.tile_m // self.warp_m}x{self.tile_n // self.warp_n}"
-            copy = {"im2col": "ws_tma_im2col_sw32", "filter": f"ws_tma_cpasync_sw{self.step_bytes}",
+            pairs = f"_mc{self.cluster}" if self.cluster > 1 else ""   # filter copies multicast to a cluster
+            copy = {"im2col": "ws_tma_im2col_sw32", "filter": f"ws_tma_cpasync_sw{self.step_bytes}{pairs}",
                     "halo": f"ws_halo_p{self.halo_pitch}_r{self.halo_filter_rows}x{self.filter_width}"
                             f"_d{self.dilation_h}x{self.dilation_w}"}.get(
                 self.tma, f"{copy}_sw{self.step_bytes}")
@@ -171,7 +180,8 @@ class ConvInt8Spec(jit.KernelSpec):
                     k32=self.instruction == "m16n8k32", wgmma=self.wgmma, stages=self.stages,
                     async_copy=self.async_copy, step_bytes=self.step_bytes, tma=self.tma, halo_pitch=self.halo_pitch,
                     halo_filter_rows=self.halo_filter_rows, filter_width=self.filter_width,
-                    dilation_h=self.dilation_h, dilation_w=self.dilation_w, split_reduce=False)
+                    dilation_h=self.dilation_h, dilation_w=self.dilation_w, cluster=self.cluster,
+                    split_reduce=False)
 
 
 @dataclass(frozen=True)
@@ -197,7 +207,8 @@ def spec_for(config: TileConfig, policy: str, arch: str) -> ConvInt8Spec:
         if policy != "auto" or arch != WGMMA_ARCH:
             raise ValueError(f"wgmma configurations run on {WGMMA_ARCH} under policy='auto' only, not {arch}")
         return ConvInt8Spec(WGMMA, config.tile_m, config.tile_n, config.warp_m, config.warp_n, config.stages, True,
-                            config.step_bytes, config.tma, *(getattr(config, name) for name in HALO_FIELDS))
+                            config.step_bytes, config.tma, *(getattr(config, name) for name in HALO_FIELDS),
+                            config.cluster)
     if policy == "megengine" or int(arch.removeprefix("sm_")) < 80:
         return ConvInt8Spec("m8n8k16", config.tile_m, config.tile_n, config.warp_m, config.warp_n, 2, False)
     return ConvInt8Spec("m16n8k32", config.tile_m, config.tile_n, config.warp_m, config.warp_n,
@@ -234,8 +245,8 @@ def grid_tiles(geometry: ConvGeometry, config) -> int:
     """Tiles of `config`'s (or a spec's) grid, a split's worth."""
     if config.tma == "halo":
         return conv_halo.tiles(geometry, config.tile_m, config.tile_n // config.halo_pitch)
-    m, n, _ = geometry.gemm
-    return -(-m // config.tile_m) * -(-n // config.tile_n)
+    m, n, _ = geometry.gemm   # a cluster's blocks: side by side along GEMM_N, each a tile
+    return -(-m // config.tile_m) * -(-n // (config.tile_n * config.cluster)) * config.cluster
 
 
 def split_steps(geometry: ConvGeometry, config) -> int:
@@ -307,7 +318,8 @@ def config_of(candidate: dict) -> TileConfig:
     # tables written before wgmma (128-byte steps, the copy engine) hold no "wgmma" ("step_bytes", "tma") key
     return TileConfig(*(candidate[name] for name in ("tile_m", "tile_n", "warp_m", "warp_n", "stages")),
                       candidate.get("wgmma", False), candidate.get("step_bytes", STEP_BYTES),
-                      candidate.get("tma", ""), *(candidate.get(name, 0) for name in HALO_FIELDS))
+                      candidate.get("tma", ""), *(candidate.get(name, 0) for name in HALO_FIELDS),
+                      candidate.get("cluster", 1))
 
 
 @dataclass(frozen=True)
@@ -334,12 +346,13 @@ class ConvPlan:
         groups = {"warp": f"{spec.warp_m}x{spec.warp_n}x{spec.step_bytes}"}
         if spec.wgmma:   # a warp holds 16 rows of its warpgroup's 64
             groups = {"warpgroup": groups["warp"], "warp": f"16x{spec.warp_n}x{spec.step_bytes}"}
+        shared = f", shared by a cluster of {spec.cluster}" if spec.cluster > 1 else ""   # multicast copies
         return {"op": OP, "policy": self.policy, "gemm_mnk": [m, n, k],
                 "instruction": f"wgmma.mma_async.{spec.mma_shape}.s8" if spec.wgmma
                 else f"mma.sync.{spec.instruction}.s8",
                 "tile": f"{self.spec.tile_m}x{self.spec.tile_n}x{self.spec.step_bytes}", **groups,
                 "stages": self.spec.stages,
-                "copy": {"im2col": "copy engine (filter, im2col)", "filter": "copy engine (filter), cp.async",
+                "copy": {"im2col": "copy engine (filter, im2col)", "filter": f"copy engine (filter{shared}), cp.async",
                          "halo": f"copy engine (filter), cp.async (rows of {spec.halo_pitch} slots, once for "
                                  f"{spec.halo_filter_rows} x {spec.filter_width} taps)"}.get(
                     spec.tma, "cp.async" if spec.async_copy else "registers"),

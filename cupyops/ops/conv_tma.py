@@ -64,12 +64,13 @@ def maps(geometry: ConvGeometry, spec, x_address: int, w_address: int) -> tuple:
     """(filter map, input map) of kernel `spec` (a ConvInt8Spec) on the arrays at
     these device addresses; the input map is left empty where the kernel copies the
     pixels itself. Beside im2col copies and halo rows the filter comes a chunk (a
-    tap) at a time."""
+    tap) at a time; in a cluster, each block copies its share of a tile's rows."""
     if spec.tma == "im2col":
         return (tensor_map.encode_tiled(w_address, filter_layout(geometry, spec.tile_m, SWIZZLE)),
                 tensor_map.encode_im2col(x_address, input_layout(geometry, spec.tile_n)))
     if spec.tma == "halo":
         return (tensor_map.encode_tiled(w_address, filter_layout(geometry, spec.tile_m, SWIZZLE)),
                 numpy.zeros(1, dtype=tensor_map.MAP_DTYPE))
-    return (tensor_map.encode_tiled(w_address, filter_layout(geometry, spec.tile_m, spec.step_bytes)),
+    # a cluster's blocks copy a share of the tile's rows each, into all of them
+    return (tensor_map.encode_tiled(w_address, filter_layout(geometry, spec.tile_m // spec.cluster, spec.step_bytes)),
             numpy.zeros(1, dtype=tensor_map.MAP_DTYPE))
