@@ -9,19 +9,28 @@ namespace cupyops {
 // A halo tile: TM output channels from m0 by ROWS output rows from oh0 of one image,
 // each row PITCH slots (its OW pixels, then slots whose results are dropped); GEMM_K
 // in units (a channel group and RB filter rows), `units` of them from unit_begin.
-template <int TM, int ROWS>
+template <int TM, int ROWS, int CLUSTER = 1>
 struct HaloTile {
   int m0, image, oh0, unit_begin, units, split;
+  bool live;   // its image exists (the second block of the last pair may have none)
+  // Tiles of a split: GEMM_M tiles by (row blocks x images) / CLUSTER, a cluster's
+  // blocks taking CLUSTER row blocks side by side.
+  __device__ __forceinline__ static int count(const ConvParams& p) {
+    return (p.gemm_m + TM - 1) / TM * (((p.oh + ROWS - 1) / ROWS * p.n + CLUSTER - 1) / CLUSTER);
+  }
   // Tile `job`: GEMM_M tiles fastest, then row blocks, then images, then splits
-  // (p.steps_per_split counts units here); group_units units a channel group.
-  __device__ __forceinline__ HaloTile(const ConvParams& p, int job, int group_units) {
+  // (p.steps_per_split counts units here); group_units units a channel group; `rank`:
+  // the block's place in its cluster.
+  __device__ __forceinline__ HaloTile(const ConvParams& p, int job, int group_units, int rank) {
     const int m_tiles = (p.gemm_m + TM - 1) / TM, row_blocks = (p.oh + ROWS - 1) / ROWS;
-    const int tiles = m_tiles * row_blocks * p.n;
+    const int tiles = count(p);
     split = job / tiles;
-    const int index = job - split * tiles, n_tile = index / m_tiles;
-    m0 = (index - n_tile * m_tiles) * TM;
+    const int index = job - split * tiles, n_group = index / m_tiles;
+    const int n_tile = n_group * CLUSTER + rank;
+    m0 = (index - n_group * m_tiles) * TM;
     image = n_tile / row_blocks;
     oh0 = (n_tile - image * row_blocks) * ROWS;
+    live = image < p.n;
     unit_begin = split * p.steps_per_split;
     units = min(p.c32 * group_units, unit_begin + p.steps_per_split) - unit_begin;
   }
@@ -53,7 +62,7 @@ struct HaloPixels {
 // descriptor's start moves, the data stays. SLACK slots past the rows keep the
 // moved tiles of the last row in the stage (what they read only reaches dropped
 // slots). Pipeline and barriers as conv2d_int8_fprop_tma; persistent likewise.
-template <int TM, int ROWS, int PITCH, int WN, int RB, int S, int DH, int DW, int stages>
+template <int TM, int ROWS, int PITCH, int WN, int RB, int S, int DH, int DW, int stages, int CLUSTER>
 __device__ __forceinline__ void conv2d_int8_fprop_halo(const TensorMap& filter_map, const signed char* x, void* y,
                                                        const signed char* z, const float* alpha_vec,
                                                        const void* bias, const ConvParams& p) {
@@ -69,28 +78,35 @@ __device__ __forceinline__ void conv2d_int8_fprop_halo(const TensorMap& filter_m
   static_assert(TM % 64 == 0 && TN % WN == 0 && WN % 16 == 0 && WN <= 256 && TN % 8 == 0 && PITCH % 8 == 0,
                 "warpgroup tile");
   static_assert(CONSUMERS <= 4, "at most four consumer warpgroups");
+  static_assert(CLUSTER == 1 || CLUSTER == 2, "blocks alone or in pairs");
   const auto [conv_shared, shared_base, skip, full, empty, warpgroup] = ws_block<stages>();
   const int group_units = p.taps / TAPS;                     // R / RB
-  const int jobs = (p.gemm_m + TM - 1) / TM * ((p.oh + ROWS - 1) / ROWS) * p.n * p.splits;
-  ws_barriers_init<stages>(full, 1 + PRODUCERS, CONSUMERS);
+  const int jobs = HaloTile<TM, ROWS, CLUSTER>::count(p) * p.splits;
+  const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
+  ws_barriers_init<stages, CLUSTER>(full, 1 + PRODUCERS, CONSUMERS);
 
   if (warpgroup == CONSUMERS) {   // the producer
     const int thread = threadIdx.x - CONSUMERS * 128;
     // Copy c of a stage: half (c >> 3) & 1 of slot (c & 7) + 8 (c >> 4): eight threads
     // write 128 contiguous bytes of a plane, a warp reads 16 whole pixels.
     unsigned round = 0;
-    for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
-      const HaloTile<TM, ROWS> tile(p, job, group_units);
+    for (int job = blockIdx.x / CLUSTER; job < jobs; job += gridDim.x / CLUSTER) {
+      const HaloTile<TM, ROWS, CLUSTER> tile(p, job, group_units, rank);
       for (int u = 0; u < tile.units; ++u, ++round) {
         const unsigned s = round % stages;
         if (round >= stages) mbarrier_wait(empty + 8 * s, ((round / stages) + 1) & 1);
         const unsigned stage = shared_base + s * STAGE_BYTES;
         const int unit = tile.unit_begin + u, group = unit / group_units;
         if (thread == 0) {   // the unit's taps are TAPS consecutive chunks of a filter row
-          mbarrier_arrive_expect_tx(full + 8 * s, A_BYTES);
+          mbarrier_arrive_expect_tx(full + 8 * s, A_BYTES);   // in a pair: every tap, half from each block
 #pragma unroll
           for (int t = 0; t < TAPS; ++t) {
-            tma_load_2d(stage + t * TM * 32, filter_map, (unit * TAPS + t) * 32, tile.m0, full + 8 * s);
+            if constexpr (CLUSTER == 1) {
+              tma_load_2d(stage + t * TM * 32, filter_map, (unit * TAPS + t) * 32, tile.m0, full + 8 * s);
+            } else if (t % CLUSTER == rank) {
+              tma_load_2d_multicast(stage + t * TM * 32, filter_map, (unit * TAPS + t) * 32, tile.m0, full + 8 * s,
+                                    (1u << CLUSTER) - 1);
+            }
           }
         }
         const int ih0 = tile.oh0 - p.pad_h + (unit - group * group_units) * RB * DH;
@@ -98,13 +114,14 @@ __device__ __forceinline__ void conv2d_int8_fprop_halo(const TensorMap& filter_m
         for (int c = thread; c < COPIES; c += PRODUCERS) {
           const int half = (c >> 3) & 1, slot = (c & 7) + ((c >> 4) << 3);
           const int row = slot / PITCH, ih = ih0 + row, iw = slot - row * PITCH - p.pad_w;
-          const bool inside = ih >= 0 && ih < p.h && iw >= 0 && iw < p.w;
+          const bool inside = tile.live && ih >= 0 && ih < p.h && iw >= 0 && iw < p.w;
           cp_async_16(stage + A_BYTES + half * PLANE_BYTES + slot * 16,
                       inside ? plane + (ih * p.w + iw) * 32 + half * 16 : x, inside ? 16 : 0);
         }
         cp_async_mbarrier_arrive_noinc(full + 8 * s);
       }
     }
+    if constexpr (CLUSTER > 1) cluster_sync_before_exit();   // no block leaves while copies or arrivals may reach it
     return;
   }
 
@@ -114,8 +131,8 @@ __device__ __forceinline__ void conv2d_int8_fprop_halo(const TensorMap& filter_m
   const unsigned long long b_descriptor =
       wgmma_descriptor_interleaved(shared_base + A_BYTES + wg_n * 16, PLANE_BYTES, 128);
   unsigned round = 0;
-  for (int job = blockIdx.x; job < jobs; job += gridDim.x) {
-    const HaloTile<TM, ROWS> tile(p, job, group_units);
+  for (int job = blockIdx.x / CLUSTER; job < jobs; job += gridDim.x / CLUSTER) {
+    const HaloTile<TM, ROWS, CLUSTER> tile(p, job, group_units, rank);
     int acc[2][WN / 8][2];
     zero_accumulators(acc);
     for (int u = 0; u < tile.units; ++u, ++round) {
@@ -130,13 +147,14 @@ __device__ __forceinline__ void conv2d_int8_fprop_halo(const TensorMap& filter_m
         WgmmaS8<WN>::mma(acc, wgmma_descriptor_moved(a_descriptor, (s * STAGE_BYTES + t * TM * 32) >> 4),
                          wgmma_descriptor_moved(b_descriptor, (s * STAGE_BYTES >> 4) + i * DH * PITCH + c * DW));
       }
-      ws_round_issued<stages>(acc, empty, round, u);
+      ws_round_issued<stages, CLUSTER>(acc, empty, round, u);
     }
-    ws_tile_done<stages>(acc, empty, round);
-    const HaloPixels<PITCH> pixels{tile.image, tile.oh0, p.oh, p.ow};
+    ws_tile_done<stages, CLUSTER>(acc, empty, round);
+    const HaloPixels<PITCH> pixels{tile.image, tile.oh0, tile.live ? p.oh : 0, p.ow};   // no rows without an image
     conv_wgmma_epilogue<WN, CONSUMERS * 128 + PRODUCERS>(acc, exchange, tile.m0 + wg_m, wg_n, tile.split, p, y, z,
                                                          alpha_vec, bias, pixels, warpgroup);
   }
+  if constexpr (CLUSTER > 1) cluster_sync_before_exit();
 }
 
 }  // namespace cupyops

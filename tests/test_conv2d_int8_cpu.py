@@ -17,8 +17,7 @@ import pytest
 import cupyops
 from cupyops import jit, tensor_map, tune
 from cupyops.launch import Target
-from cupyops.ops import conv_plan
-from cupyops.ops import conv_halo, conv_layout, conv_tma
+from cupyops.ops import conv_halo, conv_layout, conv_plan, conv_tma
 from cupyops.ops import conv_reference as ref
 from cupyops.ops import mma_peak
 from cupyops.ops.conv_layout import ConvGeometry
@@ -686,6 +685,24 @@ def test_filter_pairs_multicast_their_copies(monkeypatch):
     assert boxes == [(128, spec.tile_m // 2), (128, spec.tile_m)]
     candidate = {**asdict(pairs[0]), "splits": 1, "steps_per_split": late.k_steps}
     assert "shared by a cluster of 2" in conv_plan.plan_from(late, candidate, "sm_90", "tuned").explain()["copy"]
+
+
+def test_halo_pairs_multicast_the_taps():
+    """Halo tiles in pairs: every halo tile also comes as a cluster of two whose blocks
+    bring every other tap into both (multicast); the grid counts whole pairs, the last
+    one's second block without an image where the tiles are odd (3 images of one row block)."""
+    g = ConvGeometry(3, 64, 7, 7, 64, 3, 3, (1, 1), (1, 1))
+    found = conv_plan.halo_configs(g, 232448)
+    pairs = [c for c in found if c.cluster == conv_plan.PAIR]
+    assert pairs and 2 * len(pairs) == len(found)
+    spec = conv_plan.spec_for(pairs[0], "auto", "sm_90")
+    assert "_ws_halo_" in spec.name and spec.name.endswith("_mc2_align16_nchw32_lincomb")
+    assert "__cluster_dims__(2, 1, 1)" in jit.render(spec)
+    ptx = jit.compile_ptx(spec, "sm_90")
+    for text in (".multicast::cluster", "mbarrier.arrive.shared::cluster.b64", "barrier.cluster.wait"):
+        assert text in ptx, text
+    alone = conv_halo.tiles(g, spec.tile_m, spec.tile_n // spec.halo_pitch)
+    assert alone == 3 and conv_plan.grid_tiles(g, spec) == 4
 
 
 def test_copy_engine_maps_describe_the_convolution():

@@ -142,7 +142,7 @@ class ConvInt8Spec(jit.KernelSpec):
             pairs = f"_mc{self.cluster}" if self.cluster > 1 else ""   # filter copies multicast to a cluster
             copy = {"im2col": "ws_tma_im2col_sw32", "filter": f"ws_tma_cpasync_sw{self.step_bytes}{pairs}",
                     "halo": f"ws_halo_p{self.halo_pitch}_r{self.halo_filter_rows}x{self.filter_width}"
-                            f"_d{self.dilation_h}x{self.dilation_w}"}.get(
+                            f"_d{self.dilation_h}x{self.dilation_w}{pairs}"}.get(
                 self.tma, f"{copy}_sw{self.step_bytes}")
         else:
             groups = f"w{self.warp_m}x{self.warp_n}x{self.step_bytes}"
@@ -223,10 +223,13 @@ def auto_configs(arch: str) -> tuple:
 
 def halo_configs(geometry: ConvGeometry, smem_limit: int, sm_count: int = 0) -> tuple:
     """The halo tiles (conv_halo) worth timing for `geometry` on sm_90 (with `sm_count`,
-    also the row counts whose tiles fill that many SMs best)."""
-    return tuple(TileConfig(tm, tn, 64, wn, stages, True, 32, "halo", pitch, rows, geometry.s, *geometry.dilation)
+    also the row counts whose tiles fill that many SMs best), each alone and in pairs of
+    blocks on neighbouring rows that share the filter taps' copies (multicast)."""
+    return tuple(TileConfig(tm, tn, 64, wn, stages, True, 32, "halo", pitch, rows, geometry.s, *geometry.dilation,
+                            cluster)
                  for tm, tn, wn, stages, pitch, rows in conv_halo.configs(geometry, smem_limit, EXCHANGE_BYTES,
-                                                                          sm_count))
+                                                                          sm_count)
+                 for cluster in (1, PAIR))
 
 
 def all_specs(arch: str, geometries: tuple = ()) -> list:
@@ -243,10 +246,11 @@ def all_specs(arch: str, geometries: tuple = ()) -> list:
 
 def grid_tiles(geometry: ConvGeometry, config) -> int:
     """Tiles of `config`'s (or a spec's) grid, a split's worth."""
+    m, n, _ = geometry.gemm
+    m_tiles, n_tiles = -(-m // config.tile_m), -(-n // config.tile_n)
     if config.tma == "halo":
-        return conv_halo.tiles(geometry, config.tile_m, config.tile_n // config.halo_pitch)
-    m, n, _ = geometry.gemm   # a cluster's blocks: side by side along GEMM_N, each a tile
-    return -(-m // config.tile_m) * -(-n // (config.tile_n * config.cluster)) * config.cluster
+        n_tiles = conv_halo.tiles(geometry, config.tile_m, config.tile_n // config.halo_pitch) // m_tiles
+    return m_tiles * -(-n_tiles // config.cluster) * config.cluster   # a cluster's blocks side by side along N
 
 
 def split_steps(geometry: ConvGeometry, config) -> int:
@@ -353,7 +357,7 @@ class ConvPlan:
                 "tile": f"{self.spec.tile_m}x{self.spec.tile_n}x{self.spec.step_bytes}", **groups,
                 "stages": self.spec.stages,
                 "copy": {"im2col": "copy engine (filter, im2col)", "filter": f"copy engine (filter{shared}), cp.async",
-                         "halo": f"copy engine (filter), cp.async (rows of {spec.halo_pitch} slots, once for "
+                         "halo": f"copy engine (filter{shared}), cp.async (rows of {spec.halo_pitch} slots, once for "
                                  f"{spec.halo_filter_rows} x {spec.filter_width} taps)"}.get(
                     spec.tma, "cp.async" if spec.async_copy else "registers"),
                 "split_k": self.splits, "block": list(self.block), "grid": list(self.grid),
