@@ -197,6 +197,7 @@ def tune_conv(layers_name):
         group = "wgmma warpgroup" if best.get("wgmma") else "mma.sync warp"
         copy = {"filter": " warp-specialised", "im2col": " warp-specialised im2col",
                 "halo": f" halo p{best.get('halo_pitch')} r{best.get('halo_filter_rows')}"}.get(best.get("tma", ""), "")
+        copy += " in pairs" if best.get("cluster", 1) > 1 else ""   # blocks sharing the filter's copies
         click.echo(f"{layer['label']:<20} {best['tile_m']}x{best['tile_n']} {group} {best['warp_m']}x{best['warp_n']} "
                    f"st{best['stages']}{copy} split {best['splits']}: {result.best_us:.1f} us "
                    f"({len(result.timings)} candidates, {time.perf_counter() - began:.1f} s)")
