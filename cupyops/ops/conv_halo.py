@@ -40,9 +40,14 @@ def stage_bytes(tile_m: int, tile_n: int, pitch: int, filter_rows: int, filter_w
     return -(-raw // STAGE_ALIGN) * STAGE_ALIGN
 
 
+def row_blocks(geometry: ConvGeometry, rows: int) -> int:
+    """Tiles along GEMM_N: the blocks of `rows` output rows of every image."""
+    return -(-geometry.oh // rows) * geometry.n
+
+
 def tiles(geometry: ConvGeometry, tile_m: int, rows: int) -> int:
     """Tiles of a grid: GEMM_M tiles x row blocks x images."""
-    return -(-geometry.k // tile_m) * -(-geometry.oh // rows) * geometry.n
+    return -(-geometry.k // tile_m) * row_blocks(geometry, rows)
 
 
 def units(geometry: ConvGeometry, filter_rows: int) -> int:

@@ -249,7 +249,7 @@ def grid_tiles(geometry: ConvGeometry, config) -> int:
     m, n, _ = geometry.gemm
     m_tiles, n_tiles = -(-m // config.tile_m), -(-n // config.tile_n)
     if config.tma == "halo":
-        n_tiles = conv_halo.tiles(geometry, config.tile_m, config.tile_n // config.halo_pitch) // m_tiles
+        n_tiles = conv_halo.row_blocks(geometry, config.tile_n // config.halo_pitch)
     return m_tiles * -(-n_tiles // config.cluster) * config.cluster   # a cluster's blocks side by side along N
 
 
