@@ -526,14 +526,47 @@ __device__ __forceinline__ bool tile_epilogue_s8(const ConvParams& p) {
   return p.out_kind == CONV_OUT_S8 && !p.has_z && p.splits == 1;
 }
 
-// Whether a kernel of THREADS threads, whose warpgroups hold WN / 2 accumulators a thread,
-// has the registers for conv_warpgroup_epilogue_s8 beside conv_warp_epilogue: about 48
-// past the accumulators within 65536 / THREADS (ptxas: 64 x 512 halo tiles of two consumer
-// warpgroups, 40 to spare, spill with both; 64 x 448 ones, 56 to spare, do not). The other
-// kernels keep the exchange alone.
-template <int WN, int THREADS>
+// Whether a warpgroup whose threads hold WN / 2 accumulators and may use REGISTERS
+// registers has room for conv_warpgroup_epilogue_s8 beside conv_warp_epilogue: about 48
+// past the accumulators (ptxas, before warp-specialised kernels moved registers to their
+// consumers: 64 x 512 halo tiles, 40 to spare, spilled with both; 64 x 448 ones, 56 to
+// spare, did not). The other kernels keep the exchange alone.
+template <int WN, int REGISTERS>
 __device__ __forceinline__ constexpr bool warpgroup_epilogue_fits() {
-  return (WN / 2 + 48) * THREADS <= 65536;
+  return WN / 2 + 48 <= REGISTERS;
+}
+
+// Registers a thread of a block of THREADS threads holds at launch (ptxas: 65536 /
+// THREADS in steps of 8, at most 255).
+template <int THREADS>
+__device__ __forceinline__ constexpr int block_registers() {
+  return 65536 / THREADS / 8 * 8 < 255 ? 65536 / THREADS / 8 * 8 : 255;
+}
+
+// A warp-specialised kernel's registers: its CONSUMERS consumer warpgroups (accumulators
+// and epilogue) take all but KEEP of the block's registers a thread of each warpgroup, in
+// steps of 8, at most 240 each; the producer warpgroup (copies and their addresses) keeps
+// the rest, KEEP or a few more (ptxas: the cp.async producers spill below 32 or 40, the
+// halo tiles' below 56).
+template <int CONSUMERS, int KEEP>
+__device__ __forceinline__ constexpr int ws_consumer_registers() {
+  constexpr int pool = block_registers<(CONSUMERS + 1) * 128>() * (CONSUMERS + 1);
+  return (pool - KEEP) / CONSUMERS / 8 * 8 < 240 ? (pool - KEEP) / CONSUMERS / 8 * 8 : 240;
+}
+
+// The registers' move (setmaxnreg, sm_90a), where it gives the consumers more: every
+// thread of a warpgroup runs the one of its role (a consumer's waits for the producer's).
+template <int CONSUMERS, int KEEP>
+__device__ __forceinline__ void ws_take_registers(bool producer) {
+  constexpr int block = block_registers<(CONSUMERS + 1) * 128>();
+  constexpr int consumer = ws_consumer_registers<CONSUMERS, KEEP>();
+  if constexpr (consumer > block) {
+    if (producer) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(block * (CONSUMERS + 1) - CONSUMERS * consumer));
+    } else {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(consumer));
+    }
+  }
 }
 
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
@@ -601,14 +634,14 @@ __device__ __forceinline__ void conv_warpgroup_epilogue_s8(const int (&acc)[2][W
 }
 
 // A wgmma warpgroup's epilogue: by warpgroup (conv_warpgroup_epilogue_s8) where the call
-// and the kernel's registers (THREADS threads) allow it, else through each warp's 1 KB
+// and the warpgroup's registers (REGISTERS a thread) allow it, else through each warp's 1 KB
 // exchange (conv_warp_epilogue). buffer: the warpgroup's 4 KB, its four warps' exchanges.
-template <int WN, int THREADS, typename Pixels>
+template <int WN, int REGISTERS, typename Pixels>
 __device__ __forceinline__ void conv_wgmma_epilogue(const int (&acc)[2][WN / 8][2], signed char* buffer,
                                                     int channel0, int pixel0, int split, const ConvParams& p,
                                                     void* y, const signed char* z, const float* alpha_vec,
                                                     const void* bias, const Pixels& pixels, int warpgroup) {
-  if (warpgroup_epilogue_fits<WN, THREADS>() && tile_epilogue_s8(p)) {
+  if (warpgroup_epilogue_fits<WN, REGISTERS>() && tile_epilogue_s8(p)) {
     conv_warpgroup_epilogue_s8<WN>(acc, buffer, channel0, pixel0, p, static_cast<signed char*>(y), alpha_vec, bias,
                                    pixels, 1 + warpgroup);
   } else {
@@ -705,8 +738,9 @@ __device__ __forceinline__ void conv2d_int8_fprop_wgmma(const signed char* __res
   cp_async_wait<0>();
   __syncthreads();   // every warpgroup is done with the pipeline's shared memory
   static_assert(THREADS * 32 <= stages * STAGE_BYTES, "4 KB a warpgroup in the stages");
-  conv_wgmma_epilogue<WN, THREADS>(acc, exchange_base + warpgroup * 4096, tile.m0 + wg_m, tile.n0 + wg_n, tile.split,
-                                   p, y, z, alpha_vec, bias, GemmPixels{p}, warpgroup);
+  conv_wgmma_epilogue<WN, block_registers<THREADS>()>(acc, exchange_base + warpgroup * 4096, tile.m0 + wg_m,
+                                                      tile.n0 + wg_n, tile.split, p, y, z, alpha_vec, bias,
+                                                      GemmPixels{p}, warpgroup);
 }
 
 // A consumer warpgroup of a warp-specialised kernel: its origin in the block's tile
@@ -835,6 +869,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
   const int tiles = (p.gemm_m + TM - 1) / TM * ((p.gemm_n + TN * CLUSTER - 1) / (TN * CLUSTER));
   const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
   ws_barriers_init<stages, CLUSTER>(full, IM2COL ? 1 : 1 + PRODUCERS, CONSUMERS);
+  ws_take_registers<CONSUMERS, 32>(warpgroup == CONSUMERS);
 
   // Persistent: block (cluster) b takes tiles b, b + gridDim.x, ... of every split, and
   // the rounds (stages' uses) run on across them, so the producer fills the next tile's
@@ -926,8 +961,9 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
       ws_round_issued<stages, CLUSTER>(acc, empty, round, t);
     }
     ws_tile_done<stages, CLUSTER>(acc, empty, round);
-    conv_wgmma_epilogue<WN, CONSUMERS * 128 + PRODUCERS>(acc, exchange, tile.m0 + wg_m, tile.n0 + wg_n, tile.split, p,
-                                                         y, z, alpha_vec, bias, GemmPixels{p}, warpgroup);
+    conv_wgmma_epilogue<WN, ws_consumer_registers<CONSUMERS, 32>()>(acc, exchange, tile.m0 + wg_m, tile.n0 + wg_n,
+                                                                    tile.split, p, y, z, alpha_vec, bias,
+                                                                    GemmPixels{p}, warpgroup);
   }
   if constexpr (CLUSTER > 1) cluster_sync_before_exit();
 }

@@ -659,6 +659,34 @@ def test_warp_specialised_kernel_synchronises_by_barriers(tma):
     assert not conv_plan.plan(RESNET_3X3, "auto", H100).explain()["persistent"]
 
 
+def test_warp_specialised_kernels_move_registers_to_their_consumers():
+    """setmaxnreg: where a warp-specialised block has two or four consumer warpgroups, its
+    producer gives up registers (down to 40 or 32; a halo producer, which forms more
+    addresses, to 56) and the consumers take them (232, 112, 224): a block's 65536 in
+    all. One consumer keeps the 255 it has. The 64 x 512 halo tile's consumers then hold
+    the warpgroup epilogue (its named barriers) beside their 128 accumulators."""
+    def moves(config):
+        ptx = jit.compile_ptx(conv_plan.spec_for(config, "auto", "sm_90"), "sm_90")
+        return ([int(n) for n in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32 (\d+);", ptx)],
+                [int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32 (\d+);", ptx)], ptx)
+
+    def tma(tile_m, tile_n, warp_n):
+        return next(c for c in conv_plan.TMA_CONFIGS if (c.tile_m, c.tile_n, c.warp_n, c.tma, c.cluster) ==
+                    (tile_m, tile_n, warp_n, "filter", 1))
+
+    for config, producer, consumer, threads in ((tma(128, 256, 256), 40, 232, 384),
+                                                (tma(256, 128, 128), 32, 112, 640)):
+        dec, inc, _ = moves(config)
+        assert (dec, inc) == ([producer], [consumer])
+        assert producer * 128 + consumer * (threads - 128) == 65536 // threads // 8 * 8 * threads
+    assert moves(tma(64, 256, 256))[:2] == ([], [])
+    vgg = ConvGeometry(32, 256, 56, 56, 256, 3, 3, (1, 1), (1, 1))
+    halo = next(c for c in conv_plan.halo_configs(vgg, 232448) if (c.tile_m, c.tile_n, c.cluster) == (64, 512, 1))
+    dec, inc, ptx = moves(halo)
+    assert (dec, inc) == ([56], [224]) and 56 * 128 + 224 * 256 <= 168 * 384
+    assert re.search(r"bar\.sync\s+%r\d+, %r\d+;", ptx)   # the warpgroup epilogue's named barriers
+
+
 def test_filter_pairs_multicast_their_copies(monkeypatch):
     """Pairs of blocks (a cluster of two) on one GEMM_M tile: the kernel is declared a
     cluster, copies its share of the filter rows into both blocks (multicast) through a
