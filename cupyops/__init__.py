@@ -27,3 +27,6 @@ __all__ += ["conv2d_int8", "pack_conv_filter", "to_nchw32", "from_nchw32"]
 from .ops.fused_softmax import dropout_mask, fused_softmax, fused_softmax_backward  # noqa: E402
 
 __all__ += ["fused_softmax", "fused_softmax_backward", "dropout_mask"]
+from .callcache import release_kept_outputs  # noqa: E402
+
+__all__ += ["release_kept_outputs"]

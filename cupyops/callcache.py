@@ -20,8 +20,18 @@ argument tuple: cupy is bound once (`cupy_module`), ready launches are
 slotted objects calling the compiled function positionally, outputs are
 allocated by `empty` (cupy.ndarray) with a shape and dtype worked out on the
 slow path, and workspaces by `alloc` (a bare block of the pool).
+
+Small outputs are recycled (`recycling`): `empty` keeps the last two arrays of
+at most RECYCLE_BYTES it made for each shape, dtype, GPU and stream, and hands
+one out again once nothing but this cache refers to it (its caller dropped
+it). That is what CuPy's pool does with the memory of a dropped array -- it
+serves the next allocation on the same stream -- without the pool's allocation
+and free; the array is its own, C-contiguous, of the shape asked for.
 """
 from __future__ import annotations
+
+import sys
+import weakref
 
 from .launch import LaunchCache
 
@@ -30,8 +40,9 @@ _cupy = None
 # stand-in's patch of it holds), bound with cupy for the hit paths' keys.
 ndarray = None
 runtime = None
-# empty(shape, dtype): a new array as cupy.empty makes it, called as cupy.ndarray
-# (cupy.empty's own Python frame spared); bound with cupy (a stand-in may replace it).
+# empty(shape, dtype): an array as cupy.empty makes it, made by cupy.ndarray (cupy.empty's
+# own Python frame spared) or recycled (`recycling`); bound with cupy (a stand-in may
+# replace it).
 empty = None
 # alloc(nbytes): a raw block of CuPy's pool (cupy.cuda.alloc, a MemoryPointer) for a
 # workspace no array need wrap; bound with cupy (a stand-in may replace it).
@@ -50,13 +61,73 @@ def cupy_module():
         _cupy = cupy
         ndarray, runtime = cupy.ndarray, cupy.cuda.runtime
         if empty is None:
-            empty = cupy.ndarray
+            current_stream = getattr(cupy.cuda.stream, "get_current_stream_ptr",
+                                     lambda: cupy.cuda.get_current_stream().ptr)
+            empty = recycling(cupy.ndarray, runtime.getDevice, current_stream)
         if alloc is None:
             alloc = cupy.cuda.alloc
         if may_share_memory is None:
             from cupy._core import _memory_range
             may_share_memory = getattr(_memory_range, "may_share_bounds", cupy.may_share_memory)
     return _cupy
+
+
+RECYCLE_BYTES = 1 << 18      # outputs no larger are kept for reuse, two per key
+RECYCLE_KEYS = 64            # (shape, dtype, GPU, stream) keys kept; past them, start over
+_recycled: dict = {}         # key -> [older, newer] arrays (None: no array yet)
+
+
+def _unshared_count() -> int:
+    """sys.getrefcount of an object that a list and one local name alone refer to, read
+    as the recycler reads it."""
+    kept = [object()]
+    held = kept[0]
+    return sys.getrefcount(held)
+
+
+def recycling(make, device, stream):
+    """empty(shape, dtype) for the hit paths: an array the last calls made (by
+    `make(shape, dtype)`) on the current GPU (`device()`) and stream (`stream()`)
+    that nothing else refers to any more, else a new one, kept when small. A held
+    array is told by its reference count: the caller's name, a view, an export, a
+    thread checking it at the same moment each add one; a weak reference or a
+    changed shape refuse it too. Without the GIL (free-threaded Python) the counts
+    are not exact: no recycling there."""
+    if not getattr(sys, "_is_gil_enabled", lambda: True)():
+        return make
+    kept, getrefcount, weak_references = _recycled, sys.getrefcount, weakref.getweakrefcount
+    unshared = _unshared_count()
+
+    def free(array, shape) -> bool:
+        return not weak_references(array) and array.shape == shape and array._c_contiguous
+
+    def empty(shape, dtype):
+        key = (shape, dtype, device(), stream())
+        arrays = kept.get(key)
+        if arrays is not None:
+            held = arrays[1]
+            if getrefcount(held) == unshared and free(held, shape):
+                return held
+            held = arrays[0]
+            if getrefcount(held) == unshared and free(held, shape):
+                return held
+        array = make(shape, dtype)
+        if array.nbytes <= RECYCLE_BYTES:
+            if arrays is not None:
+                arrays[0], arrays[1] = arrays[1], array
+            else:
+                if len(kept) >= RECYCLE_KEYS:
+                    kept.clear()
+                kept[key] = [None, array]
+        return array
+    return empty
+
+
+def release_kept_outputs() -> None:
+    """Drops the small outputs cupyops keeps for reuse, so that CuPy's pool gets their
+    memory back (for `cupy.get_default_memory_pool().free_all_blocks()`, say). No
+    NumPy / torch equivalent: torch's caching allocator keeps freed blocks alike."""
+    _recycled.clear()
 
 
 class ReadyLaunch:

@@ -366,6 +366,69 @@ def test_stream_is_current_while_a_memoised_call_runs(device):
     assert device.slow_calls == 1 and Stream.entered == 1 and len(device.launches) == 2
 
 
+class _Array:
+    """What the recycler reads of an array: shape, nbytes, C-contiguity (weak references allowed)."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype, self._c_contiguous = shape, dtype, True
+        self.nbytes = int(numpy.prod(shape)) * numpy.dtype(dtype).itemsize
+
+
+def test_recycling_hands_out_only_arrays_nothing_else_holds():
+    """Two arrays kept per shape, dtype, GPU and stream; one is handed out again only once
+    its caller, views, weak references and other threads are gone and its shape unchanged;
+    large arrays are never kept."""
+    import weakref
+
+    made, place = [0], {"device": 0, "stream": 7}
+
+    def make(shape, dtype):
+        made[0] += 1
+        return _Array(shape, dtype)
+
+    cupyops.release_kept_outputs()
+    empty = callcache.recycling(make, lambda: place["device"], lambda: place["stream"])
+    shape = (64, 128)
+    first = empty(shape, "float32")
+    held = id(first)
+    del first
+    again = empty(shape, "float32")
+    assert id(again) == held and made[0] == 1                    # dropped: recycled
+    second = empty(shape, "float32")                              # `again` held: a new one
+    assert second is not again and made[0] == 2
+    del again
+    kept = empty(shape, "float32")
+    assert id(kept) == held and made[0] == 2                     # the older slot, dropped
+    view = [second]                                               # anything referring to it
+    del second
+    third = empty(shape, "float32")
+    assert third is not view[0] and third is not kept and made[0] == 3
+    del view, kept, third
+    alive = empty(shape, "float32")
+    reference = weakref.ref(alive)
+    del alive
+    handed = empty(shape, "float32")   # not inside an assert: pytest's rewrite would hold reference()'s value
+    assert reference() is not None and handed is not reference() and made[0] == 3
+    count = made[0]
+    for other in ({"device": 1}, {"stream": 8}):
+        place.update(other)
+        assert empty(shape, "float32") is not None and made[0] == count + 1   # another GPU or stream
+        count = made[0]
+        place.update(device=0, stream=7)
+    assert empty(shape, "float16") is not None and made[0] == count + 1
+    reshaped = empty((8, 8), "float32")
+    reshaped.shape = (64,)
+    del reshaped
+    assert empty((8, 8), "float32").shape == (8, 8)
+    large = (1, callcache.RECYCLE_BYTES // 4 + 1)
+    count = made[0]
+    empty(large, "float32")
+    empty(large, "float32")
+    assert made[0] == count + 2                                   # never kept
+    cupyops.release_kept_outputs()
+    assert not callcache._recycled
+
+
 # -- GPU ---------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -420,3 +483,36 @@ def test_calls_the_memo_must_not_take():
         got = [a.get() for a in cupyops.layer_norm_backward(dy, x, *stats) if a is not None]
         for a, b in zip(got, expected):
             numpy.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_dropped_small_outputs_are_recycled_held_ones_never():
+    """A softmax output its caller dropped is handed out by the next call of its shape on
+    that stream; one still held (by a name, by a view), or a call on another stream, gets
+    new memory; values stay right throughout."""
+    import scipy.special
+
+    rng = numpy.random.default_rng(5)
+    xs = [cupy.asarray(rng.standard_normal((64, 128)), dtype=numpy.float32) for _ in range(4)]
+    expected = [scipy.special.softmax(x.get().astype(numpy.float64), axis=-1) for x in xs]
+    cupyops.release_kept_outputs()
+    y = cupyops.softmax(xs[0], axis=-1)
+    first = y.data.ptr
+    z = cupyops.softmax(xs[1], axis=-1)
+    assert z.data.ptr != first
+    numpy.testing.assert_allclose(y.get(), expected[0], rtol=1e-5)
+    del y
+    w = cupyops.softmax(xs[2], axis=-1)
+    assert w.data.ptr == first
+    view = w[1:]
+    del w
+    v = cupyops.softmax(xs[3], axis=-1)
+    assert v.data.ptr not in (first, z.data.ptr)
+    with cupy.cuda.Stream(non_blocking=True) as stream:
+        del v
+        u = cupyops.softmax(xs[0], axis=-1)
+        stream.synchronize()
+    for got, want in ((z, expected[1]), (view, expected[2][1:]), (u, expected[0])):
+        numpy.testing.assert_allclose(got.get(), want, rtol=1e-5)
+    assert u.data.ptr not in (first, z.data.ptr)
+    cupyops.release_kept_outputs()
