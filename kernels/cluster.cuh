@@ -1,6 +1,6 @@
 // Thread-block clusters (sm_90 and newer) in inline PTX: a block's place in
-// its cluster, the cluster barrier, and loads from the shared memory of
-// another block of the cluster (distributed shared memory). Written as PTX so
+// its cluster, the cluster barrier, and the shared memory of another block of
+// the cluster (distributed shared memory): its addresses, loads from it. Written as PTX so
 // that no cooperative_groups header is needed.
 //
 // A block's shared memory may be read by the other blocks of its cluster only
@@ -79,6 +79,14 @@ struct ClusterRows {
   }
 };
 
+// The shared-memory address `local` of this block mapped into block `rank` of the
+// cluster (the same offset in that block's shared memory).
+__device__ __forceinline__ unsigned shared_address_in_rank(unsigned local, unsigned rank) {
+  unsigned remote;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}
+
 // `value`, a variable in this block's shared memory, as block `rank` of the
 // cluster holds it: the address mapped into that block's shared memory, read
 // one 32-bit word at a time (the values exchanged are a few words).
@@ -86,9 +94,7 @@ template <typename V>
 __device__ __forceinline__ V load_from_rank(const V& value, unsigned rank) {
   static_assert(sizeof(V) % 4 == 0, "a value of whole 32-bit words");
   constexpr int num_words = sizeof(V) / 4;
-  const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(&value));
-  unsigned remote;
-  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  const unsigned remote = shared_address_in_rank(static_cast<unsigned>(__cvta_generic_to_shared(&value)), rank);
   union {
     V value;
     unsigned words[num_words];

@@ -13,6 +13,7 @@
 // producer waits on it before it loads the stage again. Phases alternate in
 // parity: the n-th use of a barrier completes phase n, parity n & 1.
 #pragma once
+#include "cluster.cuh"
 #include "common.cuh"
 
 namespace cupyops {
@@ -77,9 +78,8 @@ __device__ __forceinline__ void tma_load_2d_multicast(unsigned dst, const Tensor
 
 // One arrival on the barrier at `barrier`'s offset in block `rank` of the cluster.
 __device__ __forceinline__ void mbarrier_arrive_cluster(unsigned barrier, unsigned rank) {
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(barrier), "r"(rank));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(shared_address_in_rank(barrier, rank))
+               : "memory");
 }
 
 // The im2col copy of a 5-D im2col tensor map (dims C, W, H, D, N): the map's
