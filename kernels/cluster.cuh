@@ -1,7 +1,7 @@
 // Thread-block clusters (sm_90 and newer) in inline PTX: a block's place in
 // its cluster, the cluster barrier, and the shared memory of another block of
-// the cluster (distributed shared memory): its addresses, loads from it. Written as PTX so
-// that no cooperative_groups header is needed.
+// the cluster (distributed shared memory): its addresses, loads from it.
+// Written as PTX so that no cooperative_groups header is needed.
 //
 // A block's shared memory may be read by the other blocks of its cluster only
 // while it runs: a kernel that reads another block's shared memory ends with
