@@ -84,7 +84,8 @@ __device__ __forceinline__ void conv2d_int8_fprop_halo(const TensorMap& filter_m
   const int jobs = HaloTile<TM, ROWS, CLUSTER>::count(p) * p.splits;
   const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
   ws_barriers_init<stages, CLUSTER>(full, 1 + PRODUCERS, CONSUMERS);
-  ws_take_registers<CONSUMERS, 56>(warpgroup == CONSUMERS);
+  typedef WsRegisters<CONSUMERS, 56> Registers;
+  Registers::take(warpgroup == CONSUMERS);
 
   if (warpgroup == CONSUMERS) {   // the producer
     const int thread = threadIdx.x - CONSUMERS * 128;
@@ -152,8 +153,8 @@ __device__ __forceinline__ void conv2d_int8_fprop_halo(const TensorMap& filter_m
     }
     ws_tile_done<stages, CLUSTER>(acc, empty, round);
     const HaloPixels<PITCH> pixels{tile.image, tile.oh0, tile.live ? p.oh : 0, p.ow};   // no rows without an image
-    conv_wgmma_epilogue<WN, ws_consumer_registers<CONSUMERS, 56>()>(acc, exchange, tile.m0 + wg_m, wg_n, tile.split,
-                                                                    p, y, z, alpha_vec, bias, pixels, warpgroup);
+    conv_wgmma_epilogue<WN, Registers::consumer()>(acc, exchange, tile.m0 + wg_m, wg_n, tile.split, p, y, z, alpha_vec,
+                                                   bias, pixels, warpgroup);
   }
   if constexpr (CLUSTER > 1) cluster_sync_before_exit();
 }

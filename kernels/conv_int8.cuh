@@ -549,25 +549,25 @@ __device__ __forceinline__ constexpr int block_registers() {
 // the rest, KEEP or a few more (ptxas: the cp.async producers spill below 32 or 40, the
 // halo tiles' below 56).
 template <int CONSUMERS, int KEEP>
-__device__ __forceinline__ constexpr int ws_consumer_registers() {
-  constexpr int pool = block_registers<(CONSUMERS + 1) * 128>() * (CONSUMERS + 1);
-  return (pool - KEEP) / CONSUMERS / 8 * 8 < 240 ? (pool - KEEP) / CONSUMERS / 8 * 8 : 240;
-}
+struct WsRegisters {   // functions, not constants: NVRTC would emit static members as globals
+  static __device__ __forceinline__ constexpr int block() { return block_registers<(CONSUMERS + 1) * 128>(); }
+  static __device__ __forceinline__ constexpr int pool() { return block() * (CONSUMERS + 1); }
+  static __device__ __forceinline__ constexpr int share() { return (pool() - KEEP) / CONSUMERS / 8 * 8; }
+  static __device__ __forceinline__ constexpr int consumer() { return share() < 240 ? share() : 240; }
+  static __device__ __forceinline__ constexpr int producer() { return pool() - CONSUMERS * consumer(); }
 
-// The registers' move (setmaxnreg, sm_90a), where it gives the consumers more: every
-// thread of a warpgroup runs the one of its role (a consumer's waits for the producer's).
-template <int CONSUMERS, int KEEP>
-__device__ __forceinline__ void ws_take_registers(bool producer) {
-  constexpr int block = block_registers<(CONSUMERS + 1) * 128>();
-  constexpr int consumer = ws_consumer_registers<CONSUMERS, KEEP>();
-  if constexpr (consumer > block) {
-    if (producer) {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(block * (CONSUMERS + 1) - CONSUMERS * consumer));
-    } else {
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(consumer));
+  // The move (setmaxnreg, sm_90a), where it gives the consumers more: every thread of a
+  // warpgroup runs the one of its role (a consumer's waits for the producer's).
+  static __device__ __forceinline__ void take(bool is_producer) {
+    if constexpr (consumer() > block()) {
+      if (is_producer) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(producer()));
+      } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(consumer()));
+      }
     }
   }
-}
+};
 
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -869,7 +869,8 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
   const int tiles = (p.gemm_m + TM - 1) / TM * ((p.gemm_n + TN * CLUSTER - 1) / (TN * CLUSTER));
   const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
   ws_barriers_init<stages, CLUSTER>(full, IM2COL ? 1 : 1 + PRODUCERS, CONSUMERS);
-  ws_take_registers<CONSUMERS, 32>(warpgroup == CONSUMERS);
+  typedef WsRegisters<CONSUMERS, 32> Registers;
+  Registers::take(warpgroup == CONSUMERS);
 
   // Persistent: block (cluster) b takes tiles b, b + gridDim.x, ... of every split, and
   // the rounds (stages' uses) run on across them, so the producer fills the next tile's
@@ -961,9 +962,8 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
       ws_round_issued<stages, CLUSTER>(acc, empty, round, t);
     }
     ws_tile_done<stages, CLUSTER>(acc, empty, round);
-    conv_wgmma_epilogue<WN, ws_consumer_registers<CONSUMERS, 32>()>(acc, exchange, tile.m0 + wg_m, tile.n0 + wg_n,
-                                                                    tile.split, p, y, z, alpha_vec, bias,
-                                                                    GemmPixels{p}, warpgroup);
+    conv_wgmma_epilogue<WN, Registers::consumer()>(acc, exchange, tile.m0 + wg_m, tile.n0 + wg_n, tile.split, p, y, z,
+                                                   alpha_vec, bias, GemmPixels{p}, warpgroup);
   }
   if constexpr (CLUSTER > 1) cluster_sync_before_exit();
 }
