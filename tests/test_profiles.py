@@ -76,7 +76,7 @@ def test_values_come_back_as_python_literals():
     tuned = profile.load("h200")
     assert isinstance(tuned.AUTO_PEELED_SMALL_BLOCKS, tuple)
     assert tuned.AUTO_WARP_ROWS_PER_ACCESS == {2: 1, 4: 1}
-    assert tuned.AUTO_ONEFLOW_COLS[("softmax", "f32")] == (1024, 2048)
+    assert tuned.AUTO_BLOCK_REGS_LARGEST == {"log_softmax": 512}
     assert tuned.AUTO_ASYNC_FIRST[("layer_norm", 4)] == (8192, "whole", ((512, 8, 2),))
     assert (4, 1) in tuned.COOP_PREFETCH
 

@@ -310,12 +310,6 @@ def auto_expectation(op, dtype, rows, cols, target, align=16, same_phase=True) -
     tuned = profile_for(facts)
     itemsize, compute = ITEMSIZE[dtype], COMPUTE_ITEMSIZE[dtype]
     pack = auto_pack(cols, dtype, align)
-    # 0. float32 forward rows of the listed cols, 16-byte aligned: OneFlow's plan
-    # (shared memory, or the warp path with 2-element packs) unless it reads rows twice
-    if cols in tuned.AUTO_ONEFLOW_COLS.get((op, dtype), ()) and align == 16:
-        oneflow = plan(op, rows, cols, dtype, "oneflow", target, align)
-        if oneflow.spec.impl != "block_uncached":
-            return {"impl": "oneflow", "plan": oneflow}
     # 1. rows off the 16-byte grid (input and output the same way) of at least
     # AUTO_PEELED_SMALL_MIN_COLS: a peeled register block of 32 threads (two
     # rows a block, a warp each), else 64, the first giving a thread at most
@@ -438,9 +432,7 @@ def test_auto_rules(profile, dtype, rows):
         for cols in cols_list:
             p = plan(op, rows, cols, dtype, "auto", target)
             expected = auto_expectation(op, dtype, rows, cols, target)
-            if expected["impl"] == "oneflow":
-                ok = p == expected["plan"]
-            elif expected["impl"] == "warp":
+            if expected["impl"] == "warp":
                 pack = expected["pack_size"]
                 _, cols_per_thread, width, rows_per_access, padding = warp_shape(cols, rows, pack)
                 if "narrow" in expected:
@@ -497,16 +489,14 @@ def test_auto_peels_short_rows_off_the_16_byte_grid():
 @pytest.mark.parametrize("dtype, last_warp", [("f16", 1024), ("bf16", 1024), ("f32", 1024),
                                               ("f64", 512)])
 def test_auto_warp_holds_at_most_128_bytes_per_lane(dtype, last_warp):
-    # 128 bytes of float32 are 32 values a lane (1024 a warp), of float64 16 (512);
-    # log-softmax: float32 softmax at 1024 cols takes OneFlow's shared-memory plan.
+    # 128 bytes of float32 are 32 values a lane (1024 a warp), of float64 16 (512).
     # Odd rows whose operands share a phase peel (test_auto_peels_short_rows_off_the_16_byte_grid)
     for cols in (last_warp - 1, last_warp):
         p = plan("log_softmax", 64, cols, dtype, "auto", H100, same_phase=cols % 2 == 0).spec
         assert p.impl == "warp" and p.cols_per_thread * COMPUTE_ITEMSIZE[dtype] <= 128
     assert plan("log_softmax", 64, last_warp + 1, dtype, "auto", H100).spec.impl != "warp"
     assert plan("log_softmax", 64, 2 * last_warp + 512, dtype, "auto", H100).spec.impl == "block_regs"
-    if dtype == "f32":
-        assert plan("softmax", 64, last_warp, dtype, "auto", H100).spec.impl == "block_smem"
+    assert plan("softmax", 64, last_warp, dtype, "auto", H100).spec.impl == "warp"
 
 
 @pytest.mark.parametrize("dtype, cols, pack", [("f16", 1024, 8), ("bf16", 1000, 8), ("f16", 1004, 4),

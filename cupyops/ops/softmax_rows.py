@@ -174,15 +174,6 @@ AUTO_BLOCK_REGS_SIZES = (128, 256, 512, 1024)
 # AUTO_NARROW_MAX_COLS: a value of the device profile (cupyops/profiles/*.json).
 # AUTO_NARROW_ITEMSIZES: a value of the device profile (cupyops/profiles/*.json).
 AUTO_NARROW_LANE_ELEMENTS = {1: 5, 2: 4}
-# float32 forward rows of these cols, 16-byte aligned, take OneFlow's plan
-# (unless it reads the row twice): its shared-memory plan for softmax at 1024
-# cols (96.4 % of copy against 95.3 % on the warp path) and 2048 cols (97.6 %
-# against 96.2 % in registers; log-softmax 97.4 % against 96.0 %, 4096 cols
-# 97.7 % against 97.0 %; 1536 cols, and softmax at 4096, are faster in
-# registers); its warp plan of 2-element packs for log-softmax at 256 cols
-# (83.6 % against 83.3 % with 4) and 512 cols (91.7 % against 91.0 %; at 128
-# and 1024 cols 4 is as fast or faster).
-# AUTO_ONEFLOW_COLS: a value of the device profile (cupyops/profiles/*.json).
 
 
 @dataclass(frozen=True)
@@ -429,10 +420,6 @@ def _auto_plan(op, dtype, rows, cols, align, same_phase, target) -> SoftmaxPlan:
     tuned = profile_for(target.facts)
     ftype = dtypes.BY_SHORT[dtype]
     num_inputs = len(INPUTS[op])
-    if cols in tuned.AUTO_ONEFLOW_COLS.get((op, dtype), ()) and align == 16:
-        oneflow = _oneflow_plan(op, dtype, rows, cols, align, target)
-        if oneflow.spec.impl != "block_uncached":
-            return oneflow
     compute_itemsize = dtypes.BY_SHORT[ftype.compute].itemsize
     pack_size = vector_pack_size(cols, ftype.itemsize, align)
     max_cols_per_thread = max(tuned.AUTO_WARP_MAX_BYTES_PER_LANE // compute_itemsize, pack_size)
