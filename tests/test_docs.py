@@ -139,7 +139,7 @@ def test_the_test_extra_installs_what_the_tests_need():
     tomllib = pytest.importorskip("tomllib", reason="tomllib (Python 3.11+) reads pyproject.toml")
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     needed = {re.split(r"[<>=!~ \[]", requirement)[0] for requirement in extras["test"]}
-    assert {"pytest", "scipy", "matplotlib"} <= needed
+    assert {"pytest", "pytest-xdist", "scipy", "matplotlib"} <= needed
 
 
 def test_readme_names_only_what_cupyops_has():
