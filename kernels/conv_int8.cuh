@@ -46,15 +46,20 @@ constexpr int CONV_STEP_BYTES = 64;     // GEMM_K bytes of a step (p.k_steps cou
 enum ConvOut { CONV_OUT_S8 = 0, CONV_OUT_F16 = 1, CONV_OUT_F32 = 2, CONV_OUT_S32 = 3 };
 enum ConvBias { CONV_BIAS_NONE = 0, CONV_BIAS_F32 = 1, CONV_BIAS_S32 = 2 };
 
+// A call's epilogue: y = alpha * acc + beta * bias + gamma * z, ReLU, out_kind.
+struct ConvEpilogue {
+  int out_kind, bias_kind, relu, has_z, alpha_per_channel;
+  float alpha, beta, gamma;
+};
+
 // Passed by value; cupyops/ops/conv_layout.py builds the same struct.
 struct ConvParams {
   int n, c32, h, w, k32, oh, ow;
   int stride_h, stride_w, pad_h, pad_w;
   int gemm_m, gemm_n, taps, k_steps, steps_per_split, splits;
-  int out_kind, bias_kind, relu, has_z, alpha_per_channel;
   unsigned ohw_multiplier;         // OH * OW's divisor for fast_quotient (common.cuh); 0 where it is 1
   int ohw_shift;
-  float alpha, beta, gamma;
+  ConvEpilogue epilogue;
   int tap_offset[CONV_MAX_TAPS];   // (fh * dilation_h * W + fw * dilation_w) * 32
   int tap_dh[CONV_MAX_TAPS];       // fh * dilation_h
   int tap_dw[CONV_MAX_TAPS];       // fw * dilation_w
@@ -77,10 +82,10 @@ __device__ __forceinline__ unsigned pack_s8x4(const int* values) {   // the low 
 }
 
 // Output channel oc's alpha (per channel or the call's) and bias (0 without one).
-__device__ __forceinline__ float conv_alpha(const ConvParams& p, const float* alpha_vec, int oc) {
+__device__ __forceinline__ float conv_alpha(const ConvEpilogue& p, const float* alpha_vec, int oc) {
   return p.alpha_per_channel ? alpha_vec[oc] : p.alpha;
 }
-__device__ __forceinline__ float conv_bias(const ConvParams& p, const void* bias, int oc) {
+__device__ __forceinline__ float conv_bias(const ConvEpilogue& p, const void* bias, int oc) {
   float value = 0.f;
   if (p.bias_kind == CONV_BIAS_F32) value = static_cast<const float*>(bias)[oc];
   if (p.bias_kind == CONV_BIAS_S32) value = static_cast<float>(static_cast<const int*>(bias)[oc]);
@@ -88,15 +93,16 @@ __device__ __forceinline__ float conv_bias(const ConvParams& p, const void* bias
 }
 
 // The epilogue of 8 consecutive output channels oc .. oc + 7 of one pixel at
-// element `offset` of y (and z): raw accumulators for CONV_OUT_S32, else
-// y = alpha * acc + beta * bias + gamma * z, ReLU, converted. The call's flags
+// element `offset` of y (and z), accumulators low and high: raw for CONV_OUT_S32,
+// else y = alpha * acc + beta * bias + gamma * z, ReLU, converted. The call's flags
 // branch once per 8 outputs (warp-uniform): a scale alone costs a multiply an
 // output, with no per-element selects of per-channel terms (a vector form of
 // those takes more registers than the widest tiles have); int8's ReLU and
 // saturation are one integer clamp.
-__device__ __forceinline__ void conv_epilogue_store(const int (&acc)[8], int oc, int64 offset,
-                                                    const ConvParams& p, void* y, const signed char* z,
-                                                    const float* alpha_vec, const void* bias) {
+__device__ __forceinline__ void conv_epilogue_store(int4 low, int4 high, int oc, int64 offset, const ConvEpilogue& p,
+                                                    void* y, const signed char* z, const float* alpha_vec,
+                                                    const void* bias) {
+  const int acc[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
   if (p.out_kind == CONV_OUT_S32) {
     int4* dst = reinterpret_cast<int4*>(static_cast<int*>(y) + offset);
     dst[0] = make_int4(acc[0], acc[1], acc[2], acc[3]);
@@ -145,6 +151,15 @@ __device__ __forceinline__ void conv_epilogue_store(const int (&acc)[8], int oc,
     dst[0] = make_float4(value[0], value[1], value[2], value[3]);
     dst[1] = make_float4(value[4], value[5], value[6], value[7]);
   }
+}
+
+// conv_epilogue_store as a call, for a tile's epilogue: compiled once, where inlined
+// every out kind's branch was repeated at each of a tile's rounds (most of the widest
+// tiles' code and compile time); a call costs a few instructions per 8 outputs.
+__device__ __noinline__ void conv_epilogue_store_call(int4 low, int4 high, int oc, int64 offset,
+                                                      const ConvEpilogue p, void* y, const signed char* z,
+                                                      const float* alpha_vec, const void* bias) {
+  conv_epilogue_store(low, high, oc, offset, p, y, z, alpha_vec, bias);
 }
 
 // A block's tile: tiles are numbered GEMM_M tiles fastest (the blocks sharing an
@@ -411,8 +426,7 @@ __device__ __forceinline__ void conv_warp_epilogue(const int (&acc)[RB][NB][2], 
       int image, rest;
       if (oc < p.gemm_m && pixels.locate(j, image, rest)) {
         const int64 offset = (static_cast<int64>(image * p.k32 + (oc >> 5)) * ohw + rest) * 32 + (oc & 31);
-        const int values[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
-        conv_epilogue_store(values, oc, offset + split_offset, p, y, z, alpha_vec, bias);
+        conv_epilogue_store_call(low, high, oc, offset + split_offset, p.epilogue, y, z, alpha_vec, bias);
       }
     }
   }
@@ -523,7 +537,7 @@ __device__ __forceinline__ void conv2d_int8_fprop(const signed char* __restrict_
 
 // Whether a call's epilogue may take conv_warpgroup_epilogue_s8: int8 out, no z, no split.
 __device__ __forceinline__ bool tile_epilogue_s8(const ConvParams& p) {
-  return p.out_kind == CONV_OUT_S8 && !p.has_z && p.splits == 1;
+  return p.epilogue.out_kind == CONV_OUT_S8 && !p.epilogue.has_z && p.splits == 1;
 }
 
 // Whether a warpgroup whose threads hold WN / 2 accumulators and may use REGISTERS
@@ -591,15 +605,15 @@ __device__ __forceinline__ void conv_warpgroup_epilogue_s8(const int (&acc)[2][W
   constexpr int CHUNK = WN % 64 == 0 ? 64 : WN % 32 == 0 ? 32 : WN % 16 == 0 ? 16 : 8;
   static_assert(WN % CHUNK == 0, "whole chunks");
   const int thread = threadIdx.x & 127, lane = threadIdx.x & 31, warp_row = 16 * ((threadIdx.x >> 5) & 3);
-  const int low = p.relu ? 0 : -128;
+  const int low = p.epilogue.relu ? 0 : -128;
   float alpha[2], shift[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {   // rows lane / 4 and lane / 4 + 8 of the warp's 16
     const int channel = channel0 + warp_row + (lane >> 2) + 8 * h;
     alpha[h] = shift[h] = 0.f;   // rows past GEMM_M: stored, never copied out
     if (channel < p.gemm_m) {
-      alpha[h] = conv_alpha(p, alpha_vec, channel);
-      shift[h] = p.beta * conv_bias(p, bias, channel);
+      alpha[h] = conv_alpha(p.epilogue, alpha_vec, channel);
+      shift[h] = p.epilogue.beta * conv_bias(p.epilogue, bias, channel);
     }
   }
   signed char* base = buffer + (warp_row >> 5) * CHUNK * 32 + 2 * (lane & 3) * 32 + (warp_row & 31) + (lane >> 2);
@@ -977,15 +991,15 @@ __device__ __forceinline__ void conv2d_int8_split_reduce(const int* __restrict__
   const int64 ohw = static_cast<int64>(p.oh) * p.ow;
   for (int64 e = (static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x) * 8; e < elements;
        e += static_cast<int64>(gridDim.x) * blockDim.x * 8) {
-    int acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int4 sum_low = make_int4(0, 0, 0, 0), sum_high = make_int4(0, 0, 0, 0);
     for (int s = 0; s < p.splits; ++s) {
       const int4* src = reinterpret_cast<const int4*>(partials + s * elements + e);
       const int4 low = src[0], high = src[1];
-      acc[0] += low.x; acc[1] += low.y; acc[2] += low.z; acc[3] += low.w;
-      acc[4] += high.x; acc[5] += high.y; acc[6] += high.z; acc[7] += high.w;
+      sum_low.x += low.x; sum_low.y += low.y; sum_low.z += low.z; sum_low.w += low.w;
+      sum_high.x += high.x; sum_high.y += high.y; sum_high.z += high.z; sum_high.w += high.w;
     }
     const int oc = static_cast<int>((e >> 5) / ohw % p.k32) * 32 + static_cast<int>(e & 31);
-    conv_epilogue_store(acc, oc, e, p, y, z, alpha_vec, bias);
+    conv_epilogue_store(sum_low, sum_high, oc, e, p.epilogue, y, z, alpha_vec, bias);
   }
 }
 

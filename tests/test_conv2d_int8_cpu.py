@@ -141,8 +141,13 @@ def test_chunk_walk_without_division_matches_divmod(taps, stride):
 
 def test_params_block_matches_the_c_struct():
     header = (jit.resource_dir("kernels") / "conv_int8.cuh").read_text()
-    body = re.search(r"struct ConvParams \{(.*?)\};", header, re.S).group(1)
-    names = re.findall(r"(\w+)(?:\[CONV_MAX_TAPS\])?[,;]", re.sub(r"//[^\n]*", "", body))
+
+    def fields(struct):
+        body = re.search(rf"struct {struct} \{{(.*?)\}};", header, re.S).group(1)
+        return re.findall(r"(\w+)(?:\[CONV_MAX_TAPS\])?[,;]", re.sub(r"//[^\n]*", "", body))
+
+    names = [name for field in fields("ConvParams")   # the ConvEpilogue member's fields in place
+             for name in (fields("ConvEpilogue") if field == "epilogue" else [field])]
     assert names == list(conv_layout.PARAMS_DTYPE.names)
     assert int(re.search(r"CONV_MAX_TAPS = (\d+)", header).group(1)) == conv_layout.MAX_TAPS
     assert conv_layout.PARAMS_DTYPE.itemsize == 4 * (len(names) - 3 + 3 * conv_layout.MAX_TAPS)

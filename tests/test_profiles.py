@@ -33,7 +33,7 @@ STRUCTURAL = {
     # ops, policies and operand kinds, the expressions of named ops, C and parameter layouts
     "OP", "POLICIES", "APPROXIMATIONS", "_BIAS_GELU", "_GEGLU", "SOFTMAX_OP", "TUNED_OPS", "FUSED_IMPLS",
     "_NO_DROPOUT", "_NULL", "PYTHON_SCALARS", "OUT_KINDS", "BIAS_KINDS", "C_TYPES", "OPERAND_ACCESS", "_BINARY_C",
-    "_COMPARE_C", "_CALLS", "FAST_FORMS", "SIXTEEN_BIT_FLOATS", "_INT_FIELDS", "_FLOAT_FIELDS", "PARAMS_DTYPE",
+    "_COMPARE_C", "_CALLS", "FAST_FORMS", "SIXTEEN_BIT_FLOATS", "_INT_FIELDS", "_EPILOGUE_FIELDS", "PARAMS_DTYPE",
     "INSTRUCTIONS", "HALO_FIELDS",
     # kernel layouts, index limits and hardware limits (the copy engine's map ranges, registers, threads)
     "INTERLEAVE", "STEP_CHUNKS", "MAX_TAPS", "STEP_BYTES", "WGMMA", "WGMMA_ARCH", "WGMMA_ALIGN_SLACK",

@@ -18,13 +18,12 @@ MAX_TAPS = 128           # FH * FW the parameter block's tap table holds (kernel
 
 # kernels/conv_int8.cuh, ConvParams, in order.
 _INT_FIELDS = ("n", "c32", "h", "w", "k32", "oh", "ow", "stride_h", "stride_w", "pad_h", "pad_w",
-               "gemm_m", "gemm_n", "taps", "k_steps", "steps_per_split", "splits",
-               "out_kind", "bias_kind", "relu", "has_z", "alpha_per_channel")
-_FLOAT_FIELDS = ("alpha", "beta", "gamma")
+               "gemm_m", "gemm_n", "taps", "k_steps", "steps_per_split", "splits")
+_EPILOGUE_FIELDS = ([(name, "<i4") for name in ("out_kind", "bias_kind", "relu", "has_z", "alpha_per_channel")]
+                    + [(name, "<f4") for name in ("alpha", "beta", "gamma")])   # ConvEpilogue
 PARAMS_DTYPE = numpy.dtype(
     [(name, "<i4") for name in _INT_FIELDS] + [("ohw_multiplier", "<u4"), ("ohw_shift", "<i4")]
-    + [(name, "<f4") for name in _FLOAT_FIELDS]
-    + [(name, "<i4", (MAX_TAPS,)) for name in ("tap_offset", "tap_dh", "tap_dw")])
+    + _EPILOGUE_FIELDS + [(name, "<i4", (MAX_TAPS,)) for name in ("tap_offset", "tap_dh", "tap_dw")])
 OUT_KINDS = {"int8": 0, "float16": 1, "float32": 2, "int32": 3}
 BIAS_KINDS = {None: 0, "float32": 1, "int32": 2}
 
