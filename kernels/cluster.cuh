@@ -106,6 +106,14 @@ __device__ __forceinline__ V load_from_rank(const V& value, unsigned rank) {
   return bits.value;
 }
 
+// The 16 bytes at shared address `local` of block `rank` of the cluster.
+__device__ __forceinline__ int4 load_int4_from_rank(unsigned local, unsigned rank) {
+  int4 v;
+  asm volatile("ld.shared::cluster.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(shared_address_in_rank(local, rank)) : "memory");
+  return v;
+}
+
 // `value` (a shared variable) of every block of the cluster, folded with
 // combine(total, next) in rank order: the same order, so the same bits, in
 // every block.

@@ -844,6 +844,68 @@ __device__ __forceinline__ void ws_tile_done(int (&acc)[ROWS][COLS][2], unsigned
   ws_release<CLUSTER>(empty + 8 * ((round - 1) % stages));
 }
 
+// Job `job` of a warp-specialised kernel (tile job % tiles of split job / tiles) as
+// this block takes it: in a cluster of CLUSTER blocks side by side along GEMM_N, rank's
+// GEMM_N tile; in a cluster of KSPLIT blocks on one tile, rank's share of the split's
+// GEMM_K steps (ceil(steps / KSPLIT) each, the last ones maybe fewer or none).
+template <int TM, int TN, int CLUSTER, int KSPLIT>
+__device__ __forceinline__ ConvTile ws_tile(const ConvParams& p, int job, int tiles, int rank) {
+  ConvTile tile = conv_tile_of<TM, TN, CLUSTER>(p, job % tiles, job / tiles, CLUSTER > 1 ? rank : 0);
+  if constexpr (KSPLIT > 1) {
+    const int share = (tile.steps + KSPLIT - 1) / KSPLIT;
+    const int begin = min(tile.steps, rank * share);
+    tile.step_begin += begin;
+    tile.steps = min(tile.steps - begin, share);
+  }
+  return tile;
+}
+
+// The KSPLIT blocks of a cluster that split a tile's GEMM_K sum their accumulators in
+// distributed shared memory: warpgroup w's tile part belongs to block w * KSPLIT /
+// CONSUMERS, which adds the other blocks' and runs the epilogue (returns true there).
+// Once every consumer of the block is done with the stages (named barrier), each
+// warpgroup writes the accumulators it does not own into the stages, a thread's 16-byte
+// vectors 2 KB apart (consecutive threads, consecutive vectors: no bank conflict); after
+// the cluster barrier the owners read them from the other blocks, at the same offsets.
+// Every thread of every block takes part in the barrier (the producer's in the kernel).
+template <int CONSUMERS, int KSPLIT, int WN>
+__device__ __forceinline__ bool ws_cluster_sum(int (&acc)[2][WN / 8][2], int4* stages, int warpgroup, int rank) {
+  static_assert(WN % 16 == 0, "whole 16-byte vectors of accumulators");
+  constexpr int VECTORS = WN / 8;   // a thread's WN / 2 accumulators
+  const int owner = warpgroup * KSPLIT / CONSUMERS;
+  int4* slots = stages + warpgroup * VECTORS * 128 + (threadIdx.x & 127);
+  named_barrier_sync(CONSUMERS + 1, CONSUMERS * 128);
+  if (owner != rank) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int b = 0; b < WN / 8; b += 2) {
+        slots[(h * VECTORS / 2 + b / 2) * 128] =
+            make_int4(acc[h][b][0], acc[h][b][1], acc[h][b + 1][0], acc[h][b + 1][1]);
+      }
+    }
+  }
+  cluster_sync();
+  if (owner != rank) return false;
+  const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(slots));
+#pragma unroll
+  for (int other = 0; other < KSPLIT; ++other) {
+    if (other == rank) continue;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int b = 0; b < WN / 8; b += 2) {
+        const int4 v = load_int4_from_rank(local + (h * VECTORS / 2 + b / 2) * 128 * 16, other);
+        acc[h][b][0] += v.x;
+        acc[h][b][1] += v.y;
+        acc[h][b + 1][0] += v.z;
+        acc[h][b + 1][1] += v.w;
+      }
+    }
+  }
+  return true;
+}
+
 // One block's TM x TN tile by wgmma (sm_90a), warp-specialised: TM / 64 x TN / WN
 // consumer warpgroups issue the MMAs, one producer warpgroup fills the stages. The
 // copy engine brings A, a 2-D tiled copy of the packed filter. B comes either
@@ -856,12 +918,15 @@ __device__ __forceinline__ void ws_tile_done(int (&acc)[ROWS][COLS][2], unsigned
 // A stage holds ROW_BYTES of GEMM_K for the TM + TN rows: IM2COL, as ROW_BYTES / 32
 // chunks each [A (TM x 32 bytes) | B (TN x 32 bytes)] in the 32-byte swizzle;
 // else as A (TM x ROW_BYTES) then B (TN x ROW_BYTES) in the ROW_BYTES swizzle.
+// KSPLIT > 1: a cluster of KSPLIT blocks on each tile, one tile a cluster (the grid holds
+// them all: the blocks sum their accumulators in the stages), each block a share of
+// GEMM_K (ws_tile, ws_cluster_sum).
 // Barriers: full[s] is armed by the producer's first thread with the copy engine's
 // bytes and completed by its copies (and, for cp.async, by each producer thread's
 // copies: cp.async.mbarrier.arrive.noinc); empty[s] completes when every consumer
 // warpgroup has finished its wgmma on the stage. A consumer keeps one stage's wgmma
 // group in flight and releases the stage before it.
-template <int TM, int TN, int WN, int stages, int ROW_BYTES, bool IM2COL, int CLUSTER>
+template <int TM, int TN, int WN, int stages, int ROW_BYTES, bool IM2COL, int CLUSTER, int KSPLIT>
 __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_map, const TensorMap& input_map,
                                                       const signed char* x, void* y, const signed char* z,
                                                       const float* alpha_vec, const void* bias, const ConvParams& p) {
@@ -878,10 +943,13 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
   static_assert(TN % 8 == 0 && STAGE_BYTES % 1024 == 0, "stages keep the 1024-byte alignment of the first");
   static_assert(CLUSTER == 1 || (CLUSTER == 2 && !IM2COL && A_SHARE_ROWS * ROW_BYTES % 1024 == 0),
                 "pairs share the filter's copies (copied by the engine alone), in whole swizzle patterns");
+  static_assert(KSPLIT == 1 || (CLUSTER == 1 && !IM2COL && CONSUMERS * 128 * WN * 2 <= stages * STAGE_BYTES),
+                "a cluster splits GEMM_K alone, its producers' threads all in its barriers, its sums in the stages");
+  constexpr int BLOCKS = CLUSTER * KSPLIT;   // a cluster's, on one job
   const auto [conv_shared, shared_base, skip, full, empty, warpgroup] = ws_block<stages>();
   // tiles of a split: a cluster's CLUSTER GEMM_N tiles side by side count as one
   const int tiles = (p.gemm_m + TM - 1) / TM * ((p.gemm_n + TN * CLUSTER - 1) / (TN * CLUSTER));
-  const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0;
+  const int rank = BLOCKS > 1 ? static_cast<int>(cluster_rank()) : 0;
   ws_barriers_init<stages, CLUSTER>(full, IM2COL ? 1 : 1 + PRODUCERS, CONSUMERS);
   typedef WsRegisters<CONSUMERS, 32> Registers;
   Registers::take(warpgroup == CONSUMERS);
@@ -896,8 +964,8 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
     const int thread = threadIdx.x - CONSUMERS * 128;
     if (IM2COL && thread != 0) return;
     unsigned round = 0;
-    for (int job = blockIdx.x / CLUSTER; job < tiles * p.splits; job += gridDim.x / CLUSTER) {
-      const ConvTile tile = conv_tile_of<TM, TN, CLUSTER>(p, job % tiles, job / tiles, rank);
+    for (int job = blockIdx.x / BLOCKS; job < tiles * p.splits; job += gridDim.x / BLOCKS) {
+      const ConvTile tile = ws_tile<TM, TN, CLUSTER, KSPLIT>(p, job, tiles, rank);
       const int chunk_begin = 2 * tile.step_begin, chunks = tile.chunks(p);
       const int ohw = p.oh * p.ow;
       const int image = tile.n0 / ohw, rest = tile.n0 - image * ohw;
@@ -943,7 +1011,8 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
         }
       }
     }
-    if constexpr (CLUSTER > 1) cluster_sync_before_exit();   // no block leaves while copies or arrivals may reach it
+    if constexpr (KSPLIT > 1) cluster_sync();   // the consumers' ws_cluster_sum
+    if constexpr (BLOCKS > 1) cluster_sync_before_exit();   // no block leaves while copies, arrivals, reads reach it
     return;
   }
 
@@ -953,8 +1022,8 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
   const unsigned long long b_descriptor =
       wgmma_descriptor<DESCRIPTOR_ROW>(shared_base + (TM + wg_n) * DESCRIPTOR_ROW);
   unsigned round = 0;
-  for (int job = blockIdx.x / CLUSTER; job < tiles * p.splits; job += gridDim.x / CLUSTER) {
-    const ConvTile tile = conv_tile_of<TM, TN, CLUSTER>(p, job % tiles, job / tiles, rank);
+  for (int job = blockIdx.x / BLOCKS; job < tiles * p.splits; job += gridDim.x / BLOCKS) {
+    const ConvTile tile = ws_tile<TM, TN, CLUSTER, KSPLIT>(p, job, tiles, rank);
     const int chunks = tile.chunks(p);
     int acc[2][WN / 8][2];
     zero_accumulators(acc);
@@ -975,11 +1044,15 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
       }
       ws_round_issued<stages, CLUSTER>(acc, empty, round, t);
     }
-    ws_tile_done<stages, CLUSTER>(acc, empty, round);
+    if (KSPLIT == 1 || chunks > 0) ws_tile_done<stages, CLUSTER>(acc, empty, round);   // a share may be empty
+    if constexpr (KSPLIT > 1) {
+      int4* stages_start = reinterpret_cast<int4*>(reinterpret_cast<char*>(conv_shared) + skip);
+      if (!ws_cluster_sum<CONSUMERS, KSPLIT, WN>(acc, stages_start, warpgroup, rank)) continue;
+    }
     conv_wgmma_epilogue<WN, Registers::consumer()>(acc, exchange, tile.m0 + wg_m, tile.n0 + wg_n, tile.split, p, y, z,
                                                    alpha_vec, bias, GemmPixels{p}, warpgroup);
   }
-  if constexpr (CLUSTER > 1) cluster_sync_before_exit();
+  if constexpr (BLOCKS > 1) cluster_sync_before_exit();
 }
 
 // Sums the p.splits int32 partials of split-K and applies the epilogue: each

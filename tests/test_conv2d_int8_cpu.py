@@ -720,6 +720,35 @@ def test_filter_pairs_multicast_their_copies(monkeypatch):
     assert "shared by a cluster of 2" in conv_plan.plan_from(late, candidate, "sm_90", "tuned").explain()["copy"]
 
 
+def test_pairs_splitting_gemm_k_sum_in_distributed_shared_memory():
+    """Pairs of blocks on one tile, each taking half its GEMM_K (a cluster of two): offered
+    only where the tiles leave SMs idle and each block gets MIN_STEPS_PER_SPLIT steps of
+    every split or more; the grid holds every pair (not persistent); the kernel is declared
+    a cluster, reads its pair's accumulators from distributed shared memory and waits for
+    its pair before exiting."""
+    k_pairs = [c for c in conv_plan.TMA_CONFIGS if c.k_blocks > 1]
+    assert k_pairs and all(c.tma == "filter" and c.cluster == 1 and c.k_blocks == conv_plan.PAIR for c in k_pairs)
+    late = ConvGeometry(64, 512, 7, 7, 512, 3, 3, (1, 1), (1, 1))
+    found = [c for c in conv_plan.candidates(late, 132, 232448, "sm_90") if c["k_blocks"] > 1]
+    assert {(c["tile_m"], c["tile_n"]) for c in found} == {(c.tile_m, c.tile_n) for c in k_pairs}
+    assert any(c["splits"] > 1 for c in found)   # 50 pairs of 256 x 128 tiles: split-K as well
+    for candidate in found:
+        chosen = conv_plan.plan_from(late, candidate, "sm_90", "tuned")
+        info = chosen.explain()
+        assert info["cluster_split_k"] == 2 and not info["persistent"] and "_ks2_" in info["kernel"]
+        assert chosen.grid[0] == 2 * conv_plan.grid_tiles(late, chosen.spec)
+        assert chosen.steps_per_split // 2 >= conv_plan.MIN_STEPS_PER_SPLIT
+    assert not any(c["k_blocks"] > 1 for c in conv_plan.candidates(RESNET_3X3, 132, 232448, "sm_90"))   # SMs full
+    short = ConvGeometry(64, 32, 7, 7, 512, 3, 3, (1, 1), (1, 1))   # 5 GEMM_K steps
+    assert not any(c["k_blocks"] > 1 for c in conv_plan.candidates(short, 132, 232448, "sm_90"))
+    spec = conv_plan.spec_for(k_pairs[0], "auto", "sm_90")
+    assert "__cluster_dims__(2, 1, 1)" in jit.render(spec)
+    ptx = jit.compile_ptx(spec, "sm_90")
+    for text in ("ld.shared::cluster.v4.s32", "mapa.shared::cluster", "barrier.cluster.wait", "%cluster_ctarank"):
+        assert text in ptx, text
+    assert ".multicast::cluster" not in ptx
+
+
 def test_halo_pairs_multicast_the_taps():
     """Halo tiles in pairs: every halo tile also comes as a cluster of two whose blocks
     bring every other tap into both (multicast); the grid counts whole pairs, the last

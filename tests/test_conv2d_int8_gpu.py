@@ -203,6 +203,16 @@ def test_warp_specialised_kernels_every_shape(rng, monkeypatch, shape, tma):
     _check_persistent(rng, monkeypatch, shape, lambda g: (configs[0], configs[-1]))
 
 
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[10]])
+def test_pairs_splitting_gemm_k(rng, monkeypatch, shape):
+    """The pairs of blocks that split a tile's GEMM_K and sum in distributed shared memory,
+    whole and split along GEMM_K in three, one of a pair's shares empty on the 1x1 shape
+    (one GEMM_K step) (_check_persistent)."""
+    if _live_arch() != conv_plan.WGMMA_ARCH:
+        pytest.skip("the copy engine's kernels are sm_90a code")
+    _check_persistent(rng, monkeypatch, shape, lambda g: [c for c in conv_plan.TMA_CONFIGS if c.k_blocks > 1])
+
+
 @pytest.mark.parametrize("shape", [s for s in SHAPES if _geometry(s).stride == (1, 1) and _geometry(s).s > 1])
 def test_halo_kernels_every_shape(rng, monkeypatch, shape):
     """Every halo tile the generator yields for each stride-1 shape above (whole input

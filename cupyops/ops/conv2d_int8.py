@@ -16,7 +16,8 @@ Two policies share one loader and one epilogue (kernels/conv_int8.cuh):
   candidates are in cupyops/ops/conv_plan.py. The configuration comes from the measured
   tuner (cupyops.tune) or else the default rule, split-K (int32 partials summed
   by a second kernel that applies the epilogue) where the tiles of N * OH * OW
-  leave SMs idle.
+  leave SMs idle; on sm_90 also pairs of blocks on one tile, each summing half
+  its GEMM_K, the pair's sums exchanged in distributed shared memory.
 """
 from __future__ import annotations
 
@@ -77,10 +78,14 @@ class ReadyConv:
         self.chosen = chosen
         function = live_function(spec, device_id, spec.smem_bytes)
         grid = chosen.grid
-        # persistent kernels: as many blocks as the GPU holds at once, each walking tiles and splits
+        # persistent kernels: as many blocks as the GPU holds at once, each walking tiles and splits;
+        # blocks splitting GEMM_K in a cluster: one job a cluster, the grid all of them
         self.maps = {} if spec.tma else None
         if spec.tma:
-            grid = (min(grid[0] * grid[2], _resident_blocks(spec, device_id) // spec.cluster * spec.cluster), 1, 1)
+            blocks = grid[0] * grid[2]
+            if spec.k_blocks == 1:
+                blocks = min(blocks, _resident_blocks(spec, device_id) // spec.cluster * spec.cluster)
+            grid = (blocks, 1, 1)
         params = _params(g, chosen.splits, 0, epilogue)   # the reduction's, where GEMM_K is split
         self.reduce = None
         main_params = params

@@ -44,6 +44,7 @@ class TileConfig:
     dilation_h: int = 0
     dilation_w: int = 0
     cluster: int = 1
+    k_blocks: int = 1
 
     @property
     def area(self) -> int:
@@ -87,9 +88,15 @@ _TMA_IM2COL = ((128, 256, 256, 7, 64), (256, 128, 128, 4, 128), (64, 256, 256, 5
 # the filter rows of a stage into both: a block then reads a third less from L2 a step
 # (a quarter less for 128 x 128 tiles). 64-byte stages: more of them loading at once.
 _TMA_FILTER_PAIRS = ((256, 128, 128, 4, 128), (128, 128, 128, 6, 128), (128, 128, 128, 12, 64))
-TMA_CONFIGS = tuple(TileConfig(tm, tn, 64, wn, stages, True, step, tma, cluster=cluster)
-                    for tma, table, cluster in (("filter", _TMA_FILTER, 1), ("im2col", _TMA_IM2COL, 1),
-                                                ("filter", _TMA_FILTER_PAIRS, PAIR))
+# Pairs of blocks on one tile, each taking half its GEMM_K, summing their accumulators in
+# distributed shared memory: twice the blocks where the tiles leave SMs idle, without
+# split-K's int32 partials in global memory. One tile a pair: not persistent.
+_TMA_FILTER_K_PAIRS = ((256, 128, 128, 4, 128), (128, 256, 256, 4, 128), (128, 128, 128, 6, 128),
+                       (64, 256, 256, 5, 128))
+TMA_CONFIGS = tuple(TileConfig(tm, tn, 64, wn, stages, True, step, tma, cluster=cluster, k_blocks=k_blocks)
+                    for tma, table, cluster, k_blocks in (("filter", _TMA_FILTER, 1, 1), ("im2col", _TMA_IM2COL, 1, 1),
+                                                          ("filter", _TMA_FILTER_PAIRS, PAIR, 1),
+                                                          ("filter", _TMA_FILTER_K_PAIRS, 1, PAIR))
                     for tm, tn, wn, stages, step in table)
 
 
@@ -116,6 +123,7 @@ class ConvInt8Spec(jit.KernelSpec):
     dilation_h: int = 0      # halo: the shift from one filter row to the next, in rows
     dilation_w: int = 0      # halo: the shift from one filter column to the next, in slots
     cluster: int = 1         # warp-specialised, filter by the copy engine: blocks sharing its copies
+    k_blocks: int = 1        # warp-specialised: blocks of a cluster splitting a tile's GEMM_K
 
     @property
     def wgmma(self) -> bool:
@@ -140,6 +148,7 @@ class ConvInt8Spec(jit.KernelSpec):
         if self.wgmma:   # the descriptors' swizzle is the stage's row (a chunk's, for the copy engine)
             groups = f"wg{self.tile_m // self.warp_m}x{self.tile_n // self.warp_n}"
             pairs = f"_mc{self.cluster}" if self.cluster > 1 else ""   # filter copies multicast to a cluster
+            pairs += f"_ks{self.k_blocks}" if self.k_blocks > 1 else ""   # GEMM_K split in a cluster
             copy = {"im2col": "ws_tma_im2col_sw32", "filter": f"ws_tma_cpasync_sw{self.step_bytes}{pairs}",
                     "halo": f"ws_halo_p{self.halo_pitch}_r{self.halo_filter_rows}x{self.filter_width}"
                             f"_d{self.dilation_h}x{self.dilation_w}{pairs}"}.get(
@@ -181,7 +190,7 @@ class ConvInt8Spec(jit.KernelSpec):
                     async_copy=self.async_copy, step_bytes=self.step_bytes, tma=self.tma, halo_pitch=self.halo_pitch,
                     halo_filter_rows=self.halo_filter_rows, filter_width=self.filter_width,
                     dilation_h=self.dilation_h, dilation_w=self.dilation_w, cluster=self.cluster,
-                    split_reduce=False)
+                    k_blocks=self.k_blocks, split_reduce=False)
 
 
 @dataclass(frozen=True)
@@ -208,7 +217,7 @@ def spec_for(config: TileConfig, policy: str, arch: str) -> ConvInt8Spec:
             raise ValueError(f"wgmma configurations run on {WGMMA_ARCH} under policy='auto' only, not {arch}")
         return ConvInt8Spec(WGMMA, config.tile_m, config.tile_n, config.warp_m, config.warp_n, config.stages, True,
                             config.step_bytes, config.tma, *(getattr(config, name) for name in HALO_FIELDS),
-                            config.cluster)
+                            config.cluster, config.k_blocks)
     if policy == "megengine" or int(arch.removeprefix("sm_")) < 80:
         return ConvInt8Spec("m8n8k16", config.tile_m, config.tile_n, config.warp_m, config.warp_n, 2, False)
     return ConvInt8Spec("m16n8k32", config.tile_m, config.tile_n, config.warp_m, config.warp_n,
@@ -289,7 +298,12 @@ def candidates(geometry: ConvGeometry, sm_count: int, smem_limit: int, arch: str
         # warp-specialised rounds start anywhere; a cp.async stage must not straddle two splits
         granule = 1 if config.tma else config.step_bytes // STEP_BYTES
         steps = split_steps(geometry, config)
-        splits, per_split = split_k(geometry, grid_tiles(geometry, config), sm_count, granule, steps)
+        tiles = grid_tiles(geometry, config)
+        if config.k_blocks > 1:   # where tiles leave SMs idle; split-K where the clusters still do,
+            if tiles >= sm_count or steps < config.k_blocks * MIN_STEPS_PER_SPLIT:   # each block's share
+                continue                                                             # of a split whole steps
+            tiles, granule = tiles * config.k_blocks, config.k_blocks * MIN_STEPS_PER_SPLIT
+        splits, per_split = split_k(geometry, tiles, sm_count, granule, steps)
         found.append({**asdict(config), "splits": 1, "steps_per_split": steps})
         if splits > 1:
             found.append({**asdict(config), "splits": splits, "steps_per_split": per_split})
@@ -323,7 +337,7 @@ def config_of(candidate: dict) -> TileConfig:
     return TileConfig(*(candidate[name] for name in ("tile_m", "tile_n", "warp_m", "warp_n", "stages")),
                       candidate.get("wgmma", False), candidate.get("step_bytes", STEP_BYTES),
                       candidate.get("tma", ""), *(candidate.get(name, 0) for name in HALO_FIELDS),
-                      candidate.get("cluster", 1))
+                      candidate.get("cluster", 1), candidate.get("k_blocks", 1))
 
 
 @dataclass(frozen=True)
@@ -342,7 +356,7 @@ class ConvPlan:
 
     @property
     def grid(self) -> tuple:
-        return (grid_tiles(self.geometry, self.spec), 1, self.splits)
+        return (grid_tiles(self.geometry, self.spec) * self.spec.k_blocks, 1, self.splits)
 
     def explain(self) -> dict:
         m, n, k = self.geometry.gemm
@@ -360,9 +374,10 @@ class ConvPlan:
                          "halo": f"copy engine (filter{shared}), cp.async (rows of {spec.halo_pitch} slots, once for "
                                  f"{spec.halo_filter_rows} x {spec.filter_width} taps)"}.get(
                     spec.tma, "cp.async" if spec.async_copy else "registers"),
-                "split_k": self.splits, "block": list(self.block), "grid": list(self.grid),
+                "split_k": self.splits, "cluster_split_k": spec.k_blocks,
+                "block": list(self.block), "grid": list(self.grid),
                 # warp-specialised kernels launch the blocks the GPU holds at once, each walking tiles
-                "persistent": bool(spec.tma),
+                "persistent": bool(spec.tma) and spec.k_blocks == 1,
                 "smem_bytes": self.spec.smem_bytes, "kernel": self.spec.name, "source": self.source}
 
 
