@@ -155,7 +155,8 @@ __device__ __forceinline__ void conv_epilogue_store(int4 low, int4 high, int oc,
 
 // conv_epilogue_store as a call, for a tile's epilogue: compiled once, where inlined
 // every out kind's branch was repeated at each of a tile's rounds (most of the widest
-// tiles' code and compile time); a call costs a few instructions per 8 outputs.
+// tiles' code and compile time); a call costs a few instructions per 8 outputs. The
+// split-K sum keeps the store inlined (around a call its loop spilled registers).
 __device__ __noinline__ void conv_epilogue_store_call(int4 low, int4 high, int oc, int64 offset,
                                                       const ConvEpilogue p, void* y, const signed char* z,
                                                       const float* alpha_vec, const void* bias) {

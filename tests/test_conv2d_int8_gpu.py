@@ -207,7 +207,7 @@ def test_warp_specialised_kernels_every_shape(rng, monkeypatch, shape, tma):
 def test_pairs_splitting_gemm_k(rng, monkeypatch, shape):
     """The pairs of blocks that split a tile's GEMM_K and sum in distributed shared memory,
     whole and split along GEMM_K in three, one of a pair's shares empty on the 1x1 shape
-    (one GEMM_K step) (_check_persistent)."""
+    (one GEMM_K step) (_check_persistent; one tile a pair, so both runs launch every pair)."""
     if _live_arch() != conv_plan.WGMMA_ARCH:
         pytest.skip("the copy engine's kernels are sm_90a code")
     _check_persistent(rng, monkeypatch, shape, lambda g: [c for c in conv_plan.TMA_CONFIGS if c.k_blocks > 1])

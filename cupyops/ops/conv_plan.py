@@ -299,9 +299,11 @@ def candidates(geometry: ConvGeometry, sm_count: int, smem_limit: int, arch: str
         granule = 1 if config.tma else config.step_bytes // STEP_BYTES
         steps = split_steps(geometry, config)
         tiles = grid_tiles(geometry, config)
-        if config.k_blocks > 1:   # where tiles leave SMs idle; split-K where the clusters still do,
-            if tiles >= sm_count or steps < config.k_blocks * MIN_STEPS_PER_SPLIT:   # each block's share
-                continue                                                             # of a split whole steps
+        # blocks splitting a tile's GEMM_K: only where the tiles leave SMs idle; split-K beside
+        # them where the clusters still do, each block's share of a split MIN_STEPS_PER_SPLIT or more
+        if config.k_blocks > 1:
+            if tiles >= sm_count or steps < config.k_blocks * MIN_STEPS_PER_SPLIT:
+                continue
             tiles, granule = tiles * config.k_blocks, config.k_blocks * MIN_STEPS_PER_SPLIT
         splits, per_split = split_k(geometry, tiles, sm_count, granule, steps)
         found.append({**asdict(config), "splits": 1, "steps_per_split": steps})
