@@ -883,3 +883,29 @@ def test_peak_kernels_per_arch():
     wgmma = mma_peak.MmaPeakSpec("wgmma_m64n256k32")
     assert wgmma.ops_per_iteration == 2 * mma_peak.WGMMA_BATCH * 2 * 64 * 256 * 32
     assert mma_peak.MmaPeakSpec("m8n8k16").ops_per_iteration == 8 * mma_peak.MMA_SYNC_CHAINS * 2 * 8 * 8 * 16
+
+
+def test_phase_stamps_still_fit_the_halo_kernel(monkeypatch):
+    """scripts/conv_phases.py stamps a copy of the halo kernel: every stamp still finds its
+    text once (with the epilogue skipped too), and a halo kernel compiled against the copy
+    holds the stamps' counters; kernels/ itself is untouched."""
+    import importlib.util
+
+    path = jit.resource_dir("kernels").parent / "scripts" / "conv_phases.py"
+    spec_ = importlib.util.spec_from_file_location("conv_phases", path)
+    phases = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(phases)
+    folder = phases.stamped_headers(no_epilogue=True)
+    text = (folder / "conv_halo.cuh").read_text()
+    assert text.count("atomicAdd(&conv_phase_cycles") == 6 and phases.SKIPPED_EPILOGUE in text
+    assert "conv_phase_cycles" not in (jit.resource_dir("kernels") / "conv_halo.cuh").read_text()
+    layer = next(layer for layer in phases.load_layers("all") if layer["label"] == "3x3 64ch@56")
+    config = phases.configs(layer, "mc2")[0]
+    monkeypatch.setattr(jit, "resource_dir", jit.resource_dir)   # put back at the end
+    try:
+        phases.use_headers(folder)
+        ptx = jit.compile_ptx(conv_plan.spec_for(config, "auto", "sm_90"), "sm_90")
+    finally:
+        monkeypatch.undo()
+        jit.headers_fingerprint.cache_clear()
+    assert "conv_phase_cycles" in ptx and jit.resource_dir("kernels") != folder
