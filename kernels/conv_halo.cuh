@@ -50,6 +50,73 @@ struct HaloPixels {
   }
 };
 
+// Four ints saturated to int8 and packed, the first in the low byte: two conversions
+// (cvt.pack.sat, each two ints into two bytes above the bits it is given).
+__device__ __forceinline__ unsigned pack_sat_s8x4(int v0, int v1, int v2, int v3) {
+  unsigned high, word;
+  asm("cvt.pack.sat.s8.s32.b32 %0, %1, %2, 0;" : "=r"(high) : "r"(v3), "r"(v2));
+  asm("cvt.pack.sat.s8.s32.b32 %0, %1, %2, %3;" : "=r"(word) : "r"(v1), "r"(v0), "r"(high));
+  return word;
+}
+
+// The int8 epilogue of a halo tile's warpgroup (int8 out, no z, no split) without shared
+// memory: each thread converts its accumulators where they lie (acc[h][b][e]: channel
+// lane / 4 + 8 h of its warp's 16, slot 8 b + 2 (lane & 3) + e) into a word of four bytes a
+// block of 8 slots, then two exchanges of that word between lanes leave each lane four
+// consecutive channels of one slot, stored as one word. The first (shfl.xor 4, between lanes of
+// neighbouring channels) splits each slot pair: a lane keeps one slot's two channels and takes
+// its neighbour's; the second (shfl.xor 8) joins two such channel pairs. No barrier: each warp
+// stores on its own, where the exchange through shared memory (conv_warpgroup_epilogue_s8)
+// synchronises its warpgroup twice every chunk.
+template <int WN, int PITCH>
+__device__ __forceinline__ void conv_halo_epilogue_s8(const int (&acc)[2][WN / 8][2], int channel0, int slot0,
+                                                      const ConvParams& p, signed char* y, const float* alpha_vec,
+                                                      const void* bias, const HaloPixels<PITCH>& pixels) {
+  static_assert(PITCH % 8 == 0, "a block's 8 slots in one row");
+  const int lane = threadIdx.x & 31, row = lane >> 2, odd = row & 1, half = (row >> 1) & 1;
+  const int warp_channel = channel0 + 16 * ((threadIdx.x >> 5) & 3);
+  const bool relu = p.epilogue.relu;
+  float alpha[2], shift[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {   // channels row and row + 8 of the warp's
+    const int channel = warp_channel + row + 8 * h;
+    alpha[h] = shift[h] = 0.f;   // channels past GEMM_M: never stored
+    if (channel < p.gemm_m) {
+      alpha[h] = conv_alpha(p.epilogue, alpha_vec, channel);
+      shift[h] = p.epilogue.beta * conv_bias(p.epilogue, bias, channel);
+    }
+  }
+  // After the exchanges: channels `channel` .. + 3 of slot `slot` of each block.
+  const int channel = warp_channel + (row & 4) + 8 * half, slot = 2 * (lane & 3) + odd;
+  signed char* out = channel < p.gemm_m ? y + (static_cast<int64>(pixels.image) * p.k32 + (channel >> 5)) * p.oh *
+                                                  p.ow * 32 + (channel & 31)
+                                        : nullptr;   // GEMM_M: whole channel groups
+  // The bytes (__byte_perm) each lane keeps, q = lane & 3: even rows slot 2 q's and the next
+  // row's, odd rows slot 2 q + 1's and the row before's; then the lower or the upper pairs.
+  const unsigned keep = odd ? 0x3715u : 0x6240u, join = half ? 0x3276u : 0x5410u;
+#pragma unroll
+  for (int b = 0; b < WN / 8; ++b) {
+    int rounded[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float value = fmaf(alpha[h], static_cast<float>(acc[h][b][e]), shift[h]);
+        rounded[h][e] = __float2int_rn(relu ? fmaxf(value, 0.f) : value);   // NaN: 0
+      }
+    }
+    // bytes (row, 2 q), (row, 2 q + 1), (row + 8, 2 q), (row + 8, 2 q + 1)
+    const unsigned word = pack_sat_s8x4(rounded[0][0], rounded[0][1], rounded[1][0], rounded[1][1]);
+    const unsigned pair = __byte_perm(word, __shfl_xor_sync(0xffffffffu, word, 4), keep);
+    const unsigned quad = __byte_perm(pair, __shfl_xor_sync(0xffffffffu, pair, 8), join);
+    const int block = slot0 + 8 * b;   // the block's first slot
+    const int line = block / PITCH, column = block - line * PITCH + slot;
+    if (out != nullptr && column < pixels.ow && pixels.oh0 + line < pixels.oh) {
+      *reinterpret_cast<unsigned*>(out + ((pixels.oh0 + line) * pixels.ow + column) * 32) = quad;
+    }
+  }
+}
+
 // One block's tiles by wgmma (sm_90a), warp-specialised, each input row read once
 // for several filter taps (stride 1): a tile is TM output channels by ROWS output
 // rows of one image (HaloTile), GEMM_N = ROWS x PITCH slots. A stage holds one unit
@@ -153,8 +220,21 @@ __device__ __forceinline__ void conv2d_int8_fprop_halo(const TensorMap& filter_m
     }
     ws_tile_done<stages, CLUSTER>(acc, empty, round);
     const HaloPixels<PITCH> pixels{tile.image, tile.oh0, tile.live ? p.oh : 0, p.ow};   // no rows without an image
-    conv_wgmma_epilogue<WN, Registers::consumer()>(acc, exchange, tile.m0 + wg_m, wg_n, tile.split, p, y, z, alpha_vec,
-                                                   bias, pixels, warpgroup);
+    // The exchange-free int8 epilogue where the registers a thread has at launch (what ptxas
+    // compiles in) leave it 48 past the accumulators (ptxas: 64 x 256 warpgroups beside
+    // another spilled with it); else conv_wgmma_epilogue's.
+    if constexpr (WN / 2 + 48 <= block_registers<(CONSUMERS + 1) * 128>()) {
+      if (tile_epilogue_s8(p)) {
+        conv_halo_epilogue_s8<WN>(acc, tile.m0 + wg_m, wg_n, p, static_cast<signed char*>(y), alpha_vec, bias, pixels);
+      } else {
+        const int warp = (threadIdx.x >> 5) & 3;   // the warp's 16 rows of the warpgroup's 64
+        conv_warp_epilogue(acc, reinterpret_cast<int*>(exchange) + warp * 256, tile.m0 + wg_m + warp * 16, wg_n,
+                           tile.split, p, y, z, alpha_vec, bias, pixels);
+      }
+    } else {
+      conv_wgmma_epilogue<WN, Registers::consumer()>(acc, exchange, tile.m0 + wg_m, wg_n, tile.split, p, y, z,
+                                                     alpha_vec, bias, pixels, warpgroup);
+    }
   }
   if constexpr (CLUSTER > 1) cluster_sync_before_exit();
 }

@@ -720,6 +720,19 @@ def test_filter_pairs_multicast_their_copies(monkeypatch):
     assert "shared by a cluster of 2" in conv_plan.plan_from(late, candidate, "sm_90", "tuned").explain()["copy"]
 
 
+def test_halo_int8_epilogue_exchanges_between_lanes_where_registers_allow():
+    """A halo warpgroup's int8 epilogue without z needs no shared memory where the registers a
+    thread has at launch leave 48 past its accumulators: two butterfly shuffles and packing
+    conversions. A 64 x 256 warpgroup beside another (168 registers) keeps the exchange
+    through shared memory."""
+    g = ConvGeometry(64, 64, 56, 56, 64, 3, 3, (1, 1), (1, 1))
+    configs = {(c.tile_n, c.warp_n): c for c in conv_plan.halo_configs(g, 232448, 132) if c.cluster == 1}
+    lanes = jit.compile_ptx(conv_plan.spec_for(configs[(448, 224)], "auto", "sm_90"), "sm_90")
+    assert "shfl.sync.bfly.b32" in lanes and "cvt.pack.sat.s8.s32.b32" in lanes
+    shared = jit.compile_ptx(conv_plan.spec_for(configs[(512, 256)], "auto", "sm_90"), "sm_90")
+    assert "shfl.sync.bfly" not in shared and "cvt.pack.sat" not in shared
+
+
 def test_pairs_splitting_gemm_k_sum_in_distributed_shared_memory():
     """Pairs of blocks on one tile, each taking half its GEMM_K (a cluster of two): offered
     only where the tiles leave SMs idle and each block gets MIN_STEPS_PER_SPLIT steps of

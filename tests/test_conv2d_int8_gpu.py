@@ -226,6 +226,38 @@ def test_halo_kernels_every_shape(rng, monkeypatch, shape):
     _check_persistent(rng, monkeypatch, shape, lambda g: conv_plan.halo_configs(g, smem))
 
 
+@pytest.mark.parametrize("relu, per_channel, bias_dtype", [(False, True, numpy.float32), (True, False, numpy.int32)])
+@pytest.mark.parametrize("shape", [(2, 96, 19, 17, 160, 3, 3, 1, 1, 1), SHAPES[3], SHAPES[6], SHAPES[9]])
+def test_halo_tiles_int8_without_z(rng, shape, relu, per_channel, bias_dtype):
+    """Every halo tile's int8 epilogue without z (the exchange-free one where its registers
+    allow, kernels/conv_halo.cuh: conv_halo_epilogue_s8, else through shared memory) into
+    poisoned outputs: per-channel or one alpha, float32 or int32 bias, ReLU or not, on shapes
+    with tails in GEMM_M (160 channels), in a row's slots (OW 17 in 24 or 32) and in the rows."""
+    import cupy
+
+    if _live_arch() != conv_plan.WGMMA_ARCH:
+        pytest.skip("halo tiles are sm_90a code")
+    g = _geometry(shape)
+    x, w = _inputs(rng, g)
+    acc = ref.accumulators(x, w, g.stride, g.padding, g.dilation)
+    x5, w5 = cupy.asarray(cupyops.to_nchw32(x)), cupy.asarray(cupyops.pack_conv_filter(w))
+    alpha = (_scale(g) * rng.uniform(0.5, 1.5, g.k)).astype(numpy.float32) if per_channel else _scale(g)
+    bias = rng.integers(-20, 20, g.k).astype(bias_dtype)
+    epilogue = conv.Epilogue("int8", numpy.dtype(bias_dtype).name, relu, False, per_channel,
+                             1.0 if per_channel else float(alpha), 0.75, 0.0)
+    value = ref.epilogue(acc, alpha=alpha, beta=0.75, bias=bias, relu=relu)
+    arrays = (None, cupy.asarray(alpha) if per_channel else None, cupy.asarray(bias))
+    facts = Target.live(cupy.cuda.runtime.getDevice()).facts
+    configs = conv_plan.halo_configs(g, facts.smem_per_block_optin, facts.sm_count)
+    assert configs
+    for config in configs:
+        spec = conv_plan.spec_for(config, "auto", conv_plan.WGMMA_ARCH)
+        chosen = conv_plan.ConvPlan(spec, g, 1, conv_plan.split_steps(g, spec), "test", "auto")
+        y = cupy.full(g.output_shape, 77, dtype=numpy.int8)
+        conv.launch(chosen, x5, w5, y, *arrays, epilogue)
+        _check_output(y, value, f"{spec.name} relu {relu}")
+
+
 GENERATOR_SHAPES = [SHAPES[2], SHAPES[7], (2, 96, 19, 17, 160, 3, 3, 1, 1, 1), SHAPES[10]]
 
 
