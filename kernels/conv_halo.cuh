@@ -223,13 +223,12 @@ __device__ __forceinline__ void conv2d_int8_fprop_halo(const TensorMap& filter_m
     // The exchange-free int8 epilogue where the registers a thread has at launch (what ptxas
     // compiles in) leave it 48 past the accumulators (ptxas: 64 x 256 warpgroups beside
     // another spilled with it); else conv_wgmma_epilogue's.
-    if constexpr (WN / 2 + 48 <= block_registers<(CONSUMERS + 1) * 128>()) {
+    if constexpr (warpgroup_epilogue_fits<WN, Registers::block()>()) {
       if (tile_epilogue_s8(p)) {
         conv_halo_epilogue_s8<WN>(acc, tile.m0 + wg_m, wg_n, p, static_cast<signed char*>(y), alpha_vec, bias, pixels);
       } else {
-        const int warp = (threadIdx.x >> 5) & 3;   // the warp's 16 rows of the warpgroup's 64
-        conv_warp_epilogue(acc, reinterpret_cast<int*>(exchange) + warp * 256, tile.m0 + wg_m + warp * 16, wg_n,
-                           tile.split, p, y, z, alpha_vec, bias, pixels);
+        conv_wgmma_exchange_epilogue<WN>(acc, exchange, tile.m0 + wg_m, wg_n, tile.split, p, y, z, alpha_vec, bias,
+                                         pixels);
       }
     } else {
       conv_wgmma_epilogue<WN, Registers::consumer()>(acc, exchange, tile.m0 + wg_m, wg_n, tile.split, p, y, z,

@@ -542,10 +542,11 @@ __device__ __forceinline__ bool tile_epilogue_s8(const ConvParams& p) {
 }
 
 // Whether a warpgroup whose threads hold WN / 2 accumulators and may use REGISTERS
-// registers has room for conv_warpgroup_epilogue_s8 beside conv_warp_epilogue: about 48
-// past the accumulators (ptxas, before warp-specialised kernels moved registers to their
-// consumers: 64 x 512 halo tiles, 40 to spare, spilled with both; 64 x 448 ones, 56 to
-// spare, did not). The other kernels keep the exchange alone.
+// registers has room for an int8 epilogue beside conv_warp_epilogue (conv_warpgroup_epilogue_s8,
+// kernels/conv_halo.cuh's conv_halo_epilogue_s8): about 48 past the accumulators (ptxas,
+// before warp-specialised kernels moved registers to their consumers: 64 x 512 halo tiles,
+// 40 to spare, spilled with both; 64 x 448 ones, 56 to spare, did not). The other kernels
+// keep the exchange alone.
 template <int WN, int REGISTERS>
 __device__ __forceinline__ constexpr bool warpgroup_epilogue_fits() {
   return WN / 2 + 48 <= REGISTERS;
@@ -648,6 +649,18 @@ __device__ __forceinline__ void conv_warpgroup_epilogue_s8(const int (&acc)[2][W
   }
 }
 
+// A wgmma warpgroup's epilogue through each warp's 1 KB exchange (conv_warp_epilogue; the
+// warp's 16 rows of the warpgroup's 64): buffer, the warpgroup's 4 KB.
+template <int WN, typename Pixels>
+__device__ __forceinline__ void conv_wgmma_exchange_epilogue(const int (&acc)[2][WN / 8][2], signed char* buffer,
+                                                             int channel0, int pixel0, int split, const ConvParams& p,
+                                                             void* y, const signed char* z, const float* alpha_vec,
+                                                             const void* bias, const Pixels& pixels) {
+  const int warp = (threadIdx.x >> 5) & 3;
+  conv_warp_epilogue(acc, reinterpret_cast<int*>(buffer) + warp * 256, channel0 + warp * 16, pixel0, split, p, y, z,
+                     alpha_vec, bias, pixels);
+}
+
 // A wgmma warpgroup's epilogue: by warpgroup (conv_warpgroup_epilogue_s8) where the call
 // and the warpgroup's registers (REGISTERS a thread) allow it, else through each warp's 1 KB
 // exchange (conv_warp_epilogue). buffer: the warpgroup's 4 KB, its four warps' exchanges.
@@ -660,9 +673,7 @@ __device__ __forceinline__ void conv_wgmma_epilogue(const int (&acc)[2][WN / 8][
     conv_warpgroup_epilogue_s8<WN>(acc, buffer, channel0, pixel0, p, static_cast<signed char*>(y), alpha_vec, bias,
                                    pixels, 1 + warpgroup);
   } else {
-    const int warp = (threadIdx.x >> 5) & 3;   // the warp's 16 rows of the warpgroup's 64
-    conv_warp_epilogue(acc, reinterpret_cast<int*>(buffer) + warp * 256, channel0 + warp * 16, pixel0, split, p, y, z,
-                       alpha_vec, bias, pixels);
+    conv_wgmma_exchange_epilogue<WN>(acc, buffer, channel0, pixel0, split, p, y, z, alpha_vec, bias, pixels);
   }
 }
 

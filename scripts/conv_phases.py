@@ -59,7 +59,7 @@ STAMPS = (
      "  }\n  if constexpr (CLUSTER > 1) cluster_sync_before_exit();\n}\n"),
 )
 EPILOGUE = "    const long long drained = clock64();\n"
-SKIPPED_EPILOGUE = EPILOGUE + "    if (acc[0][0][0] != 0x7fffffff) continue;   // the epilogue skipped (all but never)\n"
+SKIPPED_EPILOGUE = EPILOGUE + "    if (acc[0][0][0] != 0x7fffffff) continue;   // the epilogue skipped, all but never\n"
 
 
 def stamped_headers(no_epilogue: bool) -> pathlib.Path:
@@ -115,7 +115,7 @@ def measure(layer: dict, config) -> str:
     end.synchronize()
     total = cycles.get().astype(float)
     tiles = max(total[4], 1.0)   # a tile counted once by each of its consumer warpgroups
-    phases = ", ".join(f"{name} {total[i] / tiles:.0f}" for i, name in enumerate(SLOTS[:4]))
+    phases = ", ".join(f"{name} {total[i] / tiles:.0f}" for i, name in enumerate(SLOTS))
     warpgroups = spec.consumer_warps // 4
     return (f"{layer['label']}  {spec.name}  {cupy.cuda.get_elapsed_time(start, end) * 1000 / CALLS:.1f} us a call; "
             f"cycles a tile: {phases}; producer empty waits {total[5] / tiles * warpgroups:.0f}")
