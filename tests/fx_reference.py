@@ -39,8 +39,9 @@ FLOAT32_TINY = numpy.finfo(numpy.float32).tiny
 
 
 def _compute(dtype):
-    """float64 for floats, the dtype itself for integers and bool (exact)."""
-    return numpy.float64 if numpy.dtype(dtype).kind == "f" else dtype
+    """float64 for floats (bfloat16 among them: its NumPy kind is "V"), the dtype itself for
+    integers and bool (exact)."""
+    return numpy.float64 if numpy.dtype(dtype).kind == "f" or numpy.dtype(dtype) == BFLOAT16 else dtype
 
 
 def evaluate(node: fx.Node, values: list, shape: tuple, keep=None):
