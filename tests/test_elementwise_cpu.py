@@ -15,7 +15,7 @@ import pytest
 from fx_reference import evaluate, rounded
 
 import cupyops
-from cupyops import fx, jit
+from cupyops import fx, jit, profile
 from cupyops.dtypes import BFLOAT16
 from cupyops.launch import LaunchCache, Target
 from cupyops.ops import activations
@@ -420,6 +420,13 @@ def test_launch_geometry_caps_the_grid_at_its_waves():
     assert ew.launch_geometry((256, 32, 2), 10**7, 16, facts) == (256, 2, 2 * 132 * 8)
     assert ew.launch_geometry((256, 32, 2), 10**5, 16, facts) == (256, 2, -(-10**5 // 512))
     assert ew.launch_geometry((1024, 16, None), 5, 16, facts) == (1024, 1, 1)
+
+
+@pytest.mark.parametrize("tuned", profile.profiles(), ids=lambda p: p.name)
+def test_profiles_launch_among_the_candidates(tuned):
+    rows = tuned.ELEMENTWISE_AUTO_LAUNCH
+    assert rows[0][0] == 0.0 and [least for least, _ in rows] == sorted(least for least, _ in rows)
+    assert all(tuple(launch) in ew.launch_candidates() for _, launch in rows)
 
 
 # -- repeated calls (a GPU stand-in: tests/fake_device.py) -----------------------------------------

@@ -83,7 +83,7 @@ def launch_candidates() -> list:
     """(block, bytes of each operand in flight a thread, waves) launches auto chooses among:
     waves None covers the array in one pass, else a grid of that many rounds of resident
     blocks walks it."""
-    return [(block, in_flight, waves) for block in (256, 512) for in_flight in (16, 32)
+    return [(block, in_flight, waves) for block in (128, 256, 512) for in_flight in (16, 32)
             for waves in (None, 4, 8, 16, 32)]
 
 
