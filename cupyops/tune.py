@@ -35,6 +35,12 @@ SHIPPED_ABOUT = ("Plans tuned on GPUs of this profile that differ from the defau
                  "measured on. Written by `cupyops tune ship --profile NAME`; do not edit by hand.")
 
 
+# Screening (measure's screen_us): the candidates timed again in full, those within this
+# factor of the fastest screened, and at least this many.
+SCREEN_WITHIN = 1.10
+SCREEN_KEEP = 4
+
+
 def cache_dir() -> Path:
     """CuPy's kernel cache folder (CUPY_CACHE_DIR, else ~/.cupy/kernel_cache)."""
     return Path(os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache")))
@@ -110,19 +116,35 @@ class TuningTable:
             scratch.replace(self.path)
 
 
-def measure(candidates: list, time_us: Callable[[dict], float]) -> Result:
-    """Times every candidate with `time_us` (a candidate that raises is skipped);
-    the fastest wins, the first listed among equals."""
+def _timed(candidate: dict, time_us: Callable[[dict], float]) -> Optional[float]:
+    """time_us(candidate), or None where it raised (a candidate that cannot launch here) or
+    gave no finite time."""
+    try:
+        us = float(time_us(candidate))
+    except Exception:
+        return None
+    return us if math.isfinite(us) else None
+
+
+def measure(candidates: list, time_us: Callable[[dict], float],
+            screen_us: Optional[Callable[[dict], float]] = None) -> Result:
+    """Times every candidate with `time_us` (a candidate that raises is skipped); the
+    fastest wins, the first listed among equals. With `screen_us` (a quicker, noisier
+    timing), every candidate is screened first and only those within SCREEN_WITHIN of the
+    fastest screened, and at least SCREEN_KEEP, are timed with `time_us`; the others keep
+    their screened times."""
     if not candidates:
         raise ValueError("nothing to tune: no candidates")
-    timings = []
-    for candidate in candidates:
-        try:
-            us = float(time_us(candidate))
-        except Exception:   # a candidate that cannot launch here drops out
-            us = None
-        timings.append((candidate, us))
-    measured = [(us, index) for index, (_, us) in enumerate(timings) if us is not None and math.isfinite(us)]
+    timings = [(candidate, _timed(candidate, screen_us or time_us)) for candidate in candidates]
+    if screen_us is not None:
+        ranked = sorted((us, index) for index, (_, us) in enumerate(timings) if us is not None)
+        kept = [index for rank, (us, index) in enumerate(ranked)
+                if rank < SCREEN_KEEP or us <= ranked[0][0] * SCREEN_WITHIN]
+        for index in kept:
+            timings[index] = (candidates[index], _timed(candidates[index], time_us))
+        measured = [(timings[index][1], index) for index in kept if timings[index][1] is not None]
+    else:
+        measured = [(us, index) for index, (_, us) in enumerate(timings) if us is not None]
     if not measured:
         raise RuntimeError(f"every one of {len(candidates)} candidates failed to run")
     best_us, index = min(measured)
@@ -130,9 +152,10 @@ def measure(candidates: list, time_us: Callable[[dict], float]) -> Result:
 
 
 def tune(table: TuningTable, device: DeviceKey, op: str, shape_key: str, candidates: list,
-         time_us: Callable[[dict], float]) -> Result:
-    """Measures the candidates and keeps the winner in `table`."""
-    result = measure(candidates, time_us)
+         time_us: Callable[[dict], float], screen_us: Optional[Callable[[dict], float]] = None) -> Result:
+    """Measures the candidates (screened first where `screen_us` is given) and keeps the
+    winner in `table`."""
+    result = measure(candidates, time_us, screen_us)
     table.store(device, op, shape_key, result)
     return result
 

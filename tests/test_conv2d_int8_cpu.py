@@ -549,6 +549,33 @@ def test_tuner_keeps_the_fastest_and_persists_it(tmp_path):
         tune.measure([{"id": "broken"}], fake_time)
 
 
+def test_screening_times_again_only_the_candidates_near_the_fastest():
+    screened = {**{f"c{i}": 100.0 + i for i in range(10)}, "near": 95.0, "far": 300.0, "broken": None}
+    full = {"c0": 101.0, "c1": 99.0, "c2": 120.0, "c3": 102.0, "c4": 103.0, "near": 98.0, "far": 90.0}
+    timed = []
+
+    def screen(candidate):
+        if screened[candidate["id"]] is None:
+            raise RuntimeError("cannot launch")
+        return screened[candidate["id"]]
+
+    def time_us(candidate):
+        timed.append(candidate["id"])
+        return full[candidate["id"]]
+
+    ids = ["far", "broken", *(f"c{i}" for i in range(10)), "near"]
+    result = tune.measure([{"id": i} for i in ids], time_us, screen)
+    # within 10 % of the fastest screened (95 us): near and c0 to c4, more than SCREEN_KEEP
+    assert sorted(timed) == ["c0", "c1", "c2", "c3", "c4", "near"]
+    assert result.best == {"id": "near"} and result.best_us == 98.0
+    times = {c["id"]: us for c, us in result.timings}
+    assert times["far"] == 300.0 and times["broken"] is None and times["c1"] == 99.0 and times["c9"] == 109.0
+    timed.clear()
+    # fewer candidates than SCREEN_KEEP: each timed in full, a slow screen no bar
+    assert tune.measure([{"id": "far"}, {"id": "c0"}], time_us, screen).best == {"id": "far"}
+    assert sorted(timed) == ["c0", "far"]
+
+
 def test_tuning_table_sits_beside_cupys_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
     assert tune.TuningTable().path == tmp_path / tune.TABLE_NAME
