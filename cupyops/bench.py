@@ -3,6 +3,7 @@ repetition, median of many, and the device-to-device copy ceiling measured in
 the same run. Compile time stays out of the timings and is reported apart."""
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from dataclasses import dataclass
@@ -45,6 +46,12 @@ class Timer:
         clock_khz = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, device_id)
         self._spin_cycles = numpy.int64(clock_khz * 1e3 * SPIN_SECONDS)
         self.min_reps, self.max_reps, self.budget_s = min_reps, max_reps, budget_s
+
+    def with_reps(self, min_reps: int, max_reps: int) -> "Timer":
+        """A timer of other run counts sharing this one's flush buffer and spin kernel."""
+        other = copy.copy(self)
+        other.min_reps, other.max_reps = min_reps, max_reps
+        return other
 
     def time(self, fn: Callable[[], object]) -> Timing:
         import cupy

@@ -136,15 +136,14 @@ def measure(candidates: list, time_us: Callable[[dict], float],
     if not candidates:
         raise ValueError("nothing to tune: no candidates")
     timings = [(candidate, _timed(candidate, screen_us or time_us)) for candidate in candidates]
+    finalists = range(len(candidates))
     if screen_us is not None:
         ranked = sorted((us, index) for index, (_, us) in enumerate(timings) if us is not None)
-        kept = [index for rank, (us, index) in enumerate(ranked)
-                if rank < SCREEN_KEEP or us <= ranked[0][0] * SCREEN_WITHIN]
-        for index in kept:
+        finalists = [index for rank, (us, index) in enumerate(ranked)
+                     if rank < SCREEN_KEEP or us <= ranked[0][0] * SCREEN_WITHIN]
+        for index in finalists:
             timings[index] = (candidates[index], _timed(candidates[index], time_us))
-        measured = [(timings[index][1], index) for index in kept if timings[index][1] is not None]
-    else:
-        measured = [(us, index) for index, (_, us) in enumerate(timings) if us is not None]
+    measured = [(timings[index][1], index) for index in finalists if timings[index][1] is not None]
     if not measured:
         raise RuntimeError(f"every one of {len(candidates)} candidates failed to run")
     best_us, index = min(measured)

@@ -155,12 +155,8 @@ def _resident_blocks(spec: ConvInt8Spec, device_id: int) -> int:
 _plans = LaunchCache()
 
 
-def _time_candidate(geometry: ConvGeometry, arch: str, arrays_: tuple, reps: tuple = (5, 50)):
-    """A timing callable for the tuner: the median microseconds of one candidate over
-    `reps` (fewest, most) runs within the timer's budget."""
-    from ..bench import Timer
-
-    timer = Timer(min_reps=reps[0], max_reps=reps[1], budget_s=0.05)
+def _time_candidate(geometry: ConvGeometry, arch: str, arrays_: tuple, timer):
+    """A timing callable for the tuner: the median microseconds of one candidate by `timer`."""
     x, w, y = arrays_
 
     def time_us(candidate: dict) -> float:
@@ -172,6 +168,8 @@ def _time_candidate(geometry: ConvGeometry, arch: str, arrays_: tuple, reps: tup
 def tune_shape(geometry: ConvGeometry, device_id: int, table: Optional[tune.TuningTable] = None) -> tune.Result:
     """Times every candidate of `geometry` on GPU `device_id` and keeps the winner."""
     import cupy
+
+    from ..bench import Timer
 
     geometry.check()
     target = Target.live(device_id)
@@ -188,9 +186,10 @@ def tune_shape(geometry: ConvGeometry, device_id: int, table: Optional[tune.Tuni
         found = candidates(geometry, facts.sm_count, facts.smem_per_block_optin, facts.arch)
         jit.precompile([plan_from(geometry, c, facts.arch, "measuring").spec for c in found], facts.arch)
         # screened by three runs each, the closest to the fastest timed in full
+        timer = Timer(min_reps=5, max_reps=50, budget_s=0.05)
         return tune.tune(table or tune.default_table(), tune.DeviceKey.live(device_id), OP, geometry.key(),
-                         found, _time_candidate(geometry, facts.arch, (x, w, y)),
-                         _time_candidate(geometry, facts.arch, (x, w, y), reps=(3, 3)))
+                         found, _time_candidate(geometry, facts.arch, (x, w, y), timer),
+                         _time_candidate(geometry, facts.arch, (x, w, y), timer.with_reps(3, 3)))
 
 
 def live_plan(geometry: ConvGeometry, policy: str, device_id: int) -> ConvPlan:
