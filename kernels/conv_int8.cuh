@@ -949,7 +949,8 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
   constexpr int SLICE_STRIDE = IM2COL ? (TM + TN) * 32 : 32;       // from one k32 slice to the next
   constexpr int STAGE_BYTES = (TM + TN) * ROW_BYTES;
   constexpr int A_COPY_BYTES = IM2COL ? TM * 32 : TM * ROW_BYTES;  // one copy of the filter
-  typedef ConvTileLoader<TM, TN, PRODUCERS, ROW_BYTES, 2, false> Loader;
+  // The producers copy 32-byte chunks where a tile's rows divide among half of them, else 16 bytes.
+  typedef ConvTileLoader<TM, TN, PRODUCERS, ROW_BYTES, TN % (PRODUCERS / 2) == 0 ? 2 : 1, false> Loader;
   static_assert(TM % 64 == 0 && TN % WN == 0 && WN % 8 == 0 && WN <= 256 && TN <= 256, "warpgroup tile");
   static_assert(ROW_BYTES == 64 || ROW_BYTES == 128, "stages of 64 or 128 GEMM_K bytes");
   static_assert(TN % 8 == 0 && STAGE_BYTES % 1024 == 0, "stages keep the 1024-byte alignment of the first");

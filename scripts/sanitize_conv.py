@@ -3,8 +3,9 @@
 launched directly narrowed to those whose name holds NAME_PART where given.
 
 Every configuration the generator can produce (both policies' kernels, and on
-sm_90 every wgmma configuration and the shape's halo tiles, the persistent
-warp-specialised ones also on two blocks) on a shape with tails in GEMM_M, GEMM_N and GEMM_K, with and without split-K (the
+sm_90 every wgmma configuration and the shape's halo tiles, one of them also taking
+a filter row a stage, the persistent warp-specialised ones also on two blocks) on a
+shape with tails in GEMM_M, GEMM_N and GEMM_K, with and without split-K (the
 reduction kernel), then the public function through each policy with every
 out_dtype and the whole epilogue (bias, z, per-channel alpha, ReLU), and a
 1x7 filter with padding only at the sides. Prints each kernel's name."""
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 
 import cupy
 import numpy
@@ -33,7 +35,11 @@ def main() -> None:
     w = rng.integers(-128, 128, (g.k, g.c // 32, g.r, g.s, 32), dtype=numpy.int8)
     resident = conv._resident_blocks
     part = sys.argv[1] if len(sys.argv) > 1 else ""
-    for spec in [s for s in conv_plan.all_specs(arch, (g,)) if part in s.name]:   # with g's halo tiles on sm_90
+    specs = conv_plan.all_specs(arch, (g,))   # with g's halo tiles on sm_90, and one with a filter row a stage
+    if arch == conv_plan.WGMMA_ARCH:
+        halo = conv_plan.halo_configs(g, Target.live(cupy.cuda.runtime.getDevice()).facts.smem_per_block_optin)
+        specs.append(conv_plan.spec_for(replace(halo[0], halo_filter_rows=1), "auto", arch))
+    for spec in [s for s in specs if part in s.name]:
         # the persistent kernels also on two blocks: each walks many tiles, reusing its stages
         for blocks in (None, 2) if spec.tma else (None,):
             conv._resident_blocks = resident if blocks is None else lambda spec, device_id: blocks

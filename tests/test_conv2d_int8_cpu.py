@@ -210,15 +210,15 @@ EMULATED_WGMMA = [  # every warpgroup layout and step; tails in GEMM_M, GEMM_N a
     (ConvGeometry(2, 32, 11, 13, 160, 1, 1), _wgmma(256, 128, 128)),                 # four warpgroups
     (ConvGeometry(1, 64, 12, 12, 128, 3, 3, (1, 1), (1, 1)), _wgmma(128, 256, 256)),
     (ConvGeometry(1, 32, 8, 9, 64, 5, 5, (1, 1), (2, 2)), _wgmma(64, 256, 128)),     # split along N
-    (ConvGeometry(1, 32, 8, 8, 32, 3, 3, (1, 1), (1, 1)), _wgmma(64, 256, 256)),     # C = K = 32
+    (ConvGeometry(1, 32, 8, 8, 32, 3, 3, (1, 1), (1, 1)), _wgmma(64, 128, 128)),     # C = K = 32
     (ConvGeometry(3, 64, 1, 1, 64, 1, 1), _wgmma(64, 128, 128)),                     # one pixel an image
     # 128-byte steps: 9, 3, 27 and 1 chunks (GEMM_K tails of 1 and 3 chunks, a step within one tap)
     (ConvGeometry(2, 32, 7, 5, 64, 3, 3, (1, 1), (1, 1)), _wgmma(64, 128, 128, 128)),  # C = 32, K tail
     (ConvGeometry(1, 96, 9, 9, 96, 1, 1, (2, 2)), _wgmma(128, 128, 128, 128)),         # M tail, 3 chunks
     (ConvGeometry(2, 32, 11, 13, 160, 1, 1), _wgmma(256, 128, 128, 128)),              # one chunk
-    (ConvGeometry(1, 96, 12, 12, 128, 3, 3, (1, 1), (1, 1)), _wgmma(128, 256, 256, 128)),
+    (ConvGeometry(1, 96, 12, 12, 128, 3, 3, (1, 1), (1, 1)), _wgmma(128, 128, 128, 128)),
     (ConvGeometry(1, 32, 8, 9, 64, 5, 5, (1, 1), (2, 2)), _wgmma(64, 256, 128, 128)),   # split along N
-    (ConvGeometry(1, 32, 8, 8, 32, 3, 3, (1, 1), (1, 1)), _wgmma(64, 256, 256, 128)),   # C = K = 32
+    (ConvGeometry(1, 32, 8, 8, 32, 3, 3, (1, 1), (1, 1)), _wgmma(64, 128, 128, 128)),   # C = K = 32
 ]
 
 
@@ -374,9 +374,9 @@ def test_candidates_are_structurally_valid(profile, geometry):
         if spec.tma == "halo":
             _check_halo(geometry, chosen)
             continue
-        if spec.tma:   # consumer warpgroups, then the producer's, whose 128 threads copy whole B rows (32 bytes)
+        if spec.tma:   # consumer warpgroups, then the producer's, whose 128 threads copy whole B rows
             assert threads == (spec.tile_m // 64) * (spec.tile_n // spec.warp_n) * 128 + 128, spec.name
-            assert spec.tile_n % 64 == 0 and spec.tile_n <= 256, spec.name
+            assert spec.tile_n % 32 == 0 and spec.tile_n <= 256, spec.name   # 32-byte chunks, else 16-byte vectors
         else:
             assert spec.tile_m % (threads // 4) == 0 and spec.tile_n % (threads // 4) == 0, spec.name
         if spec.wgmma:
@@ -418,16 +418,17 @@ HALO_GEOMETRIES = [ConvGeometry(1, 64, 6, 7, 64, 3, 3, (1, 1), (1, 1)),
 
 @pytest.mark.parametrize("geometry", HALO_GEOMETRIES)
 def test_halo_model_matches_the_reference(rng, geometry):
-    """Every halo tile of the geometry, whole and split in three, through the NumPy model
-    of its copies, descriptors and pixels (tests/conv_emulation.py, halo_run), and whole
-    through the int8 epilogue by warpgroup."""
+    """Every halo tile of the geometry (all R filter rows a stage where three such stages
+    fit), and the first with one filter row a stage, whole and split in three, through the
+    NumPy model of its copies, descriptors and pixels (tests/conv_emulation.py, halo_run),
+    and whole through the int8 epilogue by warpgroup."""
     g = geometry
     x, w = _random(rng, (g.n, g.c, g.h, g.w)), _random(rng, (g.k, g.c, g.r, g.s))
     x5, w5 = cupyops.to_nchw32(x), cupyops.pack_conv_filter(w)
     expected = ref.accumulators(x, w, g.stride, g.padding, g.dilation)
     configs = conv_plan.halo_configs(g, Target.profile("h100").facts.smem_per_block_optin)
-    assert {c.halo_filter_rows for c in configs} == {1, g.r}
-    for config in configs:
+    assert {c.halo_filter_rows for c in configs} == {g.r}   # small tiles: R rows fit
+    for config in configs + (replace(configs[0], halo_filter_rows=1),):
         spec = conv_plan.spec_for(config, "auto", "sm_90")
         units = conv_plan.split_steps(g, spec)
         for splits, epilogue in ((1, "exchange"), (3, "exchange"), (1, "warpgroup")):   # int8's: no split
@@ -655,12 +656,12 @@ def test_cli_layers_tables_and_files(tmp_path):
 def test_wgmma_kernel_fences_its_pipeline(step_bytes):
     """The PTX of a wgmma kernel: the proxy fence, wgmma.fence, commit, wait 1 in the
     loop and wait 0 after it, and a k32 MMA per 32 bytes of the stage's rows."""
-    spec = conv_plan.spec_for(_wgmma(128, 256, 256, step_bytes), "auto", "sm_90")
+    spec = conv_plan.spec_for(_wgmma(256, 128, 128, step_bytes), "auto", "sm_90")
     ptx = jit.compile_ptx(spec, "sm_90")
     assert ".target sm_90a" in ptx
     for text in ("fence.proxy.async.shared::cta", "wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned",
                  "wgmma.wait_group.sync.aligned 1", "wgmma.wait_group.sync.aligned 0",
-                 "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8"):
+                 "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8"):
         assert text in ptx, text
     assert ptx.count("wgmma.mma_async") == step_bytes // 32
 
@@ -706,14 +707,14 @@ def test_warp_specialised_kernels_move_registers_to_their_consumers():
         return next(c for c in conv_plan.TMA_CONFIGS if (c.tile_m, c.tile_n, c.warp_n, c.tma, c.cluster) ==
                     (tile_m, tile_n, warp_n, "filter", 1))
 
-    for config, producer, consumer, threads in ((tma(128, 256, 256), 40, 232, 384),
+    for config, producer, consumer, threads in ((tma(128, 128, 128), 40, 232, 384),
                                                 (tma(256, 128, 128), 32, 112, 640)):
         dec, inc, _ = moves(config)
         assert (dec, inc) == ([producer], [consumer])
         assert producer * 128 + consumer * (threads - 128) == 65536 // threads // 8 * 8 * threads
-    assert moves(tma(64, 256, 256))[:2] == ([], [])
+    assert moves(tma(64, 128, 128))[:2] == ([], [])
     vgg = ConvGeometry(32, 256, 56, 56, 256, 3, 3, (1, 1), (1, 1))
-    halo = next(c for c in conv_plan.halo_configs(vgg, 232448) if (c.tile_m, c.tile_n, c.cluster) == (64, 512, 1))
+    halo = next(c for c in conv_plan.halo_configs(vgg, 232448) if (c.tile_m, c.tile_n) == (64, 512))
     dec, inc, ptx = moves(halo)
     assert (dec, inc) == ([56], [224]) and 56 * 128 + 224 * 256 <= 168 * 384
     assert re.search(r"bar\.sync\s+%r\d+, %r\d+;", ptx)   # the warpgroup epilogue's named barriers
@@ -753,7 +754,7 @@ def test_halo_int8_epilogue_exchanges_between_lanes_where_registers_allow():
     conversions. A 64 x 256 warpgroup beside another (168 registers) keeps the exchange
     through shared memory."""
     g = ConvGeometry(64, 64, 56, 56, 64, 3, 3, (1, 1), (1, 1))
-    configs = {(c.tile_n, c.warp_n): c for c in conv_plan.halo_configs(g, 232448, 132) if c.cluster == 1}
+    configs = {(c.tile_n, c.warp_n): c for c in conv_plan.halo_configs(g, 232448, 132)}
     lanes = jit.compile_ptx(conv_plan.spec_for(configs[(448, 224)], "auto", "sm_90"), "sm_90")
     assert "shfl.sync.bfly.b32" in lanes and "cvt.pack.sat.s8.s32.b32" in lanes
     shared = jit.compile_ptx(conv_plan.spec_for(configs[(512, 256)], "auto", "sm_90"), "sm_90")
@@ -771,7 +772,8 @@ def test_pairs_splitting_gemm_k_sum_in_distributed_shared_memory():
     late = ConvGeometry(64, 512, 7, 7, 512, 3, 3, (1, 1), (1, 1))
     found = [c for c in conv_plan.candidates(late, 132, 232448, "sm_90") if c["k_blocks"] > 1]
     assert {(c["tile_m"], c["tile_n"]) for c in found} == {(c.tile_m, c.tile_n) for c in k_pairs}
-    assert any(c["splits"] > 1 for c in found)   # 50 pairs of 256 x 128 tiles: split-K as well
+    few = ConvGeometry(16, 512, 7, 7, 512, 3, 3, (1, 1), (1, 1))   # 18 pairs of 256 x 96 tiles: split-K as well
+    assert any(c["splits"] > 1 for c in conv_plan.candidates(few, 132, 232448, "sm_90") if c["k_blocks"] > 1)
     for candidate in found:
         chosen = conv_plan.plan_from(late, candidate, "sm_90", "tuned")
         info = chosen.explain()
@@ -790,13 +792,12 @@ def test_pairs_splitting_gemm_k_sum_in_distributed_shared_memory():
 
 
 def test_halo_pairs_multicast_the_taps():
-    """Halo tiles in pairs: every halo tile also comes as a cluster of two whose blocks
-    bring every other tap into both (multicast); the grid counts whole pairs, the last
-    one's second block without an image where the tiles are odd (3 images of one row block)."""
+    """Halo tiles in pairs: every halo tile comes as a cluster of two whose blocks bring
+    every other tap into both (multicast); the grid counts whole pairs, the last one's
+    second block without an image where the tiles are odd (3 images of one row block)."""
     g = ConvGeometry(3, 64, 7, 7, 64, 3, 3, (1, 1), (1, 1))
-    found = conv_plan.halo_configs(g, 232448)
-    pairs = [c for c in found if c.cluster == conv_plan.PAIR]
-    assert pairs and 2 * len(pairs) == len(found)
+    pairs = conv_plan.halo_configs(g, 232448)
+    assert pairs and all(c.cluster == conv_plan.PAIR for c in pairs)
     spec = conv_plan.spec_for(pairs[0], "auto", "sm_90")
     assert "_ws_halo_" in spec.name and spec.name.endswith("_mc2_align16_nchw32_lincomb")
     assert "__cluster_dims__(2, 1, 1)" in jit.render(spec)

@@ -7,6 +7,8 @@ split-K, the epilogue (bias, z, per-channel alpha, ReLU), an out overlapping an
 operand, the int8 peak kernels, bad input."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy
 import pytest
 
@@ -216,14 +218,16 @@ def test_pairs_splitting_gemm_k(rng, monkeypatch, shape):
 @pytest.mark.parametrize("shape", [s for s in SHAPES if _geometry(s).stride == (1, 1) and _geometry(s).s > 1])
 def test_halo_kernels_every_shape(rng, monkeypatch, shape):
     """Every halo tile the generator yields for each stride-1 shape above (whole input
-    rows in shared memory, read once for a filter row's taps or all of them)
-    (_check_persistent)."""
+    rows in shared memory, read once for all R filter rows' taps where they fit), and the
+    first with one filter row's taps a stage (_check_persistent)."""
     import cupy
 
     if _live_arch() != conv_plan.WGMMA_ARCH:
         pytest.skip("halo tiles are sm_90a code")
     smem = Target.live(cupy.cuda.runtime.getDevice()).facts.smem_per_block_optin
-    _check_persistent(rng, monkeypatch, shape, lambda g: conv_plan.halo_configs(g, smem))
+    _check_persistent(rng, monkeypatch, shape, lambda g: (*conv_plan.halo_configs(g, smem),
+                                                          replace(conv_plan.halo_configs(g, smem)[0],
+                                                                  halo_filter_rows=1)))
 
 
 @pytest.mark.parametrize("relu, per_channel, bias_dtype", [(False, True, numpy.float32), (True, False, numpy.int32)])

@@ -74,8 +74,9 @@ def configs(geometry: ConvGeometry, smem_limit: int, exchange_bytes: int, sm_cou
     the fewest slots rounded to 8 and to 16; one or two warpgroups along N, with the
     most rows they hold and, given `sm_count`, the rows (down to half as many) whose
     tiles fill the SMs' waves and OH best (_balance); 64 or 128 channels (no more than
-    K needs); stages of one filter row or all R, as many (at least 3, up to
-    MAX_STAGES) as shared memory holds."""
+    K needs); stages of all R filter rows where shared memory holds three, else of one
+    filter row (one row a stage came no closer than 4 % to the fastest candidate at any
+    3x3 or 5x5 layer timed: docs/performance.md), as many (up to MAX_STAGES) as it holds."""
     if not fits(geometry):
         return []
     least = least_pitch(geometry)
@@ -92,11 +93,13 @@ def configs(geometry: ConvGeometry, smem_limit: int, exchange_bytes: int, sm_cou
                                        key=lambda rows: _balance(geometry, tile_m, rows, sm_count)))
                 for rows in dict.fromkeys(choices):
                     tile_n = rows * pitch
-                    for filter_rows in sorted({1, geometry.r}):
+                    consumer_warps = 4 * (tile_m // 64) * groups_n
+                    room = smem_limit - STAGE_ALIGN - consumer_warps * exchange_bytes
+                    # all R filter rows a stage where three such stages fit, else one
+                    for filter_rows in sorted({1, geometry.r}, reverse=True):
                         per_stage = stage_bytes(tile_m, tile_n, pitch, filter_rows, geometry.s, geometry.dilation)
-                        consumer_warps = 4 * (tile_m // 64) * groups_n
-                        room = smem_limit - STAGE_ALIGN - consumer_warps * exchange_bytes
                         stages = min(MAX_STAGES, room // per_stage)
                         if stages >= 3:
                             found.append((tile_m, tile_n, tile_n // groups_n, stages, pitch, filter_rows))
+                            break
     return list(dict.fromkeys(found))

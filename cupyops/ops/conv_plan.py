@@ -62,25 +62,26 @@ AUTO_CONFIGS = (TileConfig(256, 128, 64, 64, 3), TileConfig(128, 256, 64, 64, 3)
                 TileConfig(128, 64, 64, 32, 4), TileConfig(64, 128, 32, 64, 4),
                 TileConfig(64, 64, 32, 32, 5), TileConfig(32, 128, 32, 32, 6))
 # sm_90's wgmma configurations: warpgroups of 64 x N (N <= 256: N / 2 accumulators
-# a thread), tiles as large as a step's loads and 2 x 128 accumulators allow; fewer
-# stages where that lets two blocks share an SM (short GEMM_K: one block's prologue
-# and epilogue overlap the other's main loop), or 3-4 share it (GEMM_M = 64: more
-# bytes in flight per SM). 128-byte steps: four MMAs a barrier instead of two.
+# a thread), tiles as large as a step's loads allow; fewer stages where that lets two
+# blocks share an SM (short GEMM_K: one block's prologue and epilogue overlap the
+# other's main loop), or 3-4 share it (GEMM_M = 64: more bytes in flight per SM).
+# 128-byte steps: four MMAs a barrier instead of two. Every table below keeps the
+# configurations that came within 10 % of the fastest candidate on at least one of 45
+# convolutions timed on an H200 (the bench's ten layers and seven more of ResNet-50's,
+# each also at batches 1 and 8: docs/performance.md).
 _WGMMA_64B = ((128, 256, 256, 6), (128, 256, 256, 4), (256, 128, 128, 4), (128, 128, 128, 6),
-              (64, 256, 256, 6), (64, 256, 256, 4), (64, 256, 128, 4), (64, 128, 128, 6),
-              (64, 256, 256, 3), (64, 128, 128, 8), (64, 128, 128, 4))
-_WGMMA_128B = ((128, 256, 256, 4), (256, 128, 128, 4), (128, 128, 128, 5), (64, 256, 256, 4),
-               (64, 256, 256, 3), (64, 256, 128, 4), (64, 128, 128, 5), (64, 128, 128, 3))
+              (64, 256, 128, 4), (64, 128, 128, 6), (64, 128, 128, 8), (64, 128, 128, 4))
+_WGMMA_128B = ((256, 128, 128, 4), (128, 128, 128, 5), (64, 256, 128, 4), (64, 128, 128, 5), (64, 128, 128, 3))
 WGMMA_CONFIGS = tuple(TileConfig(tm, tn, 64, wn, stages, True, step)
                       for step, table in ((STEP_BYTES, _WGMMA_64B), (2 * STEP_BYTES, _WGMMA_128B))
                       for tm, tn, wn, stages in table)
 # Warp-specialised wgmma (tile_m, tile_n, warp_n, stages, step bytes): the consumers
-# issue MMAs alone, so the tiles are the largest the accumulators allow. With the
-# pixels copied by the copy engine too, its 32-byte rows bound the loads: fewer tiles,
-# and one 64 x 256 tile in four warpgroups of 64 x 64 (more warps to store the outputs
-# where GEMM_K is short and the epilogue takes most of a tile's time).
-_TMA_FILTER = ((128, 256, 256, 4, 128), (128, 256, 256, 7, 64), (256, 128, 128, 4, 128), (128, 128, 128, 6, 128),
-               (128, 128, 128, 3, 128), (64, 256, 256, 5, 128), (64, 256, 256, 3, 128), (64, 256, 128, 5, 128),
+# issue MMAs alone. With the pixels copied by the copy engine too, its 32-byte rows
+# bound the loads: fewer tiles, and one 64 x 256 tile in four warpgroups of 64 x 64
+# (more warps to store the outputs where GEMM_K is short and the epilogue takes most of
+# a tile's time). Tiles 96 pixels wide fill a wave where 128 leave part of it idle
+# (64 images of 7 x 7 or 14 x 14 pixels).
+_TMA_FILTER = ((256, 128, 128, 4, 128), (256, 96, 96, 4, 128), (128, 128, 128, 6, 128), (128, 128, 128, 3, 128),
                (64, 128, 128, 8, 128), (64, 128, 128, 4, 128))
 _TMA_IM2COL = ((128, 256, 256, 7, 64), (256, 128, 128, 4, 128), (64, 256, 256, 5, 128), (64, 256, 64, 5, 128),
                (64, 128, 128, 4, 128))
@@ -91,8 +92,7 @@ _TMA_FILTER_PAIRS = ((256, 128, 128, 4, 128), (128, 128, 128, 6, 128), (128, 128
 # Pairs of blocks on one tile, each taking half its GEMM_K, summing their accumulators in
 # distributed shared memory: twice the blocks where the tiles leave SMs idle, without
 # split-K's int32 partials in global memory. One tile a pair: not persistent.
-_TMA_FILTER_K_PAIRS = ((256, 128, 128, 4, 128), (128, 256, 256, 4, 128), (128, 128, 128, 6, 128),
-                       (64, 256, 256, 5, 128))
+_TMA_FILTER_K_PAIRS = ((256, 96, 96, 4, 128), (128, 128, 128, 6, 128))
 TMA_CONFIGS = tuple(TileConfig(tm, tn, 64, wn, stages, True, step, tma, cluster=cluster, k_blocks=k_blocks)
                     for tma, table, cluster, k_blocks in (("filter", _TMA_FILTER, 1, 1), ("im2col", _TMA_IM2COL, 1, 1),
                                                           ("filter", _TMA_FILTER_PAIRS, PAIR, 1),
@@ -232,13 +232,14 @@ def auto_configs(arch: str) -> tuple:
 
 def halo_configs(geometry: ConvGeometry, smem_limit: int, sm_count: int = 0) -> tuple:
     """The halo tiles (conv_halo) worth timing for `geometry` on sm_90 (with `sm_count`,
-    also the row counts whose tiles fill that many SMs best), each alone and in pairs of
-    blocks on neighbouring rows that share the filter taps' copies (multicast)."""
+    also the row counts whose tiles fill that many SMs best), in pairs of blocks on
+    neighbouring rows that share the filter taps' copies (multicast): at each of the 15
+    layers timed (docs/performance.md) the best pair was as fast as the best tile alone
+    or faster."""
     return tuple(TileConfig(tm, tn, 64, wn, stages, True, 32, "halo", pitch, rows, geometry.s, *geometry.dilation,
-                            cluster)
+                            PAIR)
                  for tm, tn, wn, stages, pitch, rows in conv_halo.configs(geometry, smem_limit, EXCHANGE_BYTES,
-                                                                          sm_count)
-                 for cluster in (1, PAIR))
+                                                                          sm_count))
 
 
 def all_specs(arch: str, geometries: tuple = ()) -> list:
