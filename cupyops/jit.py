@@ -5,7 +5,7 @@ deriving from KernelSpec. Its `name` is the kernel symbol, the cache key and
 the label in logs and benchmarks. `kernel(spec)` returns a memoised
 cupy.RawKernel; `compile_cubin(spec, arch)` compiles without a GPU and
 reports registers, shared memory and spills from the ptxas log; `precompile`
-compiles many arch-specific kernels at once, in threads.
+compiles many kernels at once, in threads.
 
 A spec whose `arch_specific` is true (wgmma needs sm_90a) is compiled for the
 arch-specific target, e.g. "sm_90a", which runs on that compute capability
@@ -22,7 +22,7 @@ import re
 import threading
 import uuid
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import jinja2
 
@@ -138,23 +138,34 @@ def kernel(spec: KernelSpec, device_id: int):
 PRECOMPILE_THREADS = 16
 
 
-def precompile(specs, arch: str) -> None:
+def precompile(specs, arch: str, device_id: Optional[int] = None) -> None:
     """Compiles the arch-specific kernels among `specs` for `arch` (e.g. "sm_90") into
     the disk cache several at once (NVRTC runs outside the GIL), so that their first
     launches only load them: a tuner about to time many candidates calls it first.
-    The other kernels compile on first launch, as always; a kernel that fails to
+    With `device_id`, the other kernels too (CuPy's RawKernel for that GPU, its disk
+    cache); without, they compile on first launch, as always. A kernel that fails to
     compile here fails again, with its error, at that launch."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    todo = list(dict.fromkeys(spec for spec in specs if spec.arch_specific))
+    todo = list(dict.fromkeys(spec for spec in specs if spec.arch_specific or device_id is not None))
     if not todo:
         return
 
     def compile_one(spec: KernelSpec) -> None:
+        if spec.arch_specific:
+            try:
+                cached_cubin(spec, target_arch(spec, arch))
+            except CompileError:
+                pass
+            return
+        import cupy
+        from cupy.cuda.compiler import CompileException
+
         try:
-            cached_cubin(spec, target_arch(spec, arch))
-        except CompileError:
+            with cupy.cuda.Device(device_id):
+                kernel(spec, device_id).compile()
+        except CompileException:
             pass
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

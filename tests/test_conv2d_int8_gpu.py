@@ -13,7 +13,7 @@ import numpy
 import pytest
 
 import cupyops
-from cupyops import tune
+from cupyops import jit, tune
 from cupyops.callcache import CallCache
 from cupyops.launch import Target
 from cupyops.ops import conv2d_int8 as conv
@@ -390,6 +390,35 @@ def test_first_use_tunes_and_explain_says_so(rng, monkeypatch, tmp_path):
     device = tune.DeviceKey.live(cupy.cuda.runtime.getDevice())
     assert table.lookup(device, conv_plan.OP, g.key()) is not None
     assert conv.live_plan(g, "auto", cupy.cuda.runtime.getDevice()).source == "tuned"
+
+
+def test_precompile_compiles_every_kernel_for_the_gpu_it_is_given(monkeypatch):
+    """The tuner's precompile with a GPU compiles the kernels that are not arch-specific
+    too (each once, for that GPU, in its threads); without one it leaves them to their
+    first launch."""
+    import threading
+
+    import cupy
+
+    calls = []
+
+    class Recorded:
+        def __init__(self, spec, device_id):
+            self.spec, self.device_id = spec, device_id
+
+        def compile(self):
+            calls.append((self.spec.name, self.device_id, cupy.cuda.runtime.getDevice(), threading.get_ident()))
+
+    monkeypatch.setattr(jit, "kernel", Recorded)
+    generic = [conv_plan.spec_for(c, "auto", "sm_80") for c in conv_plan.AUTO_CONFIGS[:3]]
+    device = cupy.cuda.runtime.getDevice()
+    jit.precompile(generic + generic[:1], "sm_80", device)
+    assert sorted(name for name, *_ in calls) == sorted(spec.name for spec in generic)
+    assert all(given == current == device for _, given, current, _ in calls)
+    assert any(thread != threading.get_ident() for *_, thread in calls)
+    calls.clear()
+    jit.precompile(generic, "sm_80")
+    assert not calls
 
 
 def test_bad_input_names_the_argument(rng):

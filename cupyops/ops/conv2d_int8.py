@@ -184,7 +184,7 @@ def tune_shape(geometry: ConvGeometry, device_id: int, table: Optional[tune.Tuni
                          dtype=numpy.int8)
         y = cupy.empty(geometry.output_shape, numpy.int8)
         found = candidates(geometry, facts.sm_count, facts.smem_per_block_optin, facts.arch)
-        jit.precompile([plan_from(geometry, c, facts.arch, "measuring").spec for c in found], facts.arch)
+        jit.precompile([plan_from(geometry, c, facts.arch, "measuring").spec for c in found], facts.arch, device_id)
         # screened by three runs each, the closest to the fastest timed in full
         timer = Timer(min_reps=5, max_reps=50, budget_s=0.05)
         return tune.tune(table or tune.default_table(), tune.DeviceKey.live(device_id), OP, geometry.key(),
