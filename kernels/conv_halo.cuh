@@ -72,7 +72,6 @@ template <int WN, int PITCH>
 __device__ __forceinline__ void conv_halo_epilogue_s8(const int (&acc)[2][WN / 8][2], int channel0, int slot0,
                                                       const ConvParams& p, signed char* y, const float* alpha_vec,
                                                       const void* bias, const HaloPixels<PITCH>& pixels) {
-  static_assert(PITCH % 8 == 0, "a block's 8 slots in one row");
   const int lane = threadIdx.x & 31, row = lane >> 2, odd = row & 1, half = (row >> 1) & 1;
   const int warp_channel = channel0 + 16 * ((threadIdx.x >> 5) & 3);
   const bool relu = p.epilogue.relu;
@@ -109,8 +108,8 @@ __device__ __forceinline__ void conv_halo_epilogue_s8(const int (&acc)[2][WN / 8
     const unsigned word = pack_sat_s8x4(rounded[0][0], rounded[0][1], rounded[1][0], rounded[1][1]);
     const unsigned pair = __byte_perm(word, __shfl_xor_sync(0xffffffffu, word, 4), keep);
     const unsigned quad = __byte_perm(pair, __shfl_xor_sync(0xffffffffu, pair, 8), join);
-    const int block = slot0 + 8 * b;   // the block's first slot
-    const int line = block / PITCH, column = block - line * PITCH + slot;
+    const int j = slot0 + 8 * b + slot;   // the lane's slot (a block of 8 may span two rows)
+    const int line = j / PITCH, column = j - line * PITCH;
     if (out != nullptr && column < pixels.ow && pixels.oh0 + line < pixels.oh) {
       *reinterpret_cast<unsigned*>(out + ((pixels.oh0 + line) * pixels.ow + column) * 32) = quad;
     }
@@ -141,9 +140,10 @@ __device__ __forceinline__ void conv2d_int8_fprop_halo(const TensorMap& filter_m
   constexpr int A_BYTES = TAPS * TM * 32;
   constexpr int PLANE_BYTES = (HALO_SLOTS + SLACK) * 16;     // one half of every slot's channels
   constexpr int STAGE_BYTES = (A_BYTES + 2 * PLANE_BYTES + 1023) / 1024 * 1024;
-  constexpr int COPIES = 2 * HALO_SLOTS;                     // 16-byte copies of a stage's rows
-  static_assert(TM % 64 == 0 && TN % WN == 0 && WN % 16 == 0 && WN <= 256 && TN % 8 == 0 && PITCH % 8 == 0,
-                "warpgroup tile");
+  // 16-byte copies of a stage's rows, in whole runs of 8 slots (those past the rows land in the slack)
+  constexpr int COPIES = 2 * ((HALO_SLOTS + 7) / 8 * 8);
+  static_assert(TM % 64 == 0 && TN % WN == 0 && WN % 16 == 0 && WN <= 256 && (HALO_SLOTS + 7) / 8 * 8 <=
+                HALO_SLOTS + SLACK, "warpgroup tile");
   static_assert(CONSUMERS <= 4, "at most four consumer warpgroups");
   static_assert(CLUSTER == 1 || CLUSTER == 2, "blocks alone or in pairs");
   const auto [conv_shared, shared_base, skip, full, empty, warpgroup] = ws_block<stages>();

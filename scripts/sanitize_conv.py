@@ -5,7 +5,8 @@ launched directly narrowed to those whose name holds NAME_PART where given.
 Every configuration the generator can produce (both policies' kernels, and on
 sm_90 every wgmma configuration and the shape's halo tiles, one of them also taking
 a filter row a stage, the persistent warp-specialised ones also on two blocks) on a
-shape with tails in GEMM_M, GEMM_N and GEMM_K, with and without split-K (the
+shape with tails in GEMM_M, GEMM_N and GEMM_K, and the halo tiles of a 2 x 3 filter
+(stages whose rows are not whole runs of 8 slots), with and without split-K (the
 reduction kernel), then the public function through each policy with every
 out_dtype and the whole epilogue (bias, z, per-channel alpha, ReLU), and a
 1x7 filter with padding only at the sides. Prints each kernel's name."""
@@ -27,20 +28,13 @@ from cupyops.ops import conv_plan  # noqa: E402
 from cupyops.ops.conv_layout import ConvGeometry  # noqa: E402
 
 
-def main() -> None:
-    rng = cupy.random.default_rng(1)
-    arch = Target.live(cupy.cuda.runtime.getDevice()).facts.arch
-    g = ConvGeometry(2, 96, 9, 7, 160, 3, 3, (1, 1), (1, 1))
+def run_kernels(rng, g: ConvGeometry, specs: list) -> None:
+    """Each spec on g, whole and split along GEMM_K in two; the persistent kernels also on two
+    blocks, each then walking many tiles and reusing its stages."""
     x = rng.integers(-128, 128, (g.n, g.c // 32, g.h, g.w, 32), dtype=numpy.int8)
     w = rng.integers(-128, 128, (g.k, g.c // 32, g.r, g.s, 32), dtype=numpy.int8)
     resident = conv._resident_blocks
-    part = sys.argv[1] if len(sys.argv) > 1 else ""
-    specs = conv_plan.all_specs(arch, (g,))   # with g's halo tiles on sm_90, and one with a filter row a stage
-    if arch == conv_plan.WGMMA_ARCH:
-        halo = conv_plan.halo_configs(g, Target.live(cupy.cuda.runtime.getDevice()).facts.smem_per_block_optin)
-        specs.append(conv_plan.spec_for(replace(halo[0], halo_filter_rows=1), "auto", arch))
-    for spec in [s for s in specs if part in s.name]:
-        # the persistent kernels also on two blocks: each walks many tiles, reusing its stages
+    for spec in specs:
         for blocks in (None, 2) if spec.tma else (None,):
             conv._resident_blocks = resident if blocks is None else lambda spec, device_id: blocks
             for splits in (1, 2):
@@ -52,6 +46,25 @@ def main() -> None:
                 cupy.cuda.Device().synchronize()
                 print(f"{spec.name} splits {chosen.splits} blocks {blocks or 'resident'}", flush=True)
     conv._resident_blocks = resident
+
+
+def main() -> None:
+    rng = cupy.random.default_rng(1)
+    arch = Target.live(cupy.cuda.runtime.getDevice()).facts.arch
+    g = ConvGeometry(2, 96, 9, 7, 160, 3, 3, (1, 1), (1, 1))
+    x = rng.integers(-128, 128, (g.n, g.c // 32, g.h, g.w, 32), dtype=numpy.int8)
+    part = sys.argv[1] if len(sys.argv) > 1 else ""
+    specs = conv_plan.all_specs(arch, (g,))   # with g's halo tiles on sm_90, and one with a filter row a stage
+    run_kernels(rng, g, [s for s in specs if part in s.name])
+    if arch == conv_plan.WGMMA_ARCH:
+        smem = Target.live(cupy.cuda.runtime.getDevice()).facts.smem_per_block_optin
+        halo = conv_plan.halo_configs(g, smem)
+        one_row = conv_plan.spec_for(replace(halo[0], halo_filter_rows=1), "auto", arch)
+        # a 2 x 3 filter: stages of 5 rows of 12 slots, not whole runs of 8 slots
+        two_rows = ConvGeometry(1, 32, 5, 10, 32, 2, 3, (1, 1), (0, 1))
+        run_kernels(rng, g, [s for s in (one_row,) if part in s.name])
+        run_kernels(rng, two_rows, [s for s in conv_plan.all_specs(arch, (two_rows,)) if "halo" in s.name and
+                                    part in s.name])
     bias = rng.standard_normal(g.k, dtype=numpy.float32)
     alpha = cupy.full(g.k, 1e-4, numpy.float32)
     z = rng.integers(-128, 128, g.output_shape, dtype=numpy.int8)

@@ -405,7 +405,7 @@ def halo_run(spec: ConvInt8Spec, g, x5: numpy.ndarray, w5: numpy.ndarray, splits
                                     at = t * tm * 32 + tile_offset(row, v, 32)
                                     shared[at:at + 16] = chunk[16 * v:16 * v + 16]
                         ih0 = oh0 - g.padding[0] + r0 * rb * dh
-                        for c in range(2 * halo_slots):   # the producer's copies
+                        for c in range(2 * -(-halo_slots // 8) * 8):   # the producer's copies, whole runs of 8
                             half, slot = (c >> 3) & 1, (c & 7) + ((c >> 4) << 3)
                             ih, iw = ih0 + slot // pitch, slot % pitch - g.padding[1]
                             if 0 <= ih < g.h and 0 <= iw < g.w:

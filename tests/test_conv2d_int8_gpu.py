@@ -215,11 +215,13 @@ def test_pairs_splitting_gemm_k(rng, monkeypatch, shape):
     _check_persistent(rng, monkeypatch, shape, lambda g: [c for c in conv_plan.TMA_CONFIGS if c.k_blocks > 1])
 
 
-@pytest.mark.parametrize("shape", [s for s in SHAPES if _geometry(s).stride == (1, 1) and _geometry(s).s > 1])
+@pytest.mark.parametrize("shape", [s for s in SHAPES if _geometry(s).stride == (1, 1) and _geometry(s).s > 1] +
+                         [(1, 32, 5, 10, 32, 2, 3, 1, (0, 1), 1)])   # 2 x 3: stages of 5 rows of 12 slots
 def test_halo_kernels_every_shape(rng, monkeypatch, shape):
     """Every halo tile the generator yields for each stride-1 shape above (whole input
-    rows in shared memory, read once for all R filter rows' taps where they fit), and the
-    first with one filter row's taps a stage (_check_persistent)."""
+    rows in shared memory, read once for all R filter rows' taps where they fit; rows of
+    slots not a multiple of 8, stages not whole runs of 8 slots), and the first with one
+    filter row's taps a stage (_check_persistent)."""
     import cupy
 
     if _live_arch() != conv_plan.WGMMA_ARCH:

@@ -17,6 +17,7 @@ MAX_WARP_N = 256
 MAX_CONSUMERS = 2             # consumer warpgroups: their accumulators share an SM's registers
 STAGE_ALIGN = 1024
 MAX_STAGES = 8
+PITCH_MULTIPLES = (4, 8, 16)   # a row's slots: the fewest it needs, rounded up to one of these
 
 
 def fits(geometry: ConvGeometry) -> bool:
@@ -71,7 +72,8 @@ def _balance(geometry: ConvGeometry, tile_m: int, rows: int, sm_count: int) -> f
 
 def configs(geometry: ConvGeometry, smem_limit: int, exchange_bytes: int, sm_count: int = 0) -> list:
     """(tile_m, tile_n, warp_n, stages, pitch, filter_rows) worth timing: pitches of
-    the fewest slots rounded to 8 and to 16; one or two warpgroups along N, with the
+    the fewest slots rounded to 4, 8 and 16 (rounded less, a row drops fewer slots but
+    fewer row counts make whole 16-slot groups); one or two warpgroups along N, with the
     most rows they hold and, given `sm_count`, the rows (down to half as many) whose
     tiles fill the SMs' waves and OH best (_balance); 64 or 128 channels (no more than
     K needs); stages of all R filter rows where shared memory holds three, else of one
@@ -81,7 +83,7 @@ def configs(geometry: ConvGeometry, smem_limit: int, exchange_bytes: int, sm_cou
         return []
     least = least_pitch(geometry)
     found = []
-    for pitch in sorted({-(-least // 8) * 8, -(-least // 16) * 16}):
+    for pitch in sorted({-(-least // multiple) * multiple for multiple in PITCH_MULTIPLES}):
         for groups_n in (1, 2):
             counts = _row_counts(geometry, pitch, groups_n)
             for tile_m in (64, 128):
