@@ -28,11 +28,16 @@ from cupyops.ops import conv_plan  # noqa: E402
 from cupyops.ops.conv_layout import ConvGeometry  # noqa: E402
 
 
+def operands(rng, g: ConvGeometry) -> tuple:
+    """Random int8 NCHW32 input and packed filter of g."""
+    return (rng.integers(-128, 128, (g.n, g.c // 32, g.h, g.w, 32), dtype=numpy.int8),
+            rng.integers(-128, 128, (g.k, g.c // 32, g.r, g.s, 32), dtype=numpy.int8))
+
+
 def run_kernels(rng, g: ConvGeometry, specs: list) -> None:
-    """Each spec on g, whole and split along GEMM_K in two; the persistent kernels also on two
-    blocks, each then walking many tiles and reusing its stages."""
-    x = rng.integers(-128, 128, (g.n, g.c // 32, g.h, g.w, 32), dtype=numpy.int8)
-    w = rng.integers(-128, 128, (g.k, g.c // 32, g.r, g.s, 32), dtype=numpy.int8)
+    """Each spec on g (random operands), whole and split along GEMM_K in two; the persistent
+    kernels also on two blocks, each then walking many tiles and reusing its stages."""
+    x, w = operands(rng, g)
     resident = conv._resident_blocks
     for spec in specs:
         for blocks in (None, 2) if spec.tma else (None,):
@@ -52,7 +57,7 @@ def main() -> None:
     rng = cupy.random.default_rng(1)
     arch = Target.live(cupy.cuda.runtime.getDevice()).facts.arch
     g = ConvGeometry(2, 96, 9, 7, 160, 3, 3, (1, 1), (1, 1))
-    x = rng.integers(-128, 128, (g.n, g.c // 32, g.h, g.w, 32), dtype=numpy.int8)
+    x, w = operands(rng, g)
     part = sys.argv[1] if len(sys.argv) > 1 else ""
     specs = conv_plan.all_specs(arch, (g,))   # with g's halo tiles on sm_90, and one with a filter row a stage
     run_kernels(rng, g, [s for s in specs if part in s.name])
