@@ -21,8 +21,9 @@ slotted objects calling the compiled function positionally, outputs are
 allocated by `empty` (cupy.ndarray) with a shape and dtype worked out on the
 slow path, and workspaces by `alloc` (a bare block of the pool).
 
-Small outputs are recycled (`recycling`): `empty` keeps the last two arrays of
-at most RECYCLE_BYTES it made for each shape, dtype, GPU and stream, and hands
+Small outputs are recycled (`recycling`): `empty_on` (and `empty`, for the
+current GPU and stream) keeps the last two arrays of at most RECYCLE_BYTES it
+made for each shape, dtype, GPU and stream, and hands
 one out again once nothing but this cache refers to it (its caller dropped
 it). That is what CuPy's pool does with the memory of a dropped array -- it
 serves the next allocation on the same stream -- without the pool's allocation
@@ -40,10 +41,14 @@ _cupy = None
 # stand-in's patch of it holds), bound with cupy for the hit paths' keys.
 ndarray = None
 runtime = None
-# empty(shape, dtype): an array as cupy.empty makes it, made by cupy.ndarray (cupy.empty's
-# own Python frame spared) or recycled (`recycling`); bound with cupy (a stand-in may
-# replace it).
+# empty_on(shape, dtype, device_id, stream_ptr): an array as cupy.empty makes it on that GPU
+# for that stream, made by cupy.ndarray (cupy.empty's own Python frame spared) or recycled
+# (`recycling`); empty(shape, dtype): the same on the current GPU and stream. Bound with cupy
+# (a stand-in may replace them).
+empty_on = None
 empty = None
+# stream_ptr(): the address of the current stream (CuPy's get_current_stream().ptr), bound with cupy.
+stream_ptr = None
 # alloc(nbytes): a raw block of CuPy's pool (cupy.cuda.alloc, a MemoryPointer) for a
 # workspace no array need wrap; bound with cupy (a stand-in may replace it).
 alloc = None
@@ -55,15 +60,18 @@ may_share_memory = None
 def cupy_module():
     """The cupy module, imported on first use (cupyops imports without a GPU
     stack); the hit paths read the global `_cupy` first."""
-    global _cupy, ndarray, runtime, empty, alloc, may_share_memory
+    global _cupy, ndarray, runtime, empty_on, empty, stream_ptr, alloc, may_share_memory
     if _cupy is None:
         import cupy
         _cupy = cupy
         ndarray, runtime = cupy.ndarray, cupy.cuda.runtime
+        if stream_ptr is None:
+            stream_ptr = getattr(cupy.cuda.stream, "get_current_stream_ptr",
+                                 lambda: cupy.cuda.get_current_stream().ptr)
+        if empty_on is None:
+            empty_on = recycling(cupy.ndarray)
         if empty is None:
-            current_stream = getattr(cupy.cuda.stream, "get_current_stream_ptr",
-                                     lambda: cupy.cuda.get_current_stream().ptr)
-            empty = recycling(cupy.ndarray, runtime.getDevice, current_stream)
+            empty = _on_current(empty_on, runtime.getDevice, stream_ptr)
         if alloc is None:
             alloc = cupy.cuda.alloc
         if may_share_memory is None:
@@ -85,31 +93,29 @@ def _unshared_count() -> int:
     return sys.getrefcount(held)
 
 
-def recycling(make, device, stream):
-    """empty(shape, dtype) for the hit paths: an array the last calls made (by
-    `make(shape, dtype)`) on the current GPU (`device()`) and stream (`stream()`)
-    that nothing else refers to any more, else a new one, kept when small. A held
-    array is told by its reference count: the caller's name, a view, an export, a
-    thread checking it at the same moment each add one; a weak reference or a
-    changed shape refuse it too. Without the GIL (free-threaded Python) the counts
-    are not exact: no recycling there."""
+def recycling(make):
+    """empty_on(shape, dtype, device_id, stream_ptr) for the hit paths: an array the
+    last calls made (by `make(shape, dtype)`) for that GPU and stream that nothing else
+    refers to any more, else a new one, kept when small. A held array is told by its
+    reference count: the caller's name, a view, an export, a thread checking it at the
+    same moment each add one; a weak reference or a changed shape refuse it too.
+    Without the GIL (free-threaded Python) the counts are not exact: no recycling there."""
     if not getattr(sys, "_is_gil_enabled", lambda: True)():
-        return make
+        return lambda shape, dtype, device_id, stream_ptr: make(shape, dtype)
     kept, getrefcount, weak_references = _recycled, sys.getrefcount, weakref.getweakrefcount
     unshared = _unshared_count()
 
-    def free(array, shape) -> bool:
-        return not weak_references(array) and array.shape == shape and array._c_contiguous
-
-    def empty(shape, dtype):
-        key = (shape, dtype, device(), stream())
+    def empty_on(shape, dtype, device_id, stream_ptr):
+        key = (shape, dtype, device_id, stream_ptr)
         arrays = kept.get(key)
         if arrays is not None:
             held = arrays[1]
-            if getrefcount(held) == unshared and free(held, shape):
+            if getrefcount(held) == unshared and not weak_references(held) and held.shape == shape and \
+                    held._c_contiguous:
                 return held
             held = arrays[0]
-            if getrefcount(held) == unshared and free(held, shape):
+            if getrefcount(held) == unshared and not weak_references(held) and held.shape == shape and \
+                    held._c_contiguous:
                 return held
         array = make(shape, dtype)
         if array.nbytes <= RECYCLE_BYTES:
@@ -120,6 +126,13 @@ def recycling(make, device, stream):
                     kept.clear()
                 kept[key] = [None, array]
         return array
+    return empty_on
+
+
+def _on_current(empty_on, device, stream):
+    """empty(shape, dtype): empty_on for the current GPU (`device()`) and stream (`stream()`)."""
+    def empty(shape, dtype):
+        return empty_on(shape, dtype, device(), stream())
     return empty
 
 

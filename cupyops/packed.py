@@ -127,7 +127,11 @@ class PackedLaunch:
 
     def __call__(self, values: tuple, stream=None) -> None:
         """Launches with the changing arguments `values` on `stream` (None: the current one)."""
-        stream_ptr = (current_stream() if stream is None else stream).ptr
+        self.launch_on(values, (current_stream() if stream is None else stream).ptr)
+
+    def launch_on(self, values: tuple, stream_ptr: int) -> None:
+        """Launches with the changing arguments `values` on the stream at address `stream_ptr`
+        (for a caller that has it already)."""
         lock = self.lock
         lock.acquire()      # (acquire and release cost less than a with block)
         try:

@@ -170,42 +170,47 @@ def recorded_launches(call, allocations: list = None) -> tuple:
     each array, (nbytes,) of each bare block. A fused function outside _memo_slots keeps
     the launcher its first call made here, allocating through a frame that no longer records."""
     log, made, kept, allocated = [], {}, [], []
-    callcache.cupy_module()     # binds callcache.empty and .alloc
-    compile_kernel, empty, alloc = jit.kernel, callcache.empty, callcache.alloc
-    packed_call = packed.PackedLaunch.__call__
+    callcache.cupy_module()     # binds callcache.empty, .empty_on and .alloc
+    compile_kernel, empty, empty_on, alloc = jit.kernel, callcache.empty, callcache.empty_on, callcache.alloc
+    packed_launch_on = packed.PackedLaunch.launch_on
     jit.kernel = lambda spec, device_id: _RecordingKernel(compile_kernel(spec, device_id), log)
 
     recording = [True]      # emptied when done: a launcher made meanwhile keeps these allocators
 
-    def recording_empty(shape, dtype):
-        array = empty(shape, dtype)
+    def recorded(array, shape, dtype):
         if recording:
             made.setdefault(array.data.ptr, array)
             allocated.append((shape, dtype))
         return array
+
+    def recording_empty(shape, dtype):
+        return recorded(empty(shape, dtype), shape, dtype)
+
+    def recording_empty_on(shape, dtype, device_id, stream_ptr):
+        return recorded(empty_on(shape, dtype, device_id, stream_ptr), shape, dtype)
 
     def recording_alloc(nbytes):
         if recording:
             allocated.append((nbytes,))
         return alloc(nbytes)
 
-    def recording_packed(launch, values, stream=None):
+    def recording_packed(launch, values, stream_ptr):
         function = getattr(launch.function, "function", launch.function)   # a _RecordingFunction's
         arrays = {**_closure_arrays(call), **made}
         log.append((function, launch.grid, launch.block, _bare_arguments(launch, values, arrays, kept), launch.smem))
-        packed_call(launch, values, stream)
+        packed_launch_on(launch, values, stream_ptr)
 
     _fresh_memos()
     # before the first call: launchers keep the allocators they find
-    callcache.empty, callcache.alloc = recording_empty, recording_alloc
+    callcache.empty, callcache.empty_on, callcache.alloc = recording_empty, recording_empty_on, recording_alloc
     try:
         call()
         del log[:], allocated[:]
-        packed.PackedLaunch.__call__ = recording_packed
+        packed.PackedLaunch.launch_on = recording_packed   # (its __call__ launches through launch_on)
         call()
     finally:
-        jit.kernel, callcache.empty, callcache.alloc, packed.PackedLaunch.__call__ = (compile_kernel, empty, alloc,
-                                                                                     packed_call)
+        jit.kernel, callcache.empty, callcache.empty_on, callcache.alloc = compile_kernel, empty, empty_on, alloc
+        packed.PackedLaunch.launch_on = packed_launch_on
         recording.clear()
         kept += [_memos(), made]
         _fresh_memos()

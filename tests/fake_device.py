@@ -52,12 +52,17 @@ class FakeDevice:
         self.launches: list = []
         self.slow_calls = 0
         self.arrays: dict = {}      # address -> the array made there first
-        monkeypatch.setattr(packed.PackedLaunch, "__call__", lambda launch, values, stream=None: self.packed_launch(launch, values))
+        monkeypatch.setattr(packed.PackedLaunch, "__call__",
+                            lambda launch, values, stream=None: self.packed_launch(launch, values))
+        monkeypatch.setattr(packed.PackedLaunch, "launch_on",
+                            lambda launch, values, stream_ptr: self.packed_launch(launch, values))
         target = Target.profile("h100")
         monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
         monkeypatch.setattr(cupy, "empty", self.empty)
         callcache.cupy_module()     # binds callcache.empty first: undone, the patch restores cupy's
         monkeypatch.setattr(callcache, "empty", self.empty)
+        monkeypatch.setattr(callcache, "empty_on", lambda shape, dtype, device_id, stream_ptr: self.empty(shape, dtype))
+        monkeypatch.setattr(callcache, "stream_ptr", lambda: 0)
         monkeypatch.setattr(callcache, "alloc", self.alloc)
         monkeypatch.setattr(launch, "_live_target", lambda device_id: target)
         for module in (softmax, softmax_axis, softmax_split, norm_launch, elementwise, fused_softmax):

@@ -387,7 +387,11 @@ def test_recycling_hands_out_only_arrays_nothing_else_holds():
         return _Array(shape, dtype)
 
     cupyops.release_kept_outputs()
-    empty = callcache.recycling(make, lambda: place["device"], lambda: place["stream"])
+    empty_on = callcache.recycling(make)
+
+    def empty(shape, dtype):
+        return empty_on(shape, dtype, place["device"], place["stream"])
+
     shape = (64, 128)
     first = empty(shape, "float32")
     held = id(first)

@@ -213,6 +213,31 @@ def test_named_ops(rng, dtype):
                      scale=SCALE.get(dtype, 1.0))
 
 
+def test_stream_argument_and_recycled_outputs(rng):
+    """A call given stream= runs there and its dropped output is recycled for calls on that
+    stream only: a call on the current stream never gets memory a kernel on another may
+    still write."""
+    from fx_reference import FUNCTIONS as F
+
+    a, b = random(rng, (64, 128), numpy.float32), random(rng, (64, 128), numpy.float32)
+    da, db = cupy.asarray(a), cupy.asarray(b)
+    expected = F["silu"](a.astype(numpy.float64)) * b
+    cupyops.release_kept_outputs()
+    side = cupy.cuda.Stream(non_blocking=True)
+    first = cupyops.swiglu(da, db, stream=side)
+    side.synchronize()
+    assert_close(cupy.asnumpy(first).astype(numpy.float64), expected, numpy.float32)
+    held = first.data.ptr
+    del first
+    here = cupyops.swiglu(da, db)                    # the current stream: not the side stream's array
+    again = cupyops.swiglu(da, db, stream=side)      # the side stream: its dropped array back
+    side.synchronize()
+    assert here.data.ptr != held and again.data.ptr == held
+    for got in (here, again):
+        assert_close(cupy.asnumpy(got).astype(numpy.float64), expected, numpy.float32)
+    cupyops.release_kept_outputs()
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_bias_dropout_add_mask_is_dropout_mask(rng, policy):
     from cupyops import philox

@@ -4,7 +4,9 @@ A repeated call of a FusedFunction builds its signature (`signature`: the policy
 current GPU and each operand's dtype, shape, C-contiguity or strides, address modulo 16
 and GPU; a Python number's type), finds the Launcher made for it and runs it: the
 operands' addresses packed after the constant arguments (packed.PackedLaunch), the
-output written directly where it overlaps no operand except as x = f(x).
+output written directly where it overlaps no operand except as x = f(x). The launcher
+knows its GPU and reads the stream's address once a call, for the recycled output
+(callcache.empty_on) and the launch (PackedLaunch.launch_on) alike.
 """
 from __future__ import annotations
 
@@ -59,7 +61,10 @@ class Launcher:
             function, (plan.grid,), (plan.block,), 0,
             (POINTER,) * len(plan.arrays) + tuple(format_of(cast) for _, cast in plan.scalars) +
             (POINTER,) * len(plan.out_dtypes) + (numpy.int64(plan.size), *plan.params))
-        self.empty = callcache.empty
+        # outputs made (or recycled) for this GPU, the current one while the launcher is made,
+        # and the call's stream, whose address a call reads once
+        self.empty_on, self.stream_ptr = callcache.empty_on, callcache.stream_ptr
+        self.device_id = cupy.cuda.runtime.getDevice()
         self.outputs = tuple((plan.shape, dtype) for dtype in plan.out_dtypes)
         self.shape, self.dtype = self.outputs[0]
         # the array operands an output may overlap: (position, read at the very elements written)
@@ -117,13 +122,14 @@ class Launcher:
 
     def _fresh(self, args: tuple, out, stream):
         """One output, allocated."""
-        target = self.empty(self.shape, self.dtype)
+        stream_ptr = self.stream_ptr() if stream is None else stream.ptr
+        target = self.empty_on(self.shape, self.dtype, self.device_id, stream_ptr)
         if self.launch is None:
             self.check_dropout(args)           # where nothing is launched
         elif self.take_arrays is None:
-            self.launch((*map(address, args), target.data.ptr), stream)
+            self.launch.launch_on((*map(address, args), target.data.ptr), stream_ptr)
         else:
-            self.launch(self.values(args, (target,)), stream)
+            self.launch.launch_on(self.values(args, (target,)), stream_ptr)
         return target
 
     def _into(self, args: tuple, out, stream):
@@ -131,24 +137,28 @@ class Launcher:
         through a fresh array copied in."""
         if type(out) is tuple:
             (out,) = out
-        target = out if self._direct(0, out, args) else self.empty(self.shape, self.dtype)
+        stream_ptr = self.stream_ptr() if stream is None else stream.ptr
+        target = out if self._direct(0, out, args) else self.empty_on(self.shape, self.dtype, self.device_id,
+                                                                       stream_ptr)
         if self.launch is None:
             self.check_dropout(args)
         elif self.take_arrays is None:
-            self.launch((*map(address, args), target.data.ptr), stream)
+            self.launch.launch_on((*map(address, args), target.data.ptr), stream_ptr)
         else:
-            self.launch(self.values(args, (target,)), stream)
+            self.launch.launch_on(self.values(args, (target,)), stream_ptr)
         if target is not out:
             out[...] = target
         return out
 
     def _several(self, args: tuple, out, stream):
         """Several outputs, allocated or into the arrays of out."""
-        outs = tuple(self.empty(shape, dtype) for shape, dtype in self.outputs) if out is None else out
-        targets = tuple(o if out is None or self._direct(k, o, args) else self.empty(*self.outputs[k])
-                        for k, o in enumerate(outs))
+        stream_ptr = self.stream_ptr() if stream is None else stream.ptr
+        outs = tuple(self.empty_on(shape, dtype, self.device_id, stream_ptr)
+                     for shape, dtype in self.outputs) if out is None else out
+        targets = tuple(o if out is None or self._direct(k, o, args) else
+                        self.empty_on(*self.outputs[k], self.device_id, stream_ptr) for k, o in enumerate(outs))
         if self.launch is not None:
-            self.launch(self.values(args, targets), stream)
+            self.launch.launch_on(self.values(args, targets), stream_ptr)
         else:
             self.check_dropout(args)
         for o, t in zip(outs, targets):
