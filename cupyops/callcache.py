@@ -23,11 +23,11 @@ slow path, and workspaces by `alloc` (a bare block of the pool).
 
 Small outputs are recycled (`recycling`): `empty_on` (and `empty`, for the
 current GPU and stream) keeps the last two arrays of at most RECYCLE_BYTES it
-made for each shape, dtype, GPU and stream, and hands
-one out again once nothing but this cache refers to it (its caller dropped
-it). That is what CuPy's pool does with the memory of a dropped array -- it
-serves the next allocation on the same stream -- without the pool's allocation
-and free; the array is its own, C-contiguous, of the shape asked for.
+made for each shape, dtype, GPU and stream, and hands one out again once
+nothing but this cache refers to it (its caller dropped it). That is what
+CuPy's pool does with the memory of a dropped array -- it serves the next
+allocation on the same stream -- without the pool's allocation and free; the
+array is its own, C-contiguous, of the shape asked for.
 """
 from __future__ import annotations
 
