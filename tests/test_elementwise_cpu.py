@@ -508,6 +508,30 @@ def test_repeated_calls_neither_trace_nor_plan(device, monkeypatch, label):
         assert first == second
 
 
+def test_a_call_asks_for_its_stream_once(device, monkeypatch):
+    """An allocating call reads the current stream's address once and gives the recycler and the
+    launch that address and the launcher's GPU; a call given stream= uses that stream's alone."""
+    from cupyops import callcache, packed
+
+    seen = []
+    monkeypatch.setattr(callcache, "stream_ptr", lambda: seen.append("query") or 55)
+    monkeypatch.setattr(callcache, "empty_on", lambda shape, dtype, device_id, stream_ptr:
+                        seen.append(("output", device_id, stream_ptr)) or device.array(shape, dtype))
+    monkeypatch.setattr(packed.PackedLaunch, "launch_on", lambda launch, values, stream_ptr:
+                        seen.append(("launch", stream_ptr)))
+    monkeypatch.setattr(FUSED_SIGMOID, "_launchers", LaunchCache())   # a launcher made with these stand-ins
+    x, y = device.array((64, 128), "float32"), device.array((64, 128), "float32")
+
+    class Stream:
+        ptr = 99
+    for stream, expected in ((None, ["query", ("output", 0, 55), ("launch", 55)]),
+                             (Stream, [("output", 0, 99), ("launch", 99)])):
+        for _ in range(2):   # the first call prepares its launcher, the second replays it
+            seen.clear()
+            FUSED_SIGMOID(x, y, stream=stream)
+        assert seen == expected
+
+
 def test_named_function_is_the_function_each_named_op_calls():
     assert activations.named_function("swiglu") is activations._swiglu
     assert activations.named_function("bias_silu") is activations._bias_silu

@@ -71,6 +71,8 @@ def test_a_launch_on_a_given_stream_and_one_of_constants_only(driver):
     function, dims, smem, stream, params = driver[-1]
     assert (dims, stream) == ((1, 2, 3, 32, 1, 1), 1234)
     assert _argument_bytes(params, [8, 1]) == [numpy.int64(4).tobytes(), b"\x01"]
+    launch.launch_on((), 4321)          # a caller holding the stream's address already
+    assert driver[-1][3] == 4321 and len(driver) == 2
 
 
 def test_formats_and_refusals():
