@@ -108,7 +108,7 @@ def recycling(make):
     def empty_on(shape, dtype, device_id, stream_ptr):
         key = (shape, dtype, device_id, stream_ptr)
         arrays = kept.get(key)
-        if arrays is not None:
+        if arrays is not None:   # the newer slot, then the older (written out: no frame on the hit path)
             held = arrays[1]
             if getrefcount(held) == unshared and not weak_references(held) and held.shape == shape and \
                     held._c_contiguous:

@@ -34,10 +34,9 @@ def operands(rng, g: ConvGeometry) -> tuple:
             rng.integers(-128, 128, (g.k, g.c // 32, g.r, g.s, 32), dtype=numpy.int8))
 
 
-def run_kernels(rng, g: ConvGeometry, specs: list) -> None:
-    """Each spec on g (random operands), whole and split along GEMM_K in two; the persistent
+def run_kernels(g: ConvGeometry, specs: list, x, w) -> None:
+    """Each spec on g's operands x and w, whole and split along GEMM_K in two; the persistent
     kernels also on two blocks, each then walking many tiles and reusing its stages."""
-    x, w = operands(rng, g)
     resident = conv._resident_blocks
     for spec in specs:
         for blocks in (None, 2) if spec.tma else (None,):
@@ -60,16 +59,14 @@ def main() -> None:
     x, w = operands(rng, g)
     part = sys.argv[1] if len(sys.argv) > 1 else ""
     specs = conv_plan.all_specs(arch, (g,))   # with g's halo tiles on sm_90, and one with a filter row a stage
-    run_kernels(rng, g, [s for s in specs if part in s.name])
     if arch == conv_plan.WGMMA_ARCH:
-        smem = Target.live(cupy.cuda.runtime.getDevice()).facts.smem_per_block_optin
-        halo = conv_plan.halo_configs(g, smem)
-        one_row = conv_plan.spec_for(replace(halo[0], halo_filter_rows=1), "auto", arch)
-        # a 2 x 3 filter: stages of 5 rows of 12 slots, not whole runs of 8 slots
+        halo = conv_plan.halo_configs(g, Target.live(cupy.cuda.runtime.getDevice()).facts.smem_per_block_optin)
+        specs.append(conv_plan.spec_for(replace(halo[0], halo_filter_rows=1), "auto", arch))
+    run_kernels(g, [s for s in specs if part in s.name], x, w)
+    if arch == conv_plan.WGMMA_ARCH:   # a 2 x 3 filter: stages of 5 rows of 12 slots, not whole runs of 8 slots
         two_rows = ConvGeometry(1, 32, 5, 10, 32, 2, 3, (1, 1), (0, 1))
-        run_kernels(rng, g, [s for s in (one_row,) if part in s.name])
-        run_kernels(rng, two_rows, [s for s in conv_plan.all_specs(arch, (two_rows,)) if "halo" in s.name and
-                                    part in s.name])
+        run_kernels(two_rows, [s for s in conv_plan.all_specs(arch, (two_rows,)) if "halo" in s.name and
+                               part in s.name], *operands(rng, two_rows))
     bias = rng.standard_normal(g.k, dtype=numpy.float32)
     alpha = cupy.full(g.k, 1e-4, numpy.float32)
     z = rng.integers(-128, 128, g.output_shape, dtype=numpy.int8)
