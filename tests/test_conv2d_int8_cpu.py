@@ -569,8 +569,9 @@ def test_screening_times_again_only_the_candidates_near_the_fastest():
 
     ids = ["far", "broken", *(f"c{i}" for i in range(10)), "near"]
     result = tune.measure([{"id": i} for i in ids], time_us, screen)
-    # within 10 % of the fastest screened (95 us): near and c0 to c4, more than SCREEN_KEEP
-    assert sorted(timed) == ["c0", "c1", "c2", "c3", "c4", "near"]
+    # within 10 % of the fastest screened (95 us): near and c0 to c4, more than SCREEN_KEEP;
+    # near (98 us) and c1 (99), within 3 % of each other, timed twice more
+    assert sorted(timed) == ["c0", "c1", "c1", "c1", "c2", "c3", "c4", "near", "near", "near"]
     assert result.best == {"id": "near"} and result.best_us == 98.0
     times = {c["id"]: us for c, us in result.timings}
     assert times["far"] == 300.0 and times["broken"] is None and times["c1"] == 99.0 and times["c9"] == 109.0
@@ -578,6 +579,26 @@ def test_screening_times_again_only_the_candidates_near_the_fastest():
     # fewer candidates than SCREEN_KEEP: each timed in full, a slow screen no bar
     assert tune.measure([{"id": "far"}, {"id": "c0"}], time_us, screen).best == {"id": "far"}
     assert sorted(timed) == ["c0", "far"]
+
+
+def test_near_equals_are_timed_again_and_keep_their_median():
+    """One slow timing of the faster of two plans 2 % apart does not hand the other the win:
+    both are timed twice more (in reverse order, then in order) and keep their medians; a
+    plan past TIE_WITHIN of the fastest is not timed again."""
+    series = {"fast": [10.25, 10.0, 10.0], "close": [10.2, 10.2, 10.2], "away": [10.6]}
+    order = []
+
+    def time_us(candidate):
+        order.append(candidate["id"])
+        return series[candidate["id"]][order.count(candidate["id"]) - 1]
+
+    result = tune.measure([{"id": "fast"}, {"id": "close"}, {"id": "away"}], time_us)
+    assert result.best == {"id": "fast"} and result.best_us == 10.0
+    assert order == ["fast", "close", "away", "close", "fast", "fast", "close"]
+    assert [us for _, us in result.timings] == [10.0, 10.2, 10.6]
+    order.clear()
+    series["fast"] = [10.25, 10.3, 10.3]   # slower after all: the close one wins
+    assert tune.measure([{"id": "fast"}, {"id": "close"}, {"id": "away"}], time_us).best == {"id": "close"}
 
 
 def test_tuning_table_sits_beside_cupys_cache(monkeypatch, tmp_path):
