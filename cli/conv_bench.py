@@ -48,7 +48,7 @@ def run(layers: list, baselines: list) -> dict:
     import cupy
 
     from cupyops.device import live_facts
-    from cupyops.ops import mma_peak
+    from cupyops.ops import conv2d_int8, mma_peak
 
     device_id = cupy.cuda.runtime.getDevice()
     facts = live_facts(device_id)
@@ -62,6 +62,7 @@ def run(layers: list, baselines: list) -> dict:
             providers = _providers(g, baselines)
             point = {"label": layer["label"], "gemm_mnk": list(g.gemm), "ops": g.ops,
                      "first_call_s": timing.compile_seconds(providers["cupyops"]),
+                     "kernel": _kernel(conv2d_int8.live_plan(g, "auto", device_id)),
                      "ref_cudnn_tflops": layer.get("ref_cudnn_tflops"), "ref_int_mm_tops": layer.get("ref_int_mm_tops")}
             for name, fn in providers.items():
                 try:
@@ -75,6 +76,11 @@ def run(layers: list, baselines: list) -> dict:
             cupy.get_default_memory_pool().free_all_blocks()
     return {"op": "conv2d_int8", "device": facts.name, "int8_peak_tops": peak, "int8_peak_tops_by_instruction": peaks,
             "baselines": baselines, "points": points}
+
+
+def _kernel(plan) -> str:
+    """The kernel a plan launches, with its split of GEMM_K where it has one."""
+    return plan.spec.name + (f" (split-K {plan.splits})" if plan.splits > 1 else "")
 
 
 def _ratio(point: dict, name: str, of: str = "cupyops") -> float:
@@ -105,4 +111,6 @@ def format_table(result: dict) -> str:
         if "megengine" in result["baselines"] and "cudnn_fp16" in result["baselines"]:
             line += f" {_ratio(point, 'cudnn_fp16', of='megengine'):>10.2f}"
         lines.append(line + f" {point['first_call_s']:>8.2f}")
+    lines += ["kernels (policy auto):"] + [f"  {point['label']:<20} {point['kernel']}" for point in result["points"]
+                                           if "kernel" in point]
     return "\n".join(lines)

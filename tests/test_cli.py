@@ -275,3 +275,21 @@ def test_help_lists_the_commands():
     assert result.exit_code == 0
     for command in ("explain", "compile", "bench", "info"):
         assert command in result.output
+
+
+def test_conv_bench_table_gives_ratios_and_names_each_layers_kernel():
+    """A line per layer: µs, TOPS, the fraction of the measured peak, each baseline as a
+    speedup; then the kernel policy="auto" launched for each layer, with its split of GEMM_K."""
+    from cli import conv_bench
+
+    point = {"label": "1x1 256->64@56", "gemm_mnk": [64, 200704, 256], "ops": 1, "first_call_s": 0.25,
+             "kernel": "conv2d_int8_fprop_sm90a_wgmma_x (split-K 2)",
+             "cupyops": {"us": 10.0, "tops": 500.0}, "cudnn_fp16": {"us": 15.0, "tops": 250.0}}
+    result = {"device": "GPU", "int8_peak_tops": 2000.0, "int8_peak_tops_by_instruction": {"wgmma": 2000.0},
+              "baselines": ["cudnn_fp16"], "points": [point]}
+    title, header, row, footer, kernel = conv_bench.format_table(result).splitlines()
+    assert title.startswith("conv2d_int8 on GPU; int8 dense peak 2000 TOPS")
+    assert header.split() == ["layer", "us", "TOPS", "peak", "xcudnn_fp16", "first", "s"]
+    assert row.split() == ["1x1", "256->64@56", "10.0", "500", "25.0%", "2.00", "0.25"]
+    assert footer == "kernels (policy auto):"
+    assert kernel.split(None, 2) == ["1x1", "256->64@56", "conv2d_int8_fprop_sm90a_wgmma_x (split-K 2)"]
