@@ -951,6 +951,20 @@ def test_peak_kernels_per_arch():
     assert mma_peak.MmaPeakSpec("m8n8k16").ops_per_iteration == 8 * mma_peak.MMA_SYNC_CHAINS * 2 * 8 * 8 * 16
 
 
+def test_copy_engine_rate_script_compiles_both_copies():
+    """scripts/tma_rate.py times the copy engine's tiled and im2col copies through
+    kernels/tma.cuh: its kernel still compiles (NVRTC) and issues both."""
+    import importlib.util
+
+    path = jit.resource_dir("kernels").parent / "scripts" / "tma_rate.py"
+    spec_ = importlib.util.spec_from_file_location("tma_rate", path)
+    rate = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(rate)
+    ptx = rate.compile_ptx()
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile" in ptx
+    assert "cp.async.bulk.tensor.5d.shared::cluster.global.im2col" in ptx
+
+
 def test_phase_stamps_still_fit_the_halo_kernel(monkeypatch):
     """scripts/conv_phases.py stamps a copy of the halo kernel: every stamp still finds its
     text once (with the epilogue skipped too), and a halo kernel compiled against the copy
