@@ -195,7 +195,7 @@ def tune_conv(layers_name):
         result = conv.tune_shape(layer["geometry"], device_id, table)
         best = result.best
         group = "wgmma warpgroup" if best.get("wgmma") else "mma.sync warp"
-        copy = {"filter": " warp-specialised", "im2col": " warp-specialised im2col",
+        copy = {"filter": " warp-specialised", "im2col": " warp-specialised im2col", "rows": " warp-specialised rows",
                 "halo": f" halo p{best.get('halo_pitch')} r{best.get('halo_filter_rows')}"}.get(best.get("tma", ""), "")
         copy += " in pairs" if best.get("cluster", 1) > 1 else ""   # blocks sharing the filter's copies
         click.echo(f"{layer['label']:<20} {best['tile_m']}x{best['tile_n']} {group} {best['warp_m']}x{best['warp_n']} "

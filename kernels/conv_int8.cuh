@@ -45,6 +45,9 @@ constexpr int CONV_STEP_BYTES = 64;     // GEMM_K bytes of a step (p.k_steps cou
 
 enum ConvOut { CONV_OUT_S8 = 0, CONV_OUT_F16 = 1, CONV_OUT_F32 = 2, CONV_OUT_S32 = 3 };
 enum ConvBias { CONV_BIAS_NONE = 0, CONV_BIAS_F32 = 1, CONV_BIAS_S32 = 2 };
+// How a warp-specialised kernel's pixels come: the producer's cp.async, or the copy
+// engine's im2col copies, or its tiled copies of rows of four pixels.
+enum ConvPixels { CONV_PIXELS_CPASYNC = 0, CONV_PIXELS_IM2COL = 1, CONV_PIXELS_ROWS = 2 };
 
 // A call's epilogue: y = alpha * acc + beta * bias + gamma * z, ReLU, out_kind.
 struct ConvEpilogue {
@@ -380,6 +383,25 @@ struct GemmPixels {
     rest = j - image * p.oh * p.ow;
     return true;
   }
+};
+
+// Column j of GEMM_N where B's rows came as rows of four pixels (conv2d_int8_fprop_tma,
+// ROWS): pixel j ^ (j / 8 % 4) of GEMM_N (tiles start at multiples of 32 pixels).
+struct RowsPixels {
+  const ConvParams& p;
+  __device__ __forceinline__ bool locate(int j, int& image, int& rest) const {
+    return GemmPixels{p}.locate(j ^ ((j >> 3) & 3), image, rest);
+  }
+};
+
+// The GEMM_N columns' pixels of a kernel: RowsPixels where B's rows came as rows of four.
+template <bool ROWS>
+struct PixelsOf {
+  typedef GemmPixels type;
+};
+template <>
+struct PixelsOf<true> {
+  typedef RowsPixels type;
 };
 
 // The epilogue of one warp's accumulators through its 256 ints of shared memory
@@ -926,9 +948,15 @@ __device__ __forceinline__ bool ws_cluster_sum(int (&acc)[2][WN / 8][2], int4* s
 // fills padding and rows past GEMM_N with zeros; the input map is 5-D (c, w, h,
 // image, channel group) so that the walk goes from one image to the next within a
 // group (cupyops/ops/conv_tma.py) -- or from the producer's 128 threads by
-// cp.async (the loader above, B rows alone).
-// A stage holds ROW_BYTES of GEMM_K for the TM + TN rows: IM2COL, as ROW_BYTES / 32
-// chunks each [A (TM x 32 bytes) | B (TN x 32 bytes)] in the 32-byte swizzle;
+// cp.async (the loader above, B rows alone), or (ROWS: 1x1 filters, stride 1, no
+// padding, each image a whole number of tiles) from the copy engine in rows of four
+// pixels: a tiled copy of TN / 4 rows of 128 bytes of one image's channel group
+// (conv_tma.py), four times the bytes a request of the im2col's 32-byte pixels. Its
+// 128-byte swizzle leaves each pixel where the 32-byte swizzle wgmma reads would, but
+// pixel q of each row of four in slot q ^ (row / 2 % 4): B's rows are the tile's pixels
+// in that order, which the epilogue undoes (RowsPixels).
+// A stage holds ROW_BYTES of GEMM_K for the TM + TN rows: with the engine's pixels, as
+// ROW_BYTES / 32 chunks each [A (TM x 32 bytes) | B (TN x 32 bytes)] in the 32-byte swizzle;
 // else as A (TM x ROW_BYTES) then B (TN x ROW_BYTES) in the ROW_BYTES swizzle.
 // KSPLIT > 1: a cluster of KSPLIT blocks on each tile, one tile a cluster (the grid holds
 // them all: the blocks sum their accumulators in the stages), each block a share of
@@ -938,11 +966,12 @@ __device__ __forceinline__ bool ws_cluster_sum(int (&acc)[2][WN / 8][2], int4* s
 // copies: cp.async.mbarrier.arrive.noinc); empty[s] completes when every consumer
 // warpgroup has finished its wgmma on the stage. A consumer keeps one stage's wgmma
 // group in flight and releases the stage before it.
-template <int TM, int TN, int WN, int stages, int ROW_BYTES, bool IM2COL, int CLUSTER, int KSPLIT>
+template <int TM, int TN, int WN, int stages, int ROW_BYTES, int PIXELS, int CLUSTER, int KSPLIT>
 __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_map, const TensorMap& input_map,
                                                       const signed char* x, void* y, const signed char* z,
                                                       const float* alpha_vec, const void* bias, const ConvParams& p) {
   constexpr int CONSUMERS = (TM / 64) * (TN / WN), PRODUCERS = 128;
+  constexpr bool IM2COL = PIXELS != CONV_PIXELS_CPASYNC, ROWS = PIXELS == CONV_PIXELS_ROWS;   // the engine's pixels
   constexpr int A_SHARE_ROWS = TM / CLUSTER;   // filter rows a block of the cluster copies for all of them
   constexpr int CHUNKS = ROW_BYTES / 32;
   constexpr int DESCRIPTOR_ROW = IM2COL ? 32 : ROW_BYTES;          // bytes a row of a descriptor's tile
@@ -954,6 +983,8 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
   static_assert(TM % 64 == 0 && TN % WN == 0 && WN % 8 == 0 && WN <= 256 && TN <= 256, "warpgroup tile");
   static_assert(ROW_BYTES == 64 || ROW_BYTES == 128, "stages of 64 or 128 GEMM_K bytes");
   static_assert(TN % 8 == 0 && STAGE_BYTES % 1024 == 0, "stages keep the 1024-byte alignment of the first");
+  static_assert(!ROWS || (A_COPY_BYTES % 1024 == 0 && SLICE_STRIDE % 1024 == 0),
+                "rows of pixels land in whole 128-byte swizzle patterns");
   static_assert(CLUSTER == 1 || (CLUSTER == 2 && !IM2COL && A_SHARE_ROWS * ROW_BYTES % 1024 == 0),
                 "pairs share the filter's copies (copied by the engine alone), in whole swizzle patterns");
   static_assert(KSPLIT == 1 || (CLUSTER == 1 && !IM2COL && CONSUMERS * 128 * WN * 2 <= stages * STAGE_BYTES),
@@ -997,9 +1028,14 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
           for (int k = 0; k < CHUNKS; ++k) {
             if (k < valid) {
               tma_load_2d(stage + k * SLICE_STRIDE, filter_map, chunk * 32, tile.m0, full + 8 * s);
-              tma_load_im2col_5d(stage + k * SLICE_STRIDE + A_COPY_BYTES, input_map, 0, w0, h0, image, group,
-                                 static_cast<unsigned short>(p.tap_dw[tap]),
-                                 static_cast<unsigned short>(p.tap_dh[tap]), 0, full + 8 * s);
+              if constexpr (ROWS) {
+                tma_load_4d(stage + k * SLICE_STRIDE + A_COPY_BYTES, input_map, 0, rest / 4, group, image,
+                            full + 8 * s);
+              } else {
+                tma_load_im2col_5d(stage + k * SLICE_STRIDE + A_COPY_BYTES, input_map, 0, w0, h0, image, group,
+                                   static_cast<unsigned short>(p.tap_dw[tap]),
+                                   static_cast<unsigned short>(p.tap_dh[tap]), 0, full + 8 * s);
+              }
               ++chunk;
               if (++tap == p.taps) {
                 tap = 0;
@@ -1063,7 +1099,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
       if (!ws_cluster_sum<CONSUMERS, KSPLIT, WN>(acc, stages_start, warpgroup, rank)) continue;
     }
     conv_wgmma_epilogue<WN, Registers::consumer()>(acc, exchange, tile.m0 + wg_m, tile.n0 + wg_n, tile.split, p, y, z,
-                                                   alpha_vec, bias, GemmPixels{p}, warpgroup);
+                                                   alpha_vec, bias, typename PixelsOf<ROWS>::type{p}, warpgroup);
   }
   if constexpr (BLOCKS > 1) cluster_sync_before_exit();
 }

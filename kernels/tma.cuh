@@ -65,6 +65,16 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap& map, 
       : "memory");
 }
 
+// Box (c0, c1, c2, c3) of a 4-D tiled tensor map into shared memory at `dst`, completing on `barrier`.
+__device__ __forceinline__ void tma_load_4d(unsigned dst, const TensorMap& map, int c0, int c1, int c2, int c3,
+                                            unsigned barrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}],"
+      " [%2];\n"
+      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(barrier), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
 // tma_load_2d into every block of the cluster in `mask` (bit r: rank r), at `dst`'s
 // offset in each, completing on the barrier at `barrier`'s offset in each.
 __device__ __forceinline__ void tma_load_2d_multicast(unsigned dst, const TensorMap& map, int c0, int c1,

@@ -6,7 +6,8 @@ Every configuration the generator can produce (both policies' kernels, and on
 sm_90 every wgmma configuration and the shape's halo tiles, one of them also taking
 a filter row a stage, the persistent warp-specialised ones also on two blocks) on a
 shape with tails in GEMM_M, GEMM_N and GEMM_K, and the halo tiles of a 2 x 3 filter
-(stages whose rows are not whole runs of 8 slots), with and without split-K (the
+(stages whose rows are not whole runs of 8 slots) and the kernels taking the pixels as rows
+of four on a 1x1 filter (their only shape), with and without split-K (the
 reduction kernel), then the public function through each policy with every
 out_dtype and the whole epilogue (bias, z, per-channel alpha, ReLU), and a
 1x7 filter with padding only at the sides. Prints each kernel's name."""
@@ -62,11 +63,13 @@ def main() -> None:
     if arch == conv_plan.WGMMA_ARCH:
         halo = conv_plan.halo_configs(g, Target.live(cupy.cuda.runtime.getDevice()).facts.smem_per_block_optin)
         specs.append(conv_plan.spec_for(replace(halo[0], halo_filter_rows=1), "auto", arch))
-    run_kernels(g, [s for s in specs if part in s.name], x, w)
+    run_kernels(g, [s for s in specs if part in s.name and s.tma != "rows"], x, w)
     if arch == conv_plan.WGMMA_ARCH:   # a 2 x 3 filter: stages of 5 rows of 12 slots, not whole runs of 8 slots
         two_rows = ConvGeometry(1, 32, 5, 10, 32, 2, 3, (1, 1), (0, 1))
         run_kernels(two_rows, [s for s in conv_plan.all_specs(arch, (two_rows,)) if "halo" in s.name and
                                part in s.name], *operands(rng, two_rows))
+        one_by_one = ConvGeometry(2, 96, 8, 28, 160, 1, 1, (1, 1), (0, 0))   # pixels as rows of four
+        run_kernels(one_by_one, [s for s in specs if s.tma == "rows" and part in s.name], *operands(rng, one_by_one))
     bias = rng.standard_normal(g.k, dtype=numpy.float32)
     alpha = cupy.full(g.k, 1e-4, numpy.float32)
     z = rng.integers(-128, 128, g.output_shape, dtype=numpy.int8)

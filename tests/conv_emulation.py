@@ -4,7 +4,8 @@ mma.sync as the PTX ISA defines their fragments, wgmma reading the tiles
 through its shared-memory descriptors (decoded as the PTX ISA's canonical
 K-major 64B- or 128B-swizzle layouts) into its accumulator fragment, stages of
 64- or 128-byte GEMM_K steps, split-K, the
-epilogue's shared-memory exchange and the int8 epilogue by warpgroup, and the copy engine's im2col copies. It runs the kernel's index arithmetic on the
+epilogue's shared-memory exchange and the int8 epilogue by warpgroup, and the copy engine's im2col and tiled
+copies. It runs the kernel's index arithmetic on the
 CPU (raw int32 outputs), so a wrong address, descriptor or fragment shows up
 without a GPU."""
 from __future__ import annotations
@@ -342,6 +343,22 @@ def warpgroup_epilogue(accs, g, channel0, pixel0, out, writes, locate):
                 offset = ((image * k32 + group_out) * ohw + rest) * 32 + (v & 1) * 16
                 out[offset:offset + 16] = buffer[16 * v:16 * v + 16]
                 writes[offset:offset + 16] += 1
+
+
+def tiled_copy(source: numpy.ndarray, layout, start: tuple, shared: numpy.ndarray, at: int) -> None:
+    """The copy engine's tiled copy of the box at `start` (coordinates innermost first) of
+    the uint8 map `layout` over `source` (the tensor's bytes, flat) into shared memory from
+    `at` (a multiple of 1024) in the layout's swizzle: the box's byte a (box dims innermost
+    first) at at + a with address bits 4.. XOR bits 7.. as wgmma_operand reads them; zeros
+    for elements outside the tensor."""
+    box, dims, strides = layout.box, layout.dims, (1, *layout.strides)
+    index = numpy.indices(box[::-1]).reshape(len(box), -1)[::-1]   # innermost first, a-th column: byte a
+    coords = index + numpy.array(start)[:, None]
+    inside = ((coords >= 0) & (coords < numpy.array(dims)[:, None])).all(0)
+    values = numpy.zeros(index.shape[1], source.dtype)
+    values[inside] = source[(coords[:, inside] * numpy.array(strides)[:, None]).sum(0)]
+    a = numpy.arange(index.shape[1])
+    shared[at + (a ^ (((a >> 7) & (layout.swizzle // 16 - 1)) << 4))] = values
 
 
 def im2col_copy(x5: numpy.ndarray, layout, start: tuple, offsets: tuple) -> numpy.ndarray:

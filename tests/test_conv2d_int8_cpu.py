@@ -690,7 +690,7 @@ def test_wgmma_kernel_fences_its_pipeline(step_bytes):
     assert ptx.count("wgmma.mma_async") == step_bytes // 32
 
 
-@pytest.mark.parametrize("tma", ["filter", "im2col"])
+@pytest.mark.parametrize("tma", ["filter", "im2col", "rows"])
 def test_warp_specialised_kernel_synchronises_by_barriers(tma):
     """The PTX of a warp-specialised kernel: stage barriers waited on and armed, the
     copy engine's copies (the filter tiled; the pixels by im2col or by cp.async
@@ -698,7 +698,8 @@ def test_warp_specialised_kernel_synchronises_by_barriers(tma):
     and k32 MMAs for the chunks of a stage (a full stage's four, and the tail's)."""
     config = next(c for c in conv_plan.TMA_CONFIGS if c.tma == tma and c.step_bytes == 128)
     spec = conv_plan.spec_for(config, "auto", "sm_90")
-    assert f"_ws_tma_{'im2col_sw32' if tma == 'im2col' else 'cpasync_sw128'}_" in spec.name
+    copy = {"im2col": "im2col_sw32", "rows": "rows4_sw32"}.get(tma, "cpasync_sw128")
+    assert f"_ws_tma_{copy}_" in spec.name
     ptx = jit.compile_ptx(spec, "sm_90")
     for text in ("mbarrier.try_wait.parity.shared::cta.b64", "mbarrier.arrive.expect_tx.shared::cta.b64",
                  "cp.async.bulk.tensor.2d.shared::cluster.global.tile", "%nctaid.x",
@@ -706,6 +707,9 @@ def test_warp_specialised_kernel_synchronises_by_barriers(tma):
         assert text in ptx, text
     if tma == "im2col":
         assert "cp.async.bulk.tensor.5d.shared::cluster.global.im2col" in ptx and "cp.async.cg" not in ptx
+    elif tma == "rows":
+        assert "cp.async.bulk.tensor.4d.shared::cluster.global.tile" in ptx and "cp.async.cg" not in ptx
+        assert "im2col" not in ptx
     else:
         assert "cp.async.mbarrier.arrive.noinc" in ptx and "cp.async.cg.shared.global" in ptx
         assert "fence.proxy.async.shared::cta" in ptx
@@ -882,6 +886,36 @@ def test_im2col_copies_walk_gemm_n_within_a_channel_group(rng, geometry):
                 inside = 0 <= ih < g.h and 0 <= iw < g.w
                 expected = x5[b, group, ih, iw] if inside else numpy.zeros(32, numpy.int8)
                 assert numpy.array_equal(got[j - n0], expected), (n0, chunk, j)
+
+
+@pytest.mark.parametrize("geometry, tile_n", [(ConvGeometry(2, 96, 8, 28, 32, 1, 1, (1, 1), (0, 0)), 224),
+                                               (ConvGeometry(3, 32, 4, 16, 64, 1, 1, (1, 1), (0, 0)), 64)])
+def test_rows_of_four_pixels_reach_wgmma_as_the_tiles_pixels_reordered(rng, geometry, tile_n):
+    """The kernel's tiled copies of rows of four pixels (conv_tma.rows_layout: start at the
+    tile's first pixel over four, its channel group and image; 128-byte swizzle) into a
+    1024-aligned B slice, read by wgmma through the 32-byte-swizzle descriptor the im2col
+    copies use: slot j of every tile holds pixel j ^ (j / 8 % 4) of GEMM_N, all 32 of its
+    channels in order (kernels/conv_int8.cuh's RowsPixels)."""
+    g = geometry
+    assert conv_tma.rows_fit(g, tile_n)
+    x5 = cupyops.to_nchw32(rng.integers(-128, 128, (g.n, g.c, g.h, g.w), dtype=numpy.int8))
+    pixels = x5.transpose(1, 0, 2, 3, 4).reshape(g.c // 32, g.gemm[1], 32)   # [group][GEMM_N column]
+    layout = conv_tma.rows_layout(g, tile_n)
+    plane = g.h * g.w
+    base = 3 * 1024   # a B slice after the filter's
+    for n0 in range(0, g.gemm[1], tile_n):
+        image, rest = divmod(n0, plane)
+        for group in range(g.c // 32):
+            shared = numpy.zeros(base + tile_n * 32, numpy.int8)
+            conv_emulation.tiled_copy(x5.reshape(-1), layout, (0, rest // 4, group, image), shared, base)
+            got = conv_emulation.wgmma_operand(shared, conv_emulation.wgmma_descriptor(base, 32), tile_n)
+            slots = numpy.arange(n0, n0 + tile_n)
+            assert numpy.array_equal(got, pixels[group, slots ^ ((slots >> 3) & 3)]), (n0, group)
+    assert not conv_tma.rows_fit(g, 96) and not conv_tma.rows_fit(replace(g, padding=(1, 1)), tile_n)
+    assert not conv_tma.rows_fit(replace(g, r=3, s=3), tile_n) and not conv_tma.rows_fit(replace(g, stride=(2, 2)), 32)
+    spec = conv_plan.spec_for(next(c for c in conv_plan.TMA_CONFIGS if c.tma == "rows"), "auto", "sm_90")
+    with pytest.raises(ValueError, match="rows of four"):   # a 3x3 filter: no map, rather than a wrong result
+        conv_tma.maps(replace(g, r=3, s=3, padding=(1, 1)), spec, 0, 0)
 
 
 def test_copy_engine_refuses_what_its_maps_cannot_describe():

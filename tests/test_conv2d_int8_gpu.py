@@ -40,6 +40,10 @@ SHAPES = [
     (3, 64, 1, 1, 64, 1, 1, 1, 0, 1),            # one output pixel an image (OH * OW = 1)
 ]
 
+# 1x1 filters at stride 1 without padding, images of 224 pixels: the kernels taking the
+# pixels as rows of four (conv_tma.rows_fit)
+ROWS_SHAPES = [(2, 96, 8, 28, 160, 1, 1, 1, 0, 1), (3, 64, 14, 16, 64, 1, 1, 1, 0, 1)]
+
 
 @pytest.fixture(autouse=True)
 def no_autotune(monkeypatch):
@@ -146,13 +150,14 @@ def test_full_epilogue(rng, shape, policy, out_dtype, bias_dtype):
 @pytest.mark.parametrize("spec_index", range(len(conv_plan.all_specs("sm_90"))))
 @pytest.mark.parametrize("splits", [1, 3])
 def test_every_configuration(rng, spec_index, splits):
-    """Each kernel the generator can produce, launched directly, with and without split-K."""
+    """Each kernel the generator can produce, launched directly, with and without split-K
+    (those taking the pixels as rows of four on the 1x1 filter they serve)."""
     import cupy
 
-    g = _geometry((2, 96, 19, 17, 160, 3, 3, 1, 1, 1))
-    x, w = _inputs(rng, g)
     target_arch = Target.live(cupy.cuda.runtime.getDevice()).facts.arch
     spec = conv_plan.all_specs(target_arch)[spec_index]
+    g = _geometry(ROWS_SHAPES[0] if spec.tma == "rows" else (2, 96, 19, 17, 160, 3, 3, 1, 1, 1))
+    x, w = _inputs(rng, g)
     per_split = -(-g.k_steps // splits)
     chosen = conv_plan.ConvPlan(spec, g, -(-g.k_steps // per_split), per_split, "test", "auto")
     x5, w5 = cupy.asarray(cupyops.to_nchw32(x)), cupy.asarray(cupyops.pack_conv_filter(w))
@@ -203,6 +208,36 @@ def test_warp_specialised_kernels_every_shape(rng, monkeypatch, shape, tma):
         pytest.skip("the copy engine's kernels are sm_90a code")
     configs = [c for c in conv_plan.TMA_CONFIGS if c.tma == tma]
     _check_persistent(rng, monkeypatch, shape, lambda g: (configs[0], configs[-1]))
+
+
+@pytest.mark.parametrize("relu, per_channel", [(False, True), (True, False)])
+@pytest.mark.parametrize("shape", ROWS_SHAPES)
+def test_pixels_as_rows_of_four(rng, monkeypatch, shape, relu, per_channel):
+    """The kernels whose pixels come as rows of four (1x1 filters, stride 1, no padding,
+    images of whole tiles; GEMM_M tails of 160 channels, three channel groups): every
+    configuration raw (_check_persistent), then int8 without z, one alpha or per channel,
+    ReLU or not, through the epilogue by warpgroup (the tile's pixels reordered back,
+    RowsPixels)."""
+    import cupy
+
+    if _live_arch() != conv_plan.WGMMA_ARCH:
+        pytest.skip("the copy engine's kernels are sm_90a code")
+    configs = [c for c in conv_plan.TMA_CONFIGS if c.tma == "rows"]
+    _check_persistent(rng, monkeypatch, shape, lambda g: configs)
+    g = _geometry(shape)
+    x, w = _inputs(rng, g)
+    acc = ref.accumulators(x, w, g.stride, g.padding, g.dilation)
+    x5, w5 = cupy.asarray(cupyops.to_nchw32(x)), cupy.asarray(cupyops.pack_conv_filter(w))
+    alpha = (_scale(g) * rng.uniform(0.5, 1.5, g.k)).astype(numpy.float32) if per_channel else _scale(g)
+    bias = rng.integers(-20, 20, g.k).astype(numpy.float32)
+    epilogue = conv.Epilogue("int8", "float32", relu, False, per_channel, 1.0 if per_channel else float(alpha), 0.75)
+    value = ref.epilogue(acc, alpha=alpha, beta=0.75, bias=bias, relu=relu)
+    arrays = (None, cupy.asarray(alpha) if per_channel else None, cupy.asarray(bias))
+    for config in configs:
+        spec = conv_plan.spec_for(config, "auto", conv_plan.WGMMA_ARCH)
+        y = cupy.full(g.output_shape, 77, dtype=numpy.int8)
+        conv.launch(conv_plan.ConvPlan(spec, g, 1, g.k_steps, "test", "auto"), x5, w5, y, *arrays, epilogue)
+        _check_output(y, value, f"{spec.name} relu {relu}")
 
 
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[10]])

@@ -38,6 +38,7 @@ STRUCTURAL = {
     # kernel layouts, index limits and hardware limits (the copy engine's map ranges, registers, threads)
     "INTERLEAVE", "STEP_CHUNKS", "MAX_TAPS", "STEP_BYTES", "WGMMA", "WGMMA_ARCH", "WGMMA_ALIGN_SLACK",
     "EXCHANGE_BYTES", "SM_REGISTERS", "SM_MAX_THREADS", "SWIZZLE", "CORNER_RANGE", "MAX_OFFSET", "MAX_STRIDE",
+    "PIXELS_A_ROW", "ROWS_TILE_MULTIPLE",
     "MAX_PACK_BYTES", "WIDE_ROWS", "MAX_LEADING_DIMS", "WGMMA_N", "SLOT_BYTES", "STAGE_ALIGN",
     "MAX_WARP_N",
     # OneFlow's and MegEngine's own rules (the reproduced policies)
@@ -45,7 +46,7 @@ STRUCTURAL = {
     # fixed launch shapes of auxiliary kernels (the dropout mask, split-K's sum)
     "MASK_BLOCK_SIZE", "REDUCE_THREADS",
     # candidate spaces the measured tuners time, and their bounds (registers a thread may hold, splits)
-    "AUTO_CONFIGS", "_WGMMA_64B", "_WGMMA_128B", "WGMMA_CONFIGS", "_TMA_FILTER", "_TMA_IM2COL", "TMA_CONFIGS",
+    "AUTO_CONFIGS", "_WGMMA_64B", "_WGMMA_128B", "WGMMA_CONFIGS", "_TMA_FILTER", "_TMA_IM2COL", "_TMA_ROWS", "TMA_CONFIGS",
     "_TMA_FILTER_PAIRS", "_TMA_FILTER_K_PAIRS", "PAIR",
     "REGS_VARIANTS", "PACKED_BLOCK_SIZES", "PACKED_MAX_BYTES", "ASYNC_BLOCK_SIZES", "ASYNC_TAIL_PACKS", "GRIDS",
     "BLOCK_SIZES", "REGS_BLOCK_SIZES", "MOST_HELD_BYTES", "HOLDINGS", "CLUSTER_SIZE", "WARP_MOST_BYTES", "SMEM_BLOCK_SIZES",

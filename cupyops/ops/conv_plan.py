@@ -85,6 +85,9 @@ _TMA_FILTER = ((256, 128, 128, 4, 128), (256, 96, 96, 4, 128), (128, 128, 128, 6
                (64, 128, 128, 8, 128), (64, 128, 128, 4, 128))
 _TMA_IM2COL = ((128, 256, 256, 7, 64), (256, 128, 128, 4, 128), (64, 256, 256, 5, 128), (64, 256, 64, 5, 128),
                (64, 128, 128, 4, 128))
+# 1x1 filters at stride 1 without padding: the pixels as rows of four (conv_tma.rows_fit),
+# tiles of 224 (a 56 x 56 image in 14), in warpgroups of 64 x 112.
+_TMA_ROWS = ((64, 224, 112, 4, 128), (64, 224, 112, 5, 128), (128, 224, 112, 4, 128))
 # Pairs of blocks (a cluster) on one GEMM_M tile and two GEMM_N tiles, each copying half
 # the filter rows of a stage into both: a block then reads a third less from L2 a step
 # (a quarter less for 128 x 128 tiles). 64-byte stages: more of them loading at once.
@@ -95,6 +98,7 @@ _TMA_FILTER_PAIRS = ((256, 128, 128, 4, 128), (128, 128, 128, 6, 128), (128, 128
 _TMA_FILTER_K_PAIRS = ((256, 96, 96, 4, 128), (128, 128, 128, 6, 128))
 TMA_CONFIGS = tuple(TileConfig(tm, tn, 64, wn, stages, True, step, tma, cluster=cluster, k_blocks=k_blocks)
                     for tma, table, cluster, k_blocks in (("filter", _TMA_FILTER, 1, 1), ("im2col", _TMA_IM2COL, 1, 1),
+                                                          ("rows", _TMA_ROWS, 1, 1),
                                                           ("filter", _TMA_FILTER_PAIRS, PAIR, 1),
                                                           ("filter", _TMA_FILTER_K_PAIRS, 1, PAIR))
                     for tm, tn, wn, stages, step in table)
@@ -149,7 +153,8 @@ class ConvInt8Spec(jit.KernelSpec):
             groups = f"wg{self.tile_m // self.warp_m}x{self.tile_n // self.warp_n}"
             pairs = f"_mc{self.cluster}" if self.cluster > 1 else ""   # filter copies multicast to a cluster
             pairs += f"_ks{self.k_blocks}" if self.k_blocks > 1 else ""   # GEMM_K split in a cluster
-            copy = {"im2col": "ws_tma_im2col_sw32", "filter": f"ws_tma_cpasync_sw{self.step_bytes}{pairs}",
+            copy = {"im2col": "ws_tma_im2col_sw32", "rows": "ws_tma_rows4_sw32",
+                    "filter": f"ws_tma_cpasync_sw{self.step_bytes}{pairs}",
                     "halo": f"ws_halo_p{self.halo_pitch}_r{self.halo_filter_rows}x{self.filter_width}"
                             f"_d{self.dilation_h}x{self.dilation_w}{pairs}"}.get(
                 self.tma, f"{copy}_sw{self.step_bytes}")
@@ -294,7 +299,8 @@ def candidates(geometry: ConvGeometry, sm_count: int, smem_limit: int, arch: str
     for config in halo + auto_configs(arch):
         if config.tile_m > max(64 if config.wgmma else 32, 1 << (geometry.k - 1).bit_length()) or \
                 spec_for(config, "auto", arch).smem_bytes > smem_limit or \
-                (config.tma == "im2col" and not conv_tma.fits(geometry)):
+                (config.tma == "im2col" and not conv_tma.fits(geometry)) or \
+                (config.tma == "rows" and not conv_tma.rows_fit(geometry, config.tile_n)):
             continue
         # warp-specialised rounds start anywhere; a cp.async stage must not straddle two splits
         granule = 1 if config.tma else config.step_bytes // STEP_BYTES
@@ -373,7 +379,8 @@ class ConvPlan:
                 else f"mma.sync.{spec.instruction}.s8",
                 "tile": f"{self.spec.tile_m}x{self.spec.tile_n}x{self.spec.step_bytes}", **groups,
                 "stages": self.spec.stages,
-                "copy": {"im2col": "copy engine (filter, im2col)", "filter": f"copy engine (filter{shared}), cp.async",
+                "copy": {"im2col": "copy engine (filter, im2col)", "rows": "copy engine (filter, rows of four pixels)",
+                         "filter": f"copy engine (filter{shared}), cp.async",
                          "halo": f"copy engine (filter{shared}), cp.async (rows of {spec.halo_pitch} slots, once for "
                                  f"{spec.halo_filter_rows} x {spec.filter_width} taps)"}.get(
                     spec.tma, "cp.async" if spec.async_copy else "registers"),

@@ -9,7 +9,11 @@ loads its tiles through, and the shapes those maps can describe.
   image, channel group): the image taken as the third spatial dim (filter extent
   1, no padding), the channel group as the outermost. A copy of `tile_n` pixels
   then walks (ow, oh, image) -- GEMM_N's order -- within one channel group, and
-  the engine adds the tap's offsets, applies the stride and fills the padding."""
+  the engine adds the tap's offsets, applies the stride and fills the padding.
+- Where a 1x1 filter reads every pixel in place (stride 1, no padding), each image's
+  channel group is HW pixels of 32 bytes in a row: a 4-D tiled map of rows of four
+  pixels (128 bytes, dims: row bytes, rows, channel group, image) copies a tile's
+  pixels in requests four times as large, provided a tile never spans two images."""
 from __future__ import annotations
 
 import numpy
@@ -18,6 +22,8 @@ from .. import tensor_map
 from .conv_layout import INTERLEAVE, ConvGeometry
 
 SWIZZLE = 32                  # bytes: one chunk (32 channels) a row
+PIXELS_A_ROW = 4              # rows of pixels: 128 bytes, the widest swizzle
+ROWS_TILE_MULTIPLE = 32       # rows of pixels: tiles of whole 1024-byte swizzle patterns
 # Bounds of a 5-D im2col map: box corners in [-16, 15], tap offsets in [0, 31]
 # (three spatial dims share 16 bits), traversal strides up to 8.
 CORNER_RANGE = (-16, 15)
@@ -52,6 +58,25 @@ def input_layout(geometry: ConvGeometry, tile_n: int) -> tensor_map.Im2colLayout
         channels=INTERLEAVE, pixels=tile_n, element_strides=(1, g.stride[1], g.stride[0], 1, 1), swizzle=SWIZZLE)
 
 
+def rows_fit(geometry: ConvGeometry, tile_n: int) -> bool:
+    """Whether tiles of `tile_n` pixels can come as rows of four pixels: a 1x1 filter at
+    stride 1 without padding, each image a whole number of tiles, and (the pixels' order
+    in a tile, kernels/conv_int8.cuh's RowsPixels) tiles of a multiple of 32 pixels."""
+    g = geometry
+    return ((g.r, g.s, g.stride, g.padding) == (1, 1, (1, 1), (0, 0)) and tile_n % ROWS_TILE_MULTIPLE == 0 and
+            (g.h * g.w) % tile_n == 0)
+
+
+def rows_layout(geometry: ConvGeometry, tile_n: int) -> tensor_map.TiledLayout:
+    """The input as rows of four pixels, for copies of `tile_n` pixels (rows_fit)."""
+    g = geometry
+    plane = g.h * g.w * INTERLEAVE
+    row = PIXELS_A_ROW * INTERLEAVE
+    return tensor_map.TiledLayout(dims=(row, g.h * g.w // PIXELS_A_ROW, g.c // INTERLEAVE, g.n),
+                                  strides=(row, plane, g.c // INTERLEAVE * plane),
+                                  box=(row, tile_n // PIXELS_A_ROW, 1, 1), swizzle=row)
+
+
 def filter_layout(geometry: ConvGeometry, tile_m: int, row_bytes: int) -> tensor_map.TiledLayout:
     """The packed filter's tiled map for boxes of `row_bytes` of GEMM_K by `tile_m`
     rows, in the swizzle of that many bytes."""
@@ -68,6 +93,12 @@ def maps(geometry: ConvGeometry, spec, x_address: int, w_address: int) -> tuple:
     if spec.tma == "im2col":
         return (tensor_map.encode_tiled(w_address, filter_layout(geometry, spec.tile_m, SWIZZLE)),
                 tensor_map.encode_im2col(x_address, input_layout(geometry, spec.tile_n)))
+    if spec.tma == "rows":
+        if not rows_fit(geometry, spec.tile_n):
+            raise ValueError(f"{spec.name} takes the pixels as rows of four: a 1x1 filter at stride 1 without "
+                             f"padding, each image whole tiles of {spec.tile_n} pixels, not {geometry}")
+        return (tensor_map.encode_tiled(w_address, filter_layout(geometry, spec.tile_m, SWIZZLE)),
+                tensor_map.encode_tiled(x_address, rows_layout(geometry, spec.tile_n)))
     if spec.tma == "halo":
         return (tensor_map.encode_tiled(w_address, filter_layout(geometry, spec.tile_m, SWIZZLE)),
                 numpy.zeros(1, dtype=tensor_map.MAP_DTYPE))
