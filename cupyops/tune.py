@@ -14,6 +14,7 @@ and `shipped_winner` reads it.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -103,11 +104,14 @@ class TuningTable:
                 self._entries = {}
         return self._entries
 
-    def lookup(self, device: DeviceKey, op: str, shape_key: str) -> Optional[dict]:
-        """The tuned candidate for this shape on this device, or None."""
+    def lookup(self, device: DeviceKey, op: str, shape_key: str, space: Optional[str] = None) -> Optional[dict]:
+        """The tuned candidate for this shape on this device, or None; with `space` (space_of
+        the candidates the op offers now), None too where the winner was tuned among others."""
         with self._lock:
             entry = self._load().get(self.key(device, op, shape_key))
-        return None if entry is None else entry["best"]
+        if entry is None or (space is not None and entry.get("space") != space):
+            return None
+        return entry["best"]
 
     def store(self, device: DeviceKey, op: str, shape_key: str, result: Result) -> None:
         """Keeps `result`, merged into the file as it is now (another process may have written it)."""
@@ -115,11 +119,18 @@ class TuningTable:
             self._entries = None
             entries = self._load()
             entries[self.key(device, op, shape_key)] = {
-                "best": result.best, "us": result.best_us, "candidates": len(result.timings)}
+                "best": result.best, "us": result.best_us, "candidates": len(result.timings),
+                "space": space_of([candidate for candidate, _ in result.timings])}
             self.path.parent.mkdir(parents=True, exist_ok=True)
             scratch = self.path.with_suffix(f".{os.getpid()}.tmp")
             scratch.write_text(json.dumps(entries, indent=1, sort_keys=True))
             scratch.replace(self.path)
+
+
+def space_of(candidates: list) -> str:
+    """A digest of a list of candidates (JSON-able dicts, in order), kept beside each winner:
+    a winner an older cupyops tuned among other candidates is told apart (lookup's `space`)."""
+    return hashlib.sha256(json.dumps(candidates, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _timed(candidate: dict, time_us: Callable[[dict], float]) -> Optional[float]:

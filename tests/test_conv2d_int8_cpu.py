@@ -601,6 +601,42 @@ def test_near_equals_are_timed_again_and_keep_their_median():
     assert tune.measure([{"id": "fast"}, {"id": "close"}, {"id": "away"}], time_us).best == {"id": "close"}
 
 
+def test_a_winner_tuned_among_other_candidates_is_tuned_again(monkeypatch, tmp_path):
+    """Each stored winner keeps a digest of the candidates it was tuned among: live_plan
+    takes it only where the generator offers the same candidates now, and tunes again on first
+    use where a winner came from another list (an older cupyops's table); lookups without a
+    digest (the row families') take any."""
+    from cupyops.ops import conv2d_int8 as conv
+
+    table = tune.TuningTable(tmp_path / "tuning.json")
+    monkeypatch.setattr(tune, "_default_table", table)
+    monkeypatch.setenv(tune.AUTOTUNE_ENV, "1")
+    target, device = Target.profile("h200"), tune.DeviceKey("NVIDIA H200", 13000)
+    monkeypatch.setattr(conv.Target, "live", lambda device_id: target)
+    monkeypatch.setattr(tune.DeviceKey, "live", lambda device_id: device)
+    g = ConvGeometry(64, 256, 56, 56, 64, 1, 1, (1, 1), (0, 0))
+    facts = target.facts
+    offered = conv_plan.candidates(g, facts.sm_count, facts.smem_per_block_optin, facts.arch)
+    tuned = []
+
+    def tune_shape(geometry, device_id, table_=None):   # the winner: the last candidate offered
+        tuned.append(geometry)
+        return tune.tune(tune.default_table(), device, conv.OP, geometry.key(), offered,
+                         lambda candidate: 20.0 - offered.index(candidate) / 10)
+
+    monkeypatch.setattr(conv, "tune_shape", tune_shape)
+    older = tune.Result(offered[0], 9.0, [(c, 9.0) for c in offered[:-1]])
+    table.store(device, conv.OP, g.key(), older)
+    assert table.lookup(device, conv.OP, g.key()) == offered[0]
+    assert table.lookup(device, conv.OP, g.key(), tune.space_of(offered)) is None
+    chosen = conv.live_plan(g, "auto", 0)
+    assert tuned == [g] and chosen.source == "tuned"
+    assert chosen.spec == conv_plan.spec_for(conv_plan.config_of(offered[-1]), "auto", facts.arch)
+    assert table.lookup(device, conv.OP, g.key(), tune.space_of(offered)) == offered[-1]
+    monkeypatch.setattr(conv, "_plans", conv.LaunchCache())   # a new process: the table's winner, not tuned again
+    assert conv.live_plan(g, "auto", 0).spec == chosen.spec and tuned == [g]
+
+
 def test_tuning_table_sits_beside_cupys_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
     assert tune.TuningTable().path == tmp_path / tune.TABLE_NAME

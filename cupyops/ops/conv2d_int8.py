@@ -193,15 +193,17 @@ def tune_shape(geometry: ConvGeometry, device_id: int, table: Optional[tune.Tuni
 
 
 def live_plan(geometry: ConvGeometry, policy: str, device_id: int) -> ConvPlan:
-    """The plan on GPU `device_id`: from the tuning table, tuned now on first use
-    (unless CUPYOPS_AUTOTUNE=0), or by the default rule; memoised per process."""
+    """The plan on GPU `device_id`: from the tuning table where it was tuned among the
+    candidates offered now, else tuned now on first use (unless CUPYOPS_AUTOTUNE=0), else
+    by the default rule; memoised per process."""
     def make():
         target = Target.live(device_id)
         if policy != "auto":
             return plan(geometry, policy, target)
         geometry.check()
-        device = tune.DeviceKey.live(device_id)
-        tuned = tune.default_table().lookup(device, OP, geometry.key())
+        device, facts = tune.DeviceKey.live(device_id), target.facts
+        offered = candidates(geometry, facts.sm_count, facts.smem_per_block_optin, facts.arch)
+        tuned = tune.default_table().lookup(device, OP, geometry.key(), tune.space_of(offered))
         if tuned is None and tune.autotune_enabled():
             tuned = tune_shape(geometry, device_id).best
         return plan(geometry, policy, target, tuned)
