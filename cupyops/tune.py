@@ -41,10 +41,12 @@ SHIPPED_ABOUT = ("Plans tuned on GPUs of this profile that differ from the defau
 # factor of the fastest screened, and at least this many.
 SCREEN_WITHIN = 1.10
 SCREEN_KEEP = 4
-# Near-equals: the finalists within this factor of the fastest are timed twice more (in
-# reverse order, then in order) and keep the median of their three times, so that one
-# noisy timing does not decide between plans a few percent apart.
+# Near-equals: the finalists within this factor of the fastest, at most TIE_MOST of them
+# (the fastest), are timed twice more (in reverse order, then in order) and keep the median
+# of their three times, so that one noisy timing does not decide between plans a few
+# percent apart.
 TIE_WITHIN = 1.03
+TIE_MOST = 4
 TIE_TIMINGS = 3
 
 
@@ -149,8 +151,8 @@ def measure(candidates: list, time_us: Callable[[dict], float],
     fastest wins, the first listed among equals. With `screen_us` (a quicker, noisier
     timing), every candidate is screened first and only those within SCREEN_WITHIN of the
     fastest screened, and at least SCREEN_KEEP, are timed with `time_us`; the others keep
-    their screened times. Those timed within TIE_WITHIN of the fastest are timed again
-    (TIE_TIMINGS in all) and keep their median."""
+    their screened times. Those timed within TIE_WITHIN of the fastest (the TIE_MOST
+    fastest of them) are timed again (TIE_TIMINGS in all) and keep their median."""
     if not candidates:
         raise ValueError("nothing to tune: no candidates")
     timings = [(candidate, _timed(candidate, screen_us or time_us)) for candidate in candidates]
@@ -164,7 +166,7 @@ def measure(candidates: list, time_us: Callable[[dict], float],
     measured = [(timings[index][1], index) for index in finalists if timings[index][1] is not None]
     if not measured:
         raise RuntimeError(f"every one of {len(candidates)} candidates failed to run")
-    near = [index for us, index in measured if us <= min(measured)[0] * TIE_WITHIN]
+    near = sorted(index for us, index in sorted(measured)[:TIE_MOST] if us <= min(measured)[0] * TIE_WITHIN)
     if len(near) > 1:
         times = {index: [timings[index][1]] for index in near}
         for round_ in range(TIE_TIMINGS - 1):

@@ -584,7 +584,7 @@ def test_screening_times_again_only_the_candidates_near_the_fastest():
 def test_near_equals_are_timed_again_and_keep_their_median():
     """One slow timing of the faster of two plans 2 % apart does not hand the other the win:
     both are timed twice more (in reverse order, then in order) and keep their medians; a
-    plan past TIE_WITHIN of the fastest is not timed again."""
+    plan past TIE_WITHIN of the fastest is not timed again, nor more than TIE_MOST plans."""
     series = {"fast": [10.25, 10.0, 10.0], "close": [10.2, 10.2, 10.2], "away": [10.6]}
     order = []
 
@@ -599,6 +599,11 @@ def test_near_equals_are_timed_again_and_keep_their_median():
     order.clear()
     series["fast"] = [10.25, 10.3, 10.3]   # slower after all: the close one wins
     assert tune.measure([{"id": "fast"}, {"id": "close"}, {"id": "away"}], time_us).best == {"id": "close"}
+    order.clear()
+    ties = {f"t{i}": 10.0 + i / 100 for i in range(8)}   # eight within 3 %: the four fastest timed again
+    timed = []
+    tune.measure([{"id": i} for i in ties], lambda c: timed.append(c["id"]) or ties[c["id"]])
+    assert sorted(set(i for i in timed if timed.count(i) == 3)) == ["t0", "t1", "t2", "t3"] and len(timed) == 16
 
 
 def test_a_winner_tuned_among_other_candidates_is_tuned_again(monkeypatch, tmp_path):
