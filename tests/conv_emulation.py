@@ -3,11 +3,10 @@ table, chunk walk, zero predicates), the swizzled shared tiles, ldmatrix and
 mma.sync as the PTX ISA defines their fragments, wgmma reading the tiles
 through its shared-memory descriptors (decoded as the PTX ISA's canonical
 K-major 64B- or 128B-swizzle layouts) into its accumulator fragment, stages of
-64- or 128-byte GEMM_K steps, split-K, the
-epilogue's shared-memory exchange and the int8 epilogue by warpgroup, and the copy engine's im2col and tiled
-copies. It runs the kernel's index arithmetic on the
-CPU (raw int32 outputs), so a wrong address, descriptor or fragment shows up
-without a GPU."""
+64- or 128-byte GEMM_K steps, split-K, the epilogue's shared-memory exchange and
+the int8 epilogue by warpgroup, and the copy engine's im2col and tiled copies.
+It runs the kernel's index arithmetic on the CPU (raw int32 outputs), so a wrong
+address, descriptor or fragment shows up without a GPU."""
 from __future__ import annotations
 
 import numpy
