@@ -166,7 +166,8 @@ def measure(candidates: list, time_us: Callable[[dict], float],
     measured = [(timings[index][1], index) for index in finalists if timings[index][1] is not None]
     if not measured:
         raise RuntimeError(f"every one of {len(candidates)} candidates failed to run")
-    near = sorted(index for us, index in sorted(measured)[:TIE_MOST] if us <= min(measured)[0] * TIE_WITHIN)
+    fastest = min(measured)[0]
+    near = sorted(index for us, index in sorted(measured)[:TIE_MOST] if us <= fastest * TIE_WITHIN)
     if len(near) > 1:
         times = {index: [timings[index][1]] for index in near}
         for round_ in range(TIE_TIMINGS - 1):

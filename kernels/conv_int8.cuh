@@ -943,8 +943,8 @@ __device__ __forceinline__ bool ws_cluster_sum(int (&acc)[2][WN / 8][2], int4* s
 // One block's TM x TN tile by wgmma (sm_90a), warp-specialised: TM / 64 x TN / WN
 // consumer warpgroups issue the MMAs, one producer warpgroup fills the stages. The
 // copy engine brings A, a 2-D tiled copy of the packed filter. B comes either
-// (IM2COL) from the copy engine too, an im2col copy per 32-channel chunk -- the
-// engine walks TN pixels from the tile's first, adds the chunk's tap offsets, and
+// (CONV_PIXELS_IM2COL) from the copy engine too, an im2col copy per 32-channel chunk --
+// the engine walks TN pixels from the tile's first, adds the chunk's tap offsets, and
 // fills padding and rows past GEMM_N with zeros; the input map is 5-D (c, w, h,
 // image, channel group) so that the walk goes from one image to the next within a
 // group (cupyops/ops/conv_tma.py) -- or from the producer's 128 threads by
@@ -971,13 +971,14 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
                                                       const signed char* x, void* y, const signed char* z,
                                                       const float* alpha_vec, const void* bias, const ConvParams& p) {
   constexpr int CONSUMERS = (TM / 64) * (TN / WN), PRODUCERS = 128;
-  constexpr bool IM2COL = PIXELS != CONV_PIXELS_CPASYNC, ROWS = PIXELS == CONV_PIXELS_ROWS;   // the engine's pixels
+  // the copy engine brings the pixels (im2col copies or rows of four), else the producer's threads
+  constexpr bool ENGINE_PIXELS = PIXELS != CONV_PIXELS_CPASYNC, ROWS = PIXELS == CONV_PIXELS_ROWS;
   constexpr int A_SHARE_ROWS = TM / CLUSTER;   // filter rows a block of the cluster copies for all of them
   constexpr int CHUNKS = ROW_BYTES / 32;
-  constexpr int DESCRIPTOR_ROW = IM2COL ? 32 : ROW_BYTES;          // bytes a row of a descriptor's tile
-  constexpr int SLICE_STRIDE = IM2COL ? (TM + TN) * 32 : 32;       // from one k32 slice to the next
+  constexpr int DESCRIPTOR_ROW = ENGINE_PIXELS ? 32 : ROW_BYTES;          // bytes a row of a descriptor's tile
+  constexpr int SLICE_STRIDE = ENGINE_PIXELS ? (TM + TN) * 32 : 32;       // from one k32 slice to the next
   constexpr int STAGE_BYTES = (TM + TN) * ROW_BYTES;
-  constexpr int A_COPY_BYTES = IM2COL ? TM * 32 : TM * ROW_BYTES;  // one copy of the filter
+  constexpr int A_COPY_BYTES = ENGINE_PIXELS ? TM * 32 : TM * ROW_BYTES;  // one copy of the filter
   // The producers copy 32-byte chunks where a tile's rows divide among half of them, else 16 bytes.
   typedef ConvTileLoader<TM, TN, PRODUCERS, ROW_BYTES, TN % (PRODUCERS / 2) == 0 ? 2 : 1, false> Loader;
   static_assert(TM % 64 == 0 && TN % WN == 0 && WN % 8 == 0 && WN <= 256 && TN <= 256, "warpgroup tile");
@@ -985,16 +986,16 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
   static_assert(TN % 8 == 0 && STAGE_BYTES % 1024 == 0, "stages keep the 1024-byte alignment of the first");
   static_assert(!ROWS || (A_COPY_BYTES % 1024 == 0 && SLICE_STRIDE % 1024 == 0),
                 "rows of pixels land in whole 128-byte swizzle patterns");
-  static_assert(CLUSTER == 1 || (CLUSTER == 2 && !IM2COL && A_SHARE_ROWS * ROW_BYTES % 1024 == 0),
+  static_assert(CLUSTER == 1 || (CLUSTER == 2 && !ENGINE_PIXELS && A_SHARE_ROWS * ROW_BYTES % 1024 == 0),
                 "pairs share the filter's copies (copied by the engine alone), in whole swizzle patterns");
-  static_assert(KSPLIT == 1 || (CLUSTER == 1 && !IM2COL && CONSUMERS * 128 * WN * 2 <= stages * STAGE_BYTES),
+  static_assert(KSPLIT == 1 || (CLUSTER == 1 && !ENGINE_PIXELS && CONSUMERS * 128 * WN * 2 <= stages * STAGE_BYTES),
                 "a cluster splits GEMM_K alone, its producers' threads all in its barriers, its sums in the stages");
   constexpr int BLOCKS = CLUSTER * KSPLIT;   // a cluster's, on one job
   const auto [conv_shared, shared_base, skip, full, empty, warpgroup] = ws_block<stages>();
   // tiles of a split: a cluster's CLUSTER GEMM_N tiles side by side count as one
   const int tiles = (p.gemm_m + TM - 1) / TM * ((p.gemm_n + TN * CLUSTER - 1) / (TN * CLUSTER));
   const int rank = BLOCKS > 1 ? static_cast<int>(cluster_rank()) : 0;
-  ws_barriers_init<stages, CLUSTER>(full, IM2COL ? 1 : 1 + PRODUCERS, CONSUMERS);
+  ws_barriers_init<stages, CLUSTER>(full, ENGINE_PIXELS ? 1 : 1 + PRODUCERS, CONSUMERS);
   typedef WsRegisters<CONSUMERS, 32> Registers;
   Registers::take(warpgroup == CONSUMERS);
 
@@ -1006,7 +1007,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
   // consumers of every block have released it.
   if (warpgroup == CONSUMERS) {   // the producer
     const int thread = threadIdx.x - CONSUMERS * 128;
-    if (IM2COL && thread != 0) return;
+    if (ENGINE_PIXELS && thread != 0) return;
     unsigned round = 0;
     for (int job = blockIdx.x / BLOCKS; job < tiles * p.splits; job += gridDim.x / BLOCKS) {
       const ConvTile tile = ws_tile<TM, TN, CLUSTER, KSPLIT>(p, job, tiles, rank);
@@ -1021,7 +1022,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
         const unsigned s = round % stages;
         if (round >= stages) mbarrier_wait(empty + 8 * s, ((round / stages) + 1) & 1);
         const unsigned stage = shared_base + s * STAGE_BYTES;
-        if (IM2COL) {
+        if (ENGINE_PIXELS) {
           const int valid = min(CHUNKS, chunks - t * CHUNKS);
           mbarrier_arrive_expect_tx(full + 8 * s, valid * (TM + TN) * 32);
 #pragma unroll
@@ -1079,7 +1080,7 @@ __device__ __forceinline__ void conv2d_int8_fprop_tma(const TensorMap& filter_ma
     for (int t = 0; t * CHUNKS < chunks; ++t, ++round) {
       const unsigned s = round % stages;
       mbarrier_wait(full + 8 * s, (round / stages) & 1);
-      if (!IM2COL) fence_proxy_async_shared();   // cp.async's writes, seen through the barrier, to wgmma
+      if (!ENGINE_PIXELS) fence_proxy_async_shared();   // cp.async's writes, seen through the barrier, to wgmma
       const int valid = min(CHUNKS, chunks - t * CHUNKS);
       wgmma_fence_operands(acc);
       wgmma_fence();

@@ -299,8 +299,7 @@ def candidates(geometry: ConvGeometry, sm_count: int, smem_limit: int, arch: str
     for config in halo + auto_configs(arch):
         if config.tile_m > max(64 if config.wgmma else 32, 1 << (geometry.k - 1).bit_length()) or \
                 spec_for(config, "auto", arch).smem_bytes > smem_limit or \
-                (config.tma == "im2col" and not conv_tma.fits(geometry)) or \
-                (config.tma == "rows" and not conv_tma.rows_fit(geometry, config.tile_n)):
+                not conv_tma.pixels_fit(geometry, config.tma, config.tile_n):
             continue
         # warp-specialised rounds start anywhere; a cp.async stage must not straddle two splits
         granule = 1 if config.tma else config.step_bytes // STEP_BYTES

@@ -67,6 +67,14 @@ def rows_fit(geometry: ConvGeometry, tile_n: int) -> bool:
             (g.h * g.w) % tile_n == 0)
 
 
+def pixels_fit(geometry: ConvGeometry, tma: str, tile_n: int) -> bool:
+    """Whether a kernel whose copy engine brings the pixels (`tma`: "im2col", "rows";
+    any other kind copies them otherwise) can take this convolution's."""
+    if tma == "im2col":
+        return fits(geometry)
+    return rows_fit(geometry, tile_n) if tma == "rows" else True
+
+
 def rows_layout(geometry: ConvGeometry, tile_n: int) -> tensor_map.TiledLayout:
     """The input as rows of four pixels, for copies of `tile_n` pixels (rows_fit)."""
     g = geometry
@@ -88,8 +96,8 @@ def filter_layout(geometry: ConvGeometry, tile_m: int, row_bytes: int) -> tensor
 def maps(geometry: ConvGeometry, spec, x_address: int, w_address: int) -> tuple:
     """(filter map, input map) of kernel `spec` (a ConvInt8Spec) on the arrays at
     these device addresses; the input map is left empty where the kernel copies the
-    pixels itself. Beside im2col copies and halo rows the filter comes a chunk (a
-    tap) at a time; in a cluster, each block copies its share of a tile's rows."""
+    pixels itself. Beside the engine's pixel copies and halo rows the filter comes a
+    chunk (a tap) at a time; in a cluster, each block copies its share of a tile's rows."""
     if spec.tma == "im2col":
         return (tensor_map.encode_tiled(w_address, filter_layout(geometry, spec.tile_m, SWIZZLE)),
                 tensor_map.encode_im2col(x_address, input_layout(geometry, spec.tile_n)))
